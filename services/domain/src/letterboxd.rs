@@ -1,0 +1,191 @@
+//! Parsing of Letterboxd CSV exports (`diary.csv`, `reviews.csv`, `watched.csv`/`ratings.csv`).
+//!
+//! Columns are found by header name, so any of those files works: `Name` and `Year` are
+//! required; `Letterboxd URI`, `Rating` (0.5–5 stars), `Rewatch`, `Review` and `Watched Date`
+//! are used when present. Every row is validated before anything is imported; an error names the
+//! line and column.
+
+use crate::validate::{self, ValidationError};
+
+/// The request field that carries the CSV bytes.
+const FIELD: &str = "data";
+
+/// Letterboxd exports are small (a heavy user has a few thousand entries); this bounds memory.
+pub const MAX_ROWS: usize = 100_000;
+
+/// One diary entry from an export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiaryRow {
+    /// 1-based line of the row in the file (the header is line 1).
+    pub line: u64,
+    pub title: String,
+    pub year: i32,
+    /// The entry's Letterboxd URI; empty when the export has none.
+    pub letterboxd_uri: String,
+    /// Half stars, 0 = unrated.
+    pub rating: u32,
+    pub rewatch: bool,
+    pub body: String,
+    pub watched_on: String,
+}
+
+impl DiaryRow {
+    /// What identifies this entry across imports of the same export.
+    pub fn import_key(&self) -> String {
+        if self.letterboxd_uri.is_empty() {
+            format!("letterboxd:{}|{}|{}", validate::title_key(&self.title), self.year, self.watched_on)
+        } else {
+            format!("letterboxd:{}", self.letterboxd_uri)
+        }
+    }
+}
+
+struct Columns {
+    name: usize,
+    year: usize,
+    uri: Option<usize>,
+    rating: Option<usize>,
+    rewatch: Option<usize>,
+    review: Option<usize>,
+    watched: Option<usize>,
+    date: Option<usize>,
+}
+
+fn error(line: u64, reason: impl std::fmt::Display) -> ValidationError {
+    ValidationError::new(FIELD, format!("line {line}: {reason}"))
+}
+
+/// Parses and validates a whole export.
+pub fn parse(data: &[u8]) -> Result<Vec<DiaryRow>, ValidationError> {
+    let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(data);
+    let headers = reader
+        .headers()
+        .map_err(|e| error(1, format!("unreadable header: {e}")))?
+        .clone();
+    let find = |name: &str| headers.iter().position(|h| h.trim().eq_ignore_ascii_case(name));
+    let columns = Columns {
+        name: find("Name").ok_or_else(|| error(1, "the header has no Name column"))?,
+        year: find("Year").ok_or_else(|| error(1, "the header has no Year column"))?,
+        uri: find("Letterboxd URI"),
+        rating: find("Rating"),
+        rewatch: find("Rewatch"),
+        review: find("Review"),
+        watched: find("Watched Date"),
+        date: find("Date"),
+    };
+
+    let mut rows = Vec::new();
+    for record in reader.records() {
+        let record = record.map_err(|e| {
+            let line = e.position().map_or(0, |p| p.line());
+            error(line, format!("malformed CSV: {e}"))
+        })?;
+        let line = record.position().map_or(0, |p| p.line());
+        if record.iter().all(|f| f.trim().is_empty()) {
+            continue;
+        }
+        if rows.len() == MAX_ROWS {
+            return Err(error(line, format!("an import holds at most {MAX_ROWS} rows")));
+        }
+        let get = |i: Option<usize>| i.and_then(|i| record.get(i)).unwrap_or("").trim();
+        let column_error = |column: &str, e: ValidationError| error(line, format!("{column} {}", e.reason));
+
+        let title = validate::title("Name", get(Some(columns.name))).map_err(|e| column_error("Name", e))?;
+        let year_text = get(Some(columns.year));
+        let year = year_text
+            .parse::<i32>()
+            .map_err(|_| error(line, format!("Year must be a number, got {year_text:?}")))
+            .and_then(|y| validate::year("Year", y).map_err(|e| column_error("Year", e)))?;
+        let rating = parse_stars(get(columns.rating)).ok_or_else(|| {
+            error(line, format!("Rating must be empty or 0.5 to 5 in steps of 0.5, got {:?}", get(columns.rating)))
+        })?;
+        let rewatch = match get(columns.rewatch).to_ascii_lowercase().as_str() {
+            "" | "no" | "false" => false,
+            "yes" | "true" => true,
+            other => return Err(error(line, format!("Rewatch must be Yes or empty, got {other:?}"))),
+        };
+        let body = validate::body("Review", get(columns.review)).map_err(|e| column_error("Review", e))?;
+        // A diary row's watch date is "Watched Date"; ratings/watched exports only have "Date".
+        let watched_raw = match get(columns.watched) {
+            "" => get(columns.date),
+            watched => watched,
+        };
+        let watched_on =
+            validate::date("Watched Date", watched_raw).map_err(|e| column_error("Watched Date", e))?;
+        let letterboxd_uri = get(columns.uri);
+        if !letterboxd_uri.is_empty() {
+            validate::uri("Letterboxd URI", letterboxd_uri).map_err(|e| column_error("Letterboxd URI", e))?;
+        }
+        rows.push(DiaryRow {
+            line,
+            title,
+            year,
+            letterboxd_uri: letterboxd_uri.to_owned(),
+            rating,
+            rewatch,
+            body,
+            watched_on,
+        });
+    }
+    Ok(rows)
+}
+
+/// "3.5" stars → 7 half stars; empty → 0 (unrated).
+fn parse_stars(text: &str) -> Option<u32> {
+    if text.is_empty() {
+        return Some(0);
+    }
+    let stars: f64 = text.parse().ok()?;
+    let half = stars * 2.0;
+    let whole = half.round();
+    ((whole - half).abs() < 1e-9 && (1.0..=10.0).contains(&whole)).then_some(whole as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DIARY: &str = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n\
+        2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,,2024-01-02\n\
+        2024-01-05,\"Crouching Tiger, Hidden Dragon\",2000,https://boxd.it/aaa2,,Yes,\"wuxia, rewatch\",2024-01-05\n";
+
+    #[test]
+    fn parses_a_diary_export() {
+        let rows = parse(DIARY.as_bytes()).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].title, "Alien");
+        assert_eq!(rows[0].rating, 9);
+        assert_eq!(rows[0].watched_on, "2024-01-02");
+        assert_eq!(rows[0].line, 2);
+        assert_eq!(rows[1].title, "Crouching Tiger, Hidden Dragon");
+        assert!(rows[1].rewatch);
+        assert_eq!(rows[1].rating, 0);
+        assert_eq!(rows[1].import_key(), "letterboxd:https://boxd.it/aaa2");
+    }
+
+    #[test]
+    fn errors_name_line_and_column() {
+        let bad = "Date,Name,Year,Letterboxd URI,Rating\n2024-01-01,Alien,1979,,4\n2024-01-01,Heat,95,,4\n";
+        let err = parse(bad.as_bytes()).unwrap_err();
+        assert_eq!(err.field, "data");
+        assert!(err.reason.starts_with("line 3: Year"), "{err}");
+
+        let bad = "Name,Year,Rating\nAlien,1979,7\n";
+        assert!(parse(bad.as_bytes()).unwrap_err().reason.starts_with("line 2: Rating"));
+
+        let bad = "Name,Rating\nAlien,3\n";
+        assert!(parse(bad.as_bytes()).unwrap_err().reason.contains("no Year column"));
+
+        let ragged = "Name,Year\nAlien,1979\nHeat,1995,extra\n";
+        assert!(parse(ragged.as_bytes()).unwrap_err().reason.starts_with("line 3"));
+    }
+
+    #[test]
+    fn stars() {
+        assert_eq!(parse_stars("0.5"), Some(1));
+        assert_eq!(parse_stars("5"), Some(10));
+        assert_eq!(parse_stars("5.5"), None);
+        assert_eq!(parse_stars("2.25"), None);
+        assert_eq!(parse_stars("0"), None);
+    }
+}

@@ -1,0 +1,13 @@
+//! Reelay's domain: identifiers, validation rules, the event catalogue and the retry policy.
+//!
+//! Nothing here does I/O or awaits; storage and transport live in `reelay-outbox`,
+//! `reelay-runtime` and the services.
+
+pub mod events;
+pub mod ids;
+pub mod letterboxd;
+pub mod validate;
+
+pub use events::{NewEvent, retry_backoff};
+pub use ids::{EventId, MovieId, ReviewId, UserId, WrapUpId};
+pub use validate::ValidationError;

@@ -1,0 +1,234 @@
+//! Input rules for every field a caller can send. A violation names the field, so the gRPC layer
+//! can answer `INVALID_ARGUMENT` with a message a client can act on.
+
+use std::fmt;
+
+/// A request field broke a rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl ValidationError {
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self { field: field.into(), reason: reason.into() }
+    }
+}
+
+impl fmt::Display for ValidationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.reason)
+    }
+}
+
+pub const MAX_HANDLE_CHARS: usize = 30;
+pub const MAX_NAME_CHARS: usize = 100;
+pub const MAX_TITLE_CHARS: usize = 300;
+pub const MAX_BODY_CHARS: usize = 10_000;
+pub const MAX_URI_CHARS: usize = 2_048;
+pub const MAX_EXTERNAL_ID_CHARS: usize = 100;
+/// The first film was shot in 1888; allow a few years of announced releases.
+pub const MIN_YEAR: i32 = 1870;
+pub const MAX_YEAR: i32 = 2100;
+/// Ratings are half stars: 1 = ½★ … 10 = ★★★★★; 0 = unrated.
+pub const MAX_RATING: u32 = 10;
+pub const DEFAULT_PAGE_SIZE: u32 = 50;
+pub const MAX_PAGE_SIZE: u32 = 200;
+
+fn chars(value: &str) -> usize {
+    value.chars().count()
+}
+
+fn no_control_chars(field: &str, value: &str, allow_newlines: bool) -> Result<(), ValidationError> {
+    let bad = value
+        .chars()
+        .any(|c| c.is_control() && !(allow_newlines && matches!(c, '\n' | '\r' | '\t')));
+    if bad {
+        return Err(ValidationError::new(field, "must not contain control characters"));
+    }
+    Ok(())
+}
+
+/// A required single-line text of at most `max` characters, trimmed.
+pub fn required_text(field: &str, value: &str, max: usize) -> Result<String, ValidationError> {
+    let trimmed = value.trim();
+    if trimmed.is_empty() {
+        return Err(ValidationError::new(field, "is required"));
+    }
+    if chars(trimmed) > max {
+        return Err(ValidationError::new(field, format!("is longer than {max} characters")));
+    }
+    no_control_chars(field, trimmed, false)?;
+    Ok(trimmed.to_owned())
+}
+
+/// 1-30 characters of `a-z`, `0-9` and `_`.
+pub fn handle(value: &str) -> Result<String, ValidationError> {
+    const FIELD: &str = "handle";
+    if value.is_empty() {
+        return Err(ValidationError::new(FIELD, "is required"));
+    }
+    if chars(value) > MAX_HANDLE_CHARS {
+        return Err(ValidationError::new(FIELD, format!("is longer than {MAX_HANDLE_CHARS} characters")));
+    }
+    if !value.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+        return Err(ValidationError::new(FIELD, "may only contain a-z, 0-9 and '_'"));
+    }
+    Ok(value.to_owned())
+}
+
+pub fn display_name(value: &str) -> Result<String, ValidationError> {
+    required_text("display_name", value, MAX_NAME_CHARS)
+}
+
+pub fn title(field: &str, value: &str) -> Result<String, ValidationError> {
+    required_text(field, value, MAX_TITLE_CHARS)
+}
+
+/// The identity of a title: lower-cased with runs of whitespace folded to one space.
+pub fn title_key(title: &str) -> String {
+    title.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase()
+}
+
+pub fn year(field: &str, value: i32) -> Result<i32, ValidationError> {
+    if !(MIN_YEAR..=MAX_YEAR).contains(&value) {
+        return Err(ValidationError::new(field, format!("must be between {MIN_YEAR} and {MAX_YEAR}, got {value}")));
+    }
+    Ok(value)
+}
+
+pub fn rating(field: &str, value: u32) -> Result<u32, ValidationError> {
+    if value > MAX_RATING {
+        return Err(ValidationError::new(
+            field,
+            format!("must be 0 (unrated) or 1..={MAX_RATING} half stars, got {value}"),
+        ));
+    }
+    Ok(value)
+}
+
+/// Review text: optional, multi-line, at most 10,000 characters.
+pub fn body(field: &str, value: &str) -> Result<String, ValidationError> {
+    if chars(value) > MAX_BODY_CHARS {
+        return Err(ValidationError::new(field, format!("is longer than {MAX_BODY_CHARS} characters")));
+    }
+    no_control_chars(field, value, true)?;
+    Ok(value.to_owned())
+}
+
+/// An optional calendar date, `YYYY-MM-DD`.
+pub fn date(field: &str, value: &str) -> Result<String, ValidationError> {
+    if value.is_empty() {
+        return Ok(String::new());
+    }
+    let invalid = || ValidationError::new(field, format!("must be a date as YYYY-MM-DD, got {value:?}"));
+    let bytes = value.as_bytes();
+    if bytes.len() != 10 || bytes[4] != b'-' || bytes[7] != b'-' {
+        return Err(invalid());
+    }
+    let number = |s: &str| s.parse::<u32>().map_err(|_| invalid());
+    let (y, m, d) = (number(&value[0..4])?, number(&value[5..7])?, number(&value[8..10])?);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let days = match m {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return Err(invalid()),
+    };
+    if d == 0 || d > days || !(MIN_YEAR as u32..=MAX_YEAR as u32).contains(&y) {
+        return Err(invalid());
+    }
+    Ok(value.to_owned())
+}
+
+/// An optional provider id such as `tmdb:603`: `scheme:value`, no spaces.
+pub fn external_id(field: &str, value: &str) -> Result<Option<String>, ValidationError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if chars(value) > MAX_EXTERNAL_ID_CHARS {
+        return Err(ValidationError::new(field, format!("is longer than {MAX_EXTERNAL_ID_CHARS} characters")));
+    }
+    let ok = value
+        .split_once(':')
+        .is_some_and(|(scheme, rest)| !scheme.is_empty() && !rest.is_empty())
+        && value.chars().all(|c| c.is_ascii_graphic());
+    if !ok {
+        return Err(ValidationError::new(field, format!("must look like scheme:value (e.g. tmdb:603), got {value:?}")));
+    }
+    Ok(Some(value.to_owned()))
+}
+
+/// An ActivityPub id: an absolute `https://` (or `http://`) URI without spaces.
+pub fn uri(field: &str, value: &str) -> Result<String, ValidationError> {
+    if value.is_empty() {
+        return Err(ValidationError::new(field, "is required"));
+    }
+    if chars(value) > MAX_URI_CHARS {
+        return Err(ValidationError::new(field, format!("is longer than {MAX_URI_CHARS} characters")));
+    }
+    let rest = value.strip_prefix("https://").or_else(|| value.strip_prefix("http://"));
+    let ok = rest.is_some_and(|r| !r.is_empty() && !r.starts_with('/')) && value.chars().all(|c| c.is_ascii_graphic());
+    if !ok {
+        return Err(ValidationError::new(field, format!("must be an absolute http(s) URI, got {value:?}")));
+    }
+    Ok(value.to_owned())
+}
+
+/// 0 means the default page size; more than the maximum is an error rather than a silent clamp.
+pub fn page_size(value: u32) -> Result<u32, ValidationError> {
+    match value {
+        0 => Ok(DEFAULT_PAGE_SIZE),
+        1..=MAX_PAGE_SIZE => Ok(value),
+        _ => Err(ValidationError::new("page_size", format!("must be at most {MAX_PAGE_SIZE}, got {value}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_rules_name_the_field() {
+        assert_eq!(required_text("title", "  Alien ", 10).unwrap(), "Alien");
+        assert_eq!(required_text("title", "   ", 10).unwrap_err().field, "title");
+        assert!(required_text("title", "abcdefghijk", 10).unwrap_err().reason.contains("longer"));
+        assert!(required_text("title", "a\u{0}b", 10).is_err());
+        assert!(body("body", "line one\nline two").is_ok());
+        assert!(body("body", &"x".repeat(MAX_BODY_CHARS + 1)).is_err());
+    }
+
+    #[test]
+    fn handles() {
+        assert!(handle("ana_1").is_ok());
+        assert!(handle("Ana").is_err());
+        assert!(handle("").is_err());
+        assert!(handle(&"a".repeat(31)).is_err());
+    }
+
+    #[test]
+    fn dates() {
+        assert!(date("watched_on", "2024-02-29").is_ok());
+        assert!(date("watched_on", "2023-02-29").is_err());
+        assert!(date("watched_on", "2023-13-01").is_err());
+        assert!(date("watched_on", "23-01-01").is_err());
+        assert_eq!(date("watched_on", "").unwrap(), "");
+    }
+
+    #[test]
+    fn numbers_and_ids() {
+        assert!(rating("rating", 10).is_ok());
+        assert_eq!(rating("rating", 11).unwrap_err().field, "rating");
+        assert!(year("year", 1999).is_ok());
+        assert!(year("year", 1700).is_err());
+        assert_eq!(external_id("external_id", "tmdb:603").unwrap().as_deref(), Some("tmdb:603"));
+        assert!(external_id("external_id", "603").is_err());
+        assert!(uri("actor_uri", "https://example.social/users/ana").is_ok());
+        assert!(uri("actor_uri", "ftp://x").is_err());
+        assert_eq!(page_size(0).unwrap(), DEFAULT_PAGE_SIZE);
+        assert!(page_size(MAX_PAGE_SIZE + 1).is_err());
+        assert_eq!(title_key("  The   Thing "), "the thing");
+    }
+}
