@@ -1,0 +1,22 @@
+//! The storage side of Reelay's transactional outbox, on SQLite.
+//!
+//! This crate owns how the database is opened and migrated, the single writer every write
+//! transaction goes through, and [`enqueue_events`], the only code that inserts outbox rows. It
+//! knows nothing of gRPC or of any broker.
+
+mod db;
+mod enqueue;
+mod migrate;
+mod writer;
+
+pub use db::{Database, DbConfig, Synchronous};
+pub use enqueue::{EnqueuedEvent, enqueue_events};
+pub use migrate::{MIGRATOR, migrate, migrate_to};
+pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer};
+
+/// Milliseconds since the Unix epoch: the unit of every timestamp column.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}

@@ -1,0 +1,12 @@
+//! What every Reelay service is built on: the shared error codes, telemetry set-up, the one gRPC
+//! server builder (health, reflection, service-token auth, limits, deadlines, panic catching,
+//! trace context, graceful shutdown) and the shutdown signal.
+
+pub mod error;
+pub mod grpc;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use error::{ErrorCode, ServiceError};
+pub use grpc::{GrpcConfig, GrpcServer};
+pub use shutdown::Shutdown;

@@ -1,0 +1,97 @@
+//! Opening the SQLite file: a read pool for queries and one connection for the writer.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{ConnectOptions, Connection};
+
+use crate::Writer;
+
+/// How hard a commit waits for the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// fsync on every commit: an acknowledged write survives power loss. The default.
+    #[default]
+    Full,
+    /// WAL with fsync only at checkpoints: survives a crash of the process, not of the machine.
+    Normal,
+}
+
+impl FromStr for Synchronous {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "full" => Ok(Self::Full),
+            "normal" => Ok(Self::Normal),
+            other => Err(format!("expected `full` or `normal`, got {other:?}")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DbConfig {
+    pub path: PathBuf,
+    pub synchronous: Synchronous,
+    /// Read connections; the writer always has exactly one.
+    pub read_connections: u32,
+    /// How long a statement waits for a lock held by another process before failing.
+    pub busy_timeout: Duration,
+}
+
+impl DbConfig {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            synchronous: Synchronous::Full,
+            read_connections: 4,
+            busy_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn options(&self) -> SqliteConnectOptions {
+        SqliteConnectOptions::new()
+            .filename(&self.path)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(match self.synchronous {
+                Synchronous::Full => SqliteSynchronous::Full,
+                Synchronous::Normal => SqliteSynchronous::Normal,
+            })
+            .busy_timeout(self.busy_timeout)
+            .foreign_keys(true)
+    }
+}
+
+/// An open, migrated database: the read pool and the writer.
+#[derive(Clone)]
+pub struct Database {
+    pub reads: SqlitePool,
+    pub writer: Writer,
+}
+
+impl Database {
+    /// Creates the file if needed, migrates it (with the bounded retry of [`crate::migrate`]),
+    /// and starts the writer task.
+    pub async fn open(config: &DbConfig) -> Result<Self, sqlx::Error> {
+        if let Some(parent) = config.path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)?;
+        }
+        let mut conn = config.options().create_if_missing(true).connect().await?;
+        crate::migrate(&mut conn).await.map_err(|e| sqlx::Error::Migrate(Box::new(e)))?;
+        // Readers are read-only: every write must go through the writer.
+        let reads = SqlitePoolOptions::new()
+            .max_connections(config.read_connections.max(1))
+            .connect_with(config.options().read_only(true))
+            .await?;
+        conn.ping().await?;
+        Ok(Self { reads, writer: Writer::start(conn) })
+    }
+
+    /// Stops the writer after the jobs already queued, then closes the read pool.
+    pub async fn close(self) {
+        self.writer.shutdown().await;
+        self.reads.close().await;
+    }
+}

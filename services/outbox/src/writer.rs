@@ -1,0 +1,315 @@
+//! The single writer: one task owns the write connection and runs every write transaction.
+//!
+//! SQLite admits one writer at a time, so instead of letting request tasks fight over the file
+//! lock, each write is sent here as a job. The writer takes whatever jobs are waiting, opens one
+//! `BEGIN IMMEDIATE` transaction for all of them and commits once (group commit), so concurrent
+//! requests share the fsync. Each job runs inside its own savepoint: a job that fails is rolled
+//! back alone and its batch-mates still commit. A job's result reaches its caller only after the
+//! commit that made it durable.
+//!
+//! After a commit that wrote outbox rows the writer bumps a counter that claimers can wait on,
+//! so a waiting consumer learns about new events without polling.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use sqlx::{Executor, SqliteConnection};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+/// Most jobs committed together. Bounds the time a batch holds the write lock.
+const MAX_BATCH: usize = 256;
+const QUEUE_DEPTH: usize = 4096;
+
+tokio::task_local! {
+    /// The W3C `traceparent` of the request being served; stamped on every event it enqueues.
+    pub static TRACEPARENT: String;
+}
+
+/// Why a write did not commit, for reasons outside the job itself.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommitError {
+    #[error("database write failed: {0}")]
+    Storage(Arc<sqlx::Error>),
+    #[error("the database writer has stopped")]
+    Closed,
+    #[error("the write job panicked")]
+    Panicked,
+    #[error("failpoint `{0}` fired before commit")]
+    Failpoint(&'static str),
+}
+
+impl CommitError {
+    fn storage(error: sqlx::Error) -> Self {
+        Self::Storage(Arc::new(error))
+    }
+}
+
+/// The transaction a write job runs in. Jobs run statements on [`WriteTx::conn`] and insert
+/// events with [`crate::enqueue_events`]; they never begin, commit or roll back themselves.
+pub struct WriteTx {
+    conn: SqliteConnection,
+    pub(crate) traceparent: String,
+    pub(crate) events: usize,
+    now_ms: i64,
+}
+
+impl WriteTx {
+    pub fn conn(&mut self) -> &mut SqliteConnection {
+        &mut self.conn
+    }
+
+    /// The job's clock: one timestamp for everything the job writes.
+    pub fn now_ms(&self) -> i64 {
+        self.now_ms
+    }
+
+    fn begin_job(&mut self, traceparent: String) {
+        self.traceparent = traceparent;
+        self.events = 0;
+        self.now_ms = crate::now_ms();
+    }
+}
+
+trait Job: Send {
+    fn name(&self) -> &'static str;
+    fn take_traceparent(&mut self) -> String;
+    /// Runs the job's statements; true when it succeeded.
+    fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool>;
+    /// Replaces a successful outcome with a failure (the job was rolled back after running).
+    fn abort(&mut self, error: CommitError);
+    /// Delivers the outcome once the batch's fate is known.
+    fn finish(self: Box<Self>, committed: Result<(), CommitError>);
+}
+
+struct TypedJob<T, E, F> {
+    name: &'static str,
+    traceparent: String,
+    work: Option<F>,
+    outcome: Option<Result<T, E>>,
+    reply: oneshot::Sender<Result<T, E>>,
+}
+
+impl<T, E, F> Job for TypedJob<T, E, F>
+where
+    T: Send + 'static,
+    E: From<CommitError> + Send + 'static,
+    F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
+{
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn take_traceparent(&mut self) -> String {
+        std::mem::take(&mut self.traceparent)
+    }
+
+    fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool> {
+        let work = self.work.take().expect("a write job runs once");
+        Box::pin(async move {
+            let outcome = work(tx).await;
+            let ok = outcome.is_ok();
+            self.outcome = Some(outcome);
+            ok
+        })
+    }
+
+    fn abort(&mut self, error: CommitError) {
+        self.outcome = Some(Err(error.into()));
+    }
+
+    fn finish(self: Box<Self>, committed: Result<(), CommitError>) {
+        let result = match (self.outcome, committed) {
+            (Some(Err(job_error)), _) => Err(job_error),
+            (Some(Ok(value)), Ok(())) => Ok(value),
+            (Some(Ok(_)), Err(error)) => Err(error.into()),
+            (None, Err(error)) => Err(error.into()),
+            (None, Ok(())) => Err(CommitError::Panicked.into()),
+        };
+        // The caller may have gone away (a cancelled request); the write stands regardless.
+        let _ = self.reply.send(result);
+    }
+}
+
+/// A handle to the writer task. Cheap to clone.
+#[derive(Clone)]
+pub struct Writer {
+    jobs: mpsc::Sender<Box<dyn Job>>,
+    commits: watch::Receiver<u64>,
+    stop: watch::Sender<bool>,
+    task: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl Writer {
+    /// Starts the writer task on `conn`, which must be the only connection that writes.
+    pub fn start(conn: SqliteConnection) -> Self {
+        let (jobs, rx) = mpsc::channel(QUEUE_DEPTH);
+        let (commits_tx, commits) = watch::channel(0);
+        let (stop, stop_rx) = watch::channel(false);
+        let tx = WriteTx { conn, traceparent: String::new(), events: 0, now_ms: 0 };
+        let task = tokio::spawn(run(tx, rx, commits_tx, stop_rx, Failpoints::from_env()));
+        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))) }
+    }
+
+    /// Runs `work` in a write transaction and returns its result once it is committed.
+    ///
+    /// `name` identifies the job in logs (and, in test builds, to failpoints). If `work` returns
+    /// an error, everything it wrote is rolled back and the error is returned; other jobs in the
+    /// same batch are not affected.
+    pub fn transact<T, E, F>(&self, name: &'static str, work: F) -> impl Future<Output = Result<T, E>> + Send + 'static
+    where
+        T: Send + 'static,
+        E: From<CommitError> + Send + 'static,
+        F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
+    {
+        let (reply, receive) = oneshot::channel();
+        let traceparent = TRACEPARENT.try_with(Clone::clone).unwrap_or_default();
+        let job: Box<dyn Job> = Box::new(TypedJob { name, traceparent, work: Some(work), outcome: None, reply });
+        let jobs = self.jobs.clone();
+        async move {
+            jobs.send(job).await.map_err(|_| CommitError::Closed)?;
+            receive.await.unwrap_or_else(|_| Err(CommitError::Closed.into()))
+        }
+    }
+
+    /// A counter of committed outbox rows; it changes after every commit that enqueued events.
+    pub fn subscribe_commits(&self) -> watch::Receiver<u64> {
+        self.commits.clone()
+    }
+
+    /// Finishes the jobs already queued, then stops the task. Later `transact` calls fail with
+    /// [`CommitError::Closed`].
+    pub async fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let task = self.task.lock().expect("writer task lock").take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+}
+
+async fn run(
+    mut tx: WriteTx,
+    mut jobs: mpsc::Receiver<Box<dyn Job>>,
+    commits: watch::Sender<u64>,
+    mut stop: watch::Receiver<bool>,
+    failpoints: Failpoints,
+) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    loop {
+        tokio::select! {
+            biased;
+            received = jobs.recv_many(&mut batch, MAX_BATCH) => {
+                if received == 0 {
+                    break;
+                }
+            }
+            _ = stop.wait_for(|stopped| *stopped) => {
+                jobs.close();
+                continue;
+            }
+        }
+        let events = commit_batch(&mut tx, &mut batch, &failpoints).await;
+        if events > 0 {
+            commits.send_modify(|count| *count += events as u64);
+        }
+    }
+    tracing::debug!("database writer stopped");
+}
+
+/// Runs one batch in one transaction. Returns how many outbox rows it committed.
+async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>, failpoints: &Failpoints) -> usize {
+    let outcome = run_batch(tx, batch, failpoints).await;
+    let (committed, events) = match outcome {
+        Ok(events) => (Ok(()), events),
+        Err(error) => {
+            tracing::error!(%error, jobs = batch.len(), "write batch failed; rolling back");
+            let _ = tx.conn.execute("ROLLBACK").await;
+            (Err(error), 0)
+        }
+    };
+    for job in batch.drain(..) {
+        job.finish(committed.clone());
+    }
+    events
+}
+
+async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>], failpoints: &Failpoints) -> Result<usize, CommitError> {
+    // A lone job needs no savepoint: if it fails, the whole transaction is rolled back.
+    let savepoints = batch.len() > 1;
+    tx.conn.execute("BEGIN IMMEDIATE").await.map_err(CommitError::storage)?;
+    let mut events = 0;
+    let mut succeeded = 0;
+    for job in batch.iter_mut() {
+        tx.begin_job(job.take_traceparent());
+        if savepoints {
+            tx.conn.execute("SAVEPOINT job").await.map_err(CommitError::storage)?;
+        }
+        let mut ok = AssertUnwindSafe(job.run(tx)).catch_unwind().await.unwrap_or_else(|_| {
+            tracing::error!(job = job.name(), "write job panicked; rolled back");
+            false
+        });
+        if ok && failpoints.fires(job.name()) {
+            job.abort(CommitError::Failpoint(job.name()));
+            ok = false;
+        }
+        if ok {
+            succeeded += 1;
+            events += tx.events;
+        }
+        if savepoints {
+            if !ok {
+                tx.conn.execute("ROLLBACK TO job").await.map_err(CommitError::storage)?;
+            }
+            tx.conn.execute("RELEASE job").await.map_err(CommitError::storage)?;
+        }
+    }
+    if succeeded == 0 {
+        tx.conn.execute("ROLLBACK").await.map_err(CommitError::storage)?;
+        return Ok(0);
+    }
+    tx.conn.execute("COMMIT").await.map_err(CommitError::storage)?;
+    Ok(events)
+}
+
+/// Test-only fault injection: `REELAY_FAILPOINTS=log_review,edit_review` (or `*`) makes those
+/// write jobs fail after all their statements ran and before the commit. Compiled only with the
+/// `failpoints` feature, which release builds never enable.
+struct Failpoints {
+    #[cfg(feature = "failpoints")]
+    names: Vec<String>,
+}
+
+impl Failpoints {
+    #[cfg(feature = "failpoints")]
+    fn from_env() -> Self {
+        let names: Vec<String> = std::env::var("REELAY_FAILPOINTS")
+            .unwrap_or_default()
+            .split(',')
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .collect();
+        if !names.is_empty() {
+            tracing::warn!(?names, "failpoints armed: these write jobs will fail before commit");
+        }
+        Self { names }
+    }
+
+    #[cfg(not(feature = "failpoints"))]
+    fn from_env() -> Self {
+        Self {}
+    }
+
+    #[cfg(feature = "failpoints")]
+    fn fires(&self, job: &str) -> bool {
+        self.names.iter().any(|n| n == "*" || n == job)
+    }
+
+    #[cfg(not(feature = "failpoints"))]
+    fn fires(&self, _job: &str) -> bool {
+        false
+    }
+}
