@@ -51,6 +51,20 @@ impl DbConfig {
         }
     }
 
+    /// Opens (creating if needed) the file and applies migrations, up to `to` when given.
+    pub async fn connect_and_migrate(&self, to: Option<i64>) -> Result<sqlx::SqliteConnection, sqlx::Error> {
+        if let Some(parent) = self.path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)?;
+        }
+        let mut conn = self.options().create_if_missing(true).connect().await?;
+        let migrated = match to {
+            Some(version) => crate::migrate_to(&mut conn, version).await,
+            None => crate::migrate(&mut conn).await,
+        };
+        migrated.map_err(|e| sqlx::Error::Migrate(Box::new(e)))?;
+        Ok(conn)
+    }
+
     fn options(&self) -> SqliteConnectOptions {
         SqliteConnectOptions::new()
             .filename(&self.path)
@@ -75,11 +89,7 @@ impl Database {
     /// Creates the file if needed, migrates it (with the bounded retry of [`crate::migrate`]),
     /// and starts the writer task.
     pub async fn open(config: &DbConfig) -> Result<Self, sqlx::Error> {
-        if let Some(parent) = config.path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent)?;
-        }
-        let mut conn = config.options().create_if_missing(true).connect().await?;
-        crate::migrate(&mut conn).await.map_err(|e| sqlx::Error::Migrate(Box::new(e)))?;
+        let mut conn = config.connect_and_migrate(None).await?;
         // Readers are read-only: every write must go through the writer.
         let reads = SqlitePoolOptions::new()
             .max_connections(config.read_connections.max(1))

@@ -4,9 +4,11 @@
 
 pub mod error;
 pub mod grpc;
+pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 
 pub use error::{ErrorCode, ServiceError};
 pub use grpc::{GrpcConfig, GrpcServer};
+pub use service::Service;
 pub use shutdown::Shutdown;

@@ -1,0 +1,96 @@
+//! Direct, read-only looks at a Reelay SQLite file.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use prost::Message;
+use reelay_contracts::v1;
+use sqlx::sqlite::SqliteConnectOptions;
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Row, SqliteConnection};
+
+async fn open(path: &Path) -> SqliteConnection {
+    SqliteConnectOptions::new().filename(path).read_only(true).connect().await.expect("open the test database")
+}
+
+/// Every row of every table (including sqlx's bookkeeping), rendered as text in rowid order:
+/// two snapshots are equal exactly when the tables hold the same data.
+pub type Snapshot = BTreeMap<String, Vec<String>>;
+
+pub async fn table_snapshot(path: &Path) -> Snapshot {
+    let mut conn = open(path).await;
+    let tables: Vec<String> = sqlx::query("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+        .fetch_all(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut snapshot = Snapshot::new();
+    for table in tables {
+        let columns: Vec<String> = sqlx::query(AssertSqlSafe(format!("SELECT name FROM pragma_table_info('{table}')")))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        let rendered = columns.iter().map(|c| format!("quote(\"{c}\")")).collect::<Vec<_>>().join(" || '|' || ");
+        let rows = sqlx::query(AssertSqlSafe(format!("SELECT {rendered} FROM \"{table}\" ORDER BY 1")))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.get::<String, _>(0))
+            .collect();
+        snapshot.insert(table, rows);
+    }
+    conn.close().await.unwrap();
+    snapshot
+}
+
+/// Runs a query whose columns are all text-like and returns its rows.
+pub async fn query_strings(path: &Path, sql: &str) -> Vec<Vec<String>> {
+    let mut conn = open(path).await;
+    let rows = sqlx::query(AssertSqlSafe(sql.to_owned())).fetch_all(&mut conn).await.unwrap();
+    let out = rows
+        .iter()
+        .map(|row| (0..row.len()).map(|i| row.try_get::<Option<String>, _>(i).ok().flatten().unwrap_or_default()).collect())
+        .collect();
+    conn.close().await.unwrap();
+    out
+}
+
+/// One outbox row with its decoded envelope.
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub event_id: Option<String>,
+    pub event_type: String,
+    pub aggregate_id: String,
+    pub status: String,
+    pub attempts: i64,
+    pub envelope: Option<v1::Event>,
+}
+
+/// The outbox in insertion order.
+pub async fn outbox_rows(path: &Path) -> Vec<OutboxRow> {
+    let mut conn = open(path).await;
+    let rows = sqlx::query("SELECT id, event_id, event_type, aggregate_id, status, attempts, payload FROM event_queue ORDER BY id")
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+    let out = rows
+        .into_iter()
+        .map(|r| OutboxRow {
+            id: r.get("id"),
+            event_id: r.get("event_id"),
+            event_type: r.get("event_type"),
+            aggregate_id: r.get("aggregate_id"),
+            status: r.get("status"),
+            attempts: r.get("attempts"),
+            envelope: v1::Event::decode(r.get::<Vec<u8>, _>("payload").as_slice()).ok(),
+        })
+        .collect();
+    conn.close().await.unwrap();
+    out
+}

@@ -1,0 +1,218 @@
+//! The end-to-end test harness.
+//!
+//! Starts the real `reelay` binary as a child process on a free port with its own temp
+//! directory, waits until grpc.health.v1 reports it serving, hands out authenticated clients,
+//! and stops it by PID (SIGTERM, or SIGKILL to simulate a crash). Each process's log is kept in
+//! its temp dir and printed when a test fails; set `REELAY_KEEP_TEST_DIRS=1` to keep the dirs.
+//! It also reads the SQLite file directly, to check what a call really committed.
+
+mod db;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+pub use db::{OutboxRow, Snapshot, outbox_rows, query_strings, table_snapshot};
+
+/// The token test processes are started with.
+pub const TEST_TOKEN: &str = "test-service-token-0123456789";
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("find a free port")
+}
+
+/// A temp dir that survives the test when `REELAY_KEEP_TEST_DIRS` is set.
+pub fn temp_dir() -> tempfile::TempDir {
+    let mut dir = tempfile::Builder::new().prefix("reelay-test-").tempdir().expect("create a temp dir");
+    if std::env::var_os("REELAY_KEEP_TEST_DIRS").is_some() {
+        eprintln!("keeping test dir {}", dir.path().display());
+        dir.disable_cleanup(true);
+    }
+    dir
+}
+
+/// How to start one `reelay` process.
+#[derive(Debug, Clone)]
+pub struct ProcessSpec {
+    pub binary: PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub database: PathBuf,
+    pub log: PathBuf,
+}
+
+/// A running `reelay run` process.
+pub struct Reelay {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    pub database: PathBuf,
+    pub log: PathBuf,
+    spec: ProcessSpec,
+}
+
+impl Reelay {
+    /// Starts `reelay run --service write` on `database` with a fresh port and waits until it
+    /// serves. `env` adds or overrides environment variables.
+    pub async fn start_write(binary: &str, database: &Path, env: &[(&str, &str)]) -> Self {
+        let log = database.with_extension(format!("{}.log", free_port()));
+        let spec = ProcessSpec {
+            binary: binary.into(),
+            args: vec!["run".into(), "--service".into(), "write".into()],
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            database: database.to_owned(),
+            log,
+        };
+        Self::start(spec).await
+    }
+
+    pub async fn start(spec: ProcessSpec) -> Self {
+        // A port can be taken between choosing and binding it; try a few.
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
+            let mut command = Command::new(&spec.binary);
+            command
+                .args(&spec.args)
+                .env("REELAY_DATABASE", &spec.database)
+                .env("REELAY_DATA_DIR", spec.database.parent().unwrap_or(Path::new(".")))
+                .env("REELAY_WRITE_ADDR", addr.to_string())
+                .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
+                .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+                .stdin(Stdio::null())
+                .stdout(log_file.try_clone().unwrap())
+                .stderr(log_file);
+            for (key, value) in &spec.env {
+                command.env(key, value);
+            }
+            let child = command.spawn().expect("spawn reelay");
+            let mut process = Reelay { child: Some(child), addr, database: spec.database.clone(), log: spec.log.clone(), spec: spec.clone() };
+            match process.wait_serving(Duration::from_secs(30)).await {
+                Ok(()) => return process,
+                Err(error) => {
+                    last_error = error;
+                    process.kill();
+                    if !process.log_text().contains("Address already in use") {
+                        break;
+                    }
+                }
+            }
+        }
+        panic!("reelay did not start: {last_error}\n--- log ---\n{}", std::fs::read_to_string(&spec.log).unwrap_or_default());
+    }
+
+    /// Starts the same process again (same database, same environment, new port).
+    pub async fn restart(spec: &Reelay) -> Self {
+        Self::start(spec.spec.clone()).await
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(Child::id).expect("process is running")
+    }
+
+    async fn wait_serving(&mut self, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(format!("exited early with {status}"));
+            }
+            if let Ok(channel) = Endpoint::from_shared(format!("http://{}", self.addr)).unwrap().connect().await {
+                let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
+                if reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err("not serving before the deadline".into());
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// An authenticated channel to the process.
+    pub async fn channel(&self) -> InterceptedService<Channel, Auth> {
+        self.channel_with_token(Some(TEST_TOKEN)).await
+    }
+
+    pub async fn channel_with_token(&self, token: Option<&str>) -> InterceptedService<Channel, Auth> {
+        let channel = Endpoint::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .timeout(Duration::from_secs(30))
+            .connect()
+            .await
+            .expect("connect to reelay");
+        InterceptedService::new(channel, Auth(token.map(|t| format!("Bearer {t}").parse().unwrap())))
+    }
+
+    /// SIGTERM, then wait for a clean exit. Panics if the process does not exit 0 in time.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        signal(child.id(), "TERM");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match child.try_wait().expect("wait for reelay") {
+                Some(status) => {
+                    assert!(status.success(), "reelay exited with {status}\n{}", self.log_text());
+                    return;
+                }
+                None if Instant::now() > deadline => {
+                    let _ = child.kill();
+                    panic!("reelay did not stop within 20 s of SIGTERM\n{}", self.log_text());
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    /// SIGKILL: a crash, with no chance to clean up.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "KILL");
+            let _ = child.wait();
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Reelay {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            self.kill();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- reelay log ({}) ---\n{}", self.log.display(), self.log_text());
+        }
+    }
+}
+
+fn signal(pid: u32, name: &str) {
+    let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status();
+}
+
+/// Adds the service token to every call.
+#[derive(Clone)]
+pub struct Auth(Option<MetadataValue<tonic::metadata::Ascii>>);
+
+impl Interceptor for Auth {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request.metadata_mut().insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
+}
