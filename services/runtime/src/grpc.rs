@@ -38,6 +38,8 @@ pub struct GrpcConfig {
     /// Deadline for a call that does not send a shorter `grpc-timeout`.
     pub call_timeout: Duration,
     pub max_concurrent_calls_per_connection: usize,
+    /// After shutdown starts, how long in-flight calls get before the server stops anyway.
+    pub drain_timeout: Duration,
 }
 
 impl Default for GrpcConfig {
@@ -47,6 +49,7 @@ impl Default for GrpcConfig {
             max_message_bytes: 4 * 1024 * 1024,
             call_timeout: Duration::from_secs(30),
             max_concurrent_calls_per_connection: 256,
+            drain_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -110,21 +113,36 @@ impl GrpcServer {
         let addr: Option<SocketAddr> = listener.local_addr().ok();
         tracing::info!(?addr, services = ?names, auth = config.service_token.is_some(), "grpc server listening");
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let (draining_tx, draining) = tokio::sync::oneshot::channel::<()>();
         let signal = async move {
             shutdown.await;
+            let _ = draining_tx.send(());
             for name in &names {
                 health.set_service_status(*name, ServingStatus::NotServing).await;
             }
             health.set_service_status("", ServingStatus::NotServing).await;
             tracing::info!(?addr, "grpc server draining");
         };
-        tonic::transport::Server::builder()
+        let serving = tonic::transport::Server::builder()
             .timeout(config.call_timeout)
             .concurrency_limit_per_connection(config.max_concurrent_calls_per_connection)
             .layer(CallContextLayer { token: config.service_token.map(Arc::from) })
             .add_routes(routes.routes())
-            .serve_with_incoming_shutdown(incoming, signal)
-            .await
+            .serve_with_incoming_shutdown(incoming, signal);
+        let drain_deadline = async move {
+            if draining.await.is_ok() {
+                tokio::time::sleep(config.drain_timeout).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            served = serving => served,
+            () = drain_deadline => {
+                tracing::warn!(?addr, timeout = ?config.drain_timeout, "calls still open after the drain timeout; closing them");
+                Ok(())
+            }
+        }
     }
 }
 

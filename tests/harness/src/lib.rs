@@ -8,6 +8,8 @@
 
 mod db;
 
+use reelay_contracts::v1;
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -157,7 +159,7 @@ impl Reelay {
     }
 
     /// SIGTERM, then wait for a clean exit. Panics if the process does not exit 0 in time.
-    pub fn stop(&mut self) {
+    pub async fn stop(&mut self) {
         let Some(mut child) = self.child.take() else { return };
         signal(child.id(), "TERM");
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -171,7 +173,7 @@ impl Reelay {
                     let _ = child.kill();
                     panic!("reelay did not stop within 20 s of SIGTERM\n{}", self.log_text());
                 }
-                None => std::thread::sleep(Duration::from_millis(20)),
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         }
     }
@@ -215,4 +217,85 @@ impl Interceptor for Auth {
         }
         Ok(request)
     }
+}
+
+/// The channel type every client uses.
+pub type AuthedChannel = InterceptedService<Channel, Auth>;
+
+/// One client per domain service, all over one connection.
+#[derive(Clone)]
+pub struct Clients {
+    pub users: v1::users_client::UsersClient<AuthedChannel>,
+    pub movies: v1::movies_client::MoviesClient<AuthedChannel>,
+    pub reviews: v1::reviews_client::ReviewsClient<AuthedChannel>,
+    pub watchlist: v1::watchlist_client::WatchlistClient<AuthedChannel>,
+    pub wrap_ups: v1::wrap_ups_client::WrapUpsClient<AuthedChannel>,
+    pub social: v1::social_client::SocialClient<AuthedChannel>,
+    pub integrations: v1::integrations_client::IntegrationsClient<AuthedChannel>,
+    pub federation: v1::federation_client::FederationClient<AuthedChannel>,
+}
+
+impl Clients {
+    pub fn new(channel: AuthedChannel) -> Self {
+        Self {
+            users: v1::users_client::UsersClient::new(channel.clone()),
+            movies: v1::movies_client::MoviesClient::new(channel.clone()),
+            reviews: v1::reviews_client::ReviewsClient::new(channel.clone()),
+            watchlist: v1::watchlist_client::WatchlistClient::new(channel.clone()),
+            wrap_ups: v1::wrap_ups_client::WrapUpsClient::new(channel.clone()),
+            social: v1::social_client::SocialClient::new(channel.clone()),
+            integrations: v1::integrations_client::IntegrationsClient::new(channel.clone()),
+            federation: v1::federation_client::FederationClient::new(channel),
+        }
+    }
+
+    /// Creates a user with this handle and returns its id.
+    pub async fn user(&mut self, handle: &str) -> String {
+        self.users
+            .create_user(v1::CreateUserRequest { handle: handle.into(), display_name: handle.to_uppercase() })
+            .await
+            .expect("create user")
+            .into_inner()
+            .user_id
+    }
+
+    /// Streams a Letterboxd export in 4 KiB chunks.
+    pub async fn import(&mut self, actor: &str, csv: &[u8]) -> Result<v1::ImportDiaryResponse, tonic::Status> {
+        let chunks: Vec<v1::ImportDiaryChunk> = csv
+            .chunks(4096)
+            .enumerate()
+            .map(|(i, data)| v1::ImportDiaryChunk {
+                actor_user_id: if i == 0 { actor.to_owned() } else { String::new() },
+                data: data.to_vec(),
+            })
+            .collect();
+        self.integrations.import_diary(tokio_stream_iter(chunks)).await.map(tonic::Response::into_inner)
+    }
+}
+
+fn tokio_stream_iter<T: Send + 'static>(items: Vec<T>) -> impl tonic::codegen::tokio_stream::Stream<Item = T> + Send + 'static {
+    tonic::codegen::tokio_stream::iter(items)
+}
+
+impl Reelay {
+    pub async fn clients(&self) -> Clients {
+        Clients::new(self.channel().await)
+    }
+}
+
+/// A title-and-year movie reference.
+pub fn movie_ref(title: &str, year: i32) -> Option<v1::MovieRef> {
+    Some(v1::MovieRef { by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear { title: title.into(), year, external_id: String::new() })) })
+}
+
+pub fn movie_id_ref(id: &str) -> Option<v1::MovieRef> {
+    Some(v1::MovieRef { by: Some(v1::movie_ref::By::MovieId(id.into())) })
+}
+
+pub fn user_account(id: &str) -> Option<v1::Account> {
+    Some(v1::Account { kind: Some(v1::account::Kind::UserId(id.into())) })
+}
+
+pub fn actor_account(uri: &str) -> Option<v1::Account> {
+    Some(v1::Account { kind: Some(v1::account::Kind::ActorUri(uri.into())) })
 }
