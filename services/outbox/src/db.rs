@@ -56,7 +56,16 @@ impl DbConfig {
         if let Some(parent) = self.path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)?;
         }
-        let mut conn = self.options().create_if_missing(true).connect().await?;
+        // Switching a fresh file to WAL needs a moment alone with it; another process migrating
+        // the same file can hold it, and that lock does not wait on the busy timeout.
+        let options = self.options().create_if_missing(true);
+        let mut backoff = crate::migrate::StartupRetry::default();
+        let mut conn = loop {
+            match options.connect().await {
+                Err(error) if is_busy(&error) && backoff.wait("opening the database", &error).await => {}
+                result => break result?,
+            }
+        };
         let migrated = match to {
             Some(version) => crate::migrate_to(&mut conn, version).await,
             None => crate::migrate(&mut conn).await,
@@ -76,6 +85,13 @@ impl DbConfig {
             .busy_timeout(self.busy_timeout)
             .foreign_keys(true)
     }
+}
+
+fn is_busy(error: &sqlx::Error) -> bool {
+    error.as_database_error().and_then(|e| e.code()).is_some_and(|code| {
+        let primary = code.parse::<i32>().map_or(0, |n| n & 0xff);
+        primary == 5 || primary == 6 // SQLITE_BUSY, SQLITE_LOCKED
+    })
 }
 
 /// An open, migrated database: the read pool and the writer.

@@ -28,23 +28,44 @@ pub async fn migrate_to(conn: &mut SqliteConnection, version: i64) -> Result<(),
 }
 
 async fn run_with_retry(conn: &mut SqliteConnection, target: Option<i64>) -> Result<(), MigrateError> {
-    let mut delay = FIRST_RETRY_DELAY;
-    let mut retries = 0;
+    let mut backoff = StartupRetry::default();
     loop {
         let result = match target {
             Some(version) => MIGRATOR.run_to(version, &mut *conn).await,
             None => MIGRATOR.run(&mut *conn).await,
         };
         match result {
-            Ok(()) => return Ok(()),
-            Err(error) if retries < MAX_RETRIES && is_retryable(&error) => {
-                retries += 1;
-                tracing::warn!(%error, retry = retries, delay_ms = delay.as_millis() as u64, "migration failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(MAX_RETRY_DELAY);
-            }
-            Err(error) => return Err(error),
+            Err(error) if is_retryable(&error) && backoff.wait("migration", &error).await => {}
+            result => return result,
         }
+    }
+}
+
+/// The bounded retry of start-up work that races other processes on one file: up to 5 retries,
+/// 100 ms doubling to 1 s.
+#[derive(Debug)]
+pub(crate) struct StartupRetry {
+    delay: Duration,
+    retries: u32,
+}
+
+impl Default for StartupRetry {
+    fn default() -> Self {
+        Self { delay: FIRST_RETRY_DELAY, retries: 0 }
+    }
+}
+
+impl StartupRetry {
+    /// Logs the failure and sleeps before the next try; false when the retries are spent.
+    pub(crate) async fn wait(&mut self, what: &str, error: &dyn std::fmt::Display) -> bool {
+        if self.retries == MAX_RETRIES {
+            return false;
+        }
+        self.retries += 1;
+        tracing::warn!(%error, retry = self.retries, delay_ms = self.delay.as_millis() as u64, "{what} failed; retrying");
+        tokio::time::sleep(self.delay).await;
+        self.delay = (self.delay * 2).min(MAX_RETRY_DELAY);
+        true
     }
 }
 
