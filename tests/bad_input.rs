@@ -20,7 +20,14 @@ struct Ids {
 }
 
 fn log(actor: &str, movie: Option<v1::MovieRef>, rating: u32, body: String, watched_on: &str) -> v1::LogReviewRequest {
-    v1::LogReviewRequest { actor_user_id: actor.into(), movie, rating, body, watched_on: watched_on.into(), rewatch: false }
+    v1::LogReviewRequest {
+        actor_user_id: actor.into(),
+        movie,
+        rating,
+        body,
+        watched_on: watched_on.into(),
+        rewatch: false,
+    }
 }
 
 fn long(n: usize) -> String {
@@ -41,10 +48,12 @@ macro_rules! case {
             name: $name,
             code: Code::$code,
             mentions: $mentions,
-            call: Box::new(move |mut $c: Clients, $x: Ids| Box::pin(async move {
-                let _ = &$x;
-                $call.await.map(drop)
-            })),
+            call: Box::new(move |mut $c: Clients, $x: Ids| {
+                Box::pin(async move {
+                    let _ = &$x;
+                    $call.await.map(drop)
+                })
+            }),
         }
     };
 }
@@ -59,92 +68,191 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let ben = c.user("ben").await;
     let review = c
         .reviews
-        .log_review(v1::LogReviewRequest { actor_user_id: ana.clone(), movie: movie_ref("Heat", 1995), rating: 8, ..Default::default() })
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("Heat", 1995),
+            rating: 8,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()
         .review
         .unwrap();
-    let ids = Ids { a: ana.clone(), b: ben, r: review.review_id.clone(), nobody: "01900000-0000-7000-8000-000000000000".into() };
+    let ids = Ids {
+        a: ana.clone(),
+        b: ben,
+        r: review.review_id.clone(),
+        nobody: "01900000-0000-7000-8000-000000000000".into(),
+    };
     let cases: Vec<Case> = vec![
-        case!("empty handle", InvalidArgument, "handle", |c, x| c.users.create_user(v1::CreateUserRequest { handle: "".into(), display_name: "A".into() })),
+        case!("empty handle", InvalidArgument, "handle", |c, x| c
+            .users
+            .create_user(v1::CreateUserRequest { handle: "".into(), display_name: "A".into() })),
         case!("handle with spaces", InvalidArgument, "handle", |c, x| c
             .users
             .create_user(v1::CreateUserRequest { handle: "Ana B".into(), display_name: "A".into() })),
         case!("oversized display name", InvalidArgument, "display_name", |c, x| c
             .users
             .create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: long(101) })),
-        case!("taken handle", AlreadyExists, "handle", |c, x| c.users.create_user(v1::CreateUserRequest { handle: "ana".into(), display_name: "A".into() })),
-        case!("malformed user id", InvalidArgument, "user_id", |c, x| c.users.get_user(v1::GetUserRequest { user_id: "42".into() })),
-        case!("unknown user", NotFound, "user", |c, x| c.users.get_user(v1::GetUserRequest { user_id: x.nobody.clone() })),
-        case!("rating out of range", InvalidArgument, "rating", |c, x| c.reviews.log_review(log(&x.a, movie_ref("Ran", 1985), 11, "".into(), ""))),
-        case!("oversized body", InvalidArgument, "body", |c, x| c.reviews.log_review(log(&x.a, movie_ref("Ran", 1985), 5, long(10_001), ""))),
-        case!("malformed actor", InvalidArgument, "actor_user_id", |c, x| c.reviews.log_review(log("me", movie_ref("Ran", 1985), 5, "".into(), ""))),
-        case!("unknown actor", NotFound, "user", |c, x| c.reviews.log_review(log(&x.nobody, movie_ref("Ran", 1985), 5, "".into(), ""))),
-        case!("missing movie", InvalidArgument, "movie", |c, x| c.reviews.log_review(log(&x.a, None, 5, "".into(), ""))),
-        case!("empty title", InvalidArgument, "movie.title_year.title", |c, x| c.reviews.log_review(log(&x.a, movie_ref("  ", 1985), 5, "".into(), ""))),
-        case!("year out of range", InvalidArgument, "movie.title_year.year", |c, x| c.reviews.log_review(log(&x.a, movie_ref("Ran", 1700), 5, "".into(), ""))),
-        case!("impossible date", InvalidArgument, "watched_on", |c, x| c.reviews.log_review(log(&x.a, movie_ref("Ran", 1985), 5, "".into(), "2023-02-30"))),
-        case!("malformed movie id", InvalidArgument, "movie.movie_id", |c, x| c.reviews.log_review(log(&x.a, movie_id_ref("m1"), 5, "".into(), ""))),
-        case!("unknown movie id", NotFound, "movie", |c, x| c.reviews.log_review(log(&x.a, movie_id_ref(&x.nobody), 5, "".into(), ""))),
-        case!("someone else's review", PermissionDenied, "another user", |c, x| c
-            .reviews
-            .edit_review(v1::EditReviewRequest { actor_user_id: x.b.clone(), review_id: x.r.clone(), rating: 1, ..Default::default() })),
-        case!("unknown review", NotFound, "review", |c, x| c
-            .reviews
-            .edit_review(v1::EditReviewRequest { actor_user_id: x.a.clone(), review_id: x.nobody.clone(), ..Default::default() })),
+        case!("taken handle", AlreadyExists, "handle", |c, x| c
+            .users
+            .create_user(v1::CreateUserRequest { handle: "ana".into(), display_name: "A".into() })),
+        case!("malformed user id", InvalidArgument, "user_id", |c, x| c
+            .users
+            .get_user(v1::GetUserRequest { user_id: "42".into() })),
+        case!("unknown user", NotFound, "user", |c, x| c
+            .users
+            .get_user(v1::GetUserRequest { user_id: x.nobody.clone() })),
+        case!("rating out of range", InvalidArgument, "rating", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_ref("Ran", 1985),
+            11,
+            "".into(),
+            ""
+        ))),
+        case!("oversized body", InvalidArgument, "body", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_ref("Ran", 1985),
+            5,
+            long(10_001),
+            ""
+        ))),
+        case!("malformed actor", InvalidArgument, "actor_user_id", |c, x| c.reviews.log_review(log(
+            "me",
+            movie_ref("Ran", 1985),
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("unknown actor", NotFound, "user", |c, x| c.reviews.log_review(log(
+            &x.nobody,
+            movie_ref("Ran", 1985),
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("missing movie", InvalidArgument, "movie", |c, x| c.reviews.log_review(log(
+            &x.a,
+            None,
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("empty title", InvalidArgument, "movie.title_year.title", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_ref("  ", 1985),
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("year out of range", InvalidArgument, "movie.title_year.year", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_ref("Ran", 1700),
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("impossible date", InvalidArgument, "watched_on", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_ref("Ran", 1985),
+            5,
+            "".into(),
+            "2023-02-30"
+        ))),
+        case!("malformed movie id", InvalidArgument, "movie.movie_id", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_id_ref("m1"),
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("unknown movie id", NotFound, "movie", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_id_ref(&x.nobody),
+            5,
+            "".into(),
+            ""
+        ))),
+        case!("someone else's review", PermissionDenied, "another user", |c, x| c.reviews.edit_review(
+            v1::EditReviewRequest {
+                actor_user_id: x.b.clone(),
+                review_id: x.r.clone(),
+                rating: 1,
+                ..Default::default()
+            }
+        )),
+        case!("unknown review", NotFound, "review", |c, x| c.reviews.edit_review(v1::EditReviewRequest {
+            actor_user_id: x.a.clone(),
+            review_id: x.nobody.clone(),
+            ..Default::default()
+        })),
         case!("malformed review id", InvalidArgument, "review_id", |c, x| c
             .reviews
             .delete_review(v1::DeleteReviewRequest { actor_user_id: x.a.clone(), review_id: "r1".into() })),
         case!("deleting someone else's review", PermissionDenied, "another user", |c, x| c
             .reviews
             .delete_review(v1::DeleteReviewRequest { actor_user_id: x.b.clone(), review_id: x.r.clone() })),
-        case!("malformed external id", InvalidArgument, "movie.external_id", |c, x| c.watchlist.add_to_watchlist(v1::AddToWatchlistRequest {
-            actor_user_id: x.a.clone(),
-            movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::ExternalId("603".into())) }),
-        })),
-        case!("unknown external id", NotFound, "external_id", |c, x| c.watchlist.add_to_watchlist(v1::AddToWatchlistRequest {
-            actor_user_id: x.a.clone(),
-            movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::ExternalId("tmdb:1".into())) }),
-        })),
-        case!("malformed watchlist movie", InvalidArgument, "movie_id", |c, x| c
-            .watchlist
-            .remove_from_watchlist(v1::RemoveFromWatchlistRequest { actor_user_id: x.a.clone(), movie_id: "x".into() })),
+        case!("malformed external id", InvalidArgument, "movie.external_id", |c, x| c.watchlist.add_to_watchlist(
+            v1::AddToWatchlistRequest {
+                actor_user_id: x.a.clone(),
+                movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::ExternalId("603".into())) }),
+            }
+        )),
+        case!("unknown external id", NotFound, "external_id", |c, x| c.watchlist.add_to_watchlist(
+            v1::AddToWatchlistRequest {
+                actor_user_id: x.a.clone(),
+                movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::ExternalId("tmdb:1".into())) }),
+            }
+        )),
+        case!("malformed watchlist movie", InvalidArgument, "movie_id", |c, x| c.watchlist.remove_from_watchlist(
+            v1::RemoveFromWatchlistRequest { actor_user_id: x.a.clone(), movie_id: "x".into() }
+        )),
         case!("wrap-up year out of range", InvalidArgument, "year", |c, x| c
             .wrap_ups
             .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: x.a.clone(), year: 3000 })),
-        case!("malformed movie to discover", InvalidArgument, "title", |c, x| c.movies.discover_movie(v1::DiscoverMovieRequest {
-            actor_user_id: x.a.clone(),
-            title: long(301),
-            year: 2000,
-            external_id: String::new(),
-        })),
-        case!("enrichment of an unknown movie", NotFound, "movie", |c, x| c
-            .movies
-            .request_enrichment(v1::RequestEnrichmentRequest { actor_user_id: x.a.clone(), movie_id: x.nobody.clone() })),
+        case!("malformed movie to discover", InvalidArgument, "title", |c, x| c.movies.discover_movie(
+            v1::DiscoverMovieRequest {
+                actor_user_id: x.a.clone(),
+                title: long(301),
+                year: 2000,
+                external_id: String::new(),
+            }
+        )),
+        case!("enrichment of an unknown movie", NotFound, "movie", |c, x| c.movies.request_enrichment(
+            v1::RequestEnrichmentRequest { actor_user_id: x.a.clone(), movie_id: x.nobody.clone() }
+        )),
         case!("following yourself", InvalidArgument, "target", |c, x| c
             .social
             .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: user_account(&x.a) })),
-        case!("follow without a target", InvalidArgument, "target", |c, x| c.social.follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: None })),
+        case!("follow without a target", InvalidArgument, "target", |c, x| c
+            .social
+            .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: None })),
         case!("follow of a non-URI actor", InvalidArgument, "target.actor_uri", |c, x| c
             .social
             .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: actor_account("not a uri") })),
         case!("follow of an unknown user", NotFound, "user", |c, x| c
             .social
             .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: user_account(&x.nobody) })),
-        case!("block of yourself", InvalidArgument, "target", |c, x| c.social.block(v1::BlockRequest { actor_user_id: x.b.clone(), target: user_account(&x.b) })),
-        case!("oversized page", InvalidArgument, "page_size", |c, x| c
-            .reviews
-            .list_diary(v1::ListDiaryRequest { user_id: x.a.clone(), page_size: 500, page_token: String::new() })),
-        case!("forged page token", InvalidArgument, "page_token", |c, x| c
-            .reviews
-            .list_diary(v1::ListDiaryRequest { user_id: x.a.clone(), page_size: 10, page_token: "'; DROP TABLE reviews".into() })),
-        case!("malformed CSV row", InvalidArgument, "data: line 3", |c, x| c.import(
-            &x.a,
-            b"Name,Year,Rating\nAlien,1979,4\nHeat,nineteen,4\nRan,1985,5\n"
-        )),
-        case!("CSV rating out of range", InvalidArgument, "line 2: Rating", |c, x| c.import(&x.a, b"Name,Year,Rating\nAlien,1979,9\n")),
-        case!("CSV without a Year column", InvalidArgument, "data: line 1", |c, x| c.import(&x.a, b"Name,Rating\nAlien,4\n")),
+        case!("block of yourself", InvalidArgument, "target", |c, x| c
+            .social
+            .block(v1::BlockRequest { actor_user_id: x.b.clone(), target: user_account(&x.b) })),
+        case!("oversized page", InvalidArgument, "page_size", |c, x| c.reviews.list_diary(v1::ListDiaryRequest {
+            user_id: x.a.clone(),
+            page_size: 500,
+            page_token: String::new()
+        })),
+        case!("forged page token", InvalidArgument, "page_token", |c, x| c.reviews.list_diary(v1::ListDiaryRequest {
+            user_id: x.a.clone(),
+            page_size: 10,
+            page_token: "'; DROP TABLE reviews".into()
+        })),
+        case!("malformed CSV row", InvalidArgument, "data: line 3", |c, x| c
+            .import(&x.a, b"Name,Year,Rating\nAlien,1979,4\nHeat,nineteen,4\nRan,1985,5\n")),
+        case!("CSV rating out of range", InvalidArgument, "line 2: Rating", |c, x| c
+            .import(&x.a, b"Name,Year,Rating\nAlien,1979,9\n")),
+        case!("CSV without a Year column", InvalidArgument, "data: line 1", |c, x| c
+            .import(&x.a, b"Name,Rating\nAlien,4\n")),
         case!("import for an unknown user", NotFound, "user", |c, x| c.import(&x.nobody, b"Name,Year\nAlien,1979\n")),
         case!("empty import", InvalidArgument, "actor_user_id", |c, x| c.import(&x.a, b"")),
         case!("remote review without an object URI", InvalidArgument, "object_uri", |c, x| c
@@ -155,27 +263,32 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 movie: movie_ref("Ran", 1985),
                 ..Default::default()
             })),
-        case!("remote review rating", InvalidArgument, "rating", |c, x| c.federation.save_remote_review(v1::SaveRemoteReviewRequest {
-            object_uri: "https://films.example/r/1".into(),
-            actor_uri: "https://films.example/u/c".into(),
-            movie: movie_ref("Ran", 1985),
-            rating: 20,
-            ..Default::default()
-        })),
-        case!("remote follow activity", InvalidArgument, "activity_uri", |c, x| c.federation.receive_follow(v1::ReceiveFollowRequest {
-            actor_uri: "https://films.example/u/c".into(),
-            user_id: x.a.clone(),
-            activity_uri: "follow-1".into(),
-        })),
-        case!("remote follow of an unknown user", NotFound, "user", |c, x| c.federation.receive_follow(v1::ReceiveFollowRequest {
-            actor_uri: "https://films.example/u/c".into(),
-            user_id: x.nobody.clone(),
-            activity_uri: "https://films.example/a/1".into(),
-        })),
-        case!("watchlist add of an unknown movie id", NotFound, "movie", |c, x| c.watchlist.add_to_watchlist(v1::AddToWatchlistRequest {
-            actor_user_id: x.a.clone(),
-            movie: movie_id_ref(&x.nobody),
-        })),
+        case!("remote review rating", InvalidArgument, "rating", |c, x| c.federation.save_remote_review(
+            v1::SaveRemoteReviewRequest {
+                object_uri: "https://films.example/r/1".into(),
+                actor_uri: "https://films.example/u/c".into(),
+                movie: movie_ref("Ran", 1985),
+                rating: 20,
+                ..Default::default()
+            }
+        )),
+        case!("remote follow activity", InvalidArgument, "activity_uri", |c, x| c.federation.receive_follow(
+            v1::ReceiveFollowRequest {
+                actor_uri: "https://films.example/u/c".into(),
+                user_id: x.a.clone(),
+                activity_uri: "follow-1".into(),
+            }
+        )),
+        case!("remote follow of an unknown user", NotFound, "user", |c, x| c.federation.receive_follow(
+            v1::ReceiveFollowRequest {
+                actor_uri: "https://films.example/u/c".into(),
+                user_id: x.nobody.clone(),
+                activity_uri: "https://films.example/a/1".into(),
+            }
+        )),
+        case!("watchlist add of an unknown movie id", NotFound, "movie", |c, x| c.watchlist.add_to_watchlist(
+            v1::AddToWatchlistRequest { actor_user_id: x.a.clone(), movie: movie_id_ref(&x.nobody) }
+        )),
     ];
 
     let baseline = table_snapshot(&db).await;
@@ -183,7 +296,13 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     for case in cases {
         let status = (case.call)(c.clone(), ids.clone()).await.expect_err(case.name);
         assert_eq!(status.code(), case.code, "{}: {status:?}", case.name);
-        assert!(status.message().contains(case.mentions), "{}: message {:?} should mention {:?}", case.name, status.message(), case.mentions);
+        assert!(
+            status.message().contains(case.mentions),
+            "{}: message {:?} should mention {:?}",
+            case.name,
+            status.message(),
+            case.mentions
+        );
         assert_eq!(table_snapshot(&db).await, baseline, "{} changed the database", case.name);
     }
     eprintln!("{count} bad-input cases refused, database unchanged");
@@ -193,7 +312,11 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let status = anonymous.users.get_user(v1::GetUserRequest { user_id: ana.clone() }).await.unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated);
     let mut forged = Clients::new(reelay.channel_with_token(Some("not-the-token-at-all")).await);
-    let status = forged.users.create_user(v1::CreateUserRequest { handle: "eve".into(), display_name: "Eve".into() }).await.unwrap_err();
+    let status = forged
+        .users
+        .create_user(v1::CreateUserRequest { handle: "eve".into(), display_name: "Eve".into() })
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated);
     assert_eq!(table_snapshot(&db).await, baseline);
     reelay.stop().await;

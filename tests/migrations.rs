@@ -19,7 +19,9 @@ fn migrate(db: &std::path::Path, to: Option<i64>) -> std::process::Output {
 fn is_v4_uuid(s: &str) -> bool {
     let b = s.as_bytes();
     s.len() == 36
-        && s.chars().enumerate().all(|(i, c)| if [8, 13, 18, 23].contains(&i) { c == '-' } else { c.is_ascii_hexdigit() && !c.is_ascii_uppercase() })
+        && s.chars().enumerate().all(|(i, c)| {
+            if [8, 13, 18, 23].contains(&i) { c == '-' } else { c.is_ascii_hexdigit() && !c.is_ascii_uppercase() }
+        })
         && b[14] == b'4'
         && b"89ab".contains(&b[19])
 }
@@ -55,7 +57,8 @@ async fn upgrading_a_pre_outbox_database_backfills_a_distinct_event_id_per_row()
     let out = migrate(&db, None);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    let rows = query_strings(&db, "SELECT event_id, status, aggregate_id, claimed_at FROM event_queue ORDER BY id").await;
+    let rows =
+        query_strings(&db, "SELECT event_id, status, aggregate_id, claimed_at FROM event_queue ORDER BY id").await;
     assert_eq!(rows.len(), legacy);
     let ids: HashSet<&str> = rows.iter().map(|r| r[0].as_str()).collect();
     assert_eq!(ids.len(), legacy, "every legacy row gets its own id");
@@ -74,10 +77,12 @@ async fn upgrading_a_pre_outbox_database_backfills_a_distinct_event_id_per_row()
     // A foreign writer may still insert without an id; a repeated id is refused.
     let mut conn = sqlite(&db).await;
     for _ in 0..2 {
-        sqlx::query("INSERT INTO event_queue (event_type, payload, available_at, created_at) VALUES ('Foreign', x'00', 0, 0)")
-            .execute(&mut conn)
-            .await
-            .expect("NULL event_id is allowed, more than once");
+        sqlx::query(
+            "INSERT INTO event_queue (event_type, payload, available_at, created_at) VALUES ('Foreign', x'00', 0, 0)",
+        )
+        .execute(&mut conn)
+        .await
+        .expect("NULL event_id is allowed, more than once");
     }
     let duplicate = sqlx::query("INSERT INTO event_queue (event_id, event_type, payload, available_at, created_at) VALUES (?, 'Dup', x'00', 0, 0)")
         .bind(rows[0][0].clone())
@@ -88,7 +93,12 @@ async fn upgrading_a_pre_outbox_database_backfills_a_distinct_event_id_per_row()
 
 async fn sqlite(path: &std::path::Path) -> sqlx::SqliteConnection {
     use sqlx::ConnectOptions;
-    sqlx::sqlite::SqliteConnectOptions::new().filename(path).busy_timeout(std::time::Duration::from_secs(5)).connect().await.unwrap()
+    sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .busy_timeout(std::time::Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -115,10 +125,18 @@ async fn concurrent_migrators_of_one_fresh_file_all_succeed_and_apply_each_migra
             assert!(out.status.success(), "round {round}: a migrator failed:\n{log}");
             retried += usize::from(log.contains("retrying"));
         }
-        let applied = query_strings(&db, "SELECT CAST(version AS TEXT), CAST(success AS TEXT) FROM _sqlx_migrations ORDER BY version").await;
+        let applied = query_strings(
+            &db,
+            "SELECT CAST(version AS TEXT), CAST(success AS TEXT) FROM _sqlx_migrations ORDER BY version",
+        )
+        .await;
         let applied: Vec<(&str, &str)> = applied.iter().map(|r| (r[0].as_str(), r[1].as_str())).collect();
         assert_eq!(applied, [("1", "1"), ("2", "1"), ("101", "1")], "round {round}");
-        let tables = query_strings(&db, "SELECT COUNT(*) || '' FROM sqlite_master WHERE type = 'table' AND name = 'processed_events'").await;
+        let tables = query_strings(
+            &db,
+            "SELECT COUNT(*) || '' FROM sqlite_master WHERE type = 'table' AND name = 'processed_events'",
+        )
+        .await;
         assert_eq!(tables[0][0], "1");
         eprintln!("round {round}: {retried} of 6 migrators retried");
     }

@@ -4,7 +4,10 @@
 use std::path::Path;
 
 use reelay_contracts::v1::{self, event::Payload};
-use reelay_harness::{OutboxRow, Reelay, actor_account, movie_id_ref, movie_ref, outbox_rows, query_strings, table_snapshot, temp_dir, user_account};
+use reelay_harness::{
+    OutboxRow, Reelay, actor_account, movie_id_ref, movie_ref, outbox_rows, query_strings, table_snapshot, temp_dir,
+    user_account,
+};
 use tonic::Code;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
@@ -43,7 +46,10 @@ impl OutboxCursor<'_> {
 }
 
 fn uuid_like(s: &str) -> bool {
-    s.len() == 36 && s.chars().enumerate().all(|(i, c)| if [8, 13, 18, 23].contains(&i) { c == '-' } else { c.is_ascii_hexdigit() })
+    s.len() == 36
+        && s.chars()
+            .enumerate()
+            .all(|(i, c)| if [8, 13, 18, 23].contains(&i) { c == '-' } else { c.is_ascii_hexdigit() })
 }
 
 async fn count(db: &Path, sql: &str) -> i64 {
@@ -68,17 +74,29 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     // Movie discovery: a new movie raises MovieDiscovered; the same one again writes nothing.
     let found = c
         .movies
-        .discover_movie(v1::DiscoverMovieRequest { actor_user_id: ana.clone(), title: "Alien".into(), year: 1979, external_id: "tmdb:348".into() })
+        .discover_movie(v1::DiscoverMovieRequest {
+            actor_user_id: ana.clone(),
+            title: "Alien".into(),
+            year: 1979,
+            external_id: "tmdb:348".into(),
+        })
         .await
         .unwrap()
         .into_inner();
     assert!(found.created);
     let alien = found.movie.unwrap().movie_id;
     let events = outbox.expect(&["MovieDiscovered"]).await;
-    assert!(matches!(&events[0], Payload::MovieDiscovered(e) if e.movie_id == alien && e.title == "Alien" && e.year == 1979 && e.external_id == "tmdb:348"));
+    assert!(
+        matches!(&events[0], Payload::MovieDiscovered(e) if e.movie_id == alien && e.title == "Alien" && e.year == 1979 && e.external_id == "tmdb:348")
+    );
     let again = c
         .movies
-        .discover_movie(v1::DiscoverMovieRequest { actor_user_id: ben.clone(), title: " alien ".into(), year: 1979, external_id: String::new() })
+        .discover_movie(v1::DiscoverMovieRequest {
+            actor_user_id: ben.clone(),
+            title: " alien ".into(),
+            year: 1979,
+            external_id: String::new(),
+        })
         .await
         .unwrap()
         .into_inner();
@@ -119,14 +137,26 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         assert_eq!(row.envelope.as_ref().unwrap().traceparent, traceparent);
     }
     let Some(Payload::ReviewLogged(e)) = rows[1].envelope.clone().unwrap().payload else { panic!() };
-    assert_eq!((e.review_id.as_str(), e.user_id.as_str(), e.rating, e.movie_title.as_str()), (heat_review.review_id.as_str(), ana.as_str(), 9, "Heat"));
+    assert_eq!(
+        (e.review_id.as_str(), e.user_id.as_str(), e.rating, e.movie_title.as_str()),
+        (heat_review.review_id.as_str(), ana.as_str(), 9, "Heat")
+    );
     assert_eq!(rows[1].aggregate_id, heat_review.review_id);
-    assert_eq!(count(&db, &format!("SELECT COUNT(*) FROM reviews WHERE id = '{}' AND rating = 9", heat_review.review_id)).await, 1);
+    assert_eq!(
+        count(&db, &format!("SELECT COUNT(*) FROM reviews WHERE id = '{}' AND rating = 9", heat_review.review_id))
+            .await,
+        1
+    );
 
     // A review of a known movie by id: one event.
     let alien_review = c
         .reviews
-        .log_review(v1::LogReviewRequest { actor_user_id: ben.clone(), movie: movie_id_ref(&alien), rating: 10, ..Default::default() })
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ben.clone(),
+            movie: movie_id_ref(&alien),
+            rating: 10,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()
@@ -150,7 +180,9 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         .into_inner();
     assert_eq!((edited.rating, edited.rewatch), (10, true));
     let events = outbox.expect(&["ReviewEdited"]).await;
-    assert!(matches!(&events[0], Payload::ReviewEdited(e) if e.body == "Better every time." && e.movie_title == "Heat"));
+    assert!(
+        matches!(&events[0], Payload::ReviewEdited(e) if e.body == "Better every time." && e.movie_title == "Heat")
+    );
 
     // Watchlist: add (creating the movie), add again (nothing), remove, remove again (nothing).
     let entry = c
@@ -161,14 +193,20 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         .into_inner();
     outbox.expect(&["MovieDiscovered", "WatchlistItemAdded"]).await;
     c.watchlist
-        .add_to_watchlist(v1::AddToWatchlistRequest { actor_user_id: ana.clone(), movie: movie_id_ref(&entry.movie_id) })
+        .add_to_watchlist(v1::AddToWatchlistRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_id_ref(&entry.movie_id),
+        })
         .await
         .unwrap();
     outbox.expect(&[]).await;
     assert_eq!(count(&db, "SELECT COUNT(*) FROM watchlist").await, 1);
     let removed = c
         .watchlist
-        .remove_from_watchlist(v1::RemoveFromWatchlistRequest { actor_user_id: ana.clone(), movie_id: entry.movie_id.clone() })
+        .remove_from_watchlist(v1::RemoveFromWatchlistRequest {
+            actor_user_id: ana.clone(),
+            movie_id: entry.movie_id.clone(),
+        })
         .await
         .unwrap()
         .into_inner();
@@ -190,7 +228,12 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     // Alien is still reviewed by ben after ana's review of it goes: only ReviewDeleted.
     let ana_alien = c
         .reviews
-        .log_review(v1::LogReviewRequest { actor_user_id: ana.clone(), movie: movie_id_ref(&alien), rating: 8, ..Default::default() })
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_id_ref(&alien),
+            rating: 8,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()
@@ -207,11 +250,21 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     outbox.expect(&["ReviewDeleted"]).await;
 
     // Wrap-up: created once, returned after.
-    let wrap = c.wrap_ups.request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024 }).await.unwrap().into_inner();
+    let wrap = c
+        .wrap_ups
+        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024 })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(wrap.created);
     assert_eq!(wrap.wrap_up.as_ref().unwrap().status, v1::WrapUpStatus::Generating as i32);
     outbox.expect(&["WrapUpRequested"]).await;
-    let again = c.wrap_ups.request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024 }).await.unwrap().into_inner();
+    let again = c
+        .wrap_ups
+        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024 })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!again.created);
     outbox.expect(&[]).await;
 
@@ -221,14 +274,33 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     outbox.expect(&["Followed"]).await;
     assert!(!c.social.follow(follow).await.unwrap().into_inner().changed);
     outbox.expect(&[]).await;
-    let followers = c.social.list_followers(v1::ListFollowersRequest { user_id: ben.clone(), ..Default::default() }).await.unwrap().into_inner();
+    let followers = c
+        .social
+        .list_followers(v1::ListFollowersRequest { user_id: ben.clone(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(followers.accounts, vec![user_account(&ana).unwrap()]);
-    assert!(c.social.unfollow(v1::UnfollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap().into_inner().changed);
+    assert!(
+        c.social
+            .unfollow(v1::UnfollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) })
+            .await
+            .unwrap()
+            .into_inner()
+            .changed
+    );
     outbox.expect(&["Unfollowed"]).await;
 
     // Remote follow (outgoing) goes through the outbox like a local one.
     let remote = "https://films.example/users/carla";
-    assert!(c.social.follow(v1::FollowRequest { actor_user_id: ana.clone(), target: actor_account(remote) }).await.unwrap().into_inner().changed);
+    assert!(
+        c.social
+            .follow(v1::FollowRequest { actor_user_id: ana.clone(), target: actor_account(remote) })
+            .await
+            .unwrap()
+            .into_inner()
+            .changed
+    );
     let events = outbox.expect(&["Followed"]).await;
     assert!(matches!(&events[0], Payload::Followed(e) if e.target == actor_account(remote)));
 
@@ -236,25 +308,53 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     c.social.follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) }).await.unwrap();
     c.social.follow(v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap();
     outbox.expect(&["Followed", "Followed"]).await;
-    assert!(c.social.block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap().into_inner().changed);
+    assert!(
+        c.social
+            .block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben) })
+            .await
+            .unwrap()
+            .into_inner()
+            .changed
+    );
     outbox.expect(&["Blocked", "Unfollowed", "Unfollowed"]).await;
     assert_eq!(count(&db, "SELECT COUNT(*) FROM follows WHERE target NOT LIKE 'actor:%'").await, 0);
-    let refused = c.social.follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) }).await.unwrap_err();
+    let refused = c
+        .social
+        .follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) })
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition);
     outbox.expect(&[]).await;
-    assert!(c.social.unblock(v1::UnblockRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap().into_inner().changed);
+    assert!(
+        c.social
+            .unblock(v1::UnblockRequest { actor_user_id: ana.clone(), target: user_account(&ben) })
+            .await
+            .unwrap()
+            .into_inner()
+            .changed
+    );
     outbox.expect(&["Unblocked"]).await;
 
     // Federation: inbound follow and its undo, remote review save (idempotent per object id).
     let follow_activity = "https://films.example/activities/f-1";
-    let receive = v1::ReceiveFollowRequest { actor_uri: remote.into(), user_id: ana.clone(), activity_uri: follow_activity.into() };
+    let receive = v1::ReceiveFollowRequest {
+        actor_uri: remote.into(),
+        user_id: ana.clone(),
+        activity_uri: follow_activity.into(),
+    };
     assert!(c.federation.receive_follow(receive.clone()).await.unwrap().into_inner().changed);
     outbox.expect(&["RemoteFollowReceived"]).await;
     assert!(!c.federation.receive_follow(receive).await.unwrap().into_inner().changed);
     outbox.expect(&[]).await;
-    let followers = c.social.list_followers(v1::ListFollowersRequest { user_id: ana.clone(), ..Default::default() }).await.unwrap().into_inner();
+    let followers = c
+        .social
+        .list_followers(v1::ListFollowersRequest { user_id: ana.clone(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(followers.accounts, vec![actor_account(remote).unwrap()]);
-    let undo = v1::ReceiveUndoRequest { actor_uri: remote.into(), user_id: ana.clone(), activity_uri: follow_activity.into() };
+    let undo =
+        v1::ReceiveUndoRequest { actor_uri: remote.into(), user_id: ana.clone(), activity_uri: follow_activity.into() };
     assert!(c.federation.receive_undo(undo).await.unwrap().into_inner().changed);
     outbox.expect(&["RemoteFollowUndone"]).await;
 
@@ -269,11 +369,18 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     let saved = c.federation.save_remote_review(remote_review.clone()).await.unwrap().into_inner();
     assert!(saved.created && saved.changed);
     let events = outbox.expect(&["MovieDiscovered", "RemoteReviewSaved"]).await;
-    assert!(matches!(&events[1], Payload::RemoteReviewSaved(e) if e.remote_review_id == saved.remote_review_id && e.movie_title == "Solaris"));
+    assert!(
+        matches!(&events[1], Payload::RemoteReviewSaved(e) if e.remote_review_id == saved.remote_review_id && e.movie_title == "Solaris")
+    );
     let repeat = c.federation.save_remote_review(remote_review.clone()).await.unwrap().into_inner();
     assert!(!repeat.created && !repeat.changed);
     outbox.expect(&[]).await;
-    let updated = c.federation.save_remote_review(v1::SaveRemoteReviewRequest { rating: 10, ..remote_review }).await.unwrap().into_inner();
+    let updated = c
+        .federation
+        .save_remote_review(v1::SaveRemoteReviewRequest { rating: 10, ..remote_review })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!updated.created && updated.changed);
     assert_eq!(updated.remote_review_id, saved.remote_review_id);
     outbox.expect(&["RemoteReviewSaved"]).await;
@@ -284,7 +391,12 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), all.len());
-    let diary = c.reviews.list_diary(v1::ListDiaryRequest { user_id: ben.clone(), ..Default::default() }).await.unwrap().into_inner();
+    let diary = c
+        .reviews
+        .list_diary(v1::ListDiaryRequest { user_id: ben.clone(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(diary.reviews, vec![alien_review]);
     reelay.stop().await;
 }
@@ -301,7 +413,12 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
     let ben = c.user("ben").await;
     let review = c
         .reviews
-        .log_review(v1::LogReviewRequest { actor_user_id: ana.clone(), movie: movie_ref("Heat", 1995), rating: 8, ..Default::default() })
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("Heat", 1995),
+            rating: 8,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()
@@ -314,11 +431,18 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
         .unwrap()
         .into_inner();
     c.social.follow(v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap();
-    c.social.block(v1::BlockRequest { actor_user_id: ben.clone(), target: actor_account("https://x.example/u/z") }).await.unwrap();
+    c.social
+        .block(v1::BlockRequest { actor_user_id: ben.clone(), target: actor_account("https://x.example/u/z") })
+        .await
+        .unwrap();
     let remote = "https://films.example/users/carla";
     let activity = "https://films.example/activities/f-1";
     c.federation
-        .receive_follow(v1::ReceiveFollowRequest { actor_uri: remote.into(), user_id: ben.clone(), activity_uri: activity.into() })
+        .receive_follow(v1::ReceiveFollowRequest {
+            actor_uri: remote.into(),
+            user_id: ben.clone(),
+            activity_uri: activity.into(),
+        })
         .await
         .unwrap();
     setup.stop().await;
@@ -329,54 +453,123 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
     let mut c = faulty.clients().await;
     let csv = b"Name,Year,Letterboxd URI,Rating\nAlien,1979,https://boxd.it/a1,4\nPaprika,2006,https://boxd.it/a2,5\n";
     let results: Vec<(&str, Result<(), tonic::Status>)> = vec![
-        ("CreateUser", c.users.create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: "Cy".into() }).await.map(drop)),
+        (
+            "CreateUser",
+            c.users
+                .create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: "Cy".into() })
+                .await
+                .map(drop),
+        ),
         (
             "DiscoverMovie",
             c.movies
-                .discover_movie(v1::DiscoverMovieRequest { actor_user_id: ana.clone(), title: "Paprika".into(), year: 2006, external_id: String::new() })
+                .discover_movie(v1::DiscoverMovieRequest {
+                    actor_user_id: ana.clone(),
+                    title: "Paprika".into(),
+                    year: 2006,
+                    external_id: String::new(),
+                })
                 .await
                 .map(drop),
         ),
         (
             "RequestEnrichment",
-            c.movies.request_enrichment(v1::RequestEnrichmentRequest { actor_user_id: ana.clone(), movie_id: review.movie_id.clone() }).await.map(drop),
+            c.movies
+                .request_enrichment(v1::RequestEnrichmentRequest {
+                    actor_user_id: ana.clone(),
+                    movie_id: review.movie_id.clone(),
+                })
+                .await
+                .map(drop),
         ),
         (
             "LogReview",
             c.reviews
-                .log_review(v1::LogReviewRequest { actor_user_id: ana.clone(), movie: movie_ref("Alien", 1979), rating: 9, ..Default::default() })
+                .log_review(v1::LogReviewRequest {
+                    actor_user_id: ana.clone(),
+                    movie: movie_ref("Alien", 1979),
+                    rating: 9,
+                    ..Default::default()
+                })
                 .await
                 .map(drop),
         ),
         (
             "EditReview",
             c.reviews
-                .edit_review(v1::EditReviewRequest { actor_user_id: ana.clone(), review_id: review.review_id.clone(), rating: 2, ..Default::default() })
+                .edit_review(v1::EditReviewRequest {
+                    actor_user_id: ana.clone(),
+                    review_id: review.review_id.clone(),
+                    rating: 2,
+                    ..Default::default()
+                })
                 .await
                 .map(drop),
         ),
         (
             "DeleteReview",
-            c.reviews.delete_review(v1::DeleteReviewRequest { actor_user_id: ana.clone(), review_id: review.review_id.clone() }).await.map(drop),
+            c.reviews
+                .delete_review(v1::DeleteReviewRequest {
+                    actor_user_id: ana.clone(),
+                    review_id: review.review_id.clone(),
+                })
+                .await
+                .map(drop),
         ),
         (
             "AddToWatchlist",
-            c.watchlist.add_to_watchlist(v1::AddToWatchlistRequest { actor_user_id: ben.clone(), movie: movie_ref("Ida", 2013) }).await.map(drop),
+            c.watchlist
+                .add_to_watchlist(v1::AddToWatchlistRequest {
+                    actor_user_id: ben.clone(),
+                    movie: movie_ref("Ida", 2013),
+                })
+                .await
+                .map(drop),
         ),
         (
             "RemoveFromWatchlist",
             c.watchlist
-                .remove_from_watchlist(v1::RemoveFromWatchlistRequest { actor_user_id: ana.clone(), movie_id: watched.movie_id.clone() })
+                .remove_from_watchlist(v1::RemoveFromWatchlistRequest {
+                    actor_user_id: ana.clone(),
+                    movie_id: watched.movie_id.clone(),
+                })
                 .await
                 .map(drop),
         ),
-        ("RequestWrapUp", c.wrap_ups.request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year: 2024 }).await.map(drop)),
-        ("Follow", c.social.follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) }).await.map(drop)),
-        ("Unfollow", c.social.unfollow(v1::UnfollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.map(drop)),
-        ("Block", c.social.block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.map(drop)),
+        (
+            "RequestWrapUp",
+            c.wrap_ups
+                .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year: 2024 })
+                .await
+                .map(drop),
+        ),
+        (
+            "Follow",
+            c.social
+                .follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) })
+                .await
+                .map(drop),
+        ),
+        (
+            "Unfollow",
+            c.social
+                .unfollow(v1::UnfollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) })
+                .await
+                .map(drop),
+        ),
+        (
+            "Block",
+            c.social.block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.map(drop),
+        ),
         (
             "Unblock",
-            c.social.unblock(v1::UnblockRequest { actor_user_id: ben.clone(), target: actor_account("https://x.example/u/z") }).await.map(drop),
+            c.social
+                .unblock(v1::UnblockRequest {
+                    actor_user_id: ben.clone(),
+                    target: actor_account("https://x.example/u/z"),
+                })
+                .await
+                .map(drop),
         ),
         ("ImportDiary", c.import(&ana, csv).await.map(drop)),
         (
@@ -396,14 +589,22 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
         (
             "ReceiveFollow",
             c.federation
-                .receive_follow(v1::ReceiveFollowRequest { actor_uri: remote.into(), user_id: ana.clone(), activity_uri: activity.into() })
+                .receive_follow(v1::ReceiveFollowRequest {
+                    actor_uri: remote.into(),
+                    user_id: ana.clone(),
+                    activity_uri: activity.into(),
+                })
                 .await
                 .map(drop),
         ),
         (
             "ReceiveUndo",
             c.federation
-                .receive_undo(v1::ReceiveUndoRequest { actor_uri: remote.into(), user_id: ben.clone(), activity_uri: activity.into() })
+                .receive_undo(v1::ReceiveUndoRequest {
+                    actor_uri: remote.into(),
+                    user_id: ben.clone(),
+                    activity_uri: activity.into(),
+                })
                 .await
                 .map(drop),
         ),

@@ -8,9 +8,8 @@ use prost::Message;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let dir = root.join("reelay/v1");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
-        .map(|entry| entry.map(|e| e.path()))
-        .collect::<Result<_, _>>()?;
+    let mut files: Vec<PathBuf> =
+        std::fs::read_dir(&dir)?.map(|entry| entry.map(|e| e.path())).collect::<Result<_, _>>()?;
     files.retain(|p| p.extension().is_some_and(|ext| ext == "proto"));
     files.sort();
     for file in &files {
@@ -20,13 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let descriptors = protox::compile(&files, [&root])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
-    std::fs::write(
-        out.join("reelay_descriptor.bin"),
-        descriptors.encode_to_vec(),
-    )?;
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_fds(descriptors)?;
+    std::fs::write(out.join("reelay_descriptor.bin"), descriptors.encode_to_vec())?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(descriptors)?;
     Ok(())
 }

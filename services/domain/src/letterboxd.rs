@@ -58,10 +58,7 @@ fn error(line: u64, reason: impl std::fmt::Display) -> ValidationError {
 /// Parses and validates a whole export.
 pub fn parse(data: &[u8]) -> Result<Vec<DiaryRow>, ValidationError> {
     let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(data);
-    let headers = reader
-        .headers()
-        .map_err(|e| error(1, format!("unreadable header: {e}")))?
-        .clone();
+    let headers = reader.headers().map_err(|e| error(1, format!("unreadable header: {e}")))?.clone();
     let find = |name: &str| headers.iter().position(|h| h.trim().eq_ignore_ascii_case(name));
     let columns = Columns {
         name: find("Name").ok_or_else(|| error(1, "the header has no Name column"))?,
@@ -110,8 +107,7 @@ pub fn parse(data: &[u8]) -> Result<Vec<DiaryRow>, ValidationError> {
             "" => get(columns.date),
             watched => watched,
         };
-        let watched_on =
-            validate::date("Watched Date", watched_raw).map_err(|e| column_error("Watched Date", e))?;
+        let watched_on = validate::date("Watched Date", watched_raw).map_err(|e| column_error("Watched Date", e))?;
         let letterboxd_uri = get(columns.uri);
         if !letterboxd_uri.is_empty() {
             validate::uri("Letterboxd URI", letterboxd_uri).map_err(|e| column_error("Letterboxd URI", e))?;

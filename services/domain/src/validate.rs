@@ -41,9 +41,7 @@ fn chars(value: &str) -> usize {
 }
 
 fn no_control_chars(field: &str, value: &str, allow_newlines: bool) -> Result<(), ValidationError> {
-    let bad = value
-        .chars()
-        .any(|c| c.is_control() && !(allow_newlines && matches!(c, '\n' | '\r' | '\t')));
+    let bad = value.chars().any(|c| c.is_control() && !(allow_newlines && matches!(c, '\n' | '\r' | '\t')));
     if bad {
         return Err(ValidationError::new(field, "must not contain control characters"));
     }
@@ -151,9 +149,7 @@ pub fn external_id(field: &str, value: &str) -> Result<Option<String>, Validatio
     if chars(value) > MAX_EXTERNAL_ID_CHARS {
         return Err(ValidationError::new(field, format!("is longer than {MAX_EXTERNAL_ID_CHARS} characters")));
     }
-    let ok = value
-        .split_once(':')
-        .is_some_and(|(scheme, rest)| !scheme.is_empty() && !rest.is_empty())
+    let ok = value.split_once(':').is_some_and(|(scheme, rest)| !scheme.is_empty() && !rest.is_empty())
         && value.chars().all(|c| c.is_ascii_graphic());
     if !ok {
         return Err(ValidationError::new(field, format!("must look like scheme:value (e.g. tmdb:603), got {value:?}")));

@@ -44,7 +44,11 @@ pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<V
             "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, available_at, created_at) VALUES ",
         );
         for i in 0..chunk.len() {
-            sql.push_str(if i == 0 { "(?, ?, ?, ?, 'pending', 0, ?, ?)" } else { ", (?, ?, ?, ?, 'pending', 0, ?, ?)" });
+            sql.push_str(if i == 0 {
+                "(?, ?, ?, ?, 'pending', 0, ?, ?)"
+            } else {
+                ", (?, ?, ?, ?, 'pending', 0, ?, ?)"
+            });
         }
         let mut query = sqlx::query(AssertSqlSafe(sql));
         for (event_id, event_type, aggregate_id, payload) in chunk {

@@ -16,7 +16,5 @@ pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer};
 
 /// Milliseconds since the Unix epoch: the unit of every timestamp column.
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }

@@ -71,5 +71,8 @@ impl StartupRetry {
 
 /// A checksum mismatch or a migration missing from this build will not heal by waiting.
 fn is_retryable(error: &MigrateError) -> bool {
-    !matches!(error, MigrateError::VersionMismatch(_) | MigrateError::VersionMissing(_) | MigrateError::VersionTooNew(..))
+    !matches!(
+        error,
+        MigrateError::VersionMismatch(_) | MigrateError::VersionMissing(_) | MigrateError::VersionTooNew(..)
+    )
 }

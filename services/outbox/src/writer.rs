@@ -237,7 +237,11 @@ async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>, failpoint
     events
 }
 
-async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>], failpoints: &Failpoints) -> Result<usize, CommitError> {
+async fn run_batch(
+    tx: &mut WriteTx,
+    batch: &mut [Box<dyn Job>],
+    failpoints: &Failpoints,
+) -> Result<usize, CommitError> {
     // A lone job needs no savepoint: if it fails, the whole transaction is rolled back.
     let savepoints = batch.len() > 1;
     tx.conn.execute("BEGIN IMMEDIATE").await.map_err(CommitError::storage)?;

@@ -103,7 +103,9 @@ impl From<CommitError> for ServiceError {
             CommitError::Storage(inner) => classify_sqlx(inner),
             CommitError::Closed => Self::new(ErrorCode::Unavailable, "the service is shutting down"),
             CommitError::Panicked => Self::internal("the write failed unexpectedly; nothing was written"),
-            CommitError::Failpoint(name) => Self::new(ErrorCode::Unavailable, format!("failpoint {name} fired; nothing was written")),
+            CommitError::Failpoint(name) => {
+                Self::new(ErrorCode::Unavailable, format!("failpoint {name} fired; nothing was written"))
+            }
         }
     }
 }
@@ -123,7 +125,10 @@ fn classify_sqlx(error: &sqlx::Error) -> ServiceError {
             }
             Some(SQLITE_FULL) => {
                 tracing::error!(%error, "database disk is full");
-                return ServiceError::new(ErrorCode::ResourceExhausted, "the database disk is full; nothing was written");
+                return ServiceError::new(
+                    ErrorCode::ResourceExhausted,
+                    "the database disk is full; nothing was written",
+                );
             }
             _ => {}
         }

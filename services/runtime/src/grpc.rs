@@ -74,7 +74,7 @@ impl GrpcServer {
     }
 
     /// Mounts a generated tonic service.
-    pub fn add<S>(mut self, service: S) -> Self
+    pub fn add_service<S>(mut self, service: S) -> Self
     where
         S: Service<http::Request<Body>, Error = Infallible, Response = http::Response<Body>>
             + NamedService
@@ -198,7 +198,8 @@ where
         let method = request.uri().path().to_owned();
         if !self.authorized(&request) {
             tracing::warn!(%method, "rejected call without a valid service token");
-            let status = Status::unauthenticated("missing or invalid service token (send `authorization: Bearer <token>`)");
+            let status =
+                Status::unauthenticated("missing or invalid service token (send `authorization: Bearer <token>`)");
             return Box::pin(async move { Ok(status.into_http()) });
         }
         let traceparent = request

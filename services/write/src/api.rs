@@ -3,8 +3,8 @@
 
 use reelay_contracts::v1::{
     self, federation_server::FederationServer, integrations_server::IntegrationsServer, movies_server::MoviesServer,
-    reviews_server::ReviewsServer, social_server::SocialServer, users_server::UsersServer, watchlist_server::WatchlistServer,
-    wrap_ups_server::WrapUpsServer,
+    reviews_server::ReviewsServer, social_server::SocialServer, users_server::UsersServer,
+    watchlist_server::WatchlistServer, wrap_ups_server::WrapUpsServer,
 };
 use reelay_domain::{MovieId, ReviewId, UserId, WrapUpId, letterboxd, validate};
 use reelay_runtime::{GrpcServer, ServiceError};
@@ -32,14 +32,14 @@ pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
         };
     }
     server
-        .add(limited!(UsersServer))
-        .add(limited!(MoviesServer))
-        .add(limited!(ReviewsServer))
-        .add(limited!(WatchlistServer))
-        .add(limited!(WrapUpsServer))
-        .add(limited!(SocialServer))
-        .add(limited!(IntegrationsServer))
-        .add(limited!(FederationServer))
+        .add_service(limited!(UsersServer))
+        .add_service(limited!(MoviesServer))
+        .add_service(limited!(ReviewsServer))
+        .add_service(limited!(WatchlistServer))
+        .add_service(limited!(WrapUpsServer))
+        .add_service(limited!(SocialServer))
+        .add_service(limited!(IntegrationsServer))
+        .add_service(limited!(FederationServer))
 }
 
 #[derive(Clone)]
@@ -70,7 +70,11 @@ impl v1::movies_server::Movies for WriteApi {
         let spec = convert::movie_spec(
             "movie",
             Some(v1::MovieRef {
-                by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear { title: r.title, year: r.year, external_id: r.external_id })),
+                by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
+                    title: r.title,
+                    year: r.year,
+                    external_id: r.external_id,
+                })),
             }),
         )
         // The request's fields are flat; name them as the caller sent them.
@@ -79,7 +83,10 @@ impl v1::movies_server::Movies for WriteApi {
         ok(v1::DiscoverMovieResponse { movie: Some(convert::movie(movie)), created })
     }
 
-    async fn request_enrichment(&self, request: Request<v1::RequestEnrichmentRequest>) -> Reply<v1::RequestEnrichmentResponse> {
+    async fn request_enrichment(
+        &self,
+        request: Request<v1::RequestEnrichmentRequest>,
+    ) -> Reply<v1::RequestEnrichmentResponse> {
         let r = request.into_inner();
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
@@ -129,9 +136,14 @@ impl v1::reviews_server::Reviews for WriteApi {
         let r = request.into_inner();
         let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
         let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
-        let after = convert::page_token(&r.page_token, |t| ReviewId::parse("page_token", t)).map_err(ServiceError::from)?;
+        let after =
+            convert::page_token(&r.page_token, |t| ReviewId::parse("page_token", t)).map_err(ServiceError::from)?;
         let rows = self.store.list_diary(user, size, after).await?;
-        let next_page_token = if rows.len() == size as usize { rows.last().map(|r| r.id.clone()).unwrap_or_default() } else { String::new() };
+        let next_page_token = if rows.len() == size as usize {
+            rows.last().map(|r| r.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
         ok(v1::ListDiaryResponse { reviews: rows.into_iter().map(convert::review).collect(), next_page_token })
     }
 }
@@ -160,11 +172,18 @@ impl v1::watchlist_server::Watchlist for WriteApi {
         let r = request.into_inner();
         let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
         let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
-        let after = convert::page_token(&r.page_token, |t| MovieId::parse("page_token", t)).map_err(ServiceError::from)?;
+        let after =
+            convert::page_token(&r.page_token, |t| MovieId::parse("page_token", t)).map_err(ServiceError::from)?;
         let rows = self.store.list_watchlist(user, size, after).await?;
-        let next_page_token =
-            if rows.len() == size as usize { rows.last().map(|r| r.movie_id.clone()).unwrap_or_default() } else { String::new() };
-        ok(v1::ListWatchlistResponse { entries: rows.into_iter().map(convert::watchlist_entry).collect(), next_page_token })
+        let next_page_token = if rows.len() == size as usize {
+            rows.last().map(|r| r.movie_id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        ok(v1::ListWatchlistResponse {
+            entries: rows.into_iter().map(convert::watchlist_entry).collect(),
+            next_page_token,
+        })
     }
 }
 
@@ -186,8 +205,12 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
 
 /// A page of account keys → the response, with the next token when the page is full.
 fn accounts_page(keys: Vec<String>, size: u32) -> v1::ListAccountsResponse {
-    let next_page_token = if keys.len() == size as usize { keys.last().cloned().unwrap_or_default() } else { String::new() };
-    v1::ListAccountsResponse { accounts: keys.iter().map(|k| crate::store::account_from_key(k)).collect(), next_page_token }
+    let next_page_token =
+        if keys.len() == size as usize { keys.last().cloned().unwrap_or_default() } else { String::new() };
+    v1::ListAccountsResponse {
+        accounts: keys.iter().map(|k| crate::store::account_from_key(k)).collect(),
+        next_page_token,
+    }
 }
 
 fn account_page_token(token: &str) -> Result<String, ServiceError> {
@@ -256,11 +279,16 @@ impl v1::integrations_server::Integrations for WriteApi {
                 actor = Some(convert::actor(&chunk.actor_user_id).map_err(ServiceError::from)?);
             }
             if data.len() + chunk.data.len() > MAX_IMPORT_BYTES {
-                return Err(ServiceError::invalid("data", format!("the export is larger than {MAX_IMPORT_BYTES} bytes")).into());
+                return Err(ServiceError::invalid(
+                    "data",
+                    format!("the export is larger than {MAX_IMPORT_BYTES} bytes"),
+                )
+                .into());
             }
             data.extend_from_slice(&chunk.data);
         }
-        let actor = actor.ok_or_else(|| ServiceError::invalid("actor_user_id", "is required (the stream was empty)"))?;
+        let actor =
+            actor.ok_or_else(|| ServiceError::invalid("actor_user_id", "is required (the stream was empty)"))?;
         if data.is_empty() {
             return Err(ServiceError::invalid("data", "is required (the export was empty)").into());
         }
@@ -288,7 +316,10 @@ impl v1::integrations_server::Integrations for WriteApi {
 
 #[tonic::async_trait]
 impl v1::federation_server::Federation for WriteApi {
-    async fn save_remote_review(&self, request: Request<v1::SaveRemoteReviewRequest>) -> Reply<v1::SaveRemoteReviewResponse> {
+    async fn save_remote_review(
+        &self,
+        request: Request<v1::SaveRemoteReviewRequest>,
+    ) -> Reply<v1::SaveRemoteReviewResponse> {
         let r = request.into_inner();
         let review = RemoteReview {
             object_uri: validate::uri("object_uri", &r.object_uri).map_err(ServiceError::from)?,

@@ -12,7 +12,9 @@ pub fn movie_spec(field: &str, movie: Option<v1::MovieRef>) -> Result<MovieSpec,
         movie_ref::By::MovieId(id) => MovieSpec::Id(MovieId::parse(&format!("{field}.movie_id"), &id)?),
         movie_ref::By::ExternalId(ext) => {
             let field = format!("{field}.external_id");
-            MovieSpec::ExternalId(validate::external_id(&field, &ext)?.ok_or_else(|| ValidationError::new(field, "is required"))?)
+            MovieSpec::ExternalId(
+                validate::external_id(&field, &ext)?.ok_or_else(|| ValidationError::new(field, "is required"))?,
+            )
         }
         movie_ref::By::TitleYear(ty) => MovieSpec::TitleYear {
             title: validate::title(&format!("{field}.title_year.title"), &ty.title)?,
@@ -22,7 +24,12 @@ pub fn movie_spec(field: &str, movie: Option<v1::MovieRef>) -> Result<MovieSpec,
     })
 }
 
-pub fn review_fields(rating: u32, body: &str, watched_on: &str, rewatch: bool) -> Result<ReviewFields, ValidationError> {
+pub fn review_fields(
+    rating: u32,
+    body: &str,
+    watched_on: &str,
+    rewatch: bool,
+) -> Result<ReviewFields, ValidationError> {
     Ok(ReviewFields {
         rating: validate::rating("rating", rating)?,
         body: validate::body("body", body)?,
@@ -44,8 +51,15 @@ pub fn actor(value: &str) -> Result<UserId, ValidationError> {
 }
 
 /// An empty token, or a token this service issued.
-pub fn page_token<T>(value: &str, parse: impl FnOnce(&str) -> Result<T, ValidationError>) -> Result<Option<T>, ValidationError> {
-    if value.is_empty() { Ok(None) } else { parse(value).map(Some).map_err(|_| ValidationError::new("page_token", "is not a token this service issued")) }
+pub fn page_token<T>(
+    value: &str,
+    parse: impl FnOnce(&str) -> Result<T, ValidationError>,
+) -> Result<Option<T>, ValidationError> {
+    if value.is_empty() {
+        Ok(None)
+    } else {
+        parse(value).map(Some).map_err(|_| ValidationError::new("page_token", "is not a token this service issued"))
+    }
 }
 
 pub fn user(row: UserRow) -> v1::User {

@@ -26,7 +26,11 @@ pub enum MovieSpec {
     /// Must already exist.
     ExternalId(String),
     /// Created (raising `MovieDiscovered`) when unknown.
-    TitleYear { title: String, year: i32, external_id: Option<String> },
+    TitleYear {
+        title: String,
+        year: i32,
+        external_id: Option<String>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -193,12 +197,13 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
                 return Ok((movie, false));
             }
             let key = validate::title_key(title);
-            let existing: Option<MovieRow> =
-                sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE title_key = ? AND year = ?")
-                    .bind(key.clone())
-                    .bind(*year)
-                    .fetch_optional(tx.conn())
-                    .await?;
+            let existing: Option<MovieRow> = sqlx::query_as(
+                "SELECT id, title, year, external_id, created_at FROM movies WHERE title_key = ? AND year = ?",
+            )
+            .bind(key.clone())
+            .bind(*year)
+            .fetch_optional(tx.conn())
+            .await?;
             if let Some(movie) = existing {
                 return Ok((movie, false));
             }
@@ -209,15 +214,17 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
                 external_id: external_id.clone(),
                 created_at: tx.now_ms(),
             };
-            sqlx::query("INSERT INTO movies (id, title, title_key, year, external_id, created_at) VALUES (?, ?, ?, ?, ?, ?)")
-                .bind(movie.id.clone())
-                .bind(movie.title.clone())
-                .bind(key)
-                .bind(movie.year)
-                .bind(movie.external_id.clone())
-                .bind(movie.created_at)
-                .execute(tx.conn())
-                .await?;
+            sqlx::query(
+                "INSERT INTO movies (id, title, title_key, year, external_id, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            )
+            .bind(movie.id.clone())
+            .bind(movie.title.clone())
+            .bind(key)
+            .bind(movie.year)
+            .bind(movie.external_id.clone())
+            .bind(movie.created_at)
+            .execute(tx.conn())
+            .await?;
             events.push(NewEvent::new(
                 &movie.id,
                 Payload::MovieDiscovered(v1::MovieDiscovered {
@@ -233,10 +240,7 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
 }
 
 async fn review_by_id(conn: &mut SqliteConnection, id: &str) -> Result<Option<ReviewRow>> {
-    Ok(sqlx::query_as(select_reviews!("WHERE id = ?"))
-        .bind(id.to_owned())
-        .fetch_optional(conn)
-        .await?)
+    Ok(sqlx::query_as(select_reviews!("WHERE id = ?")).bind(id.to_owned()).fetch_optional(conn).await?)
 }
 
 /// Loads a review the actor owns: NOT_FOUND when missing, PERMISSION_DENIED when someone else's.
@@ -355,7 +359,10 @@ impl Store {
 
     pub async fn create_user(&self, handle: String, display_name: String) -> Result<UserRow> {
         write_job!(self, "create_user", |tx| {
-            let taken = sqlx::query("SELECT 1 FROM users WHERE handle = ?").bind(handle.clone()).fetch_optional(tx.conn()).await?;
+            let taken = sqlx::query("SELECT 1 FROM users WHERE handle = ?")
+                .bind(handle.clone())
+                .fetch_optional(tx.conn())
+                .await?;
             if taken.is_some() {
                 return Err(ServiceError::already_exists(format!("handle: @{handle} is taken")));
             }
@@ -448,15 +455,17 @@ impl Store {
             review.watched_on = fields.watched_on;
             review.rewatch = fields.rewatch;
             review.updated_at = tx.now_ms();
-            sqlx::query("UPDATE reviews SET rating = ?, body = ?, watched_on = ?, rewatch = ?, updated_at = ? WHERE id = ?")
-                .bind(review.rating)
-                .bind(review.body.clone())
-                .bind(review.watched_on.clone())
-                .bind(review.rewatch)
-                .bind(review.updated_at)
-                .bind(review.id.clone())
-                .execute(tx.conn())
-                .await?;
+            sqlx::query(
+                "UPDATE reviews SET rating = ?, body = ?, watched_on = ?, rewatch = ?, updated_at = ? WHERE id = ?",
+            )
+            .bind(review.rating)
+            .bind(review.body.clone())
+            .bind(review.watched_on.clone())
+            .bind(review.rewatch)
+            .bind(review.updated_at)
+            .bind(review.id.clone())
+            .execute(tx.conn())
+            .await?;
             let movie = movie_by_id(tx.conn(), &review.movie_id)
                 .await?
                 .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
@@ -516,25 +525,30 @@ impl Store {
             ensure_user(tx.conn(), actor).await?;
             let mut events = Vec::new();
             let (movie, _) = resolve_movie(tx, &spec, &mut events).await?;
-            let inserted = sqlx::query("INSERT OR IGNORE INTO watchlist (user_id, movie_id, added_at) VALUES (?, ?, ?)")
-                .bind(actor.to_string())
-                .bind(movie.id.clone())
-                .bind(tx.now_ms())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let inserted =
+                sqlx::query("INSERT OR IGNORE INTO watchlist (user_id, movie_id, added_at) VALUES (?, ?, ?)")
+                    .bind(actor.to_string())
+                    .bind(movie.id.clone())
+                    .bind(tx.now_ms())
+                    .execute(tx.conn())
+                    .await?
+                    .rows_affected()
+                    > 0;
             if inserted {
                 events.push(NewEvent::new(
                     &movie.id,
-                    Payload::WatchlistItemAdded(v1::WatchlistItemAdded { user_id: actor.to_string(), movie_id: movie.id.clone() }),
+                    Payload::WatchlistItemAdded(v1::WatchlistItemAdded {
+                        user_id: actor.to_string(),
+                        movie_id: movie.id.clone(),
+                    }),
                 ));
             }
-            let row: WatchlistRow = sqlx::query_as("SELECT user_id, movie_id, added_at FROM watchlist WHERE user_id = ? AND movie_id = ?")
-                .bind(actor.to_string())
-                .bind(movie.id.clone())
-                .fetch_one(tx.conn())
-                .await?;
+            let row: WatchlistRow =
+                sqlx::query_as("SELECT user_id, movie_id, added_at FROM watchlist WHERE user_id = ? AND movie_id = ?")
+                    .bind(actor.to_string())
+                    .bind(movie.id.clone())
+                    .fetch_one(tx.conn())
+                    .await?;
             commit_events(tx, events).await?;
             Ok(row)
         })
@@ -554,7 +568,10 @@ impl Store {
             if removed {
                 let event = NewEvent::new(
                     movie,
-                    Payload::WatchlistItemRemoved(v1::WatchlistItemRemoved { user_id: actor.to_string(), movie_id: movie.to_string() }),
+                    Payload::WatchlistItemRemoved(v1::WatchlistItemRemoved {
+                        user_id: actor.to_string(),
+                        movie_id: movie.to_string(),
+                    }),
                 );
                 commit_events(tx, vec![event]).await?;
             }
@@ -620,14 +637,15 @@ impl Store {
             if blocked_by_target || is_blocked(tx.conn(), &actor.to_string(), &target.key()).await? {
                 return Err(ServiceError::failed_precondition("target: a block exists between these accounts"));
             }
-            let inserted = sqlx::query("INSERT OR IGNORE INTO follows (follower_id, target, created_at) VALUES (?, ?, ?)")
-                .bind(actor.to_string())
-                .bind(target.key())
-                .bind(tx.now_ms())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let inserted =
+                sqlx::query("INSERT OR IGNORE INTO follows (follower_id, target, created_at) VALUES (?, ?, ?)")
+                    .bind(actor.to_string())
+                    .bind(target.key())
+                    .bind(tx.now_ms())
+                    .execute(tx.conn())
+                    .await?
+                    .rows_affected()
+                    > 0;
             if inserted {
                 let event = NewEvent::new(
                     actor,
@@ -653,7 +671,10 @@ impl Store {
             if removed {
                 let event = NewEvent::new(
                     actor,
-                    Payload::Unfollowed(v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) }),
+                    Payload::Unfollowed(v1::Unfollowed {
+                        follower_id: actor.to_string(),
+                        target: Some(target.to_proto()),
+                    }),
                 );
                 commit_events(tx, vec![event]).await?;
             }
@@ -667,19 +688,22 @@ impl Store {
         write_job!(self, "block", |tx| {
             ensure_user(tx.conn(), actor).await?;
             check_target(tx.conn(), actor, &target).await?;
-            let inserted = sqlx::query("INSERT OR IGNORE INTO blocks (blocker_id, target, created_at) VALUES (?, ?, ?)")
-                .bind(actor.to_string())
-                .bind(target.key())
-                .bind(tx.now_ms())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let inserted =
+                sqlx::query("INSERT OR IGNORE INTO blocks (blocker_id, target, created_at) VALUES (?, ?, ?)")
+                    .bind(actor.to_string())
+                    .bind(target.key())
+                    .bind(tx.now_ms())
+                    .execute(tx.conn())
+                    .await?
+                    .rows_affected()
+                    > 0;
             if !inserted {
                 return Ok(false);
             }
-            let mut events =
-                vec![NewEvent::new(actor, Payload::Blocked(v1::Blocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) }))];
+            let mut events = vec![NewEvent::new(
+                actor,
+                Payload::Blocked(v1::Blocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) }),
+            )];
             let outgoing = sqlx::query("DELETE FROM follows WHERE follower_id = ? AND target = ?")
                 .bind(actor.to_string())
                 .bind(target.key())
@@ -689,7 +713,10 @@ impl Store {
             if outgoing > 0 {
                 events.push(NewEvent::new(
                     actor,
-                    Payload::Unfollowed(v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) }),
+                    Payload::Unfollowed(v1::Unfollowed {
+                        follower_id: actor.to_string(),
+                        target: Some(target.to_proto()),
+                    }),
                 ));
             }
             match &target {
@@ -739,7 +766,10 @@ impl Store {
             if removed {
                 let event = NewEvent::new(
                     actor,
-                    Payload::Unblocked(v1::Unblocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) }),
+                    Payload::Unblocked(v1::Unblocked {
+                        blocker_id: actor.to_string(),
+                        target: Some(target.to_proto()),
+                    }),
                 );
                 commit_events(tx, vec![event]).await?;
             }
@@ -752,7 +782,11 @@ impl Store {
 
     /// Checks that the importing user exists before any chunk is written.
     pub async fn user_exists(&self, user: UserId) -> Result<bool> {
-        Ok(sqlx::query("SELECT 1 FROM users WHERE id = ?").bind(user.to_string()).fetch_optional(&self.db.reads).await?.is_some())
+        Ok(sqlx::query("SELECT 1 FROM users WHERE id = ?")
+            .bind(user.to_string())
+            .fetch_optional(&self.db.reads)
+            .await?
+            .is_some())
     }
 
     /// Imports validated diary rows, one transaction per chunk of [`IMPORT_CHUNK_ROWS`] with
@@ -941,7 +975,11 @@ impl Store {
             if removed {
                 let event = NewEvent::new(
                     user,
-                    Payload::RemoteFollowUndone(v1::RemoteFollowUndone { actor_uri, user_id: user.to_string(), activity_uri }),
+                    Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
+                        actor_uri,
+                        user_id: user.to_string(),
+                        activity_uri,
+                    }),
                 );
                 commit_events(tx, vec![event]).await?;
             }
@@ -979,11 +1017,11 @@ impl Store {
     /// Newest first. `after` is the last review id of the previous page.
     pub async fn list_diary(&self, user: UserId, limit: u32, after: Option<ReviewId>) -> Result<Vec<ReviewRow>> {
         Ok(sqlx::query_as(select_reviews!("WHERE user_id = ?1 AND (?2 IS NULL OR id < ?2) ORDER BY id DESC LIMIT ?3"))
-        .bind(user.to_string())
-        .bind(after.map(|id| id.to_string()))
-        .bind(i64::from(limit))
-        .fetch_all(&self.db.reads)
-        .await?)
+            .bind(user.to_string())
+            .bind(after.map(|id| id.to_string()))
+            .bind(i64::from(limit))
+            .fetch_all(&self.db.reads)
+            .await?)
     }
 
     /// In the order movies were added. `after` is the last movie id of the previous page.
@@ -1000,11 +1038,13 @@ impl Store {
     }
 
     pub async fn get_wrap_up(&self, id: WrapUpId) -> Result<WrapUpRow> {
-        sqlx::query_as("SELECT id, user_id, year, status, summary_json, requested_at, completed_at FROM wrap_ups WHERE id = ?")
-            .bind(id.to_string())
-            .fetch_optional(&self.db.reads)
-            .await?
-            .ok_or_else(|| ServiceError::not_found(format_args!("wrap-up {id}")))
+        sqlx::query_as(
+            "SELECT id, user_id, year, status, summary_json, requested_at, completed_at FROM wrap_ups WHERE id = ?",
+        )
+        .bind(id.to_string())
+        .fetch_optional(&self.db.reads)
+        .await?
+        .ok_or_else(|| ServiceError::not_found(format_args!("wrap-up {id}")))
     }
 
     /// Local and remote followers as account keys, ordered by key; `after` is the last key seen.
@@ -1024,12 +1064,13 @@ impl Store {
     }
 
     pub async fn list_following(&self, user: UserId, limit: u32, after: &str) -> Result<Vec<String>> {
-        let keys = sqlx::query("SELECT target FROM follows WHERE follower_id = ?1 AND target > ?2 ORDER BY target LIMIT ?3")
-            .bind(user.to_string())
-            .bind(after.to_owned())
-            .bind(i64::from(limit))
-            .fetch_all(&self.db.reads)
-            .await?;
+        let keys =
+            sqlx::query("SELECT target FROM follows WHERE follower_id = ?1 AND target > ?2 ORDER BY target LIMIT ?3")
+                .bind(user.to_string())
+                .bind(after.to_owned())
+                .bind(i64::from(limit))
+                .fetch_all(&self.db.reads)
+                .await?;
         Ok(keys.into_iter().map(|r| r.get(0)).collect())
     }
 }

@@ -18,13 +18,14 @@ pub type Snapshot = BTreeMap<String, Vec<String>>;
 
 pub async fn table_snapshot(path: &Path) -> Snapshot {
     let mut conn = open(path).await;
-    let tables: Vec<String> = sqlx::query("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
-        .fetch_all(&mut conn)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.get(0))
-        .collect();
+    let tables: Vec<String> =
+        sqlx::query("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
     let mut snapshot = Snapshot::new();
     for table in tables {
         let columns: Vec<String> = sqlx::query(AssertSqlSafe(format!("SELECT name FROM pragma_table_info('{table}')")))
@@ -54,7 +55,9 @@ pub async fn query_strings(path: &Path, sql: &str) -> Vec<Vec<String>> {
     let rows = sqlx::query(AssertSqlSafe(sql.to_owned())).fetch_all(&mut conn).await.unwrap();
     let out = rows
         .iter()
-        .map(|row| (0..row.len()).map(|i| row.try_get::<Option<String>, _>(i).ok().flatten().unwrap_or_default()).collect())
+        .map(|row| {
+            (0..row.len()).map(|i| row.try_get::<Option<String>, _>(i).ok().flatten().unwrap_or_default()).collect()
+        })
         .collect();
     conn.close().await.unwrap();
     out
@@ -75,10 +78,12 @@ pub struct OutboxRow {
 /// The outbox in insertion order.
 pub async fn outbox_rows(path: &Path) -> Vec<OutboxRow> {
     let mut conn = open(path).await;
-    let rows = sqlx::query("SELECT id, event_id, event_type, aggregate_id, status, attempts, payload FROM event_queue ORDER BY id")
-        .fetch_all(&mut conn)
-        .await
-        .unwrap();
+    let rows = sqlx::query(
+        "SELECT id, event_id, event_type, aggregate_id, status, attempts, payload FROM event_queue ORDER BY id",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
     let out = rows
         .into_iter()
         .map(|r| OutboxRow {

@@ -19,9 +19,9 @@ use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
 pub use db::{OutboxRow, Snapshot, outbox_rows, query_strings, table_snapshot};
 
@@ -82,7 +82,8 @@ impl Reelay {
         let mut last_error = String::new();
         for _ in 0..5 {
             let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-            let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
+            let log_file =
+                std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
             let mut command = Command::new(&spec.binary);
             command
                 .args(&spec.args)
@@ -98,7 +99,13 @@ impl Reelay {
                 command.env(key, value);
             }
             let child = command.spawn().expect("spawn reelay");
-            let mut process = Reelay { child: Some(child), addr, database: spec.database.clone(), log: spec.log.clone(), spec: spec.clone() };
+            let mut process = Reelay {
+                child: Some(child),
+                addr,
+                database: spec.database.clone(),
+                log: spec.log.clone(),
+                spec: spec.clone(),
+            };
             match process.wait_serving(Duration::from_secs(30)).await {
                 Ok(()) => return process,
                 Err(error) => {
@@ -110,7 +117,10 @@ impl Reelay {
                 }
             }
         }
-        panic!("reelay did not start: {last_error}\n--- log ---\n{}", std::fs::read_to_string(&spec.log).unwrap_or_default());
+        panic!(
+            "reelay did not start: {last_error}\n--- log ---\n{}",
+            std::fs::read_to_string(&spec.log).unwrap_or_default()
+        );
     }
 
     /// Starts the same process again (same database, same environment, new port).
@@ -273,7 +283,9 @@ impl Clients {
     }
 }
 
-fn tokio_stream_iter<T: Send + 'static>(items: Vec<T>) -> impl tonic::codegen::tokio_stream::Stream<Item = T> + Send + 'static {
+fn tokio_stream_iter<T: Send + 'static>(
+    items: Vec<T>,
+) -> impl tonic::codegen::tokio_stream::Stream<Item = T> + Send + 'static {
     tonic::codegen::tokio_stream::iter(items)
 }
 
@@ -285,7 +297,9 @@ impl Reelay {
 
 /// A title-and-year movie reference.
 pub fn movie_ref(title: &str, year: i32) -> Option<v1::MovieRef> {
-    Some(v1::MovieRef { by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear { title: title.into(), year, external_id: String::new() })) })
+    Some(v1::MovieRef {
+        by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear { title: title.into(), year, external_id: String::new() })),
+    })
 }
 
 pub fn movie_id_ref(id: &str) -> Option<v1::MovieRef> {
