@@ -317,3 +317,121 @@ impl Failpoints {
         false
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use reelay_contracts::v1;
+    use reelay_domain::NewEvent;
+    use sqlx::Row;
+
+    use super::*;
+    use crate::{Database, DbConfig, enqueue_events};
+
+    #[derive(Debug)]
+    enum TestError {
+        Refused,
+        Commit(CommitError),
+        Sql(#[allow(dead_code, reason = "shown by Debug when a test fails")] sqlx::Error),
+    }
+
+    impl From<CommitError> for TestError {
+        fn from(error: CommitError) -> Self {
+            Self::Commit(error)
+        }
+    }
+
+    impl From<sqlx::Error> for TestError {
+        fn from(error: sqlx::Error) -> Self {
+            Self::Sql(error)
+        }
+    }
+
+    fn event(n: i64) -> NewEvent {
+        NewEvent::new(n, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: n.to_string() }))
+    }
+
+    /// Many concurrent jobs, every third failing after it wrote: the failures roll back alone,
+    /// everything else commits with its events.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failing_jobs_roll_back_alone_and_batch_mates_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("w.db"))).await.unwrap();
+        let commits = db.writer.subscribe_commits();
+        let mut tasks = Vec::new();
+        for n in 0..300i64 {
+            let writer = db.writer.clone();
+            tasks.push(tokio::spawn(async move {
+                writer
+                    .transact("test", move |tx: &mut WriteTx| {
+                        Box::pin(async move {
+                            sqlx::query(
+                                "INSERT INTO users (id, handle, display_name, created_at) VALUES (?, ?, 'x', 0)",
+                            )
+                            .bind(n.to_string())
+                            .bind(format!("u{n}"))
+                            .execute(tx.conn())
+                            .await?;
+                            enqueue_events(tx, vec![event(n)]).await?;
+                            if n % 3 == 0 { Err(TestError::Refused) } else { Ok(n) }
+                        })
+                    })
+                    .await
+            }));
+        }
+        let mut ok = 0;
+        for (n, task) in tasks.into_iter().enumerate() {
+            match task.await.unwrap() {
+                Ok(value) => {
+                    assert_eq!(value, n as i64);
+                    ok += 1;
+                }
+                Err(TestError::Refused) => assert_eq!(n % 3, 0),
+                Err(other) => panic!("job {n}: {other:?}"),
+            }
+        }
+        assert_eq!(ok, 200);
+        let users: i64 = sqlx::query("SELECT COUNT(*) FROM users").fetch_one(&db.reads).await.unwrap().get(0);
+        let events: i64 = sqlx::query("SELECT COUNT(*) FROM event_queue").fetch_one(&db.reads).await.unwrap().get(0);
+        let refused: i64 = sqlx::query("SELECT COUNT(*) FROM users WHERE CAST(id AS INTEGER) % 3 = 0")
+            .fetch_one(&db.reads)
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!((users, events, refused), (200, 200, 0));
+        assert_eq!(*commits.borrow(), 200, "the commit counter counts committed outbox rows");
+        db.close().await;
+    }
+
+    /// A job that panics is rolled back and reported; the writer keeps serving.
+    #[tokio::test]
+    async fn a_panicking_job_is_contained() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("p.db"))).await.unwrap();
+        let result: Result<(), TestError> = db
+            .writer
+            .transact("boom", |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES ('1', 'a', 'x', 0)")
+                        .execute(tx.conn())
+                        .await?;
+                    panic!("bug in a job");
+                })
+            })
+            .await;
+        assert!(matches!(result, Err(TestError::Commit(CommitError::Panicked))));
+        let after: Result<i64, TestError> = db
+            .writer
+            .transact("after", |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    Ok(sqlx::query("SELECT COUNT(*) FROM users").fetch_one(tx.conn()).await?.get::<i64, _>(0))
+                })
+            })
+            .await;
+        assert_eq!(after.unwrap(), 0);
+        let writer = db.writer.clone();
+        db.close().await;
+        let closed: Result<(), TestError> =
+            writer.transact("late", |_tx: &mut WriteTx| Box::pin(async { Ok(()) })).await;
+        assert!(matches!(closed, Err(TestError::Commit(CommitError::Closed))));
+    }
+}
