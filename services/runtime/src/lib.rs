@@ -4,11 +4,13 @@
 
 pub mod error;
 pub mod grpc;
+pub mod handler;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 
 pub use error::{ErrorCode, ServiceError};
 pub use grpc::{GrpcConfig, GrpcServer};
+pub use handler::{Handler, HandlerError};
 pub use service::Service;
 pub use shutdown::Shutdown;
