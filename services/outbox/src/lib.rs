@@ -6,7 +6,9 @@
 
 mod db;
 mod enqueue;
+pub mod ledger;
 mod migrate;
+pub mod queue;
 mod writer;
 
 pub use db::{Database, DbConfig, Synchronous};

@@ -1,0 +1,176 @@
+//! The processed-event ledger (`processed_events`): one row per (event, handler).
+//!
+//! A claim inserts `in_progress` with the claim's millisecond start time, which is the owner's
+//! token; completing (`done`) and releasing (delete) are conditioned on it, so a worker whose
+//! claim was taken over after the lease cannot clobber the newer claim. Every function takes a
+//! batch and runs inside one writer job; the clock is an argument so tests can inject time.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::WriteTx;
+
+#[derive(Debug, Clone, Copy)]
+pub struct LedgerPolicy {
+    /// A claim older than this may be taken over (its worker is presumed dead).
+    pub lease: Duration,
+    /// Done rows older than this are purged.
+    pub retention: Duration,
+}
+
+impl Default for LedgerPolicy {
+    fn default() -> Self {
+        Self { lease: Duration::from_secs(1800), retention: Duration::from_secs(30 * 24 * 3600) }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LedgerKey {
+    pub event_id: String,
+    pub handler: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// Run the handler; settle with this token.
+    Acquired(i64),
+    /// Already handled: skip.
+    Done,
+    /// A fresh claim is held elsewhere until this time (ms).
+    HeldUntil(i64),
+}
+
+const CHUNK: usize = 200;
+
+fn tuples(n: usize, arity: usize) -> String {
+    let one = format!("({})", vec!["?"; arity].join(", "));
+    vec![one.as_str(); n].join(", ")
+}
+
+/// Claims each key, in order: acquire a free key, take over a claim older than the lease, or
+/// report it done / held.
+pub async fn claim(tx: &mut WriteTx, keys: &[LedgerKey], now: i64, policy: LedgerPolicy) -> Result<Vec<ClaimOutcome>, sqlx::Error> {
+    let lease = policy.lease.as_millis() as i64;
+    let mut outcomes: HashMap<&LedgerKey, ClaimOutcome> = HashMap::with_capacity(keys.len());
+    for chunk in keys.chunks(CHUNK) {
+        // Fresh keys: one insert for the chunk; RETURNING names the ones that were free.
+        let sql = format!(
+            "INSERT INTO processed_events (event_id, handler, status, started_at) VALUES {} \
+             ON CONFLICT DO NOTHING RETURNING event_id, handler",
+            vec!["(?, ?, 'in_progress', ?)"; chunk.len()].join(", ")
+        );
+        let mut insert = sqlx::query(AssertSqlSafe(sql));
+        for key in chunk {
+            insert = insert.bind(key.event_id.clone()).bind(key.handler.clone()).bind(now);
+        }
+        let inserted: Vec<(String, String)> =
+            insert.fetch_all(tx.conn()).await?.into_iter().map(|r| (r.get(0), r.get(1))).collect();
+        for key in chunk {
+            if inserted.iter().any(|(e, h)| *e == key.event_id && *h == key.handler) {
+                outcomes.insert(key, ClaimOutcome::Acquired(now));
+            }
+        }
+        // The rest exist already: done, held, or stale.
+        let taken: Vec<&LedgerKey> = chunk.iter().filter(|k| !outcomes.contains_key(k)).collect();
+        if taken.is_empty() {
+            continue;
+        }
+        let mut select = sqlx::query(AssertSqlSafe(format!(
+            "SELECT event_id, handler, status, started_at FROM processed_events WHERE (event_id, handler) IN (VALUES {})",
+            tuples(taken.len(), 2)
+        )));
+        for key in &taken {
+            select = select.bind(key.event_id.clone()).bind(key.handler.clone());
+        }
+        let existing: HashMap<(String, String), (String, i64)> = select
+            .fetch_all(tx.conn())
+            .await?
+            .into_iter()
+            .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3))))
+            .collect();
+        for key in taken {
+            let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
+            let outcome = match state {
+                Some((status, _)) if status == "done" => ClaimOutcome::Done,
+                Some((_, started)) if *started > now - lease => ClaimOutcome::HeldUntil(started + lease),
+                Some((_, started)) => {
+                    // Take over; the new token is always newer than the one it replaces.
+                    let token = now.max(started + 1);
+                    sqlx::query("UPDATE processed_events SET started_at = ? WHERE event_id = ? AND handler = ? AND started_at = ?")
+                        .bind(token)
+                        .bind(key.event_id.clone())
+                        .bind(key.handler.clone())
+                        .bind(*started)
+                        .execute(tx.conn())
+                        .await?;
+                    tracing::warn!(event_id = %key.event_id, handler = %key.handler, stale_token = started, "taking over an expired ledger claim");
+                    ClaimOutcome::Acquired(token)
+                }
+                // Released between the insert and the select cannot happen inside one job;
+                // treat a vanished row as free on the next claim.
+                None => ClaimOutcome::HeldUntil(now),
+            };
+            outcomes.insert(key, outcome);
+        }
+    }
+    Ok(keys.iter().map(|k| outcomes[k]).collect())
+}
+
+/// A key with the token its owner holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedKey {
+    pub key: LedgerKey,
+    pub token: i64,
+}
+
+async fn settle(tx: &mut WriteTx, keys: &[OwnedKey], head: &str, bind_first: Option<i64>) -> Result<Vec<bool>, sqlx::Error> {
+    let mut owned = Vec::with_capacity(keys.len());
+    for chunk in keys.chunks(CHUNK) {
+        let mut query = sqlx::query(AssertSqlSafe(format!(
+            "{head} WHERE (event_id, handler, started_at) IN (VALUES {}) AND status = 'in_progress' RETURNING event_id, handler",
+            tuples(chunk.len(), 3)
+        )));
+        if let Some(value) = bind_first {
+            query = query.bind(value);
+        }
+        for owned_key in chunk {
+            query = query.bind(owned_key.key.event_id.clone()).bind(owned_key.key.handler.clone()).bind(owned_key.token);
+        }
+        let changed: Vec<(String, String)> =
+            query.fetch_all(tx.conn()).await?.into_iter().map(|r| (r.get(0), r.get(1))).collect();
+        owned.extend(chunk.iter().map(|k| changed.iter().any(|(e, h)| *e == k.key.event_id && *h == k.key.handler)));
+    }
+    Ok(owned)
+}
+
+/// Marks claims done. `false` for a key means "claim lost": a newer claim owns it now and
+/// nothing changed.
+pub async fn complete(tx: &mut WriteTx, keys: &[OwnedKey], now: i64) -> Result<Vec<bool>, sqlx::Error> {
+    settle(tx, keys, "UPDATE processed_events SET status = 'done', processed_at = ?", Some(now)).await
+}
+
+/// Gives claims up so a retry can claim at once. `false` means the claim was lost.
+pub async fn release(tx: &mut WriteTx, keys: &[OwnedKey]) -> Result<Vec<bool>, sqlx::Error> {
+    settle(tx, keys, "DELETE FROM processed_events", None).await
+}
+
+/// Deletes up to `batch` rows past retention: done rows processed before `now - retention`,
+/// and claims abandoned that long ago. Returns how many went; call again until 0.
+pub async fn purge(tx: &mut WriteTx, now: i64, policy: LedgerPolicy, batch: u32) -> Result<u64, sqlx::Error> {
+    let cutoff = now - policy.retention.as_millis() as i64;
+    let deleted = sqlx::query(
+        "DELETE FROM processed_events WHERE (event_id, handler) IN ( \
+             SELECT event_id, handler FROM processed_events WHERE status = 'done' AND processed_at < ?1 \
+             UNION ALL \
+             SELECT event_id, handler FROM processed_events WHERE status = 'in_progress' AND started_at < ?1 \
+             LIMIT ?2)",
+    )
+    .bind(cutoff)
+    .bind(i64::from(batch))
+    .execute(tx.conn())
+    .await?
+    .rows_affected();
+    Ok(deleted)
+}

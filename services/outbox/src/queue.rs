@@ -1,0 +1,226 @@
+//! The consumer side of the outbox: claiming due rows and settling them.
+//!
+//! Every function here runs inside a writer job and takes the clock as an argument, so the
+//! schedule can be tested with injected time. A claim's `claimed_at` (ms) is the claimer's
+//! token; settling a row is conditioned on it, so a claimer whose lease expired and whose row
+//! was claimed again cannot change it.
+
+use std::time::Duration;
+
+use reelay_domain::retry_backoff;
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::WriteTx;
+
+/// How the outbox hands out and retries rows.
+#[derive(Debug, Clone, Copy)]
+pub struct QueuePolicy {
+    /// A claim older than this is presumed dead and the row is claimable again.
+    pub lease: Duration,
+    /// Deliveries before a row is dead-lettered (`EVENT_QUEUE_MAX_ATTEMPTS`).
+    pub max_attempts: u32,
+}
+
+impl Default for QueuePolicy {
+    fn default() -> Self {
+        Self { lease: Duration::from_secs(600), max_attempts: 8 }
+    }
+}
+
+/// A row handed to a claimer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedRow {
+    pub id: i64,
+    pub event_id: Option<String>,
+    pub event_type: String,
+    pub aggregate_id: String,
+    pub payload: Vec<u8>,
+    pub attempts: u32,
+    pub claimed_at: i64,
+}
+
+/// A claimed row named by id and claim token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowClaim {
+    pub id: i64,
+    pub claimed_at: i64,
+}
+
+/// What a settle call did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settled {
+    pub settled: usize,
+    /// Rows no longer held under the given token; left untouched.
+    pub lost: Vec<i64>,
+    pub dead_lettered: Vec<i64>,
+}
+
+/// Rows per multi-row statement.
+const CHUNK: usize = 200;
+
+fn claims_sql(head: &str, n: usize, tail: &str) -> AssertSqlSafe<String> {
+    let tuples = vec!["(?, ?)"; n].join(", ");
+    AssertSqlSafe(format!("{head} WHERE (id, claimed_at) IN (VALUES {tuples}) {tail}"))
+}
+
+/// Claims up to `max_rows` due rows, oldest first: pending rows whose `available_at` has come,
+/// and processing rows whose claim is older than the lease.
+pub async fn claim_due(tx: &mut WriteTx, now: i64, policy: QueuePolicy, max_rows: u32) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+    let stale_before = now - policy.lease.as_millis() as i64;
+    let reclaimed = sqlx::query("UPDATE event_queue SET status = 'pending' WHERE status = 'processing' AND claimed_at < ?")
+        .bind(stale_before)
+        .execute(tx.conn())
+        .await?
+        .rows_affected();
+    if reclaimed > 0 {
+        tracing::warn!(rows = reclaimed, "reclaiming outbox rows whose claimer's lease expired");
+    }
+    let rows = sqlx::query(
+        "UPDATE event_queue SET status = 'processing', claimed_at = ?1 \
+         WHERE id IN (SELECT id FROM event_queue WHERE status = 'pending' AND available_at <= ?1 ORDER BY id LIMIT ?2) \
+         RETURNING id, event_id, event_type, aggregate_id, payload, attempts, claimed_at",
+    )
+    .bind(now)
+    .bind(i64::from(max_rows))
+    .fetch_all(tx.conn())
+    .await?;
+    let mut claimed: Vec<ClaimedRow> = rows
+        .into_iter()
+        .map(|r| ClaimedRow {
+            id: r.get("id"),
+            event_id: r.get("event_id"),
+            event_type: r.get("event_type"),
+            aggregate_id: r.get("aggregate_id"),
+            payload: r.get("payload"),
+            attempts: r.get::<i64, _>("attempts") as u32,
+            claimed_at: r.get("claimed_at"),
+        })
+        .collect();
+    claimed.sort_by_key(|r| r.id);
+    Ok(claimed)
+}
+
+/// Marks delivered rows done.
+pub async fn complete(tx: &mut WriteTx, rows: &[RowClaim]) -> Result<Settled, sqlx::Error> {
+    let mut done = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(CHUNK) {
+        let mut query = sqlx::query(claims_sql(
+            "UPDATE event_queue SET status = 'done'",
+            chunk.len(),
+            "AND status = 'processing' RETURNING id",
+        ));
+        for row in chunk {
+            query = query.bind(row.id).bind(row.claimed_at);
+        }
+        done.extend(query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get::<i64, _>(0)));
+    }
+    Ok(settled(rows, done, Vec::new()))
+}
+
+/// Reschedules rows to `until` without spending an attempt.
+pub async fn defer(tx: &mut WriteTx, rows: &[RowClaim], until: i64) -> Result<Settled, sqlx::Error> {
+    let mut deferred = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(CHUNK) {
+        let mut query = sqlx::query(claims_sql(
+            "UPDATE event_queue SET status = 'pending', available_at = ?",
+            chunk.len(),
+            "AND status = 'processing' RETURNING id",
+        ))
+        .bind(until);
+        for row in chunk {
+            query = query.bind(row.id).bind(row.claimed_at);
+        }
+        deferred.extend(query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get::<i64, _>(0)));
+    }
+    Ok(settled(rows, deferred, Vec::new()))
+}
+
+/// A failed delivery of one row.
+#[derive(Debug, Clone)]
+pub struct FailedRow {
+    pub row: RowClaim,
+    pub error: String,
+    /// Retrying cannot help: dead-letter now.
+    pub terminal: bool,
+}
+
+/// Spends an attempt on each row: the next delivery is due after `retry_backoff(attempts)`, or
+/// the row is dead-lettered once `max_attempts` deliveries have failed.
+pub async fn fail(tx: &mut WriteTx, rows: &[FailedRow], now: i64, policy: QueuePolicy) -> Result<Settled, sqlx::Error> {
+    let (mut failed, mut dead) = (Vec::new(), Vec::new());
+    for failure in rows {
+        let held = sqlx::query("SELECT attempts, event_id FROM event_queue WHERE id = ? AND status = 'processing' AND claimed_at = ?")
+            .bind(failure.row.id)
+            .bind(failure.row.claimed_at)
+            .fetch_optional(tx.conn())
+            .await?;
+        let Some(held) = held else { continue };
+        let attempts = held.get::<i64, _>(0) as u32 + 1;
+        let event_id: Option<String> = held.get(1);
+        let error: String = failure.error.chars().take(2000).collect();
+        if failure.terminal || attempts >= policy.max_attempts {
+            sqlx::query("UPDATE event_queue SET status = 'dead_lettered', attempts = ?, last_error = ? WHERE id = ?")
+                .bind(i64::from(attempts))
+                .bind(error.clone())
+                .bind(failure.row.id)
+                .execute(tx.conn())
+                .await?;
+            tracing::error!(row = failure.row.id, event_id = event_id.as_deref().unwrap_or(""), attempts, %error,
+                "outbox row dead-lettered");
+            dead.push(failure.row.id);
+        } else {
+            let next = now + retry_backoff(attempts).as_millis() as i64;
+            sqlx::query("UPDATE event_queue SET status = 'pending', attempts = ?, available_at = ?, last_error = ? WHERE id = ?")
+                .bind(i64::from(attempts))
+                .bind(next)
+                .bind(error)
+                .bind(failure.row.id)
+                .execute(tx.conn())
+                .await?;
+        }
+        failed.push(failure.row.id);
+    }
+    let claims: Vec<RowClaim> = rows.iter().map(|f| f.row).collect();
+    Ok(settled(&claims, failed, dead))
+}
+
+fn settled(requested: &[RowClaim], changed: Vec<i64>, dead_lettered: Vec<i64>) -> Settled {
+    let lost = requested.iter().map(|r| r.id).filter(|id| !changed.contains(id)).collect();
+    Settled { settled: changed.len(), lost, dead_lettered }
+}
+
+/// Counts by status, and the age of the oldest due pending row.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    pub pending: u64,
+    pub processing: u64,
+    pub done: u64,
+    pub dead_lettered: u64,
+    pub oldest_due_age_ms: i64,
+}
+
+pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64) -> Result<QueueStats, sqlx::Error> {
+    let mut stats = QueueStats::default();
+    for row in sqlx::query("SELECT status, COUNT(*) FROM event_queue GROUP BY status").fetch_all(&mut *conn).await? {
+        let count = row.get::<i64, _>(1) as u64;
+        match row.get::<String, _>(0).as_str() {
+            "pending" => stats.pending = count,
+            "processing" => stats.processing = count,
+            "done" => stats.done = count,
+            "dead_lettered" => stats.dead_lettered = count,
+            _ => {}
+        }
+    }
+    let oldest: Option<i64> = sqlx::query("SELECT MIN(available_at) FROM event_queue WHERE status = 'pending' AND available_at <= ?")
+        .bind(now)
+        .fetch_one(&mut *conn)
+        .await?
+        .get(0);
+    stats.oldest_due_age_ms = oldest.map_or(0, |t| now - t);
+    Ok(stats)
+}
+
+/// When the next pending row becomes due (ms), if any is pending.
+pub async fn next_due_at(conn: &mut sqlx::SqliteConnection) -> Result<Option<i64>, sqlx::Error> {
+    Ok(sqlx::query("SELECT MIN(available_at) FROM event_queue WHERE status = 'pending'").fetch_one(conn).await?.get(0))
+}

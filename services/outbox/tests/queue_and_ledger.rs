@@ -1,0 +1,226 @@
+//! The outbox queue and the ledger against a real SQLite file, with the clock injected.
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use reelay_contracts::v1;
+use reelay_domain::{NewEvent, retry_backoff};
+use reelay_outbox::ledger::{self, ClaimOutcome, LedgerKey, LedgerPolicy, OwnedKey};
+use reelay_outbox::queue::{self, FailedRow, QueuePolicy, RowClaim};
+use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
+use sqlx::Row;
+
+#[derive(Debug)]
+enum Error {
+    Commit(#[allow(dead_code, reason = "shown by Debug when a test fails")] CommitError),
+    Sql(#[allow(dead_code, reason = "shown by Debug when a test fails")] sqlx::Error),
+}
+
+impl From<CommitError> for Error {
+    fn from(e: CommitError) -> Self {
+        Self::Commit(e)
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Sql(e)
+    }
+}
+
+async fn job<T, F>(db: &Database, work: F) -> T
+where
+    T: Send + 'static,
+    F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, sqlx::Error>> + Send + 'static,
+{
+    db.writer
+        .transact::<T, Error, _>("test", move |tx| Box::pin(async move { Ok(work(tx).await?) }))
+        .await
+        .expect("test job")
+}
+
+async fn open() -> (tempfile::TempDir, Database) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Database::open(&DbConfig::new(dir.path().join("q.db"))).await.unwrap();
+    (dir, db)
+}
+
+async fn enqueue(db: &Database, n: usize) {
+    job(db, move |tx| {
+        Box::pin(async move {
+            let events = (0..n)
+                .map(|i| NewEvent::new(i, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: i.to_string() })))
+                .collect();
+            enqueue_events(tx, events).await.map(drop)
+        })
+    })
+    .await
+}
+
+async fn row_state(db: &Database, id: i64) -> (String, i64, i64) {
+    let r = sqlx::query("SELECT status, attempts, available_at FROM event_queue WHERE id = ?")
+        .bind(id)
+        .fetch_one(&db.reads)
+        .await
+        .unwrap();
+    (r.get(0), r.get(1), r.get(2))
+}
+
+const T0: i64 = 1_800_000_000_000;
+
+#[tokio::test]
+async fn failures_follow_the_backoff_schedule_then_dead_letter() {
+    let (_dir, db) = open().await;
+    enqueue(&db, 1).await;
+    let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 5 };
+    let mut now = T0;
+    for attempt in 1..=5u32 {
+        let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, now, policy, 10))).await;
+        assert_eq!(claimed.len(), 1, "attempt {attempt} is due at {now}");
+        assert_eq!(claimed[0].attempts, attempt - 1);
+        let row = RowClaim { id: claimed[0].id, claimed_at: claimed[0].claimed_at };
+        let failed = FailedRow { row, error: format!("boom {attempt}"), terminal: false };
+        let settled = job(&db, move |tx| Box::pin(async move { queue::fail(tx, &[failed], now, policy).await })).await;
+        let (status, attempts, available_at) = row_state(&db, row.id).await;
+        assert_eq!(attempts, i64::from(attempt));
+        if attempt < 5 {
+            assert_eq!(status, "pending");
+            let wait = retry_backoff(attempt).as_millis() as i64;
+            assert_eq!(available_at, now + wait, "attempt {attempt} waits {wait} ms");
+            // Not a millisecond early.
+            let early = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + wait - 1, policy, 10))).await;
+            assert!(early.is_empty());
+            now += wait;
+        } else {
+            assert_eq!(status, "dead_lettered");
+            assert_eq!(settled.dead_lettered, vec![row.id]);
+        }
+    }
+    let later = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + 3_600_000, policy, 10))).await;
+    assert!(later.is_empty(), "a dead-lettered row is never claimed again");
+    let waits: Vec<u64> = (1..5).map(|a| retry_backoff(a).as_secs()).collect();
+    assert_eq!(waits, [5, 10, 20, 40]);
+}
+
+#[tokio::test]
+async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
+    let (_dir, db) = open().await;
+    enqueue(&db, 3).await;
+    let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 3 };
+    let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, 10))).await;
+    assert_eq!(claimed.len(), 3);
+    let claims: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
+
+    // Defer the first until later: no attempt spent, not claimable before then.
+    let first = claims[0];
+    job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[first], T0 + 60_000).await })).await;
+    assert_eq!(row_state(&db, first.id).await, ("pending".into(), 0, T0 + 60_000));
+    assert!(job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 59_999, policy, 10))).await.is_empty());
+
+    // The second claimer dies; after the lease its row is claimed again under a new token.
+    let second = claims[1];
+    let reclaimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 600_001, policy, 10))).await;
+    let ids: Vec<i64> = reclaimed.iter().map(|r| r.id).collect();
+    assert_eq!(ids, vec![first.id, second.id, claims[2].id], "the deferred row is due, the stale ones reclaimed");
+    // The dead claimer's late settle is refused and changes nothing.
+    let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[second]).await })).await;
+    assert_eq!((late.settled, late.lost), (0, vec![second.id]));
+    let stale_fail = FailedRow { row: second, error: "late".into(), terminal: false };
+    let late = job(&db, move |tx| Box::pin(async move { queue::fail(tx, &[stale_fail], T0, policy).await })).await;
+    assert_eq!(late.lost, vec![second.id]);
+    assert_eq!(row_state(&db, second.id).await.0, "processing");
+    // The new owner completes.
+    let owner = RowClaim { id: second.id, claimed_at: reclaimed[1].claimed_at };
+    let done = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[owner]).await })).await;
+    assert_eq!(done.settled, 1);
+
+    let mut conn = db.reads.acquire().await.unwrap();
+    let stats = queue::stats(&mut conn, T0 + 600_001).await.unwrap();
+    assert_eq!((stats.pending, stats.processing, stats.done, stats.dead_lettered), (0, 2, 1, 0));
+}
+
+fn key(event: &str, handler: &str) -> LedgerKey {
+    LedgerKey { event_id: event.into(), handler: handler.into() }
+}
+
+#[tokio::test]
+async fn ledger_claims_are_exclusive_owned_and_expire() {
+    let (_dir, db) = open().await;
+    let policy = LedgerPolicy { lease: Duration::from_secs(1800), retention: Duration::from_secs(30 * 86_400) };
+    let keys = vec![key("e1", "search"), key("e1", "posters"), key("e2", "search")];
+
+    let k = keys.clone();
+    let first = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, T0, policy).await })).await;
+    assert_eq!(first, vec![ClaimOutcome::Acquired(T0); 3]);
+
+    // A second worker a minute later: held until the lease ends.
+    let k = keys.clone();
+    let second = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, T0 + 60_000, policy).await })).await;
+    assert_eq!(second, vec![ClaimOutcome::HeldUntil(T0 + 1_800_000); 3]);
+
+    // The owner completes one and releases another; a wrong token is "claim lost".
+    let done = vec![OwnedKey { key: keys[0].clone(), token: T0 }, OwnedKey { key: keys[2].clone(), token: T0 - 1 }];
+    let owned = job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &done, T0 + 1).await })).await;
+    assert_eq!(owned, vec![true, false]);
+    let released = vec![OwnedKey { key: keys[1].clone(), token: T0 }];
+    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::release(tx, &released).await })).await, vec![true]);
+
+    // Now: done is skipped, released is free again, the stale one is taken over after the lease.
+    let k = keys.clone();
+    let later = T0 + 1_800_001;
+    let third = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, later, policy).await })).await;
+    assert_eq!(third, vec![ClaimOutcome::Done, ClaimOutcome::Acquired(later), ClaimOutcome::Acquired(later)]);
+
+    // The first owner of e2 wakes up late: its complete and release are refused.
+    let stale = vec![OwnedKey { key: keys[2].clone(), token: T0 }];
+    let s = stale.clone();
+    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &s, later + 5).await })).await, vec![false]);
+    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::release(tx, &stale).await })).await, vec![false]);
+    let new_owner = vec![OwnedKey { key: keys[2].clone(), token: later }];
+    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &new_owner, later + 6).await })).await, vec![true]);
+}
+
+#[tokio::test]
+async fn purge_removes_only_rows_older_than_the_retention() {
+    let (_dir, db) = open().await;
+    let day = 86_400_000i64;
+    let policy = LedgerPolicy { lease: Duration::from_secs(1800), retention: Duration::from_secs(30 * 86_400) };
+    // 50 rows done 40 days ago, 50 done 10 days ago, one abandoned claim 31 days old, one fresh claim.
+    for (i, processed_days_ago) in (0..100).map(|i| (i, if i < 50 { 40 } else { 10 })) {
+        let started = T0 - processed_days_ago * day;
+        let owned = vec![OwnedKey { key: key(&format!("e{i}"), "search"), token: started }];
+        let claim_key = vec![owned[0].key.clone()];
+        job(&db, move |tx| {
+            Box::pin(async move {
+                ledger::claim(tx, &claim_key, started, policy).await?;
+                ledger::complete(tx, &owned, started).await
+            })
+        })
+        .await;
+    }
+    let abandoned = vec![key("old", "search")];
+    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &abandoned, T0 - 31 * day, policy).await })).await;
+    let fresh = vec![key("new", "search")];
+    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, T0, policy).await })).await;
+
+    let mut total = 0;
+    loop {
+        let purged = job(&db, move |tx| Box::pin(ledger::purge(tx, T0, policy, 16))).await;
+        assert!(purged <= 16, "purges in small batches");
+        if purged == 0 {
+            break;
+        }
+        total += purged;
+    }
+    assert_eq!(total, 51);
+    let left: Vec<String> = sqlx::query("SELECT event_id FROM processed_events ORDER BY event_id")
+        .fetch_all(&db.reads)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left.len(), 51);
+    assert!(left.contains(&"new".to_string()) && !left.contains(&"old".to_string()));
+    assert!(left.iter().filter(|e| e.starts_with('e')).all(|e| e[1..].parse::<u32>().unwrap() >= 50));
+}
