@@ -7,7 +7,9 @@
 
 mod api;
 mod convert;
+mod internal;
 mod store;
 
 pub use api::mount;
+pub use internal::{DeliveryPolicy, mount_internal, purge_ledger};
 pub use store::Store;

@@ -1,0 +1,522 @@
+//! The search index: one tantivy index in a local directory, holding one document per movie,
+//! local review and remote review, each under a key (`movie:<id>`, `review:<id>`, `remote:<id>`).
+//!
+//! Events arrive at least once and in any order, so every document carries the `version` of the
+//! event that wrote it (its `occurred_at_ms`) and a `deleted` flag. An event older than the
+//! indexed document is a no-op, and a delete leaves a tombstone rather than nothing, so a
+//! redelivered `ReviewLogged` cannot bring back a review deleted after it. At equal versions a
+//! tombstone wins and an upsert is simply written again.
+//!
+//! Only this module touches tantivy; all of its blocking work runs on the blocking pool.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use reelay_contracts::v1::{self, event::Payload};
+use reelay_runtime::HandlerError;
+use tantivy::collector::{Count, TopDocs};
+use tantivy::directory::MmapDirectory;
+use tantivy::query::{BooleanQuery, ConstScoreQuery, Occur, Query, TermQuery};
+use tantivy::schema::{Field, INDEXED, IndexRecordOption, STORED, STRING, Schema, TEXT, Value};
+use tantivy::tokenizer::TokenStream;
+use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Score, Searcher, TantivyDocument, Term};
+use tantivy::indexer::IndexWriterOptions;
+
+/// Tantivy's minimum per indexing thread; with one thread it keeps the writer's buffer, and so
+/// the service, well under its 64 MB memory budget.
+const WRITER_MEMORY_BYTES: usize = 15_000_000;
+
+const KIND_MOVIE: &str = "movie";
+const KIND_REVIEW: &str = "review";
+
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error("failed to open the search index at {path}: {source}")]
+    Open { path: PathBuf, source: tantivy::TantivyError },
+    #[error("search index operation failed: {0}")]
+    Tantivy(#[from] tantivy::TantivyError),
+    #[error("search index task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// One page of hits and the number of hits over all pages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SearchPage<T> {
+    pub hits: Vec<T>,
+    pub total_hits: u64,
+}
+
+/// A handle on the index; clones share one reader and one writer.
+#[derive(Clone)]
+pub struct SearchIndex {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    index: Index,
+    reader: IndexReader,
+    /// Tantivy allows one writer per index; the mutex also makes each batch's read-check-write
+    /// of versions atomic with respect to other batches.
+    writer: Mutex<IndexWriter>,
+    fields: Fields,
+}
+
+#[derive(Clone, Copy)]
+struct Fields {
+    key: Field,
+    kind: Field,
+    version: Field,
+    deleted: Field,
+    movie_id: Field,
+    title: Field,
+    year: Field,
+    review_id: Field,
+    user_id: Field,
+    actor_uri: Field,
+    rating: Field,
+    body: Field,
+    remote: Field,
+}
+
+fn schema() -> Schema {
+    let mut builder = Schema::builder();
+    builder.add_text_field("key", STRING | STORED);
+    builder.add_text_field("kind", STRING);
+    builder.add_i64_field("version", STORED);
+    builder.add_bool_field("deleted", INDEXED | STORED);
+    builder.add_text_field("movie_id", STORED);
+    // A review's movie title goes here too, so searching "heat" finds reviews of Heat.
+    builder.add_text_field("title", TEXT | STORED);
+    builder.add_i64_field("year", STORED);
+    builder.add_text_field("review_id", STORED);
+    builder.add_text_field("user_id", STORED);
+    builder.add_text_field("actor_uri", STORED);
+    builder.add_u64_field("rating", STORED);
+    builder.add_text_field("body", TEXT | STORED);
+    builder.add_bool_field("remote", STORED);
+    builder.build()
+}
+
+impl Fields {
+    fn of(schema: &Schema) -> tantivy::Result<Self> {
+        let field = |name| schema.get_field(name);
+        Ok(Self {
+            key: field("key")?,
+            kind: field("kind")?,
+            version: field("version")?,
+            deleted: field("deleted")?,
+            movie_id: field("movie_id")?,
+            title: field("title")?,
+            year: field("year")?,
+            review_id: field("review_id")?,
+            user_id: field("user_id")?,
+            actor_uri: field("actor_uri")?,
+            rating: field("rating")?,
+            body: field("body")?,
+            remote: field("remote")?,
+        })
+    }
+}
+
+/// What one event does to the index.
+struct Change {
+    key: String,
+    version: i64,
+    /// `None` writes a tombstone.
+    entry: Option<Entry>,
+}
+
+enum Entry {
+    Movie(v1::MovieHit),
+    Review(v1::ReviewHit),
+}
+
+/// Orders the writes to one key: a newer version wins, and at the same version a tombstone wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Stamp {
+    version: i64,
+    deleted: bool,
+}
+
+impl Change {
+    fn stamp(&self) -> Stamp {
+        Stamp { version: self.version, deleted: self.entry.is_none() }
+    }
+
+    /// `None` for events the index does not care about.
+    fn from_event(event: &v1::Event) -> Result<Option<Self>, HandlerError> {
+        let Some(payload) = &event.payload else { return Ok(None) };
+        let version = event.occurred_at_ms;
+        let require = |field: &str, value: &str| {
+            if value.is_empty() {
+                Err(HandlerError::permanent(format!(
+                    "{} event {} has an empty {field}",
+                    event.event_type, event.event_id
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        let change = match payload {
+            Payload::ReviewLogged(r) => {
+                require("review_id", &r.review_id)?;
+                Self::review(version, &r.review_id, &r.user_id, &r.movie_id, &r.movie_title, r.movie_year, r.rating, &r.body)
+            }
+            Payload::ReviewEdited(r) => {
+                require("review_id", &r.review_id)?;
+                Self::review(version, &r.review_id, &r.user_id, &r.movie_id, &r.movie_title, r.movie_year, r.rating, &r.body)
+            }
+            Payload::ReviewDeleted(r) => {
+                require("review_id", &r.review_id)?;
+                Self { key: format!("review:{}", r.review_id), version, entry: None }
+            }
+            Payload::RemoteReviewSaved(r) => {
+                require("remote_review_id", &r.remote_review_id)?;
+                Self {
+                    key: format!("remote:{}", r.remote_review_id),
+                    version,
+                    entry: Some(Entry::Review(v1::ReviewHit {
+                        review_id: r.remote_review_id.clone(),
+                        user_id: String::new(),
+                        actor_uri: r.actor_uri.clone(),
+                        movie_id: r.movie_id.clone(),
+                        movie_title: r.movie_title.clone(),
+                        movie_year: r.movie_year,
+                        rating: r.rating,
+                        body: r.body.clone(),
+                        remote: true,
+                        score: 0.0,
+                    })),
+                }
+            }
+            Payload::MovieDiscovered(m) => {
+                require("movie_id", &m.movie_id)?;
+                Self {
+                    key: format!("movie:{}", m.movie_id),
+                    version,
+                    entry: Some(Entry::Movie(v1::MovieHit {
+                        movie_id: m.movie_id.clone(),
+                        title: m.title.clone(),
+                        year: m.year,
+                        score: 0.0,
+                    })),
+                }
+            }
+            Payload::MovieDeleted(m) => {
+                require("movie_id", &m.movie_id)?;
+                Self { key: format!("movie:{}", m.movie_id), version, entry: None }
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(change))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn review(
+        version: i64,
+        review_id: &str,
+        user_id: &str,
+        movie_id: &str,
+        movie_title: &str,
+        movie_year: i32,
+        rating: u32,
+        body: &str,
+    ) -> Self {
+        Self {
+            key: format!("review:{review_id}"),
+            version,
+            entry: Some(Entry::Review(v1::ReviewHit {
+                review_id: review_id.to_owned(),
+                user_id: user_id.to_owned(),
+                actor_uri: String::new(),
+                movie_id: movie_id.to_owned(),
+                movie_title: movie_title.to_owned(),
+                movie_year,
+                rating,
+                body: body.to_owned(),
+                remote: false,
+                score: 0.0,
+            })),
+        }
+    }
+}
+
+impl SearchIndex {
+    /// Opens the index in `dir`, creating the directory and an empty index if needed. Fails if
+    /// another process holds the index's writer lock.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, IndexError> {
+        let path = dir.as_ref();
+        let open = || -> tantivy::Result<Self> {
+            std::fs::create_dir_all(path)?;
+            let index = Index::open_or_create(MmapDirectory::open(path)?, schema())?;
+            Self::from_index(index)
+        };
+        let index = open().map_err(|source| IndexError::Open { path: path.to_owned(), source })?;
+        tracing::info!(path = %path.display(), docs = index.num_docs(), "search index open");
+        Ok(index)
+    }
+
+    fn from_index(index: Index) -> tantivy::Result<Self> {
+        let fields = Fields::of(&index.schema())?;
+        let writer = index.writer_with_options(
+            IndexWriterOptions::builder()
+                .memory_budget_per_thread(WRITER_MEMORY_BYTES)
+                .num_worker_threads(1)
+                .num_merge_threads(1)
+                .build(),
+        )?;
+        // Only our own commits change the index, and each one reloads explicitly.
+        let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
+        Ok(Self { inner: Arc::new(Inner { index, reader, writer: Mutex::new(writer), fields }) })
+    }
+
+    /// Documents in the index, tombstones included.
+    pub fn num_docs(&self) -> u64 {
+        self.inner.reader.searcher().num_docs()
+    }
+
+    /// Applies the events of one batch with a single commit, returning one result per event in
+    /// order. Events the index does not index are `Ok` no-ops; an event missing its id is a
+    /// permanent error; a failed commit is a retryable error for every event it would have
+    /// written. Searches see the batch once this returns.
+    pub async fn apply(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+        let mut results = Vec::with_capacity(events.len());
+        let mut changes = Vec::new();
+        let mut changed = Vec::new();
+        for (position, event) in events.iter().enumerate() {
+            match Change::from_event(event) {
+                Ok(Some(change)) => {
+                    changes.push(change);
+                    changed.push(position);
+                    results.push(Ok(()));
+                }
+                Ok(None) => results.push(Ok(())),
+                Err(error) => {
+                    tracing::warn!(event_id = %event.event_id, event_type = %event.event_type, %error, "event cannot be indexed");
+                    results.push(Err(error));
+                }
+            }
+        }
+        if changes.is_empty() {
+            return results;
+        }
+        let inner = Arc::clone(&self.inner);
+        let written = tokio::task::spawn_blocking(move || inner.write(changes)).await.map_err(IndexError::from);
+        if let Err(error) = written.and_then(|result| result) {
+            tracing::warn!(events = changed.len(), %error, "search index batch failed");
+            for position in changed {
+                results[position] = Err(HandlerError::retryable(&error));
+            }
+        }
+        results
+    }
+
+    /// Movies whose title holds every word of `query`, best first.
+    pub async fn search_movies(
+        &self,
+        query: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<SearchPage<v1::MovieHit>, IndexError> {
+        let inner = Arc::clone(&self.inner);
+        let query = query.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let fields = inner.fields;
+            inner.search(KIND_MOVIE, &[fields.title], &query, offset, limit, |score, doc| v1::MovieHit {
+                movie_id: text(doc, fields.movie_id),
+                title: text(doc, fields.title),
+                year: int(doc, fields.year),
+                score,
+            })
+        })
+        .await?
+    }
+
+    /// Local and remote reviews whose body or movie title holds every word of `query`, best first.
+    pub async fn search_reviews(
+        &self,
+        query: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<SearchPage<v1::ReviewHit>, IndexError> {
+        let inner = Arc::clone(&self.inner);
+        let query = query.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let fields = inner.fields;
+            inner.search(KIND_REVIEW, &[fields.title, fields.body], &query, offset, limit, |score, doc| {
+                v1::ReviewHit {
+                    review_id: text(doc, fields.review_id),
+                    user_id: text(doc, fields.user_id),
+                    actor_uri: text(doc, fields.actor_uri),
+                    movie_id: text(doc, fields.movie_id),
+                    movie_title: text(doc, fields.title),
+                    movie_year: int(doc, fields.year),
+                    rating: doc.get_first(fields.rating).and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+                    body: text(doc, fields.body),
+                    remote: doc.get_first(fields.remote).and_then(|v| v.as_bool()).unwrap_or(false),
+                    score,
+                }
+            })
+        })
+        .await?
+    }
+}
+
+fn text(doc: &TantivyDocument, field: Field) -> String {
+    doc.get_first(field).and_then(|v| v.as_str()).unwrap_or_default().to_owned()
+}
+
+fn int(doc: &TantivyDocument, field: Field) -> i32 {
+    doc.get_first(field).and_then(|v| v.as_i64()).unwrap_or(0) as i32
+}
+
+impl Inner {
+    fn write(&self, changes: Vec<Change>) -> Result<(), IndexError> {
+        let mut writer = match self.writer.lock() {
+            Ok(writer) => writer,
+            Err(poisoned) => {
+                // A batch panicked half-staged: drop what it staged before staging anew.
+                let mut writer = poisoned.into_inner();
+                writer.rollback()?;
+                self.writer.clear_poison();
+                writer
+            }
+        };
+        let staged = self.stage(&writer, changes);
+        let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
+        if let Err(error) = committed {
+            if let Err(rollback) = writer.rollback() {
+                tracing::error!(%rollback, "search index rollback failed after a failed batch");
+            }
+            return Err(error.into());
+        }
+        // Still under the lock, so the next batch checks versions against this one.
+        self.reader.reload()?;
+        Ok(())
+    }
+
+    /// Stages the changes that are not older than what is indexed; returns how many it staged.
+    fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<usize> {
+        let searcher = self.reader.searcher();
+        // Changes staged by this batch are not visible to the searcher yet.
+        let mut staged: HashMap<String, Stamp> = HashMap::new();
+        for change in changes {
+            let current = match staged.get(&change.key) {
+                Some(stamp) => Some(*stamp),
+                None => self.indexed_stamp(&searcher, &change.key)?,
+            };
+            let stamp = change.stamp();
+            if let Some(current) = current.filter(|current| stamp < *current) {
+                tracing::debug!(key = %change.key, version = stamp.version, indexed_version = current.version, indexed_deleted = current.deleted, "skipped a change older than the indexed document");
+                continue;
+            }
+            writer.delete_term(Term::from_field_text(self.fields.key, &change.key));
+            writer.add_document(self.document(&change))?;
+            staged.insert(change.key, stamp);
+        }
+        tracing::debug!(staged = staged.len(), "staged search index changes");
+        Ok(staged.len())
+    }
+
+    fn indexed_stamp(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<Stamp>> {
+        let query = TermQuery::new(Term::from_field_text(self.fields.key, key), IndexRecordOption::Basic);
+        let Some((_, address)) = searcher.search(&query, &TopDocs::with_limit(1).order_by_score())?.pop() else {
+            return Ok(None);
+        };
+        let doc: TantivyDocument = searcher.doc(address)?;
+        Ok(Some(Stamp {
+            version: doc.get_first(self.fields.version).and_then(|v| v.as_i64()).unwrap_or(i64::MIN),
+            deleted: doc.get_first(self.fields.deleted).and_then(|v| v.as_bool()).unwrap_or(false),
+        }))
+    }
+
+    fn document(&self, change: &Change) -> TantivyDocument {
+        let f = &self.fields;
+        let mut doc = TantivyDocument::new();
+        doc.add_text(f.key, &change.key);
+        doc.add_i64(f.version, change.version);
+        doc.add_bool(f.deleted, change.entry.is_none());
+        match &change.entry {
+            None => {}
+            Some(Entry::Movie(movie)) => {
+                doc.add_text(f.kind, KIND_MOVIE);
+                doc.add_text(f.movie_id, &movie.movie_id);
+                doc.add_text(f.title, &movie.title);
+                doc.add_i64(f.year, movie.year.into());
+            }
+            Some(Entry::Review(review)) => {
+                doc.add_text(f.kind, KIND_REVIEW);
+                doc.add_text(f.review_id, &review.review_id);
+                doc.add_text(f.user_id, &review.user_id);
+                doc.add_text(f.actor_uri, &review.actor_uri);
+                doc.add_text(f.movie_id, &review.movie_id);
+                doc.add_text(f.title, &review.movie_title);
+                doc.add_i64(f.year, review.movie_year.into());
+                doc.add_u64(f.rating, review.rating.into());
+                doc.add_text(f.body, &review.body);
+                doc.add_bool(f.remote, review.remote);
+            }
+        }
+        doc
+    }
+
+    /// Documents of `kind` with every word of `text` in one of `fields`, best first, tombstones
+    /// excluded. Query syntax is not interpreted: the words are the default tokenizer's tokens.
+    fn search<T>(
+        &self,
+        kind: &str,
+        fields: &[Field],
+        text: &str,
+        offset: usize,
+        limit: usize,
+        hit: impl Fn(Score, &TantivyDocument) -> T,
+    ) -> Result<SearchPage<T>, IndexError> {
+        let words = self.words(text)?;
+        if words.is_empty() {
+            return Ok(SearchPage { hits: Vec::new(), total_hits: 0 });
+        }
+        let filter = |term| -> (Occur, Box<dyn Query>) {
+            // Filters must not shift the relevance score.
+            (Occur::Must, Box::new(ConstScoreQuery::new(Box::new(TermQuery::new(term, IndexRecordOption::Basic)), 0.0)))
+        };
+        let mut clauses = vec![
+            filter(Term::from_field_text(self.fields.kind, kind)),
+            filter(Term::from_field_bool(self.fields.deleted, false)),
+        ];
+        for word in &words {
+            let any_field = fields
+                .iter()
+                .map(|field| -> Box<dyn Query> {
+                    Box::new(TermQuery::new(Term::from_field_text(*field, word), IndexRecordOption::WithFreqs))
+                })
+                .collect();
+            clauses.push((Occur::Must, Box::new(BooleanQuery::union(any_field))));
+        }
+        let query = BooleanQuery::new(clauses);
+        let searcher = self.reader.searcher();
+        // TopDocs panics on a zero limit.
+        let top = TopDocs::with_limit(limit.max(1)).and_offset(offset).order_by_score();
+        let (top, total_hits) = searcher.search(&query, &(top, Count))?;
+        let hits = top
+            .into_iter()
+            .take(limit)
+            .map(|(score, address)| Ok(hit(score, &searcher.doc(address)?)))
+            .collect::<tantivy::Result<_>>()?;
+        Ok(SearchPage { hits, total_hits: total_hits as u64 })
+    }
+
+    /// The distinct tokens of `text`, as the indexed text fields were tokenized.
+    fn words(&self, text: &str) -> tantivy::Result<Vec<String>> {
+        let mut analyzer = self.index.tokenizer_for_field(self.fields.title)?;
+        let mut stream = analyzer.token_stream(text);
+        let mut words = Vec::new();
+        while stream.advance() {
+            let word = &stream.token().text;
+            if !words.contains(word) {
+                words.push(word.clone());
+            }
+        }
+        Ok(words)
+    }
+}
