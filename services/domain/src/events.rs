@@ -47,6 +47,28 @@ pub fn event_type(payload: &Payload) -> &'static str {
     }
 }
 
+/// Every event type, in catalogue order.
+pub const EVENT_TYPES: &[&str] = &[
+    "UserRegistered",
+    "ReviewLogged",
+    "ReviewEdited",
+    "ReviewDeleted",
+    "MovieDiscovered",
+    "MovieDeleted",
+    "EnrichmentRequested",
+    "WatchlistItemAdded",
+    "WatchlistItemRemoved",
+    "WrapUpRequested",
+    "Followed",
+    "Unfollowed",
+    "Blocked",
+    "Unblocked",
+    "RemoteReviewSaved",
+    "RemoteFollowReceived",
+    "RemoteFollowUndone",
+    "DiaryImported",
+];
+
 /// First retry delay; doubles per failed attempt.
 pub const RETRY_BASE: Duration = Duration::from_secs(5);
 /// No retry waits longer than this.
@@ -76,6 +98,33 @@ mod tests {
         assert_eq!(secs, [5, 10, 20, 40, 80, 160, 300, 300, 300]);
         assert_eq!(retry_backoff(0), RETRY_BASE);
         assert_eq!(retry_backoff(u32::MAX), RETRY_CAP);
+    }
+
+    #[test]
+    fn the_catalogue_lists_every_payload_type_once() {
+        use reelay_contracts::v1;
+        let samples = [
+            Payload::UserRegistered(v1::UserRegistered::default()),
+            Payload::ReviewLogged(v1::ReviewLogged::default()),
+            Payload::ReviewEdited(v1::ReviewEdited::default()),
+            Payload::ReviewDeleted(v1::ReviewDeleted::default()),
+            Payload::MovieDiscovered(v1::MovieDiscovered::default()),
+            Payload::MovieDeleted(v1::MovieDeleted::default()),
+            Payload::EnrichmentRequested(v1::EnrichmentRequested::default()),
+            Payload::WatchlistItemAdded(v1::WatchlistItemAdded::default()),
+            Payload::WatchlistItemRemoved(v1::WatchlistItemRemoved::default()),
+            Payload::WrapUpRequested(v1::WrapUpRequested::default()),
+            Payload::Followed(v1::Followed::default()),
+            Payload::Unfollowed(v1::Unfollowed::default()),
+            Payload::Blocked(v1::Blocked::default()),
+            Payload::Unblocked(v1::Unblocked::default()),
+            Payload::RemoteReviewSaved(v1::RemoteReviewSaved::default()),
+            Payload::RemoteFollowReceived(v1::RemoteFollowReceived::default()),
+            Payload::RemoteFollowUndone(v1::RemoteFollowUndone::default()),
+            Payload::DiaryImported(v1::DiaryImported::default()),
+        ];
+        let names: Vec<&str> = samples.iter().map(event_type).collect();
+        assert_eq!(names, EVENT_TYPES);
     }
 
     #[test]

@@ -51,7 +51,12 @@ fn tuples(n: usize, arity: usize) -> String {
 
 /// Claims each key, in order: acquire a free key, take over a claim older than the lease, or
 /// report it done / held.
-pub async fn claim(tx: &mut WriteTx, keys: &[LedgerKey], now: i64, policy: LedgerPolicy) -> Result<Vec<ClaimOutcome>, sqlx::Error> {
+pub async fn claim(
+    tx: &mut WriteTx,
+    keys: &[LedgerKey],
+    now: i64,
+    policy: LedgerPolicy,
+) -> Result<Vec<ClaimOutcome>, sqlx::Error> {
     let lease = policy.lease.as_millis() as i64;
     let mut outcomes: HashMap<&LedgerKey, ClaimOutcome> = HashMap::with_capacity(keys.len());
     for chunk in keys.chunks(CHUNK) {
@@ -125,7 +130,12 @@ pub struct OwnedKey {
     pub token: i64,
 }
 
-async fn settle(tx: &mut WriteTx, keys: &[OwnedKey], head: &str, bind_first: Option<i64>) -> Result<Vec<bool>, sqlx::Error> {
+async fn settle(
+    tx: &mut WriteTx,
+    keys: &[OwnedKey],
+    head: &str,
+    bind_first: Option<i64>,
+) -> Result<Vec<bool>, sqlx::Error> {
     let mut owned = Vec::with_capacity(keys.len());
     for chunk in keys.chunks(CHUNK) {
         let mut query = sqlx::query(AssertSqlSafe(format!(
@@ -136,7 +146,8 @@ async fn settle(tx: &mut WriteTx, keys: &[OwnedKey], head: &str, bind_first: Opt
             query = query.bind(value);
         }
         for owned_key in chunk {
-            query = query.bind(owned_key.key.event_id.clone()).bind(owned_key.key.handler.clone()).bind(owned_key.token);
+            query =
+                query.bind(owned_key.key.event_id.clone()).bind(owned_key.key.handler.clone()).bind(owned_key.token);
         }
         let changed: Vec<(String, String)> =
             query.fetch_all(tx.conn()).await?.into_iter().map(|r| (r.get(0), r.get(1))).collect();

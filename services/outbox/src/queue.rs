@@ -65,13 +65,19 @@ fn claims_sql(head: &str, n: usize, tail: &str) -> AssertSqlSafe<String> {
 
 /// Claims up to `max_rows` due rows, oldest first: pending rows whose `available_at` has come,
 /// and processing rows whose claim is older than the lease.
-pub async fn claim_due(tx: &mut WriteTx, now: i64, policy: QueuePolicy, max_rows: u32) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+pub async fn claim_due(
+    tx: &mut WriteTx,
+    now: i64,
+    policy: QueuePolicy,
+    max_rows: u32,
+) -> Result<Vec<ClaimedRow>, sqlx::Error> {
     let stale_before = now - policy.lease.as_millis() as i64;
-    let reclaimed = sqlx::query("UPDATE event_queue SET status = 'pending' WHERE status = 'processing' AND claimed_at < ?")
-        .bind(stale_before)
-        .execute(tx.conn())
-        .await?
-        .rows_affected();
+    let reclaimed =
+        sqlx::query("UPDATE event_queue SET status = 'pending' WHERE status = 'processing' AND claimed_at < ?")
+            .bind(stale_before)
+            .execute(tx.conn())
+            .await?
+            .rows_affected();
     if reclaimed > 0 {
         tracing::warn!(rows = reclaimed, "reclaiming outbox rows whose claimer's lease expired");
     }
@@ -149,11 +155,13 @@ pub struct FailedRow {
 pub async fn fail(tx: &mut WriteTx, rows: &[FailedRow], now: i64, policy: QueuePolicy) -> Result<Settled, sqlx::Error> {
     let (mut failed, mut dead) = (Vec::new(), Vec::new());
     for failure in rows {
-        let held = sqlx::query("SELECT attempts, event_id FROM event_queue WHERE id = ? AND status = 'processing' AND claimed_at = ?")
-            .bind(failure.row.id)
-            .bind(failure.row.claimed_at)
-            .fetch_optional(tx.conn())
-            .await?;
+        let held = sqlx::query(
+            "SELECT attempts, event_id FROM event_queue WHERE id = ? AND status = 'processing' AND claimed_at = ?",
+        )
+        .bind(failure.row.id)
+        .bind(failure.row.claimed_at)
+        .fetch_optional(tx.conn())
+        .await?;
         let Some(held) = held else { continue };
         let attempts = held.get::<i64, _>(0) as u32 + 1;
         let event_id: Option<String> = held.get(1);
@@ -211,11 +219,12 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64) -> Result<QueueS
             _ => {}
         }
     }
-    let oldest: Option<i64> = sqlx::query("SELECT MIN(available_at) FROM event_queue WHERE status = 'pending' AND available_at <= ?")
-        .bind(now)
-        .fetch_one(&mut *conn)
-        .await?
-        .get(0);
+    let oldest: Option<i64> =
+        sqlx::query("SELECT MIN(available_at) FROM event_queue WHERE status = 'pending' AND available_at <= ?")
+            .bind(now)
+            .fetch_one(&mut *conn)
+            .await?
+            .get(0);
     stats.oldest_due_age_ms = oldest.map_or(0, |t| now - t);
     Ok(stats)
 }

@@ -49,7 +49,9 @@ async fn enqueue(db: &Database, n: usize) {
     job(db, move |tx| {
         Box::pin(async move {
             let events = (0..n)
-                .map(|i| NewEvent::new(i, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: i.to_string() })))
+                .map(|i| {
+                    NewEvent::new(i, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: i.to_string() }))
+                })
                 .collect();
             enqueue_events(tx, events).await.map(drop)
         })
@@ -174,10 +176,16 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
     // The first owner of e2 wakes up late: its complete and release are refused.
     let stale = vec![OwnedKey { key: keys[2].clone(), token: T0 }];
     let s = stale.clone();
-    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &s, later + 5).await })).await, vec![false]);
+    assert_eq!(
+        job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &s, later + 5).await })).await,
+        vec![false]
+    );
     assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::release(tx, &stale).await })).await, vec![false]);
     let new_owner = vec![OwnedKey { key: keys[2].clone(), token: later }];
-    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &new_owner, later + 6).await })).await, vec![true]);
+    assert_eq!(
+        job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &new_owner, later + 6).await })).await,
+        vec![true]
+    );
 }
 
 #[tokio::test]

@@ -88,12 +88,85 @@ pub struct RunArgs {
     /// Deadline for a call that brings no shorter `grpc-timeout`, in milliseconds.
     #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000)]
     pub grpc_timeout_ms: u64,
+
+    #[command(flatten)]
+    pub delivery: DeliveryArgs,
+
+    #[command(flatten)]
+    pub handlers: HandlerArgs,
 }
 
 impl RunArgs {
     pub fn call_timeout(&self) -> Duration {
         Duration::from_millis(self.grpc_timeout_ms)
     }
+}
+
+/// How the outbox and the ledger deliver events (enforced by the write service).
+#[derive(Debug, Clone, Args)]
+pub struct DeliveryArgs {
+    /// Deliveries of an event before it is given up (dead-lettered in SQLite; JetStream's
+    /// `max_deliver`).
+    #[arg(long, env = "EVENT_QUEUE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub max_attempts: u32,
+
+    /// A claimed outbox row whose claimer has not settled it after this long is claimable again.
+    #[arg(long, env = "REELAY_OUTBOX_LEASE_MS", default_value_t = 600_000)]
+    pub outbox_lease_ms: u64,
+
+    /// A ledger claim older than this may be taken over by another worker.
+    #[arg(long, env = "REELAY_LEDGER_LEASE_MS", default_value_t = 1_800_000)]
+    pub ledger_lease_ms: u64,
+
+    /// How long finished ledger rows are kept.
+    #[arg(long, env = "REELAY_LEDGER_RETENTION_DAYS", default_value_t = 30)]
+    pub ledger_retention_days: u64,
+
+    /// How often the write service purges ledger rows past retention.
+    #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000)]
+    pub ledger_purge_interval_ms: u64,
+}
+
+/// Where events come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// Handlers claim outbox rows through the write service's Outbox API (no broker).
+    Db,
+    /// The relay publishes the outbox to NATS JetStream; each handler is a durable consumer.
+    Nats,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct HandlerArgs {
+    /// The event bus.
+    #[arg(long, env = "EVENT_BUS_BACKEND", value_enum, default_value = "db")]
+    pub backend: Backend,
+
+    /// A handler to host (repeat, or comma-separate in the variable); none means all. Only the
+    /// nats backend can host a subset.
+    #[arg(long = "handler", value_name = "NAME", env = "REELAY_HANDLERS", value_delimiter = ',')]
+    pub handlers: Vec<String>,
+
+    /// Where the handlers service serves gRPC (the Search API).
+    #[arg(long, env = "REELAY_HANDLERS_ADDR", default_value = "127.0.0.1:50052")]
+    pub handlers_addr: SocketAddr,
+
+    /// How the handlers and relay services reach the write service; defaults to
+    /// `http://<REELAY_WRITE_ADDR>`.
+    #[arg(long, env = "REELAY_WRITE_URL")]
+    pub write_url: Option<String>,
+
+    /// The search handler's index directory; defaults to `<data-dir>/search`.
+    #[arg(long, env = "REELAY_SEARCH_DIR")]
+    pub search_dir: Option<PathBuf>,
+
+    /// Events fetched and dispatched together.
+    #[arg(long, env = "REELAY_CONSUMER_BATCH", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub batch: u32,
+
+    /// A handler call that takes longer fails (and is retried).
+    #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000)]
+    pub handler_timeout_ms: u64,
 }
 
 #[derive(Debug, Args)]

@@ -2,11 +2,18 @@
 //! server builder (health, reflection, service-token auth, limits, deadlines, panic catching,
 //! trace context, graceful shutdown) and the shutdown signal.
 
+pub mod client;
+pub mod consumer;
+pub mod db_source;
+pub mod dispatch;
 pub mod error;
 pub mod grpc;
 pub mod handler;
+mod pause;
+pub mod probe;
 pub mod service;
 pub mod shutdown;
+pub mod source;
 pub mod telemetry;
 
 pub use error::{ErrorCode, ServiceError};

@@ -46,7 +46,12 @@ impl PageRequest {
         let size = match page_size {
             0 => DEFAULT_PAGE_SIZE,
             1..=MAX_PAGE_SIZE => page_size,
-            _ => return Err(ServiceError::invalid("page_size", format!("must be at most {MAX_PAGE_SIZE}, got {page_size}"))),
+            _ => {
+                return Err(ServiceError::invalid(
+                    "page_size",
+                    format!("must be at most {MAX_PAGE_SIZE}, got {page_size}"),
+                ));
+            }
         } as usize;
         let offset = if page_token.is_empty() { 0 } else { token_offset(page_token, &digest(scope, &query))? };
         Ok(Self { query, offset, size: size.min(MAX_HITS - offset) })
@@ -63,7 +68,8 @@ impl PageRequest {
 }
 
 fn token_offset(token: &str, digest: &str) -> Result<usize, ServiceError> {
-    let not_ours = || ServiceError::invalid("page_token", format!("{token:?} is not a token this service issued for this query"));
+    let not_ours =
+        || ServiceError::invalid("page_token", format!("{token:?} is not a token this service issued for this query"));
     let (offset, token_digest) = token.split_once('.').ok_or_else(not_ours)?;
     let offset: usize = offset.parse().map_err(|_| not_ours())?;
     if token_digest != digest || offset == 0 || offset >= MAX_HITS {

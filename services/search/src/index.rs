@@ -17,11 +17,11 @@ use reelay_contracts::v1::{self, event::Payload};
 use reelay_runtime::HandlerError;
 use tantivy::collector::{Count, TopDocs};
 use tantivy::directory::MmapDirectory;
+use tantivy::indexer::IndexWriterOptions;
 use tantivy::query::{BooleanQuery, ConstScoreQuery, Occur, Query, TermQuery};
 use tantivy::schema::{Field, INDEXED, IndexRecordOption, STORED, STRING, Schema, TEXT, Value};
 use tantivy::tokenizer::TokenStream;
 use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Score, Searcher, TantivyDocument, Term};
-use tantivy::indexer::IndexWriterOptions;
 
 /// Tantivy's minimum per indexing thread; with one thread it keeps the writer's buffer, and so
 /// the service, well under its 64 MB memory budget.
@@ -161,11 +161,29 @@ impl Change {
         let change = match payload {
             Payload::ReviewLogged(r) => {
                 require("review_id", &r.review_id)?;
-                Self::review(version, &r.review_id, &r.user_id, &r.movie_id, &r.movie_title, r.movie_year, r.rating, &r.body)
+                Self::review(
+                    version,
+                    &r.review_id,
+                    &r.user_id,
+                    &r.movie_id,
+                    &r.movie_title,
+                    r.movie_year,
+                    r.rating,
+                    &r.body,
+                )
             }
             Payload::ReviewEdited(r) => {
                 require("review_id", &r.review_id)?;
-                Self::review(version, &r.review_id, &r.user_id, &r.movie_id, &r.movie_title, r.movie_year, r.rating, &r.body)
+                Self::review(
+                    version,
+                    &r.review_id,
+                    &r.user_id,
+                    &r.movie_id,
+                    &r.movie_title,
+                    r.movie_year,
+                    r.rating,
+                    &r.body,
+                )
             }
             Payload::ReviewDeleted(r) => {
                 require("review_id", &r.review_id)?;
@@ -344,19 +362,17 @@ impl SearchIndex {
         let query = query.to_owned();
         tokio::task::spawn_blocking(move || {
             let fields = inner.fields;
-            inner.search(KIND_REVIEW, &[fields.title, fields.body], &query, offset, limit, |score, doc| {
-                v1::ReviewHit {
-                    review_id: text(doc, fields.review_id),
-                    user_id: text(doc, fields.user_id),
-                    actor_uri: text(doc, fields.actor_uri),
-                    movie_id: text(doc, fields.movie_id),
-                    movie_title: text(doc, fields.title),
-                    movie_year: int(doc, fields.year),
-                    rating: doc.get_first(fields.rating).and_then(|v| v.as_u64()).unwrap_or(0) as u32,
-                    body: text(doc, fields.body),
-                    remote: doc.get_first(fields.remote).and_then(|v| v.as_bool()).unwrap_or(false),
-                    score,
-                }
+            inner.search(KIND_REVIEW, &[fields.title, fields.body], &query, offset, limit, |score, doc| v1::ReviewHit {
+                review_id: text(doc, fields.review_id),
+                user_id: text(doc, fields.user_id),
+                actor_uri: text(doc, fields.actor_uri),
+                movie_id: text(doc, fields.movie_id),
+                movie_title: text(doc, fields.title),
+                movie_year: int(doc, fields.year),
+                rating: doc.get_first(fields.rating).and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+                body: text(doc, fields.body),
+                remote: doc.get_first(fields.remote).and_then(|v| v.as_bool()).unwrap_or(false),
+                score,
             })
         })
         .await?

@@ -116,10 +116,16 @@ impl v1::outbox_server::Outbox for OutboxApi {
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> Result<Response<v1::ClaimResponse>, Status> {
         let r = request.into_inner();
         if !(1..=MAX_CLAIM_ROWS).contains(&r.max_rows) {
-            return Err(ServiceError::invalid("max_rows", format!("must be 1..={MAX_CLAIM_ROWS}, got {}", r.max_rows)).into());
+            return Err(
+                ServiceError::invalid("max_rows", format!("must be 1..={MAX_CLAIM_ROWS}, got {}", r.max_rows)).into()
+            );
         }
         if r.wait_ms > MAX_CLAIM_WAIT_MS {
-            return Err(ServiceError::invalid("wait_ms", format!("must be at most {MAX_CLAIM_WAIT_MS}, got {}", r.wait_ms)).into());
+            return Err(ServiceError::invalid(
+                "wait_ms",
+                format!("must be at most {MAX_CLAIM_WAIT_MS}, got {}", r.wait_ms),
+            )
+            .into());
         }
         let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
         let mut commits = self.db.writer.subscribe_commits();
@@ -180,7 +186,11 @@ impl v1::outbox_server::Outbox for OutboxApi {
             .into_iter()
             .map(|f| {
                 let row = f.row.ok_or_else(|| ServiceError::invalid("rows.row", "is required"))?;
-                Ok(FailedRow { row: RowClaim { id: row.id, claimed_at: row.claimed_at_ms }, error: f.error, terminal: f.terminal })
+                Ok(FailedRow {
+                    row: RowClaim { id: row.id, claimed_at: row.claimed_at_ms },
+                    error: f.error,
+                    terminal: f.terminal,
+                })
             })
             .collect::<Result<Vec<_>, ServiceError>>()?;
         let policy = self.policy;
@@ -236,7 +246,10 @@ fn ledger_key(field: &str, key: Option<v1::LedgerKey>) -> Result<LedgerKey, Serv
         && key.handler.len() <= 64
         && key.handler.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
     if !valid_name {
-        return Err(ServiceError::invalid(&format!("{field}.handler"), format!("must be 1-64 of a-z, 0-9, '-', got {:?}", key.handler)));
+        return Err(ServiceError::invalid(
+            &format!("{field}.handler"),
+            format!("must be 1-64 of a-z, 0-9, '-', got {:?}", key.handler),
+        ));
     }
     Ok(LedgerKey { event_id: key.event_id, handler: key.handler })
 }
@@ -250,10 +263,17 @@ fn owned_keys(keys: Vec<v1::OwnedKey>) -> Result<Vec<OwnedKey>, ServiceError> {
 
 #[tonic::async_trait]
 impl v1::ledger_server::Ledger for LedgerApi {
-    async fn claim(&self, request: Request<v1::LedgerClaimRequest>) -> Result<Response<v1::LedgerClaimResponse>, Status> {
+    async fn claim(
+        &self,
+        request: Request<v1::LedgerClaimRequest>,
+    ) -> Result<Response<v1::LedgerClaimResponse>, Status> {
         let keys = request.into_inner().keys;
         if keys.is_empty() || keys.len() > MAX_BATCH_KEYS {
-            return Err(ServiceError::invalid("keys", format!("must hold 1..={MAX_BATCH_KEYS} keys, got {}", keys.len())).into());
+            return Err(ServiceError::invalid(
+                "keys",
+                format!("must hold 1..={MAX_BATCH_KEYS} keys, got {}", keys.len()),
+            )
+            .into());
         }
         let keys = keys.into_iter().map(|k| ledger_key("keys", Some(k))).collect::<Result<Vec<_>, _>>()?;
         let policy = self.policy;
@@ -280,7 +300,10 @@ impl v1::ledger_server::Ledger for LedgerApi {
         Ok(Response::new(v1::LedgerClaimResponse { claims }))
     }
 
-    async fn complete(&self, request: Request<v1::LedgerSettleRequest>) -> Result<Response<v1::LedgerSettleResponse>, Status> {
+    async fn complete(
+        &self,
+        request: Request<v1::LedgerSettleRequest>,
+    ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
         let keys = owned_keys(request.into_inner().keys)?;
         let owned = self
             .db
@@ -292,7 +315,10 @@ impl v1::ledger_server::Ledger for LedgerApi {
         Ok(Response::new(v1::LedgerSettleResponse { owned }))
     }
 
-    async fn release(&self, request: Request<v1::LedgerSettleRequest>) -> Result<Response<v1::LedgerSettleResponse>, Status> {
+    async fn release(
+        &self,
+        request: Request<v1::LedgerSettleRequest>,
+    ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
         let keys = owned_keys(request.into_inner().keys)?;
         let owned = self
             .db

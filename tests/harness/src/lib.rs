@@ -47,92 +47,141 @@ pub fn temp_dir() -> tempfile::TempDir {
 #[derive(Debug, Clone)]
 pub struct ProcessSpec {
     pub binary: PathBuf,
-    pub args: Vec<String>,
+    /// `--service` values; empty runs every service in one process.
+    pub services: Vec<&'static str>,
     pub env: Vec<(String, String)>,
     pub database: PathBuf,
+    /// The process's data dir (search index and other local state).
+    pub data_dir: PathBuf,
     pub log: PathBuf,
+}
+
+impl ProcessSpec {
+    fn runs(&self, service: &str) -> bool {
+        self.services.is_empty() || self.services.contains(&service)
+    }
 }
 
 /// A running `reelay run` process.
 pub struct Reelay {
     child: Option<Child>,
+    /// The write service's gRPC address (also what a handlers-only process is pointed at).
     pub addr: SocketAddr,
+    /// The handlers service's gRPC address (the Search API).
+    pub handlers_addr: SocketAddr,
     pub database: PathBuf,
     pub log: PathBuf,
     spec: ProcessSpec,
 }
 
+fn local_addr() -> SocketAddr {
+    format!("127.0.0.1:{}", free_port()).parse().unwrap()
+}
+
 impl Reelay {
-    /// Starts `reelay run --service write` on `database` with a fresh port and waits until it
-    /// serves. `env` adds or overrides environment variables.
-    pub async fn start_write(binary: &str, database: &Path, env: &[(&str, &str)]) -> Self {
-        let log = database.with_extension(format!("{}.log", free_port()));
-        let spec = ProcessSpec {
+    /// The spec of a process over `database` that logs next to it. `env` adds or overrides
+    /// environment variables.
+    pub fn spec(binary: &str, database: &Path, services: &[&'static str], env: &[(&str, &str)]) -> ProcessSpec {
+        let data_dir = database.parent().unwrap_or(Path::new(".")).to_owned();
+        let name = if services.is_empty() { "all".to_owned() } else { services.join("+") };
+        ProcessSpec {
             binary: binary.into(),
-            args: vec!["run".into(), "--service".into(), "write".into()],
+            services: services.to_vec(),
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             database: database.to_owned(),
-            log,
-        };
+            log: data_dir.join(format!("{name}-{}.log", free_port())),
+            data_dir,
+        }
+    }
+
+    /// Starts `reelay run --service write` on `database` and waits until it serves.
+    pub async fn start_write(binary: &str, database: &Path, env: &[(&str, &str)]) -> Self {
+        Self::start(Self::spec(binary, database, &["write"], env)).await
+    }
+
+    /// Starts every service in one process (the embedded default).
+    pub async fn start_all(binary: &str, database: &Path, env: &[(&str, &str)]) -> Self {
+        Self::start(Self::spec(binary, database, &[], env)).await
+    }
+
+    /// Starts a handlers-only process in `data_dir`, consuming from the write service `write`.
+    pub async fn start_handlers(binary: &str, write: &Reelay, data_dir: &Path, env: &[(&str, &str)]) -> Self {
+        let mut spec = Self::spec(binary, &data_dir.join("unused.db"), &["handlers"], env);
+        spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));
         Self::start(spec).await
     }
 
+    /// Starts a process on fresh ports and waits until every service in it serves.
     pub async fn start(spec: ProcessSpec) -> Self {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-            let log_file =
-                std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
-            let mut command = Command::new(&spec.binary);
-            command
-                .args(&spec.args)
-                .env("REELAY_DATABASE", &spec.database)
-                .env("REELAY_DATA_DIR", spec.database.parent().unwrap_or(Path::new(".")))
-                .env("REELAY_WRITE_ADDR", addr.to_string())
-                .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
-                .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-                .stdin(Stdio::null())
-                .stdout(log_file.try_clone().unwrap())
-                .stderr(log_file);
-            for (key, value) in &spec.env {
-                command.env(key, value);
-            }
-            let child = command.spawn().expect("spawn reelay");
-            let mut process = Reelay {
-                child: Some(child),
-                addr,
-                database: spec.database.clone(),
-                log: spec.log.clone(),
-                spec: spec.clone(),
-            };
-            match process.wait_serving(Duration::from_secs(30)).await {
-                Ok(()) => return process,
-                Err(error) => {
+            match Self::launch(spec.clone(), local_addr(), local_addr()).await {
+                Ok(process) => return process,
+                Err((error, log)) => {
                     last_error = error;
-                    process.kill();
-                    if !process.log_text().contains("Address already in use") {
+                    if !log.contains("Address already in use") {
                         break;
                     }
                 }
             }
         }
-        panic!(
-            "reelay did not start: {last_error}\n--- log ---\n{}",
-            std::fs::read_to_string(&spec.log).unwrap_or_default()
-        );
+        panic!("reelay did not start: {last_error}\n--- log ---\n{}", std::fs::read_to_string(&spec.log).unwrap_or_default());
     }
 
-    /// Starts the same process again (same database, same environment, new port).
-    pub async fn restart(spec: &Reelay) -> Self {
-        Self::start(spec.spec.clone()).await
+    /// Starts the same process again: same database, environment and ports (so processes
+    /// pointed at it find it again).
+    pub async fn restart(&mut self) {
+        self.kill();
+        let fresh = Self::launch(self.spec.clone(), self.addr, self.handlers_addr)
+            .await
+            .unwrap_or_else(|(error, log)| panic!("reelay did not restart: {error}\n{log}"));
+        *self = fresh;
+    }
+
+    async fn launch(spec: ProcessSpec, addr: SocketAddr, handlers_addr: SocketAddr) -> Result<Self, (String, String)> {
+        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
+        let mut command = Command::new(&spec.binary);
+        command.arg("run");
+        for service in &spec.services {
+            command.args(["--service", service]);
+        }
+        command
+            .env("REELAY_DATABASE", &spec.database)
+            .env("REELAY_DATA_DIR", &spec.data_dir)
+            .env("REELAY_WRITE_ADDR", addr.to_string())
+            .env("REELAY_HANDLERS_ADDR", handlers_addr.to_string())
+            .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file);
+        for (key, value) in &spec.env {
+            command.env(key, value);
+        }
+        let child = command.spawn().expect("spawn reelay");
+        let mut process = Reelay { child: Some(child), addr, handlers_addr, database: spec.database.clone(), log: spec.log.clone(), spec };
+        let mut ready = Ok(());
+        for (service, addr) in [("write", addr), ("handlers", handlers_addr)] {
+            if ready.is_ok() && process.spec.runs(service) {
+                ready = process.wait_serving(addr, Duration::from_secs(30)).await;
+            }
+        }
+        match ready {
+            Ok(()) => Ok(process),
+            Err(error) => {
+                process.kill();
+                let log = process.log_text();
+                Err((error, log))
+            }
+        }
     }
 
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(Child::id).expect("process is running")
     }
 
-    async fn wait_serving(&mut self, timeout: Duration) -> Result<(), String> {
+    async fn wait_serving(&mut self, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(child) = self.child.as_mut()
@@ -140,7 +189,7 @@ impl Reelay {
             {
                 return Err(format!("exited early with {status}"));
             }
-            if let Ok(channel) = Endpoint::from_shared(format!("http://{}", self.addr)).unwrap().connect().await {
+            if let Ok(channel) = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await {
                 let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
                 if reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32) {
                     return Ok(());
@@ -159,7 +208,16 @@ impl Reelay {
     }
 
     pub async fn channel_with_token(&self, token: Option<&str>) -> InterceptedService<Channel, Auth> {
-        let channel = Endpoint::from_shared(format!("http://{}", self.addr))
+        Self::connect(self.addr, token).await
+    }
+
+    /// An authenticated channel to the handlers service (the Search API).
+    pub async fn handlers_channel(&self) -> InterceptedService<Channel, Auth> {
+        Self::connect(self.handlers_addr, Some(TEST_TOKEN)).await
+    }
+
+    async fn connect(addr: SocketAddr, token: Option<&str>) -> InterceptedService<Channel, Auth> {
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
             .unwrap()
             .timeout(Duration::from_secs(30))
             .connect()

@@ -1,0 +1,51 @@
+//! Channels to other Reelay services: authenticated with the service token, connected lazily
+//! (a service starts even while its peer is down, and reconnects by itself), with a deadline on
+//! every call.
+
+use std::time::Duration;
+
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+/// A channel whose calls carry the service token.
+pub type ServiceChannel = InterceptedService<Channel, ServiceToken>;
+
+#[derive(Clone)]
+pub struct ServiceToken(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for ServiceToken {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(token) = &self.0 {
+            request.metadata_mut().insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A lazily connected channel to `url` (e.g. `http://127.0.0.1:50051`). `call_timeout` bounds
+/// every call that does not set a shorter deadline.
+pub fn connect_lazy(url: &str, token: Option<&str>, call_timeout: Duration) -> Result<ServiceChannel, String> {
+    let endpoint = Endpoint::from_shared(url.to_owned())
+        .map_err(|e| format!("invalid service URL {url:?}: {e}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(call_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30));
+    let token = token
+        .map(|t| format!("Bearer {t}").parse::<MetadataValue<Ascii>>())
+        .transpose()
+        .map_err(|_| "the service token must be printable ASCII".to_owned())?;
+    Ok(InterceptedService::new(endpoint.connect_lazy(), ServiceToken(token)))
+}
+
+/// True when a failed call says the peer could not be reached or did not answer in time: the
+/// caller should pause and retry, not count it as a failure of the work.
+pub fn is_transport_failure(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Aborted
+    )
+}

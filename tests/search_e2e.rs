@@ -1,0 +1,113 @@
+//! End to end on the embedded default (`reelay run`: write + handlers, db backend): a review
+//! logged, edited and deleted through the public API is found, updated and then gone from
+//! search, with no broker anywhere.
+
+use std::time::{Duration, Instant};
+
+use reelay_contracts::v1::{self, search_client::SearchClient};
+use reelay_harness::{Reelay, movie_ref, temp_dir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+
+/// Polls `probe` until it returns true, for at most 20 s.
+async fn eventually<F, Fut>(what: &str, mut probe: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !probe().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn review_hits(search: &mut SearchClient<reelay_harness::AuthedChannel>, query: &str) -> Vec<v1::ReviewHit> {
+    search
+        .search_reviews(v1::SearchReviewsRequest { query: query.into(), page_size: 20, page_token: String::new() })
+        .await
+        .expect("search reviews")
+        .into_inner()
+        .hits
+}
+
+pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_all(BIN, &db, env).await;
+    let mut c = reelay.clients().await;
+    let mut search = SearchClient::new(reelay.handlers_channel().await);
+    let ana = c.user("ana").await;
+
+    let review = c
+        .reviews
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("Heat", 1995),
+            rating: 9,
+            body: "The diner scene is unbearable tension.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    eventually("the logged review is searchable", || {
+        let mut search = search.clone();
+        let id = review.review_id.clone();
+        async move { review_hits(&mut search, "diner").await.iter().any(|h| h.review_id == id) }
+    })
+    .await;
+    let hit = review_hits(&mut search, "tension").await.remove(0);
+    assert_eq!((hit.user_id.as_str(), hit.movie_title.as_str(), hit.rating, hit.remote), (ana.as_str(), "Heat", 9, false));
+    let movies = search
+        .search_movies(v1::SearchMoviesRequest { query: "heat".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(movies.hits.iter().map(|h| (h.title.as_str(), h.year)).collect::<Vec<_>>(), [("Heat", 1995)]);
+
+    c.reviews
+        .edit_review(v1::EditReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: review.review_id.clone(),
+            rating: 10,
+            body: "Rewatched: the heist holds up.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    eventually("the edit is searchable and the old text is not", || {
+        let mut search = search.clone();
+        async move { !review_hits(&mut search, "heist").await.is_empty() && review_hits(&mut search, "diner").await.is_empty() }
+    })
+    .await;
+    assert_eq!(review_hits(&mut search, "heist").await[0].rating, 10);
+
+    let deleted = c
+        .reviews
+        .delete_review(v1::DeleteReviewRequest { actor_user_id: ana.clone(), review_id: review.review_id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(deleted.movie_deleted);
+    eventually("the deleted review and its orphan movie are gone from search", || {
+        let mut search = search.clone();
+        async move {
+            let movies = search
+                .search_movies(v1::SearchMoviesRequest { query: "heat".into(), ..Default::default() })
+                .await
+                .unwrap()
+                .into_inner();
+            review_hits(&mut search, "heist").await.is_empty() && movies.hits.is_empty()
+        }
+    })
+    .await;
+    reelay.stop().await;
+}
+
+#[tokio::test]
+async fn review_lifecycle_reaches_search_on_the_db_backend() {
+    review_lifecycle_reaches_search(&[("EVENT_BUS_BACKEND", "db")]).await;
+}
