@@ -2,24 +2,19 @@
 //! logged, edited and deleted through the public API is found, updated and then gone from
 //! search, with no broker anywhere.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reelay_contracts::v1::{self, search_client::SearchClient};
 use reelay_harness::{Reelay, movie_ref, temp_dir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
-/// Polls `probe` until it returns true, for at most 20 s.
-async fn eventually<F, Fut>(what: &str, mut probe: F)
+async fn eventually<F, Fut>(what: &str, probe: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !probe().await {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    reelay_harness::eventually(what, Duration::from_secs(20), probe).await
 }
 
 async fn review_hits(search: &mut SearchClient<reelay_harness::AuthedChannel>, query: &str) -> Vec<v1::ReviewHit> {

@@ -118,3 +118,98 @@ impl v1::search_server::Search for SearchApi {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+    use v1::search_server::Search;
+
+    use super::*;
+    use crate::fixtures::*;
+
+    fn api(dir: &tempfile::TempDir) -> SearchApi {
+        SearchApi { index: SearchIndex::open(dir.path()).unwrap() }
+    }
+
+    fn movies(query: &str, page_size: u32, page_token: &str) -> Request<v1::SearchMoviesRequest> {
+        Request::new(v1::SearchMoviesRequest { query: query.into(), page_size, page_token: page_token.into() })
+    }
+
+    fn reviews(query: &str, page_size: u32, page_token: &str) -> Request<v1::SearchReviewsRequest> {
+        Request::new(v1::SearchReviewsRequest { query: query.into(), page_size, page_token: page_token.into() })
+    }
+
+    fn assert_invalid(status: Status, field: &str) {
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().starts_with(&format!("{field}: ")), "{status:?}");
+    }
+
+    #[tokio::test]
+    async fn bad_requests_name_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = api(&dir);
+        let long = "x".repeat(MAX_QUERY_CHARS + 1);
+        for (query, page_size, page_token, field) in [
+            ("", 0, "", "query"),
+            ("   ", 0, "", "query"),
+            (long.as_str(), 0, "", "query"),
+            ("heat\u{7}", 0, "", "query"),
+            ("heat", MAX_PAGE_SIZE + 1, "", "page_size"),
+            ("heat", 0, "garbage", "page_token"),
+            ("heat", 0, "20.0000000000000000", "page_token"),
+            ("heat", 0, &format!("20.{}", digest("movies", "alien")), "page_token"),
+            ("heat", 0, &format!("0.{}", digest("movies", "heat")), "page_token"),
+            ("heat", 0, &format!("{MAX_HITS}.{}", digest("movies", "heat")), "page_token"),
+        ] {
+            assert_invalid(api.search_movies(movies(query, page_size, page_token)).await.unwrap_err(), field);
+            assert_invalid(api.search_reviews(reviews(query, page_size, page_token)).await.unwrap_err(), field);
+        }
+        assert!(api.search_movies(movies(&"x".repeat(MAX_QUERY_CHARS), MAX_PAGE_SIZE, "")).await.is_ok());
+
+        // A movies token is not a reviews token for the same query.
+        let token = format!("20.{}", digest("movies", "heat"));
+        assert!(api.search_movies(movies("heat", 0, &token)).await.is_ok());
+        assert_invalid(api.search_reviews(reviews("heat", 0, &token)).await.unwrap_err(), "page_token");
+    }
+
+    #[tokio::test]
+    async fn pages_are_disjoint_and_cover_every_hit() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = api(&dir);
+        let events: Vec<_> = (0..23)
+            .map(|n| review_logged(&format!("r{n:02}"), 100, "Heat", &format!("take {n} of the diner scene")))
+            .collect();
+        for result in api.index.apply(&events.iter().collect::<Vec<_>>()).await {
+            result.unwrap();
+        }
+
+        let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
+        loop {
+            let page = api.search_reviews(reviews(" diner ", 10, &token)).await.unwrap().into_inner();
+            assert_eq!(page.total_hits, 23);
+            seen.extend(page.hits.into_iter().map(|hit| hit.review_id));
+            pages += 1;
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        seen.sort();
+        let expected: Vec<String> = (0..23).map(|n| format!("r{n:02}")).collect();
+        assert_eq!((pages, seen), (3, expected));
+
+        // The default page size, and an exactly full last page has no next page.
+        let page = api.search_reviews(reviews("diner", 0, "")).await.unwrap().into_inner();
+        assert_eq!(page.hits.len(), DEFAULT_PAGE_SIZE as usize);
+        let page = api.search_reviews(reviews("diner", 23, "")).await.unwrap().into_inner();
+        assert_eq!((page.hits.len(), page.next_page_token.as_str()), (23, ""));
+    }
+
+    #[tokio::test]
+    async fn no_hits_is_an_empty_last_page() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = api(&dir);
+        let page = api.search_movies(movies("heat", 0, "")).await.unwrap().into_inner();
+        assert_eq!(page, v1::SearchMoviesResponse::default());
+    }
+}

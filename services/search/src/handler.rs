@@ -37,3 +37,42 @@ impl Handler for SearchHandler {
         self.index.apply(events).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::*;
+
+    #[tokio::test]
+    async fn handling_an_event_twice_has_the_effect_of_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let handler = SearchHandler::new(index.clone());
+        assert_eq!(handler.name(), "search");
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+        assert!(handler.subscribes_to(&logged.event_type));
+
+        handler.handle(&logged).await.unwrap();
+        let docs = index.num_docs();
+        let hits = index.search_reviews("diner", 0, 10).await.unwrap();
+        handler.handle(&logged).await.unwrap();
+        assert_eq!(handler.handle_batch(&[&logged, &logged]).await, [Ok(()), Ok(())]);
+        assert_eq!(index.num_docs(), docs);
+        assert_eq!(index.search_reviews("diner", 0, 10).await.unwrap(), hits);
+        assert_eq!(hits.total_hits, 1);
+    }
+
+    #[test]
+    fn subscribes_to_every_event_the_index_reads() {
+        let events = [
+            review_logged("r", 1, "Heat", "x"),
+            review_edited("r", 1, "Heat", "x"),
+            review_deleted("r", 1),
+            remote_review_saved("r", 1, "Heat", "x"),
+            movie_discovered("m", 1, "Heat", 1995),
+            movie_deleted("m", 1),
+        ];
+        let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+        assert_eq!(EVENT_TYPES, types.as_slice());
+    }
+}

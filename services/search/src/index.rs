@@ -4,8 +4,9 @@
 //! Events arrive at least once and in any order, so every document carries the `version` of the
 //! event that wrote it (its `occurred_at_ms`) and a `deleted` flag. An event older than the
 //! indexed document is a no-op, and a delete leaves a tombstone rather than nothing, so a
-//! redelivered `ReviewLogged` cannot bring back a review deleted after it. At equal versions a
-//! tombstone wins and an upsert is simply written again.
+//! redelivered `ReviewLogged` cannot bring back a review deleted after it. A change writes only
+//! when it is newer than the indexed document; at equal versions a tombstone beats an upsert, and
+//! an equal change (a redelivery) writes nothing, so it does not even shift relevance scores.
 //!
 //! Only this module touches tantivy; all of its blocking work runs on the blocking pool.
 
@@ -412,7 +413,7 @@ impl Inner {
         Ok(())
     }
 
-    /// Stages the changes that are not older than what is indexed; returns how many it staged.
+    /// Stages the changes newer than what is indexed; returns how many it staged.
     fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<usize> {
         let searcher = self.reader.searcher();
         // Changes staged by this batch are not visible to the searcher yet.
@@ -423,8 +424,8 @@ impl Inner {
                 None => self.indexed_stamp(&searcher, &change.key)?,
             };
             let stamp = change.stamp();
-            if let Some(current) = current.filter(|current| stamp < *current) {
-                tracing::debug!(key = %change.key, version = stamp.version, indexed_version = current.version, indexed_deleted = current.deleted, "skipped a change older than the indexed document");
+            if let Some(current) = current.filter(|current| stamp <= *current) {
+                tracing::debug!(key = %change.key, version = stamp.version, indexed_version = current.version, indexed_deleted = current.deleted, "skipped a change not newer than the indexed document");
                 continue;
             }
             writer.delete_term(Term::from_field_text(self.fields.key, &change.key));
@@ -534,5 +535,223 @@ impl Inner {
             }
         }
         Ok(words)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::*;
+
+    fn open(dir: &tempfile::TempDir) -> SearchIndex {
+        SearchIndex::open(dir.path().join("search")).expect("open the search index")
+    }
+
+    async fn apply_ok(index: &SearchIndex, events: &[&v1::Event]) {
+        for result in index.apply(events).await {
+            result.expect("event applied");
+        }
+    }
+
+    async fn review_ids(index: &SearchIndex, query: &str) -> Vec<String> {
+        let page = index.search_reviews(query, 0, 100).await.expect("search reviews");
+        assert_eq!(page.total_hits, page.hits.len() as u64);
+        page.hits.into_iter().map(|hit| hit.review_id).collect()
+    }
+
+    async fn movie_ids(index: &SearchIndex, query: &str) -> Vec<String> {
+        let page = index.search_movies(query, 0, 100).await.expect("search movies");
+        page.hits.into_iter().map(|hit| hit.movie_id).collect()
+    }
+
+    #[tokio::test]
+    async fn the_same_event_twice_is_indexed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+        apply_ok(&index, &[&logged]).await;
+        let first = index.search_reviews("diner", 0, 10).await.unwrap();
+        let docs = index.num_docs();
+
+        apply_ok(&index, &[&logged]).await;
+        apply_ok(&index, &[&logged, &logged]).await;
+        assert_eq!(index.search_reviews("diner", 0, 10).await.unwrap(), first);
+        assert_eq!(index.num_docs(), docs);
+        assert_eq!(first.total_hits, 1);
+    }
+
+    #[tokio::test]
+    async fn a_logged_review_is_found_by_its_body_and_its_movie_title() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Heat", "The diner scene is unbearable tension.")]).await;
+
+        assert_eq!(review_ids(&index, "TENSION").await, ["r1"]);
+        assert_eq!(review_ids(&index, "heat").await, ["r1"]);
+        assert_eq!(review_ids(&index, "heat diner").await, ["r1"], "words may match different fields");
+        assert!(review_ids(&index, "heat heist").await.is_empty(), "every word must match");
+        assert!(review_ids(&index, "!!!").await.is_empty(), "a query without words finds nothing");
+        assert!(movie_ids(&index, "heat").await.is_empty(), "a review is not a movie");
+
+        let hit = index.search_reviews("diner", 0, 1).await.unwrap().hits.remove(0);
+        assert_eq!(
+            (hit.user_id.as_str(), hit.movie_id.as_str(), hit.movie_title.as_str(), hit.movie_year, hit.rating),
+            ("user-ana", "movie-heat", "Heat", 1995, 8)
+        );
+        assert_eq!((hit.actor_uri.as_str(), hit.remote), ("", false));
+        assert!(hit.score > 0.0);
+    }
+
+    #[tokio::test]
+    async fn an_edit_replaces_the_body_and_an_older_edit_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Heat", "the diner scene")]).await;
+        apply_ok(&index, &[&review_edited("r1", 300, "Heat", "the heist holds up")]).await;
+        assert_eq!(review_ids(&index, "heist").await, ["r1"]);
+        assert!(review_ids(&index, "diner").await.is_empty());
+
+        // Delivered late: an edit made before the one already indexed.
+        apply_ok(&index, &[&review_edited("r1", 200, "Heat", "the diner again")]).await;
+        assert_eq!(review_ids(&index, "heist").await, ["r1"]);
+        assert!(review_ids(&index, "diner").await.is_empty());
+        let hit = index.search_reviews("heist", 0, 1).await.unwrap().hits.remove(0);
+        assert_eq!(hit.rating, 10);
+    }
+
+    #[tokio::test]
+    async fn a_deleted_review_stays_deleted_whatever_arrives_late() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+        apply_ok(&index, &[&logged]).await;
+        apply_ok(&index, &[&review_deleted("r1", 300)]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+        assert!(review_ids(&index, "heat").await.is_empty());
+
+        apply_ok(&index, &[&logged, &review_edited("r1", 200, "Heat", "the diner again")]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+        // A log and a delete in the same millisecond: the delete wins in either order.
+        apply_ok(&index, &[&review_deleted("r2", 400), &review_logged("r2", 400, "Heat", "the diner")]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_delete_delivered_before_the_log_hides_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_deleted("r1", 300), &review_logged("r1", 100, "Heat", "the diner scene")]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn movies_are_found_by_title_until_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let discovered = movie_discovered("m1", 100, "Heat", 1995);
+        apply_ok(&index, &[&discovered, &movie_discovered("m2", 100, "The Thing", 1982)]).await;
+        assert_eq!(movie_ids(&index, "heat").await, ["m1"]);
+        assert_eq!(movie_ids(&index, "thing").await, ["m2"]);
+        assert!(review_ids(&index, "heat").await.is_empty(), "a movie is not a review");
+        let hit = index.search_movies("heat", 0, 1).await.unwrap().hits.remove(0);
+        assert_eq!((hit.title.as_str(), hit.year), ("Heat", 1995));
+
+        let docs = index.num_docs();
+        apply_ok(&index, &[&discovered]).await;
+        assert_eq!(index.num_docs(), docs);
+
+        apply_ok(&index, &[&movie_deleted("m1", 200)]).await;
+        assert!(movie_ids(&index, "heat").await.is_empty());
+        apply_ok(&index, &[&discovered]).await;
+        assert!(movie_ids(&index, "heat").await.is_empty(), "a redelivered discovery must not resurrect it");
+        assert_eq!(movie_ids(&index, "thing").await, ["m2"]);
+    }
+
+    #[tokio::test]
+    async fn a_remote_review_is_found_and_marked_remote() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let saved = remote_review_saved("rr1", 100, "Alien", "in space no one can hear you scream");
+        apply_ok(&index, &[&saved, &review_logged("r1", 100, "Alien", "scream queen")]).await;
+
+        let page = index.search_reviews("scream", 0, 10).await.unwrap();
+        assert_eq!(page.total_hits, 2);
+        let remote = page.hits.iter().find(|hit| hit.remote).expect("the remote review");
+        assert_eq!(
+            (remote.review_id.as_str(), remote.user_id.as_str(), remote.actor_uri.as_str()),
+            ("rr1", "", "https://example.social/users/bo")
+        );
+        assert_eq!((remote.movie_title.as_str(), remote.movie_year, remote.rating), ("Alien", 1979, 6));
+        assert!(page.hits.iter().any(|hit| hit.review_id == "r1" && !hit.remote));
+
+        let docs = index.num_docs();
+        apply_ok(&index, &[&saved]).await;
+        assert_eq!(index.num_docs(), docs);
+    }
+
+    #[tokio::test]
+    async fn offsets_page_through_every_hit_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let events: Vec<_> =
+            (0..25).map(|n| movie_discovered(&format!("m{n}"), 100, &format!("Alien {n}"), 1979)).collect();
+        apply_ok(&index, &events.iter().collect::<Vec<_>>()).await;
+
+        let mut seen = Vec::new();
+        for offset in (0..25).step_by(10) {
+            let page = index.search_movies("alien", offset, 10).await.unwrap();
+            assert_eq!(page.total_hits, 25);
+            seen.extend(page.hits.into_iter().map(|hit| hit.movie_id));
+        }
+        let mut unique = seen.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!((seen.len(), unique.len()), (25, 25));
+        assert!(index.search_movies("alien", 25, 10).await.unwrap().hits.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_reopened_index_keeps_its_documents_and_tombstones() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Heat", "the diner scene"), &review_deleted("r2", 300)]).await;
+        let docs = index.num_docs();
+        drop(index);
+
+        let index = open(&dir);
+        assert_eq!(index.num_docs(), docs);
+        assert_eq!(review_ids(&index, "diner").await, ["r1"]);
+        apply_ok(&index, &[&review_logged("r2", 100, "Heat", "the diner again")]).await;
+        assert_eq!(review_ids(&index, "diner").await, ["r1"], "the tombstone survived the reopen");
+    }
+
+    #[tokio::test]
+    async fn a_batch_answers_per_event() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let without_id = review_logged("", 100, "Heat", "the diner scene");
+        let movie_without_id = event("m1", 100, Payload::MovieDeleted(v1::MovieDeleted::default()));
+        let mut no_payload = review_logged("r9", 100, "Heat", "the diner scene");
+        no_payload.payload = None;
+        let watchlist = event(
+            "u1",
+            100,
+            Payload::WatchlistItemAdded(v1::WatchlistItemAdded { user_id: "u1".into(), movie_id: "m1".into() }),
+        );
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+
+        let results = index.apply(&[&without_id, &no_payload, &watchlist, &logged, &movie_without_id]).await;
+        assert!(matches!(&results[0], Err(HandlerError::Permanent(m)) if m.contains("review_id")), "{results:?}");
+        assert_eq!(results[1..4], [Ok(()), Ok(()), Ok(())]);
+        assert!(matches!(&results[4], Err(HandlerError::Permanent(m)) if m.contains("movie_id")), "{results:?}");
+        assert_eq!(review_ids(&index, "diner").await, ["r1"]);
+    }
+
+    #[tokio::test]
+    async fn a_second_index_on_the_same_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let _index = open(&dir);
+        let error = SearchIndex::open(dir.path().join("search")).err().expect("the writer lock is held");
+        assert!(error.to_string().starts_with("failed to open the search index at "), "{error}");
     }
 }

@@ -6,6 +6,8 @@
 //! of order, must leave the same index.
 
 mod api;
+#[cfg(test)]
+mod fixtures;
 mod handler;
 mod index;
 

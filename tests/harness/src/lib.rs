@@ -83,6 +83,7 @@ impl Reelay {
     /// environment variables.
     pub fn spec(binary: &str, database: &Path, services: &[&'static str], env: &[(&str, &str)]) -> ProcessSpec {
         let data_dir = database.parent().unwrap_or(Path::new(".")).to_owned();
+        std::fs::create_dir_all(&data_dir).expect("create the process's data dir");
         let name = if services.is_empty() { "all".to_owned() } else { services.join("+") };
         ProcessSpec {
             binary: binary.into(),
@@ -301,6 +302,8 @@ pub struct Clients {
     pub social: v1::social_client::SocialClient<AuthedChannel>,
     pub integrations: v1::integrations_client::IntegrationsClient<AuthedChannel>,
     pub federation: v1::federation_client::FederationClient<AuthedChannel>,
+    pub outbox: v1::outbox_client::OutboxClient<AuthedChannel>,
+    pub ledger: v1::ledger_client::LedgerClient<AuthedChannel>,
 }
 
 impl Clients {
@@ -313,7 +316,9 @@ impl Clients {
             wrap_ups: v1::wrap_ups_client::WrapUpsClient::new(channel.clone()),
             social: v1::social_client::SocialClient::new(channel.clone()),
             integrations: v1::integrations_client::IntegrationsClient::new(channel.clone()),
-            federation: v1::federation_client::FederationClient::new(channel),
+            federation: v1::federation_client::FederationClient::new(channel.clone()),
+            outbox: v1::outbox_client::OutboxClient::new(channel.clone()),
+            ledger: v1::ledger_client::LedgerClient::new(channel),
         }
     }
 
@@ -350,6 +355,19 @@ fn tokio_stream_iter<T: Send + 'static>(
 impl Reelay {
     pub async fn clients(&self) -> Clients {
         Clients::new(self.channel().await)
+    }
+}
+
+/// Polls `probe` until it returns true; panics after `limit`.
+pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut probe: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !probe().await {
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
 

@@ -1,0 +1,80 @@
+//! Events as the write service raises them, for the tests of this crate.
+
+use reelay_contracts::v1::{self, event::Payload};
+
+pub fn event(aggregate_id: &str, occurred_at_ms: i64, payload: Payload) -> v1::Event {
+    v1::Event {
+        event_id: format!("{aggregate_id}-{occurred_at_ms}"),
+        event_type: reelay_domain::events::event_type(&payload).to_owned(),
+        aggregate_id: aggregate_id.to_owned(),
+        occurred_at_ms,
+        traceparent: String::new(),
+        payload: Some(payload),
+    }
+}
+
+pub fn review_logged(review_id: &str, at: i64, movie_title: &str, body: &str) -> v1::Event {
+    let payload = Payload::ReviewLogged(v1::ReviewLogged {
+        review_id: review_id.to_owned(),
+        user_id: "user-ana".to_owned(),
+        movie_id: format!("movie-{}", movie_title.to_lowercase()),
+        rating: 8,
+        body: body.to_owned(),
+        movie_title: movie_title.to_owned(),
+        movie_year: 1995,
+        ..Default::default()
+    });
+    event(review_id, at, payload)
+}
+
+pub fn review_edited(review_id: &str, at: i64, movie_title: &str, body: &str) -> v1::Event {
+    let payload = Payload::ReviewEdited(v1::ReviewEdited {
+        review_id: review_id.to_owned(),
+        user_id: "user-ana".to_owned(),
+        movie_id: format!("movie-{}", movie_title.to_lowercase()),
+        rating: 10,
+        body: body.to_owned(),
+        movie_title: movie_title.to_owned(),
+        movie_year: 1995,
+        ..Default::default()
+    });
+    event(review_id, at, payload)
+}
+
+pub fn review_deleted(review_id: &str, at: i64) -> v1::Event {
+    let payload = Payload::ReviewDeleted(v1::ReviewDeleted {
+        review_id: review_id.to_owned(),
+        user_id: "user-ana".to_owned(),
+        movie_id: "movie-heat".to_owned(),
+    });
+    event(review_id, at, payload)
+}
+
+pub fn movie_discovered(movie_id: &str, at: i64, title: &str, year: i32) -> v1::Event {
+    let payload = Payload::MovieDiscovered(v1::MovieDiscovered {
+        movie_id: movie_id.to_owned(),
+        title: title.to_owned(),
+        year,
+        external_id: String::new(),
+    });
+    event(movie_id, at, payload)
+}
+
+pub fn movie_deleted(movie_id: &str, at: i64) -> v1::Event {
+    event(movie_id, at, Payload::MovieDeleted(v1::MovieDeleted { movie_id: movie_id.to_owned() }))
+}
+
+pub fn remote_review_saved(remote_review_id: &str, at: i64, movie_title: &str, body: &str) -> v1::Event {
+    let payload = Payload::RemoteReviewSaved(v1::RemoteReviewSaved {
+        remote_review_id: remote_review_id.to_owned(),
+        object_uri: format!("https://example.social/reviews/{remote_review_id}"),
+        actor_uri: "https://example.social/users/bo".to_owned(),
+        movie_id: format!("movie-{}", movie_title.to_lowercase()),
+        rating: 6,
+        body: body.to_owned(),
+        published_at_ms: at,
+        movie_title: movie_title.to_owned(),
+        movie_year: 1979,
+    });
+    event(remote_review_id, at, payload)
+}
