@@ -73,9 +73,14 @@ async fn two_handler_processes_apply_every_effect_exactly_once() {
         tasks.push(tokio::spawn(async move {
             let user = c.user(&format!("user{u}")).await;
             for i in 0..reviews_per_user {
-                let movie = reelay_harness::movie_ref(&format!("Film {}", i % 50), 2000 + (i % 20) as i32);
+                let movie = reelay_harness::movie_ref(&format!("Film {}", i % 50), 2000 + (i % 20));
                 c.reviews
-                    .log_review(v1::LogReviewRequest { actor_user_id: user.clone(), movie, rating: 7, ..Default::default() })
+                    .log_review(v1::LogReviewRequest {
+                        actor_user_id: user.clone(),
+                        movie,
+                        rating: 7,
+                        ..Default::default()
+                    })
                     .await
                     .unwrap();
             }
@@ -133,7 +138,8 @@ async fn a_killed_handler_process_is_taken_over_and_its_late_complete_rejected()
     let mut doomed = Reelay::start_handlers(BIN, &write, &dir.path().join("doomed"), &env).await;
     c.user("ana").await;
     let event_id = event_ids(&db).await.remove(0);
-    let claim_sql = format!("SELECT status, CAST(started_at AS TEXT) FROM processed_events WHERE event_id = '{event_id}'");
+    let claim_sql =
+        format!("SELECT status, CAST(started_at AS TEXT) FROM processed_events WHERE event_id = '{event_id}'");
     eventually("the first consumer holds the ledger claim", Duration::from_secs(20), || {
         let (db, sql) = (db.clone(), claim_sql.clone());
         async move { !query_strings(&db, &sql).await.is_empty() }
@@ -143,7 +149,13 @@ async fn a_killed_handler_process_is_taken_over_and_its_late_complete_rejected()
     doomed.kill();
 
     // A second consumer takes over the row and the claim once the leases run out.
-    let survivor = Reelay::start_handlers(BIN, &write, &dir.path().join("survivor"), &probe_env(effects_db.to_str().unwrap(), "probe-a")).await;
+    let survivor = Reelay::start_handlers(
+        BIN,
+        &write,
+        &dir.path().join("survivor"),
+        &probe_env(effects_db.to_str().unwrap(), "probe-a"),
+    )
+    .await;
     eventually("the survivor handles the event", Duration::from_secs(30), || {
         let db = db.clone();
         let id = event_id.clone();
@@ -181,13 +193,16 @@ async fn a_claim_held_elsewhere_defers_without_spending_an_attempt() {
     c.user("ana").await;
     let event_id = event_ids(&db).await.remove(0);
     // Someone else holds (event, probe-a).
-    let claim = v1::LedgerClaimRequest { keys: vec![v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }] };
+    let claim =
+        v1::LedgerClaimRequest { keys: vec![v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }] };
     let reply = c.ledger.claim(claim.clone()).await.unwrap().into_inner();
     let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.claims[0].outcome else { panic!("{reply:?}") };
     let again = c.ledger.claim(claim).await.unwrap().into_inner();
     assert_eq!(again.claims[0].outcome, Some(v1::ledger_claim::Outcome::HeldUntilMs(token + 120_000)));
 
-    let handlers = Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &probe_env(effects_db.to_str().unwrap(), "probe-a")).await;
+    let handlers =
+        Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &probe_env(effects_db.to_str().unwrap(), "probe-a"))
+            .await;
     eventually("the delivery is deferred to the lease expiry", Duration::from_secs(20), || {
         let (db, id) = (db.clone(), event_id.clone());
         async move { row(&db, &id).await == ("pending".to_owned(), 0, token + 120_000) }
@@ -221,11 +236,15 @@ async fn a_failing_handler_retries_on_the_backoff_schedule_and_dead_letters() {
     let after = now_ms();
     let (status, attempts, available_at) = row(&db, &event_id).await;
     assert_eq!((status.as_str(), attempts), ("pending", 1));
-    assert!((before + 5_000..=after + 5_000).contains(&available_at), "next try 5 s after the failure: {available_at} in [{before}+5s, {after}+5s]");
+    assert!(
+        (before + 5_000..=after + 5_000).contains(&available_at),
+        "next try 5 s after the failure: {available_at} in [{before}+5s, {after}+5s]"
+    );
     let error = query_strings(&db, &format!("SELECT last_error FROM event_queue WHERE event_id = '{event_id}'")).await;
     assert!(error[0][0].contains("fails on purpose"), "{error:?}");
     // The ledger claim was released, so the retry can claim at once.
-    let ledger = query_strings(&db, &format!("SELECT COUNT(*) || '' FROM processed_events WHERE event_id = '{event_id}'")).await;
+    let ledger =
+        query_strings(&db, &format!("SELECT COUNT(*) || '' FROM processed_events WHERE event_id = '{event_id}'")).await;
     assert_eq!(ledger[0][0], "0");
     handlers.stop().await;
     write.stop().await;
@@ -310,11 +329,20 @@ async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
     let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
     let reply = c.ledger.claim(v1::LedgerClaimRequest { keys: vec![key.clone()] }).await.unwrap().into_inner();
     let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.claims[0].outcome else { panic!("{reply:?}") };
-    let done = c.ledger.complete(v1::LedgerSettleRequest { keys: vec![v1::OwnedKey { key: Some(key), token }] }).await.unwrap();
+    let done = c
+        .ledger
+        .complete(v1::LedgerSettleRequest { keys: vec![v1::OwnedKey { key: Some(key), token }] })
+        .await
+        .unwrap();
     assert_eq!(done.into_inner().owned, vec![true]);
 
-    let mut handlers =
-        Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &probe_env(effects_db.to_str().unwrap(), "probe-a,probe-b")).await;
+    let mut handlers = Reelay::start_handlers(
+        BIN,
+        &write,
+        &dir.path().join("h"),
+        &probe_env(effects_db.to_str().unwrap(), "probe-a,probe-b"),
+    )
+    .await;
     eventually("the redelivery completes", Duration::from_secs(20), || {
         let (db, id) = (db.clone(), event_id.clone());
         async move { row(&db, &id).await.0 == "done" }

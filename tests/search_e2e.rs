@@ -55,7 +55,10 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
     })
     .await;
     let hit = review_hits(&mut search, "tension").await.remove(0);
-    assert_eq!((hit.user_id.as_str(), hit.movie_title.as_str(), hit.rating, hit.remote), (ana.as_str(), "Heat", 9, false));
+    assert_eq!(
+        (hit.user_id.as_str(), hit.movie_title.as_str(), hit.rating, hit.remote),
+        (ana.as_str(), "Heat", 9, false)
+    );
     let movies = search
         .search_movies(v1::SearchMoviesRequest { query: "heat".into(), ..Default::default() })
         .await
@@ -75,7 +78,9 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
         .unwrap();
     eventually("the edit is searchable and the old text is not", || {
         let mut search = search.clone();
-        async move { !review_hits(&mut search, "heist").await.is_empty() && review_hits(&mut search, "diner").await.is_empty() }
+        async move {
+            !review_hits(&mut search, "heist").await.is_empty() && review_hits(&mut search, "diner").await.is_empty()
+        }
     })
     .await;
     assert_eq!(review_hits(&mut search, "heist").await[0].rating, 10);

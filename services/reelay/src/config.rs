@@ -29,7 +29,7 @@ impl Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run Reelay services (all of them when no --service is given).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Apply database migrations and exit.
     Migrate(MigrateArgs),
 }

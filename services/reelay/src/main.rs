@@ -23,7 +23,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async move {
         match cli.command {
-            Command::Run(run) => node::run(run).await,
+            Command::Run(run) => node::run(*run).await,
             Command::Migrate(migrate) => node::migrate(migrate).await,
         }
     });

@@ -160,31 +160,44 @@ impl Change {
             }
         };
         let change = match payload {
-            Payload::ReviewLogged(r) => {
-                require("review_id", &r.review_id)?;
-                Self::review(
+            // Both carry the whole review, so an edit replaces the document as a log creates it.
+            Payload::ReviewLogged(v1::ReviewLogged {
+                review_id,
+                user_id,
+                movie_id,
+                rating,
+                body,
+                movie_title,
+                movie_year,
+                ..
+            })
+            | Payload::ReviewEdited(v1::ReviewEdited {
+                review_id,
+                user_id,
+                movie_id,
+                rating,
+                body,
+                movie_title,
+                movie_year,
+                ..
+            }) => {
+                require("review_id", review_id)?;
+                Self {
+                    key: format!("review:{review_id}"),
                     version,
-                    &r.review_id,
-                    &r.user_id,
-                    &r.movie_id,
-                    &r.movie_title,
-                    r.movie_year,
-                    r.rating,
-                    &r.body,
-                )
-            }
-            Payload::ReviewEdited(r) => {
-                require("review_id", &r.review_id)?;
-                Self::review(
-                    version,
-                    &r.review_id,
-                    &r.user_id,
-                    &r.movie_id,
-                    &r.movie_title,
-                    r.movie_year,
-                    r.rating,
-                    &r.body,
-                )
+                    entry: Some(Entry::Review(v1::ReviewHit {
+                        review_id: review_id.clone(),
+                        user_id: user_id.clone(),
+                        actor_uri: String::new(),
+                        movie_id: movie_id.clone(),
+                        movie_title: movie_title.clone(),
+                        movie_year: *movie_year,
+                        rating: *rating,
+                        body: body.clone(),
+                        remote: false,
+                        score: 0.0,
+                    })),
+                }
             }
             Payload::ReviewDeleted(r) => {
                 require("review_id", &r.review_id)?;
@@ -229,35 +242,6 @@ impl Change {
             _ => return Ok(None),
         };
         Ok(Some(change))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn review(
-        version: i64,
-        review_id: &str,
-        user_id: &str,
-        movie_id: &str,
-        movie_title: &str,
-        movie_year: i32,
-        rating: u32,
-        body: &str,
-    ) -> Self {
-        Self {
-            key: format!("review:{review_id}"),
-            version,
-            entry: Some(Entry::Review(v1::ReviewHit {
-                review_id: review_id.to_owned(),
-                user_id: user_id.to_owned(),
-                actor_uri: String::new(),
-                movie_id: movie_id.to_owned(),
-                movie_title: movie_title.to_owned(),
-                movie_year,
-                rating,
-                body: body.to_owned(),
-                remote: false,
-                score: 0.0,
-            })),
-        }
     }
 }
 

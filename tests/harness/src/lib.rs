@@ -127,7 +127,10 @@ impl Reelay {
                 }
             }
         }
-        panic!("reelay did not start: {last_error}\n--- log ---\n{}", std::fs::read_to_string(&spec.log).unwrap_or_default());
+        panic!(
+            "reelay did not start: {last_error}\n--- log ---\n{}",
+            std::fs::read_to_string(&spec.log).unwrap_or_default()
+        );
     }
 
     /// Starts the same process again: same database, environment and ports (so processes
@@ -161,7 +164,14 @@ impl Reelay {
             command.env(key, value);
         }
         let child = command.spawn().expect("spawn reelay");
-        let mut process = Reelay { child: Some(child), addr, handlers_addr, database: spec.database.clone(), log: spec.log.clone(), spec };
+        let mut process = Reelay {
+            child: Some(child),
+            addr,
+            handlers_addr,
+            database: spec.database.clone(),
+            log: spec.log.clone(),
+            spec,
+        };
         let mut ready = Ok(());
         for (service, addr) in [("write", addr), ("handlers", handlers_addr)] {
             if ready.is_ok() && process.spec.runs(service) {
