@@ -78,14 +78,38 @@ pub const RETRY_CAP: Duration = Duration::from_secs(300);
 /// failure): 5 s, 10 s, 20 s, … capped at 300 s. The SQLite queue and JetStream naks both use it,
 /// so the two backends retry on the same schedule.
 pub fn retry_backoff(attempt: u32) -> Duration {
-    let doublings = attempt.saturating_sub(1).min(16);
-    RETRY_BASE.saturating_mul(1 << doublings).min(RETRY_CAP)
+    RetryPolicy::default().delay(attempt)
 }
 
-/// The total time a row can spend retrying before its last attempt: the sum of the delays
+/// The total time an event can spend retrying before its last attempt: the sum of the delays
 /// between `max_attempts` deliveries. Start-up compares it with the broker's duplicate window.
 pub fn retry_horizon(max_attempts: u32) -> Duration {
-    (1..max_attempts).map(retry_backoff).sum()
+    RetryPolicy::default().horizon(max_attempts)
+}
+
+/// The retry schedule: `base` after the first failure, doubling per attempt, at most `cap`.
+/// Production uses the default (5 s, 300 s); tests shorten it by configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub base: Duration,
+    pub cap: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self { base: RETRY_BASE, cap: RETRY_CAP }
+    }
+}
+
+impl RetryPolicy {
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let doublings = attempt.saturating_sub(1).min(16);
+        self.base.saturating_mul(1 << doublings).min(self.cap)
+    }
+
+    pub fn horizon(&self, max_attempts: u32) -> Duration {
+        (1..max_attempts).map(|a| self.delay(a)).sum()
+    }
 }
 
 #[cfg(test)]
@@ -132,5 +156,7 @@ mod tests {
         assert_eq!(retry_horizon(1), Duration::ZERO);
         assert_eq!(retry_horizon(3), Duration::from_secs(15));
         assert_eq!(retry_horizon(8), Duration::from_secs(5 + 10 + 20 + 40 + 80 + 160 + 300));
+        let short = RetryPolicy { base: Duration::from_millis(100), cap: Duration::from_millis(250) };
+        assert_eq!(short.horizon(4), Duration::from_millis(100 + 200 + 250));
     }
 }

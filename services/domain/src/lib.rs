@@ -8,6 +8,6 @@ pub mod ids;
 pub mod letterboxd;
 pub mod validate;
 
-pub use events::{EVENT_TYPES, NewEvent, retry_backoff};
+pub use events::{EVENT_TYPES, NewEvent, RetryPolicy, retry_backoff, retry_horizon};
 pub use ids::{EventId, MovieId, ReviewId, UserId, WrapUpId};
 pub use validate::ValidationError;

@@ -14,7 +14,7 @@ mod writer;
 pub use db::{Database, DbConfig, Synchronous};
 pub use enqueue::{EnqueuedEvent, enqueue_events};
 pub use migrate::{MIGRATOR, migrate, migrate_to};
-pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer};
+pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer, failpoint_armed};
 
 /// Milliseconds since the Unix epoch: the unit of every timestamp column.
 pub fn now_ms() -> i64 {

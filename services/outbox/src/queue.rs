@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use reelay_domain::retry_backoff;
+use reelay_domain::RetryPolicy;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::WriteTx;
@@ -19,11 +19,13 @@ pub struct QueuePolicy {
     pub lease: Duration,
     /// Deliveries before a row is dead-lettered (`EVENT_QUEUE_MAX_ATTEMPTS`).
     pub max_attempts: u32,
+    /// When a failed row is due again.
+    pub retry: RetryPolicy,
 }
 
 impl Default for QueuePolicy {
     fn default() -> Self {
-        Self { lease: Duration::from_secs(600), max_attempts: 8 }
+        Self { lease: Duration::from_secs(600), max_attempts: 8, retry: RetryPolicy::default() }
     }
 }
 
@@ -150,7 +152,8 @@ pub struct FailedRow {
     pub terminal: bool,
 }
 
-/// Spends an attempt on each row: the next delivery is due after `retry_backoff(attempts)`, or
+/// Spends an attempt on each row: the next delivery is due after `policy.retry.delay(attempts)`
+/// (`retry_backoff` unless shortened by configuration), or
 /// the row is dead-lettered once `max_attempts` deliveries have failed.
 pub async fn fail(tx: &mut WriteTx, rows: &[FailedRow], now: i64, policy: QueuePolicy) -> Result<Settled, sqlx::Error> {
     let (mut failed, mut dead) = (Vec::new(), Vec::new());
@@ -177,7 +180,7 @@ pub async fn fail(tx: &mut WriteTx, rows: &[FailedRow], now: i64, policy: QueueP
                 "outbox row dead-lettered");
             dead.push(failure.row.id);
         } else {
-            let next = now + retry_backoff(attempts).as_millis() as i64;
+            let next = now + policy.retry.delay(attempts).as_millis() as i64;
             sqlx::query("UPDATE event_queue SET status = 'pending', attempts = ?, available_at = ?, last_error = ? WHERE id = ?")
                 .bind(i64::from(attempts))
                 .bind(next)

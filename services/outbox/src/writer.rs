@@ -279,6 +279,13 @@ async fn run_batch(
     Ok(events)
 }
 
+/// True when the test-only failpoint `name` is armed in `REELAY_FAILPOINTS`. Always false unless
+/// built with the `failpoints` feature, which release builds never enable. Services use it to
+/// simulate a crash at a precise point (e.g. the relay between PubAck and mark-done).
+pub fn failpoint_armed(name: &str) -> bool {
+    Failpoints::from_env().fires(name)
+}
+
 /// Test-only fault injection: `REELAY_FAILPOINTS=log_review,edit_review` (or `*`) makes those
 /// write jobs fail after all their statements ran and before the commit. Compiled only with the
 /// `failpoints` feature, which release builds never enable.
@@ -297,7 +304,7 @@ impl Failpoints {
             .filter(|s| !s.is_empty())
             .collect();
         if !names.is_empty() {
-            tracing::warn!(?names, "failpoints armed: these write jobs will fail before commit");
+            tracing::warn!(?names, "failpoints armed");
         }
         Self { names }
     }

@@ -74,7 +74,7 @@ const T0: i64 = 1_800_000_000_000;
 async fn failures_follow_the_backoff_schedule_then_dead_letter() {
     let (_dir, db) = open().await;
     enqueue(&db, 1).await;
-    let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 5 };
+    let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 5, ..QueuePolicy::default() };
     let mut now = T0;
     for attempt in 1..=5u32 {
         let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, now, policy, 10))).await;
@@ -108,7 +108,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
 async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let (_dir, db) = open().await;
     enqueue(&db, 3).await;
-    let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 3 };
+    let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 3, ..QueuePolicy::default() };
     let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, 10))).await;
     assert_eq!(claimed.len(), 3);
     let claims: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();

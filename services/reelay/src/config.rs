@@ -94,6 +94,9 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub handlers: HandlerArgs,
+
+    #[command(flatten)]
+    pub nats: NatsArgs,
 }
 
 impl RunArgs {
@@ -125,6 +128,66 @@ pub struct DeliveryArgs {
     /// How often the write service purges ledger rows past retention.
     #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000)]
     pub ledger_purge_interval_ms: u64,
+
+    /// The first retry delay after a failed delivery; it doubles per attempt. Only tests
+    /// should change it.
+    #[arg(long, env = "REELAY_RETRY_BASE_MS", default_value_t = 5_000)]
+    pub retry_base_ms: u64,
+
+    /// The longest retry delay.
+    #[arg(long, env = "REELAY_RETRY_CAP_MS", default_value_t = 300_000)]
+    pub retry_cap_ms: u64,
+}
+
+impl DeliveryArgs {
+    pub fn retry(&self) -> reelay_domain::RetryPolicy {
+        reelay_domain::RetryPolicy {
+            base: Duration::from_millis(self.retry_base_ms),
+            cap: Duration::from_millis(self.retry_cap_ms),
+        }
+    }
+}
+
+/// How the nats backend reaches the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NatsMode {
+    /// JetStream: durable, deduplicated, redelivered.
+    Jetstream,
+    /// Core NATS: fire and forget; no dedup, no redelivery.
+    Core,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct NatsArgs {
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+
+    #[arg(long, env = "NATS_MODE", value_enum, default_value = "jetstream")]
+    pub nats_mode: NatsMode,
+
+    #[arg(long, env = "REELAY_STREAM", default_value = "REELAY_EVENTS")]
+    pub stream: String,
+
+    /// Events are published to `<prefix>.<event type>`.
+    #[arg(long, env = "REELAY_SUBJECT_PREFIX", default_value = "reelay.events")]
+    pub subject_prefix: String,
+
+    /// How long JetStream waits for a handler's ack before redelivering (handlers report
+    /// progress while they work, so this bounds a dead handler, not a slow one).
+    #[arg(long, env = "REELAY_ACK_WAIT_MS", default_value_t = 30_000)]
+    pub ack_wait_ms: u64,
+
+    /// Unacked messages one handler consumer may have out, including those waiting out a nak.
+    #[arg(long, env = "REELAY_MAX_ACK_PENDING", default_value_t = 10_000)]
+    pub max_ack_pending: i64,
+
+    /// The NATS monitoring endpoint, to check that the server fsyncs every write.
+    #[arg(long, env = "REELAY_NATS_MONITOR_URL")]
+    pub monitor_url: Option<String>,
+
+    /// Rows the relay claims and publishes at once.
+    #[arg(long, env = "REELAY_RELAY_BATCH", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub relay_batch: u32,
 }
 
 /// Where events come from.

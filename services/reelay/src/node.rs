@@ -11,16 +11,20 @@ use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 use reelay_outbox::{Database, DbConfig};
 use reelay_runtime::client::connect_lazy;
+use reelay_relay as relay;
 use reelay_runtime::consumer::run_consumer;
+use reelay_runtime::core_source::CoreSource;
 use reelay_runtime::db_source::OutboxSource;
 use reelay_runtime::dispatch::Dispatcher;
+use reelay_runtime::jetstream::{self, JetStreamConfig};
+use reelay_runtime::nats_source::JetStreamSource;
 use reelay_runtime::{GrpcConfig, GrpcServer, Handler, Service, Shutdown};
 use reelay_search::{SearchHandler, SearchIndex};
 use reelay_write::DeliveryPolicy;
 use sqlx::Connection;
 use tokio::net::TcpListener;
 
-use crate::config::{Backend, DatabaseArgs, MigrateArgs, RunArgs};
+use crate::config::{Backend, DatabaseArgs, MigrateArgs, NatsMode, RunArgs};
 
 /// How long one outbox claim waits for rows; bounds how long shutdown waits for a fetch.
 const CLAIM_LONG_POLL: Duration = Duration::from_secs(5);
@@ -56,26 +60,67 @@ fn service_token(args: &RunArgs) -> anyhow::Result<Option<String>> {
     }
 }
 
-/// The handlers this build hosts, and the search index the Search API serves.
-async fn available_handlers(args: &RunArgs) -> anyhow::Result<(Vec<Arc<dyn Handler>>, SearchIndex)> {
-    let search_dir = args.handlers.search_dir.clone().unwrap_or_else(|| args.database.data_dir.join("search"));
-    let index = SearchIndex::open(&search_dir)
-        .with_context(|| format!("cannot open the search index in {}", search_dir.display()))?;
-    let mut handlers: Vec<Arc<dyn Handler>> = vec![Arc::new(SearchHandler::new(index.clone()))];
-    handlers.extend(reelay_runtime::probe::probes().await.map_err(anyhow::Error::msg)?);
+/// The handlers this process hosts: those named by `--handler`, or all this build has. The
+/// search index is opened only when the search handler is hosted.
+async fn hosted_handlers(args: &RunArgs) -> anyhow::Result<(Vec<Arc<dyn Handler>>, Option<SearchIndex>)> {
+    let wanted = |name: &str| args.handlers.handlers.is_empty() || args.handlers.handlers.iter().any(|h| h == name);
+    let probes = reelay_runtime::probe::probes().await.map_err(anyhow::Error::msg)?;
+    let mut known: Vec<&str> = vec!["search"];
+    known.extend(probes.iter().map(|p| p.name()));
+    if let Some(unknown) = args.handlers.handlers.iter().find(|h| !known.contains(&h.as_str())) {
+        bail!("unknown handler {unknown:?}; this build has: {}", known.join(", "));
+    }
+    let mut handlers: Vec<Arc<dyn Handler>> = Vec::new();
+    let mut index = None;
+    if wanted("search") {
+        let dir = args.handlers.search_dir.clone().unwrap_or_else(|| args.database.data_dir.join("search"));
+        let opened =
+            SearchIndex::open(&dir).with_context(|| format!("cannot open the search index in {}", dir.display()))?;
+        handlers.push(Arc::new(SearchHandler::new(opened.clone())));
+        index = Some(opened);
+    }
+    handlers.extend(probes.into_iter().filter(|p| wanted(p.name())));
     Ok((handlers, index))
 }
 
+fn jetstream_config(args: &RunArgs) -> JetStreamConfig {
+    JetStreamConfig {
+        url: args.nats.nats_url.clone(),
+        stream: args.nats.stream.clone(),
+        subject_prefix: args.nats.subject_prefix.clone(),
+        max_deliver: args.delivery.max_attempts,
+        ack_wait: Duration::from_millis(args.nats.ack_wait_ms),
+        max_ack_pending: args.nats.max_ack_pending,
+        monitor_url: args.nats.monitor_url.clone(),
+    }
+}
+
+/// Connects to NATS and, on JetStream, makes sure the stream is as this build needs it.
+async fn nats_setup(args: &RunArgs, js_config: &JetStreamConfig) -> anyhow::Result<async_nats::Client> {
+    let client = jetstream::connect(&js_config.url).await?;
+    if args.nats.nats_mode == NatsMode::Jetstream {
+        jetstream::check_retry_horizon(
+            args.delivery.retry(),
+            args.delivery.max_attempts,
+            Duration::from_millis(args.delivery.outbox_lease_ms),
+        )?;
+        jetstream::ensure_stream(&async_nats::jetstream::new(client.clone()), js_config).await?;
+        jetstream::warn_unless_fsync_always(js_config.monitor_url.as_deref()).await;
+    }
+    Ok(client)
+}
+
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let nats = args.handlers.backend == Backend::Nats;
     let services: BTreeSet<Service> = if args.services.is_empty() {
-        [Service::Write, Service::Handlers].into()
+        if nats { Service::ALL.into() } else { [Service::Write, Service::Handlers].into() }
     } else {
         args.services.iter().copied().collect()
     };
-    if services.contains(&Service::Relay) || args.handlers.backend == Backend::Nats {
-        bail!("the nats backend and the relay service are not part of this build yet; use EVENT_BUS_BACKEND=db");
+    if services.contains(&Service::Relay) && !nats {
+        bail!("the relay publishes the outbox to NATS; set EVENT_BUS_BACKEND=nats (and NATS_URL) to run it");
     }
-    if services.contains(&Service::Handlers) && !args.handlers.handlers.is_empty() {
+    if services.contains(&Service::Handlers) && !nats && !args.handlers.handlers.is_empty() {
         bail!(
             "--handler/REELAY_HANDLERS picks a subset of handlers, which only the nats backend supports: on the db \
              backend one outbox row carries its event to every handler, so a handlers process hosts all of them"
@@ -97,42 +142,82 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let shutdown = Shutdown::new();
     shutdown.listen_for_signals();
-    // The write service keeps serving until this node's consumers have settled their last batch.
-    let consumers_done = Shutdown::new();
+    // The write service keeps serving until this node's consumers and relay have settled.
+    let clients_done = Shutdown::new();
+    let mut clients = tokio::task::JoinSet::new();
     let mut tasks = tokio::task::JoinSet::new();
+    let write_url = args.handlers.write_url.clone().unwrap_or_else(|| format!("http://{}", args.write_addr));
+    let write_channel =
+        connect_lazy(&write_url, grpc.service_token.as_deref(), args.call_timeout()).map_err(anyhow::Error::msg)?;
+    let js_config = jetstream_config(&args);
+    let nats_client = if nats && (services.contains(&Service::Relay) || services.contains(&Service::Handlers)) {
+        Some(nats_setup(&args, &js_config).await?)
+    } else {
+        None
+    };
+
+    if services.contains(&Service::Relay) {
+        let client = nats_client.clone().expect("connected above");
+        let mode = if args.nats.nats_mode == NatsMode::Core { relay::Mode::Core } else { relay::Mode::JetStream };
+        let config = relay::RelayConfig {
+            subject_prefix: args.nats.subject_prefix.clone(),
+            mode,
+            batch: args.nats.relay_batch,
+            long_poll: CLAIM_LONG_POLL,
+        };
+        tracing::info!(%write_url, nats = %js_config.url, ?mode, "relay service starting");
+        let stop = shutdown.clone();
+        clients.spawn(relay::Relay::new(write_channel.clone(), client, config).run(stop));
+    }
 
     if let Some(listener) = handlers_listener {
-        let (handlers, index) = available_handlers(&args).await?;
-        let write_url = args.handlers.write_url.clone().unwrap_or_else(|| format!("http://{}", args.write_addr));
-        let channel =
-            connect_lazy(&write_url, grpc.service_token.as_deref(), args.call_timeout()).map_err(anyhow::Error::msg)?;
-        let consumer = format!("handlers-{}", std::process::id());
-        let source = OutboxSource::new(channel.clone(), consumer, CLAIM_LONG_POLL);
-        let dispatcher = Dispatcher::new(
-            handlers,
-            channel,
-            Duration::from_millis(args.handlers.handler_timeout_ms),
-            shutdown.clone(),
-        );
-        tracing::info!(backend = "db", %write_url, handlers = ?dispatcher.handler_names(), "handlers service starting");
-        let (stop, done) = (shutdown.clone(), consumers_done.clone());
+        let (handlers, index) = hosted_handlers(&args).await?;
+        let timeout = Duration::from_millis(args.handlers.handler_timeout_ms);
         let batch = args.handlers.batch as usize;
-        tasks.spawn(async move {
-            run_consumer(source, dispatcher, batch, stop).await;
-            done.request();
-            Ok(())
-        });
-        let server = reelay_search::mount(GrpcServer::new(grpc.clone()), index);
+        let names: Vec<&str> = handlers.iter().map(|h| h.name()).collect();
+        tracing::info!(backend = ?args.handlers.backend, %write_url, handlers = ?names, "handlers service starting");
+        let dispatcher = |hosted: Vec<Arc<dyn Handler>>| {
+            Dispatcher::new(hosted, write_channel.clone(), timeout, args.delivery.retry(), shutdown.clone())
+        };
+        match (&nats_client, args.nats.nats_mode) {
+            (None, _) => {
+                let source = OutboxSource::new(write_channel.clone(), format!("handlers-{}", std::process::id()), CLAIM_LONG_POLL);
+                clients.spawn(run_consumer(source, dispatcher(handlers), batch, shutdown.clone()));
+            }
+            (Some(client), NatsMode::Jetstream) => {
+                let js = async_nats::jetstream::new(client.clone());
+                for handler in handlers {
+                    let consumer = jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
+                    let name = JetStreamConfig::consumer_name(handler.name());
+                    let source =
+                        JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
+                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, shutdown.clone()));
+                }
+            }
+            (Some(client), NatsMode::Core) => {
+                for handler in handlers {
+                    let source = CoreSource::subscribe(client, &js_config.subject_prefix, handler.name())
+                        .await
+                        .map_err(anyhow::Error::from)?;
+                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, shutdown.clone()));
+                }
+            }
+        }
+        let mut server = GrpcServer::new(grpc.clone());
+        if let Some(index) = index {
+            server = reelay_search::mount(server, index);
+        }
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            server
-                .serve(listener, async move { stop.requested().await })
-                .await
-                .context("the handlers gRPC server failed")
+            server.serve(listener, async move { stop.requested().await }).await.context("the handlers gRPC server failed")
         });
-    } else {
-        consumers_done.request();
     }
+    let done = clients_done.clone();
+    tasks.spawn(async move {
+        while clients.join_next().await.is_some() {}
+        done.request();
+        Ok(())
+    });
 
     let mut db = None;
     if let Some(listener) = write_listener {
@@ -153,7 +238,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             )
             .map(Ok),
         );
-        let (stop, done) = (shutdown.clone(), consumers_done.clone());
+        let (stop, done) = (shutdown.clone(), clients_done.clone());
         tasks.spawn(async move {
             let drained = async move {
                 stop.requested().await;
@@ -183,7 +268,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 fn delivery_policy(args: &RunArgs) -> DeliveryPolicy {
     let d = &args.delivery;
     DeliveryPolicy {
-        queue: QueuePolicy { lease: Duration::from_millis(d.outbox_lease_ms), max_attempts: d.max_attempts },
+        queue: QueuePolicy {
+            lease: Duration::from_millis(d.outbox_lease_ms),
+            max_attempts: d.max_attempts,
+            retry: d.retry(),
+        },
         ledger: LedgerPolicy {
             lease: Duration::from_millis(d.ledger_lease_ms),
             retention: Duration::from_secs(d.ledger_retention_days * 24 * 3600),

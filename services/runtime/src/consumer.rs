@@ -40,13 +40,18 @@ pub async fn run_consumer<S: EventSource>(
             continue;
         }
         let verdicts = loop {
-            match dispatcher.dispatch(&deliveries).await {
+            let dispatched = with_progress(&mut source, &deliveries, dispatcher.dispatch(&deliveries)).await;
+            match dispatched {
                 Ok(verdicts) => {
                     ledger_pause.resumed();
                     break Some(verdicts);
                 }
                 Err(_) if shutdown.is_requested() => break None,
-                Err(unavailable) => ledger_pause.wait(&unavailable.0).await,
+                Err(unavailable) => {
+                    // Hold on to the deliveries (reporting progress) rather than failing them:
+                    // an outage of any length must not use up their attempts.
+                    with_progress(&mut source, &deliveries, ledger_pause.wait(&unavailable.0)).await;
+                }
             }
         };
         let settlements: Vec<Settlement<S::Token>> = match verdicts {
@@ -70,6 +75,23 @@ pub async fn run_consumer<S: EventSource>(
         }
     }
     tracing::info!("consumer stopped");
+}
+
+/// Runs `work` while telling the source, as often as it needs, that `deliveries` are in hand.
+async fn with_progress<S: EventSource, F: Future>(source: &mut S, deliveries: &[Delivery<S::Token>], work: F) -> F::Output {
+    let Some(interval) = source.progress_interval() else { return work.await };
+    tokio::pin!(work);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    loop {
+        tokio::select! {
+            output = &mut work => return output,
+            _ = ticks.tick() => {
+                if let Err(error) = source.in_progress(deliveries).await {
+                    tracing::warn!(%error, "could not report deliveries in progress");
+                }
+            }
+        }
+    }
 }
 
 fn settlement<T>(delivery: Delivery<T>, verdict: Verdict) -> Settlement<T> {

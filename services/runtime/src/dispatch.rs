@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, ledger_claim::Outcome, ledger_client::LedgerClient};
-use reelay_domain::{EventId, retry_backoff};
+use reelay_domain::{EventId, RetryPolicy};
 
 use crate::client::{ServiceChannel, is_transport_failure};
 use crate::pause::Pause;
@@ -51,6 +51,7 @@ pub struct Dispatcher {
     handlers: Vec<Arc<dyn Handler>>,
     ledger: LedgerClient<ServiceChannel>,
     handler_timeout: Duration,
+    retry_policy: RetryPolicy,
     shutdown: Shutdown,
 }
 
@@ -59,9 +60,10 @@ impl Dispatcher {
         handlers: Vec<Arc<dyn Handler>>,
         ledger: ServiceChannel,
         handler_timeout: Duration,
+        retry_policy: RetryPolicy,
         shutdown: Shutdown,
     ) -> Self {
-        Self { handlers, ledger: LedgerClient::new(ledger), handler_timeout, shutdown }
+        Self { handlers, ledger: LedgerClient::new(ledger), handler_timeout, retry_policy, shutdown }
     }
 
     pub fn handler_names(&self) -> Vec<&'static str> {
@@ -87,7 +89,7 @@ impl Dispatcher {
         self.run_handlers(deliveries, &mut pairs).await;
         self.settle_ledger(deliveries, &pairs).await;
 
-        Ok(deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p)).collect())
+        Ok(deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.retry_policy)).collect())
     }
 
     /// Asks the ledger about every pair of a delivery that has an event id.
@@ -245,7 +247,7 @@ fn deduplicable<T>(delivery: &Delivery<T>) -> Option<&str> {
     Some(id)
 }
 
-fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)]) -> Verdict {
+fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: RetryPolicy) -> Verdict {
     let mut held: Option<i64> = None;
     let mut retry: Option<String> = None;
     for (_, state) in pairs {
@@ -261,7 +263,7 @@ fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)]) -> Verdict {
         }
     }
     match (retry, held) {
-        (Some(error), _) => Verdict::Nak { delay: retry_backoff(delivery.attempt), error },
+        (Some(error), _) => Verdict::Nak { delay: policy.delay(delivery.attempt), error },
         (None, Some(until_ms)) => Verdict::Defer { until_ms },
         (None, None) => Verdict::Ack,
     }

@@ -4,11 +4,14 @@
 
 pub mod client;
 pub mod consumer;
+pub mod core_source;
 pub mod db_source;
 pub mod dispatch;
 pub mod error;
 pub mod grpc;
 pub mod handler;
+pub mod jetstream;
+pub mod nats_source;
 mod pause;
 pub mod probe;
 pub mod service;

@@ -94,4 +94,15 @@ pub trait EventSource: Send {
 
     /// Applies settlements. On `Unavailable` the caller retries the same settlements.
     async fn settle(&mut self, settlements: &[Settlement<Self::Token>]) -> Result<(), SourceError>;
+
+    /// How often deliveries in hand must be reported as still in progress so the backend does
+    /// not redeliver them (a long handler, a paused consumer). `None`: no need.
+    fn progress_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Reports deliveries in hand as still being worked on.
+    async fn in_progress(&mut self, _deliveries: &[Delivery<Self::Token>]) -> Result<(), SourceError> {
+        Ok(())
+    }
 }

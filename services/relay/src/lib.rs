@@ -1,0 +1,231 @@
+//! The relay: claims outbox rows through the write service's Outbox API and publishes each to
+//! `<prefix>.<event type>` with `Nats-Msg-Id` = its event id, then marks them done.
+//!
+//! It owns nothing durable. It never spends an attempt on a transport failure: rows it could
+//! not publish are deferred (no attempt spent) with growing backoff, and the relay pauses. A
+//! relay that dies between the PubAck and the mark-done republishes after the claim lease; the
+//! broker drops the duplicate inside its duplicate window and answers with a duplicate PubAck,
+//! which counts as success.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::context::PublishErrorKind;
+use futures_util::future::join_all;
+use reelay_contracts::v1::{self, outbox_client::OutboxClient};
+use reelay_runtime::Shutdown;
+use reelay_runtime::client::{ServiceChannel, is_transport_failure};
+
+/// How the relay publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Publish to the stream and wait for every PubAck (durable, deduplicated).
+    JetStream,
+    /// Publish and flush: no broker dedup, no redelivery; a subscriber that is down misses it.
+    Core,
+}
+
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    pub subject_prefix: String,
+    pub mode: Mode,
+    /// Rows claimed, and publishes in flight, at once.
+    pub batch: u32,
+    pub long_poll: Duration,
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+pub struct Relay {
+    outbox: OutboxClient<ServiceChannel>,
+    nats: async_nats::Client,
+    jetstream: async_nats::jetstream::Context,
+    config: RelayConfig,
+    /// Test builds only: abort between the PubAcks and the mark-done, to test republishing.
+    crash_after_puback: bool,
+}
+
+/// What became of a batch of publishes.
+struct Published {
+    done: Vec<v1::RowClaim>,
+    /// The broker could not be reached: try again later without spending an attempt.
+    retry: Vec<v1::RowClaim>,
+    /// The broker refused the message itself: spend an attempt.
+    refused: Vec<v1::FailedRow>,
+    duplicates: usize,
+}
+
+impl Relay {
+    pub fn new(outbox: ServiceChannel, nats: async_nats::Client, config: RelayConfig) -> Self {
+        let jetstream = async_nats::jetstream::new(nats.clone());
+        let crash_after_puback = reelay_outbox::failpoint_armed("relay_after_puback");
+        Self { outbox: OutboxClient::new(outbox), nats, jetstream, config, crash_after_puback }
+    }
+
+    pub async fn run(mut self, shutdown: Shutdown) {
+        tracing::info!(mode = ?self.config.mode, prefix = %self.config.subject_prefix, batch = self.config.batch, "relay started");
+        let mut backoff = FIRST_BACKOFF;
+        while !shutdown.is_requested() {
+            let mut request = tonic::Request::new(v1::ClaimRequest {
+                consumer: format!("relay-{}", std::process::id()),
+                max_rows: self.config.batch,
+                wait_ms: self.config.long_poll.as_millis() as u32,
+            });
+            request.set_timeout(self.config.long_poll + Duration::from_secs(10));
+            let rows = match self.outbox.claim(request).await {
+                Ok(reply) => reply.into_inner().rows,
+                Err(status) => {
+                    let transport = is_transport_failure(&status);
+                    tracing::warn!(code = ?status.code(), error = status.message(), transport, "cannot claim outbox rows; pausing");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    continue;
+                }
+            };
+            if rows.is_empty() {
+                continue;
+            }
+            let published = match self.config.mode {
+                Mode::JetStream => self.publish_jetstream(&rows).await,
+                Mode::Core => self.publish_core(&rows).await,
+            };
+            if self.crash_after_puback && !published.done.is_empty() {
+                tracing::error!("failpoint relay_after_puback: aborting before marking rows done");
+                std::process::abort();
+            }
+            let paused = !published.retry.is_empty();
+            self.settle(published, backoff).await;
+            if paused {
+                tracing::warn!(delay = ?backoff, "the broker is unreachable; deferring rows without spending attempts and pausing");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            } else {
+                backoff = FIRST_BACKOFF;
+            }
+        }
+        tracing::info!("relay stopped");
+    }
+
+    fn message(&self, row: &v1::OutboxRow) -> (String, HeaderMap) {
+        let subject = format!("{}.{}", self.config.subject_prefix, row.event_type);
+        let mut headers = HeaderMap::new();
+        if !row.event_id.is_empty() {
+            headers.insert("Nats-Msg-Id", row.event_id.as_str());
+        }
+        let traceparent = reelay_runtime::consumer::decode_envelope(&row.payload, &row.event_id, &row.event_type, &row.aggregate_id)
+            .traceparent;
+        if !traceparent.is_empty() {
+            headers.insert("traceparent", traceparent.as_str());
+        }
+        (subject, headers)
+    }
+
+    /// Sends every publish, then awaits every PubAck: the whole batch is in flight at once.
+    async fn publish_jetstream(&self, rows: &[v1::OutboxRow]) -> Published {
+        let mut pending = Vec::with_capacity(rows.len());
+        for row in rows {
+            let (subject, headers) = self.message(row);
+            let sent = self.jetstream.publish_with_headers(subject, headers, row.payload.clone().into()).await;
+            pending.push(sent);
+        }
+        let acks = join_all(pending.into_iter().map(|sent| async move {
+            match sent {
+                Ok(ack) => ack.await,
+                Err(error) => Err(error),
+            }
+        }))
+        .await;
+        let mut published = Published { done: Vec::new(), retry: Vec::new(), refused: Vec::new(), duplicates: 0 };
+        for (row, ack) in rows.iter().zip(acks) {
+            let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
+            match ack {
+                Ok(ack) => {
+                    published.duplicates += usize::from(ack.duplicate);
+                    published.done.push(claim);
+                }
+                Err(error) if matches!(error.kind(), PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe | PublishErrorKind::StreamNotFound) => {
+                    tracing::debug!(row = row.id, %error, "publish failed in transport");
+                    published.retry.push(claim);
+                }
+                Err(error) => {
+                    tracing::error!(row = row.id, event_id = %row.event_id, %error, "the broker refused an event");
+                    published.refused.push(v1::FailedRow { row: Some(claim), error: error.to_string(), terminal: false });
+                }
+            }
+        }
+        published
+    }
+
+    /// Publishes, then one flush: done when the flush returns.
+    async fn publish_core(&self, rows: &[v1::OutboxRow]) -> Published {
+        let mut published = Published { done: Vec::new(), retry: Vec::new(), refused: Vec::new(), duplicates: 0 };
+        let mut sent = Vec::with_capacity(rows.len());
+        for row in rows {
+            let (subject, headers) = self.message(row);
+            let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
+            match self.nats.publish_with_headers(subject, headers, row.payload.clone().into()).await {
+                Ok(()) => sent.push(claim),
+                Err(_) => published.retry.push(claim),
+            }
+        }
+        match self.nats.flush().await {
+            Ok(()) => published.done = sent,
+            Err(_) => published.retry.extend(sent),
+        }
+        published
+    }
+
+    /// Marks published rows done, defers the ones that could not be sent, fails the refused.
+    /// Retried until the write service answers, so a PubAck is never forgotten by a live relay.
+    async fn settle(&mut self, published: Published, backoff: Duration) {
+        if published.duplicates > 0 {
+            tracing::info!(duplicates = published.duplicates, "the broker already had some events (duplicate PubAck): treated as published");
+        }
+        let until_ms = reelay_outbox::now_ms() + backoff.as_millis() as i64;
+        for chunk in published.done.chunks(1000) {
+            self.call_until_answered("complete", |mut outbox| {
+                let rows = chunk.to_vec();
+                async move { outbox.complete(v1::CompleteRequest { rows }).await.map(drop) }
+            })
+            .await;
+        }
+        for chunk in published.retry.chunks(1000) {
+            self.call_until_answered("defer", |mut outbox| {
+                let rows = chunk.to_vec();
+                async move { outbox.defer(v1::DeferRequest { rows, until_ms }).await.map(drop) }
+            })
+            .await;
+        }
+        for chunk in published.refused.chunks(1000) {
+            self.call_until_answered("fail", |mut outbox| {
+                let rows = chunk.to_vec();
+                async move { outbox.fail(v1::FailRequest { rows }).await.map(drop) }
+            })
+            .await;
+        }
+    }
+
+    async fn call_until_answered<F, Fut>(&mut self, what: &str, mut call: F)
+    where
+        F: FnMut(OutboxClient<ServiceChannel>) -> Fut,
+        Fut: Future<Output = Result<(), tonic::Status>>,
+    {
+        let mut delay = FIRST_BACKOFF;
+        loop {
+            match call(self.outbox.clone()).await {
+                Ok(()) => return,
+                Err(status) if is_transport_failure(&status) => {
+                    tracing::warn!(what, error = status.message(), "the write service is unreachable; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(MAX_BACKOFF);
+                }
+                Err(status) => {
+                    // The rows stay claimed and come back after the lease; nothing is lost.
+                    tracing::error!(what, code = ?status.code(), error = status.message(), "the write service refused a settle");
+                    return;
+                }
+            }
+        }
+    }
+}

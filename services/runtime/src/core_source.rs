@@ -1,0 +1,65 @@
+//! `NATS_MODE=core`: one handler's queue-group subscription on core NATS. No acks and no
+//! redelivery exist here: a delivery that fails is lost for that handler (the README says what
+//! this mode gives up). The ledger still stops two workers handling one event at once.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+
+use crate::consumer::decode_envelope;
+use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, SourceError};
+
+pub struct CoreSource {
+    subscriber: async_nats::Subscriber,
+    name: String,
+    wait: Duration,
+}
+
+impl CoreSource {
+    /// Subscribes to every event subject in the queue group `handler-<name>`, so replicas of a
+    /// handler share the messages.
+    pub async fn subscribe(client: &async_nats::Client, subject_prefix: &str, handler: &str) -> Result<Self, SourceError> {
+        let name = crate::jetstream::JetStreamConfig::consumer_name(handler);
+        let subscriber = client
+            .queue_subscribe(format!("{subject_prefix}.>"), name.clone())
+            .await
+            .map_err(|e| SourceError::Unavailable(e.to_string()))?;
+        Ok(Self { subscriber, name, wait: Duration::from_secs(5) })
+    }
+}
+
+#[async_trait::async_trait]
+impl EventSource for CoreSource {
+    type Token = ();
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<()>>, SourceError> {
+        let mut deliveries = Vec::new();
+        let Ok(Some(first)) = tokio::time::timeout(self.wait, self.subscriber.next()).await else {
+            return Ok(deliveries);
+        };
+        let mut next = Some(first);
+        while let Some(message) = next.take() {
+            let header = |name: &str| {
+                message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned()).unwrap_or_default()
+            };
+            let event_id = header("Nats-Msg-Id");
+            let event_type = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
+            let event = decode_envelope(&message.payload, &event_id, &event_type, "");
+            let event_id = if event_id.is_empty() { event.event_id.clone() } else { event_id };
+            deliveries.push(Delivery { event, event_id: (!event_id.is_empty()).then_some(event_id), attempt: 1, ack: AckHandle::new(()) });
+            if deliveries.len() < max {
+                next = futures_util::FutureExt::now_or_never(self.subscriber.next()).flatten();
+            }
+        }
+        Ok(deliveries)
+    }
+
+    async fn settle(&mut self, settlements: &[Settlement<()>]) -> Result<(), SourceError> {
+        let dropped = settlements.iter().filter(|s| !matches!(s.kind, SettleKind::Ack)).count();
+        if dropped > 0 {
+            tracing::warn!(consumer = %self.name, dropped,
+                "core NATS cannot redeliver: these deliveries are lost for this handler (use NATS_MODE=jetstream)");
+        }
+        Ok(())
+    }
+}

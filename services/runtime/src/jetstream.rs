@@ -1,0 +1,222 @@
+//! NATS JetStream set-up shared by the relay and the handler services: connecting, the stream
+//! and the per-handler durable consumers reconciled with what this build needs, and the
+//! start-up checks (retry horizon against the duplicate window; fsync on every write).
+//!
+//! An existing stream or consumer is never recreated: the fields this build needs are updated in
+//! place on a clone of the existing config, so operator-set fields and immutable ones are kept.
+//! If the server refuses the update, the warning gives the exact `nats` command to apply it by
+//! hand, and start-up goes on.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use reelay_domain::RetryPolicy;
+
+/// JetStream drops a repeated `Nats-Msg-Id` within this window. Set explicitly: the server's
+/// default (2 minutes) is shorter than the relay can take to retry a publish.
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(3600);
+
+#[derive(Debug, Clone)]
+pub struct JetStreamConfig {
+    pub url: String,
+    pub stream: String,
+    /// Events are published to `<subject_prefix>.<event type>`.
+    pub subject_prefix: String,
+    /// `max_deliver` of every handler consumer (`EVENT_QUEUE_MAX_ATTEMPTS`).
+    pub max_deliver: u32,
+    pub ack_wait: Duration,
+    /// Unacked messages a consumer may have out at once. Messages waiting out a nak delay count
+    /// against it, so it must cover a backlog of failing events, not just the fetch batch.
+    pub max_ack_pending: i64,
+    /// The server's monitoring endpoint (e.g. `http://127.0.0.1:8222`), used to check that it
+    /// fsyncs every write.
+    pub monitor_url: Option<String>,
+}
+
+impl JetStreamConfig {
+    pub fn subject(&self, event_type: &str) -> String {
+        format!("{}.{event_type}", self.subject_prefix)
+    }
+
+    pub fn consumer_name(handler: &str) -> String {
+        format!("handler-{handler}")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("cannot reach NATS at {url}: {message}")]
+    Connect { url: String, message: String },
+    #[error("JetStream {what} failed: {message}")]
+    JetStream { what: String, message: String },
+    #[error(
+        "the retry horizon ({horizon:?}: the outbox lease or the sum of retry delays over \
+         {max_attempts} attempts) outlives the broker's duplicate window ({window:?}), so a late \
+         republish could be delivered twice; lower EVENT_QUEUE_MAX_ATTEMPTS or REELAY_OUTBOX_LEASE_MS"
+    )]
+    Horizon { horizon: Duration, max_attempts: u32, window: Duration },
+}
+
+fn js_error(what: impl Into<String>, error: impl std::fmt::Display) -> SetupError {
+    SetupError::JetStream { what: what.into(), message: error.to_string() }
+}
+
+/// Connects; the client keeps reconnecting by itself after an outage.
+pub async fn connect(url: &str) -> Result<async_nats::Client, SetupError> {
+    async_nats::ConnectOptions::new()
+        .name("reelay")
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(5))
+        .request_timeout(Some(Duration::from_secs(5)))
+        .event_callback(|event| async move {
+            match event {
+                async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS; reconnecting"),
+                async_nats::Event::Connected => tracing::info!("connected to NATS"),
+                other => tracing::debug!(event = %other, "nats client event"),
+            }
+        })
+        .connect(url)
+        .await
+        .map_err(|e| SetupError::Connect { url: url.to_owned(), message: e.to_string() })
+}
+
+/// Refuses a configuration whose retries could outlast the broker's dedup memory.
+pub fn check_retry_horizon(retry: RetryPolicy, max_attempts: u32, outbox_lease: Duration) -> Result<(), SetupError> {
+    let horizon = retry.horizon(max_attempts).max(outbox_lease);
+    if horizon >= DUPLICATE_WINDOW {
+        return Err(SetupError::Horizon { horizon, max_attempts, window: DUPLICATE_WINDOW });
+    }
+    Ok(())
+}
+
+/// Creates the stream, or brings an existing one's `duplicate_window` to what Reelay needs.
+pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
+    match js.get_stream(&config.stream).await {
+        Ok(mut existing) => {
+            let info = existing.info().await.map_err(|e| js_error(format!("reading stream {}", config.stream), e))?;
+            let current = info.config.clone();
+            if current.duplicate_window != DUPLICATE_WINDOW {
+                let mut wanted = current.clone();
+                wanted.duplicate_window = DUPLICATE_WINDOW;
+                match js.update_stream(&wanted).await {
+                    Ok(_) => tracing::warn!(stream = %config.stream, from = ?current.duplicate_window, to = ?DUPLICATE_WINDOW,
+                        "updated the existing stream's duplicate_window in place"),
+                    Err(error) => tracing::warn!(stream = %config.stream, %error,
+                        "could not update the stream's duplicate_window; apply it by hand: nats stream edit {} --dupe-window 1h",
+                        config.stream),
+                }
+            }
+            Ok(())
+        }
+        Err(error)
+            if matches!(error.kind(), jetstream::context::GetStreamErrorKind::JetStream(e)
+                if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            let created = js
+                .create_stream(stream::Config {
+                    name: config.stream.clone(),
+                    subjects: vec![format!("{}.>", config.subject_prefix)],
+                    storage: stream::StorageType::File,
+                    duplicate_window: DUPLICATE_WINDOW,
+                    description: Some("Reelay domain events, published from the outbox by the relay".into()),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| js_error(format!("creating stream {}", config.stream), e))?;
+            tracing::info!(stream = %created.cached_info().config.name, "created the event stream");
+            Ok(())
+        }
+        Err(error) => Err(js_error(format!("looking up stream {}", config.stream), error)),
+    }
+}
+
+/// Creates a handler's durable pull consumer, or brings an existing one's `max_deliver` and
+/// `ack_wait` to this build's values. Returns the consumer to pull from.
+pub async fn ensure_consumer(
+    js: &jetstream::Context,
+    config: &JetStreamConfig,
+    handler: &str,
+    event_types: &[&str],
+) -> Result<consumer::PullConsumer, SetupError> {
+    let name = JetStreamConfig::consumer_name(handler);
+    let stream = js.get_stream(&config.stream).await.map_err(|e| js_error(format!("looking up stream {}", config.stream), e))?;
+    let max_deliver = i64::from(config.max_deliver);
+    match stream.get_consumer::<consumer::Config>(&name).await {
+        Ok(mut existing) => {
+            let current = existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
+            if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait {
+                let mut wanted = current.clone();
+                wanted.max_deliver = max_deliver;
+                wanted.ack_wait = config.ack_wait;
+                match stream.update_consumer(wanted).await {
+                    Ok(_) => tracing::warn!(consumer = %name, from_max_deliver = current.max_deliver, to_max_deliver = max_deliver,
+                        from_ack_wait = ?current.ack_wait, to_ack_wait = ?config.ack_wait,
+                        "updated the existing consumer's max_deliver and ack_wait in place"),
+                    Err(error) => tracing::warn!(consumer = %name, %error,
+                        "could not update the consumer; apply it by hand: nats consumer edit {} {} --max-deliver {} --wait {}s",
+                        config.stream, name, max_deliver, config.ack_wait.as_secs().max(1)),
+                }
+            }
+        }
+        // Not found (or unreadable): create it; a real conflict surfaces as the create's error.
+        Err(_) => {
+            stream
+                .create_consumer(consumer::pull::Config {
+                    durable_name: Some(name.clone()),
+                    description: Some(format!("Reelay handler `{handler}`")),
+                    filter_subjects: event_types.iter().map(|t| config.subject(t)).collect(),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    deliver_policy: consumer::DeliverPolicy::All,
+                    ack_wait: config.ack_wait,
+                    max_deliver,
+                    max_ack_pending: config.max_ack_pending,
+                    // No `backoff`: naks carry their own delay (retry_backoff), and setting it
+                    // makes the server rewrite ack_wait.
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| js_error(format!("creating consumer {name}"), e))?;
+            tracing::info!(consumer = %name, "created the handler's durable consumer");
+        }
+    }
+    stream.get_consumer(&name).await.map_err(|e| js_error(format!("opening consumer {name}"), e))
+}
+
+/// Warns unless the server reports that it fsyncs every write (`sync_interval: always`).
+pub async fn warn_unless_fsync_always(monitor_url: Option<&str>) {
+    let Some(url) = monitor_url else {
+        tracing::warn!("cannot check that NATS fsyncs every write: set REELAY_NATS_MONITOR_URL to its monitoring endpoint");
+        return;
+    };
+    match fetch_sync_always(url).await {
+        Ok(true) => tracing::info!("NATS fsyncs every JetStream write (sync_interval: always)"),
+        Ok(false) => tracing::warn!(
+            "the NATS server does not fsync every write: an acknowledged event can be lost if its machine loses power; \
+             set `sync_interval: always` in its jetstream config"
+        ),
+        Err(error) => tracing::warn!(%url, %error, "cannot check whether NATS fsyncs every write"),
+    }
+}
+
+/// Reads `jetstream.config.sync_always` from the server's `/varz`.
+async fn fetch_sync_always(base: &str) -> Result<bool, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authority = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(authority))
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let request = format!("GET /varz HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.map_err(|e| e.to_string())?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3), stream.read_to_end(&mut response))
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&response);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).ok_or("malformed HTTP response")?;
+    // Chunked or not, the JSON object is the text between the first '{' and the last '}'.
+    let json = &body[body.find('{').ok_or("no JSON in /varz")?..=body.rfind('}').ok_or("no JSON in /varz")?];
+    let varz: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    Ok(varz.pointer("/jetstream/config/sync_always").and_then(serde_json::Value::as_bool).unwrap_or(false))
+}

@@ -1,0 +1,109 @@
+//! The `nats` event source: one handler's durable JetStream pull consumer.
+//!
+//! Settlements map onto JetStream acks: ack → ack; nak → nak with the retry delay; defer →
+//! nak with the delay to the given time (JetStream has no nak that spares an attempt); term →
+//! term. The last allowed delivery is naked without delay so the server's max-deliveries
+//! advisory fires while a pull is waiting, and the event is logged as exhausted.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{AckKind, Message};
+use futures_util::StreamExt;
+
+use crate::consumer::decode_envelope;
+use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, SourceError};
+
+pub struct JetStreamSource {
+    client: async_nats::Client,
+    consumer: PullConsumer,
+    name: String,
+    max_deliver: u32,
+    ack_wait: Duration,
+    /// How long one pull waits for messages.
+    expires: Duration,
+}
+
+impl JetStreamSource {
+    pub fn new(client: async_nats::Client, consumer: PullConsumer, name: String, max_deliver: u32, ack_wait: Duration) -> Self {
+        Self { client, consumer, name, max_deliver, ack_wait, expires: Duration::from_secs(5) }
+    }
+}
+
+/// A JetStream message in hand.
+pub struct MessageToken(pub Message);
+
+impl std::fmt::Debug for MessageToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageToken").field("subject", &self.0.subject).finish()
+    }
+}
+
+fn unavailable(error: impl std::fmt::Display) -> SourceError {
+    SourceError::Unavailable(error.to_string())
+}
+
+#[async_trait::async_trait]
+impl EventSource for JetStreamSource {
+    type Token = MessageToken;
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<MessageToken>>, SourceError> {
+        let mut batch =
+            self.consumer.batch().max_messages(max).expires(self.expires).messages().await.map_err(unavailable)?;
+        let mut deliveries = Vec::new();
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(unavailable)?;
+            let delivered = message.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
+            let header = |name: &str| {
+                message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned()).unwrap_or_default()
+            };
+            let event_id = header("Nats-Msg-Id");
+            let event_type = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
+            let event = decode_envelope(&message.payload, &event_id, &event_type, "");
+            let event_id = if event_id.is_empty() { event.event_id.clone() } else { event_id };
+            deliveries.push(Delivery {
+                event,
+                event_id: (!event_id.is_empty()).then_some(event_id),
+                attempt: delivered,
+                ack: AckHandle::new(MessageToken(message)),
+            });
+        }
+        Ok(deliveries)
+    }
+
+    async fn settle(&mut self, settlements: &[Settlement<MessageToken>]) -> Result<(), SourceError> {
+        for settlement in settlements {
+            let message = &settlement.ack.token().0;
+            let delivered = message.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
+            let last = delivered >= self.max_deliver;
+            let kind = match &settlement.kind {
+                SettleKind::Ack => AckKind::Ack,
+                SettleKind::Term { .. } => AckKind::Term,
+                SettleKind::Nak { delay, .. } if !last => AckKind::Nak(Some(*delay)),
+                SettleKind::Defer { until_ms } if !last => {
+                    let wait = (*until_ms - reelay_outbox::now_ms()).max(0) as u64;
+                    AckKind::Nak(Some(Duration::from_millis(wait)))
+                }
+                SettleKind::Nak { .. } | SettleKind::Defer { .. } => {
+                    let event_id = message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.as_str().to_owned());
+                    tracing::error!(event_id = event_id.as_deref().unwrap_or(""), consumer = %self.name, deliveries = delivered,
+                        "event exhausted max deliveries");
+                    AckKind::Nak(None)
+                }
+            };
+            message.ack_with(kind).await.map_err(unavailable)?;
+        }
+        self.client.flush().await.map_err(unavailable)
+    }
+
+    fn progress_interval(&self) -> Option<Duration> {
+        Some(self.ack_wait / 3)
+    }
+
+    async fn in_progress(&mut self, deliveries: &[Delivery<MessageToken>]) -> Result<(), SourceError> {
+        for delivery in deliveries {
+            delivery.ack.token().0.ack_with(AckKind::Progress).await.map_err(unavailable)?;
+        }
+        self.client.flush().await.map_err(unavailable)
+    }
+}
