@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use reelay_contracts::v1;
-use reelay_harness::{Clients, Reelay, eventually, outbox_rows, query_strings, temp_dir};
+use reelay_harness::{Clients, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
@@ -15,26 +15,12 @@ fn probe_env<'a>(effects: &'a str, probes: &'a str) -> Vec<(&'a str, &'a str)> {
     vec![("REELAY_PROBE_DB", effects), ("REELAY_PROBE_HANDLERS", probes)]
 }
 
-/// (event_id, handler) → how many times the effect happened, and the pids that did them.
 async fn effects(path: &Path) -> (HashMap<(String, String), usize>, HashSet<String>) {
-    let mut counts = HashMap::new();
-    let mut pids = HashSet::new();
-    if !path.exists() {
-        return (counts, pids);
-    }
-    for row in query_strings(path, "SELECT event_id, handler, CAST(pid AS TEXT) FROM effects").await {
-        *counts.entry((row[0].clone(), row[1].clone())).or_insert(0) += 1;
-        pids.insert(row[2].clone());
-    }
-    (counts, pids)
+    probe_records(path, "effects").await
 }
 
 async fn stats(c: &mut Clients) -> v1::StatsResponse {
     c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner()
-}
-
-async fn event_ids(db: &Path) -> Vec<String> {
-    outbox_rows(db).await.into_iter().map(|r| r.event_id.unwrap()).collect()
 }
 
 async fn row(db: &Path, event_id: &str) -> (String, i64, i64) {

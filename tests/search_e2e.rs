@@ -111,3 +111,16 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
 async fn review_lifecycle_reaches_search_on_the_db_backend() {
     review_lifecycle_reaches_search(&[("EVENT_BUS_BACKEND", "db")]).await;
 }
+
+#[tokio::test]
+async fn review_lifecycle_reaches_search_on_the_nats_backend() {
+    let dir = temp_dir();
+    let nats = reelay_harness::NatsServer::start(&dir.path().join("nats"));
+    let (url, monitor) = (nats.url(), nats.monitor_url());
+    review_lifecycle_reaches_search(&[
+        ("EVENT_BUS_BACKEND", "nats"),
+        ("NATS_URL", &url),
+        ("REELAY_NATS_MONITOR_URL", &monitor),
+    ])
+    .await;
+}

@@ -10,8 +10,8 @@ use futures_util::FutureExt;
 use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 use reelay_outbox::{Database, DbConfig};
-use reelay_runtime::client::connect_lazy;
 use reelay_relay as relay;
+use reelay_runtime::client::connect_lazy;
 use reelay_runtime::consumer::run_consumer;
 use reelay_runtime::core_source::CoreSource;
 use reelay_runtime::db_source::OutboxSource;
@@ -181,13 +181,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         match (&nats_client, args.nats.nats_mode) {
             (None, _) => {
-                let source = OutboxSource::new(write_channel.clone(), format!("handlers-{}", std::process::id()), CLAIM_LONG_POLL);
+                let source = OutboxSource::new(
+                    write_channel.clone(),
+                    format!("handlers-{}", std::process::id()),
+                    CLAIM_LONG_POLL,
+                );
                 clients.spawn(run_consumer(source, dispatcher(handlers), batch, shutdown.clone()));
             }
             (Some(client), NatsMode::Jetstream) => {
                 let js = async_nats::jetstream::new(client.clone());
                 for handler in handlers {
-                    let consumer = jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
+                    let consumer =
+                        jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
                     let name = JetStreamConfig::consumer_name(handler.name());
                     let source =
                         JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
@@ -209,7 +214,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            server.serve(listener, async move { stop.requested().await }).await.context("the handlers gRPC server failed")
+            server
+                .serve(listener, async move { stop.requested().await })
+                .await
+                .context("the handlers gRPC server failed")
         });
     }
     let done = clients_done.clone();

@@ -113,8 +113,9 @@ impl Relay {
         if !row.event_id.is_empty() {
             headers.insert("Nats-Msg-Id", row.event_id.as_str());
         }
-        let traceparent = reelay_runtime::consumer::decode_envelope(&row.payload, &row.event_id, &row.event_type, &row.aggregate_id)
-            .traceparent;
+        let traceparent =
+            reelay_runtime::consumer::decode_envelope(&row.payload, &row.event_id, &row.event_type, &row.aggregate_id)
+                .traceparent;
         if !traceparent.is_empty() {
             headers.insert("traceparent", traceparent.as_str());
         }
@@ -144,13 +145,22 @@ impl Relay {
                     published.duplicates += usize::from(ack.duplicate);
                     published.done.push(claim);
                 }
-                Err(error) if matches!(error.kind(), PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe | PublishErrorKind::StreamNotFound) => {
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe | PublishErrorKind::StreamNotFound
+                    ) =>
+                {
                     tracing::debug!(row = row.id, %error, "publish failed in transport");
                     published.retry.push(claim);
                 }
                 Err(error) => {
                     tracing::error!(row = row.id, event_id = %row.event_id, %error, "the broker refused an event");
-                    published.refused.push(v1::FailedRow { row: Some(claim), error: error.to_string(), terminal: false });
+                    published.refused.push(v1::FailedRow {
+                        row: Some(claim),
+                        error: error.to_string(),
+                        terminal: false,
+                    });
                 }
             }
         }
@@ -180,7 +190,10 @@ impl Relay {
     /// Retried until the write service answers, so a PubAck is never forgotten by a live relay.
     async fn settle(&mut self, published: Published, backoff: Duration) {
         if published.duplicates > 0 {
-            tracing::info!(duplicates = published.duplicates, "the broker already had some events (duplicate PubAck): treated as published");
+            tracing::info!(
+                duplicates = published.duplicates,
+                "the broker already had some events (duplicate PubAck): treated as published"
+            );
         }
         let until_ms = reelay_outbox::now_ms() + backoff.as_millis() as i64;
         for chunk in published.done.chunks(1000) {

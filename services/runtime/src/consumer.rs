@@ -78,7 +78,11 @@ pub async fn run_consumer<S: EventSource>(
 }
 
 /// Runs `work` while telling the source, as often as it needs, that `deliveries` are in hand.
-async fn with_progress<S: EventSource, F: Future>(source: &mut S, deliveries: &[Delivery<S::Token>], work: F) -> F::Output {
+async fn with_progress<S: EventSource, F: Future>(
+    source: &mut S,
+    deliveries: &[Delivery<S::Token>],
+    work: F,
+) -> F::Output {
     let Some(interval) = source.progress_interval() else { return work.await };
     tokio::pin!(work);
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);

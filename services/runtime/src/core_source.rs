@@ -18,7 +18,11 @@ pub struct CoreSource {
 impl CoreSource {
     /// Subscribes to every event subject in the queue group `handler-<name>`, so replicas of a
     /// handler share the messages.
-    pub async fn subscribe(client: &async_nats::Client, subject_prefix: &str, handler: &str) -> Result<Self, SourceError> {
+    pub async fn subscribe(
+        client: &async_nats::Client,
+        subject_prefix: &str,
+        handler: &str,
+    ) -> Result<Self, SourceError> {
         let name = crate::jetstream::JetStreamConfig::consumer_name(handler);
         let subscriber = client
             .queue_subscribe(format!("{subject_prefix}.>"), name.clone())
@@ -46,7 +50,12 @@ impl EventSource for CoreSource {
             let event_type = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
             let event = decode_envelope(&message.payload, &event_id, &event_type, "");
             let event_id = if event_id.is_empty() { event.event_id.clone() } else { event_id };
-            deliveries.push(Delivery { event, event_id: (!event_id.is_empty()).then_some(event_id), attempt: 1, ack: AckHandle::new(()) });
+            deliveries.push(Delivery {
+                event,
+                event_id: (!event_id.is_empty()).then_some(event_id),
+                attempt: 1,
+                ack: AckHandle::new(()),
+            });
             if deliveries.len() < max {
                 next = futures_util::FutureExt::now_or_never(self.subscriber.next()).flatten();
             }

@@ -99,8 +99,10 @@ pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) ->
                 let mut wanted = current.clone();
                 wanted.duplicate_window = DUPLICATE_WINDOW;
                 match js.update_stream(&wanted).await {
-                    Ok(_) => tracing::warn!(stream = %config.stream, from = ?current.duplicate_window, to = ?DUPLICATE_WINDOW,
-                        "updated the existing stream's duplicate_window in place"),
+                    Ok(_) => {
+                        tracing::warn!(stream = %config.stream, from = ?current.duplicate_window, to = ?DUPLICATE_WINDOW,
+                        "updated the existing stream's duplicate_window in place")
+                    }
                     Err(error) => tracing::warn!(stream = %config.stream, %error,
                         "could not update the stream's duplicate_window; apply it by hand: nats stream edit {} --dupe-window 1h",
                         config.stream),
@@ -139,19 +141,23 @@ pub async fn ensure_consumer(
     event_types: &[&str],
 ) -> Result<consumer::PullConsumer, SetupError> {
     let name = JetStreamConfig::consumer_name(handler);
-    let stream = js.get_stream(&config.stream).await.map_err(|e| js_error(format!("looking up stream {}", config.stream), e))?;
+    let stream =
+        js.get_stream(&config.stream).await.map_err(|e| js_error(format!("looking up stream {}", config.stream), e))?;
     let max_deliver = i64::from(config.max_deliver);
     match stream.get_consumer::<consumer::Config>(&name).await {
         Ok(mut existing) => {
-            let current = existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
+            let current =
+                existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
             if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait {
                 let mut wanted = current.clone();
                 wanted.max_deliver = max_deliver;
                 wanted.ack_wait = config.ack_wait;
                 match stream.update_consumer(wanted).await {
-                    Ok(_) => tracing::warn!(consumer = %name, from_max_deliver = current.max_deliver, to_max_deliver = max_deliver,
+                    Ok(_) => {
+                        tracing::warn!(consumer = %name, from_max_deliver = current.max_deliver, to_max_deliver = max_deliver,
                         from_ack_wait = ?current.ack_wait, to_ack_wait = ?config.ack_wait,
-                        "updated the existing consumer's max_deliver and ack_wait in place"),
+                        "updated the existing consumer's max_deliver and ack_wait in place")
+                    }
                     Err(error) => tracing::warn!(consumer = %name, %error,
                         "could not update the consumer; apply it by hand: nats consumer edit {} {} --max-deliver {} --wait {}s",
                         config.stream, name, max_deliver, config.ack_wait.as_secs().max(1)),
@@ -185,7 +191,9 @@ pub async fn ensure_consumer(
 /// Warns unless the server reports that it fsyncs every write (`sync_interval: always`).
 pub async fn warn_unless_fsync_always(monitor_url: Option<&str>) {
     let Some(url) = monitor_url else {
-        tracing::warn!("cannot check that NATS fsyncs every write: set REELAY_NATS_MONITOR_URL to its monitoring endpoint");
+        tracing::warn!(
+            "cannot check that NATS fsyncs every write: set REELAY_NATS_MONITOR_URL to its monitoring endpoint"
+        );
         return;
     };
     match fetch_sync_always(url).await {

@@ -25,8 +25,14 @@ pub struct JetStreamSource {
 }
 
 impl JetStreamSource {
-    pub fn new(client: async_nats::Client, consumer: PullConsumer, name: String, max_deliver: u32, ack_wait: Duration) -> Self {
-        Self { client, consumer, name, max_deliver, ack_wait, expires: Duration::from_secs(5) }
+    pub fn new(
+        client: async_nats::Client,
+        consumer: PullConsumer,
+        name: String,
+        max_deliver: u32,
+        ack_wait: Duration,
+    ) -> Self {
+        Self { client, consumer, name, max_deliver, ack_wait, expires: Duration::from_secs(2) }
     }
 }
 
@@ -47,12 +53,24 @@ fn unavailable(error: impl std::fmt::Display) -> SourceError {
 impl EventSource for JetStreamSource {
     type Token = MessageToken;
 
+    /// Long-polls for one message (so a new event is handled as soon as it arrives, with no
+    /// timer), then takes whatever else is already waiting without waiting again. No pull is
+    /// left outstanding, so no message is delivered to this consumer that it is not holding.
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<MessageToken>>, SourceError> {
-        let mut batch =
-            self.consumer.batch().max_messages(max).expires(self.expires).messages().await.map_err(unavailable)?;
-        let mut deliveries = Vec::new();
-        while let Some(message) = batch.next().await {
-            let message = message.map_err(unavailable)?;
+        let mut messages = Vec::new();
+        let mut first =
+            self.consumer.batch().max_messages(1).expires(self.expires).messages().await.map_err(unavailable)?;
+        while let Some(message) = first.next().await {
+            messages.push(message.map_err(unavailable)?);
+        }
+        if !messages.is_empty() && max > 1 {
+            let mut rest = self.consumer.fetch().max_messages(max - 1).messages().await.map_err(unavailable)?;
+            while let Some(message) = rest.next().await {
+                messages.push(message.map_err(unavailable)?);
+            }
+        }
+        let mut deliveries = Vec::with_capacity(messages.len());
+        for message in messages {
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
             let header = |name: &str| {
                 message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned()).unwrap_or_default()
@@ -85,7 +103,8 @@ impl EventSource for JetStreamSource {
                     AckKind::Nak(Some(Duration::from_millis(wait)))
                 }
                 SettleKind::Nak { .. } | SettleKind::Defer { .. } => {
-                    let event_id = message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.as_str().to_owned());
+                    let event_id =
+                        message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.as_str().to_owned());
                     tracing::error!(event_id = event_id.as_deref().unwrap_or(""), consumer = %self.name, deliveries = delivered,
                         "event exhausted max deliveries");
                     AckKind::Nak(None)

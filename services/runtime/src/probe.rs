@@ -53,10 +53,12 @@ mod enabled {
             .busy_timeout(Duration::from_secs(30));
         let effects =
             SqlitePoolOptions::new().max_connections(1).connect_with(options).await.map_err(|e| e.to_string())?;
-        sqlx::query("CREATE TABLE IF NOT EXISTS effects (event_id TEXT NOT NULL, handler TEXT NOT NULL, pid INTEGER NOT NULL, at INTEGER NOT NULL)")
-        .execute(&effects)
-        .await
-        .map_err(|e| e.to_string())?;
+        for table in ["effects", "attempts"] {
+            let sql = format!(
+                "CREATE TABLE IF NOT EXISTS {table} (event_id TEXT NOT NULL, handler TEXT NOT NULL, pid INTEGER NOT NULL, at INTEGER NOT NULL)"
+            );
+            sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&effects).await.map_err(|e| e.to_string())?;
+        }
         let fail = std::env::var("REELAY_PROBE_FAIL").is_ok_and(|v| v == "1");
         let delay = Duration::from_millis(
             std::env::var("REELAY_PROBE_DELAY_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
@@ -74,6 +76,22 @@ mod enabled {
         Ok(handlers)
     }
 
+    impl Probe {
+        /// One row per call: `attempts` for every run, `effects` for every effect.
+        async fn record(&self, table: &str, event: &v1::Event) -> Result<(), HandlerError> {
+            let sql = format!("INSERT INTO {table} (event_id, handler, pid, at) VALUES (?, ?, ?, ?)");
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(event.event_id.clone())
+                .bind(self.name)
+                .bind(i64::from(std::process::id()))
+                .bind(reelay_outbox::now_ms())
+                .execute(&self.effects)
+                .await
+                .map_err(|e| HandlerError::retryable(format!("probe could not record into {table}: {e}")))?;
+            Ok(())
+        }
+    }
+
     #[async_trait::async_trait]
     impl Handler for Probe {
         fn name(&self) -> &'static str {
@@ -85,19 +103,12 @@ mod enabled {
         }
 
         async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+            self.record("attempts", event).await?;
             tokio::time::sleep(self.delay).await;
             if self.fail {
                 return Err(HandlerError::retryable(format!("probe {} fails on purpose", self.name)));
             }
-            sqlx::query("INSERT INTO effects (event_id, handler, pid, at) VALUES (?, ?, ?, ?)")
-                .bind(event.event_id.clone())
-                .bind(self.name)
-                .bind(i64::from(std::process::id()))
-                .bind(reelay_outbox::now_ms())
-                .execute(&self.effects)
-                .await
-                .map_err(|e| HandlerError::retryable(format!("probe could not record its effect: {e}")))?;
-            Ok(())
+            self.record("effects", event).await
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Direct, read-only looks at a Reelay SQLite file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use prost::Message;
@@ -98,4 +98,24 @@ pub async fn outbox_rows(path: &Path) -> Vec<OutboxRow> {
         .collect();
     conn.close().await.unwrap();
     out
+}
+
+/// Every event id in the outbox, in order.
+pub async fn event_ids(path: &Path) -> Vec<String> {
+    outbox_rows(path).await.into_iter().filter_map(|r| r.event_id).collect()
+}
+
+/// What the probe handlers recorded in `table` (`effects` or `attempts`): (event_id, handler)
+/// → how many rows, and the pids that wrote them.
+pub async fn probe_records(path: &Path, table: &str) -> (HashMap<(String, String), usize>, HashSet<String>) {
+    let mut counts = HashMap::new();
+    let mut pids = HashSet::new();
+    if !path.exists() {
+        return (counts, pids);
+    }
+    for row in query_strings(path, &format!("SELECT event_id, handler, CAST(pid AS TEXT) FROM {table}")).await {
+        *counts.entry((row[0].clone(), row[1].clone())).or_insert(0) += 1;
+        pids.insert(row[2].clone());
+    }
+    (counts, pids)
 }

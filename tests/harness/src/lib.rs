@@ -7,6 +7,7 @@
 //! It also reads the SQLite file directly, to check what a call really committed.
 
 mod db;
+mod nats;
 
 use reelay_contracts::v1;
 
@@ -23,7 +24,8 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-pub use db::{OutboxRow, Snapshot, outbox_rows, query_strings, table_snapshot};
+pub use db::{OutboxRow, Snapshot, event_ids, outbox_rows, probe_records, query_strings, table_snapshot};
+pub use nats::{NatsServer, nats_server_binary};
 
 /// The token test processes are started with.
 pub const TEST_TOKEN: &str = "test-service-token-0123456789";
@@ -281,7 +283,7 @@ impl Drop for Reelay {
     }
 }
 
-fn signal(pid: u32, name: &str) {
+pub(crate) fn signal(pid: u32, name: &str) {
     let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status();
 }
 

@@ -1,0 +1,357 @@
+//! The nats backend with a real nats-server: the relay's dedup after a crash, broker outages,
+//! stream and consumer reconciliation, max-deliver exhaustion, and replicas sharing a consumer.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures_util::StreamExt;
+use reelay_contracts::v1;
+use reelay_harness::{Clients, NatsServer, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+const STREAM: &str = "REELAY_EVENTS";
+
+fn nats_env(nats: &NatsServer) -> Vec<(String, String)> {
+    vec![
+        ("EVENT_BUS_BACKEND".into(), "nats".into()),
+        ("NATS_URL".into(), nats.url()),
+        ("REELAY_NATS_MONITOR_URL".into(), nats.monitor_url()),
+    ]
+}
+
+fn with<'a>(base: &'a [(String, String)], extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    base.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(extra.iter().copied()).collect()
+}
+
+async fn start(binary: &str, db: &Path, services: &[&'static str], env: &[(&str, &str)]) -> Reelay {
+    Reelay::start(Reelay::spec(binary, db, services, env)).await
+}
+
+async fn drained(c: &Clients) -> bool {
+    let s = c.clone().outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    s.pending == 0 && s.processing == 0
+}
+
+/// Every message in the stream: (sequence, Nats-Msg-Id).
+async fn stream_messages(url: &str) -> Vec<(u64, String)> {
+    let js = jetstream::new(async_nats::connect(url).await.unwrap());
+    let mut stream = js.get_stream(STREAM).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut out = Vec::new();
+    for seq in 1..=last {
+        if let Ok(message) = stream.get_raw_message(seq).await {
+            let id = message.headers.get("Nats-Msg-Id").map(|v| v.as_str().to_owned()).unwrap_or_default();
+            out.push((seq, id));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_relay_killed_between_puback_and_mark_done_republishes_into_one_message_per_event() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let env = nats_env(&nats);
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[("REELAY_OUTBOX_LEASE_MS", "1000")]).await;
+    let mut c = write.clients().await;
+    for i in 0..25 {
+        c.user(&format!("user{i}")).await;
+    }
+    let ids: HashSet<String> = event_ids(&db).await.into_iter().collect();
+
+    // The first relay publishes everything, gets the PubAcks, and dies before marking done.
+    let mut relay_env = with(&env, &[("REELAY_FAILPOINTS", "relay_after_puback")]);
+    let write_url = format!("http://{}", write.addr);
+    relay_env.push(("REELAY_WRITE_URL", &write_url));
+    let mut crashing = start(BIN, &dir.path().join("r1/x.db"), &["relay"], &relay_env).await;
+    eventually("the first relay crashes after its PubAcks", Duration::from_secs(20), || {
+        let log = crashing.log_text();
+        async move { log.contains("failpoint relay_after_puback") }
+    })
+    .await;
+    crashing.kill();
+    assert_eq!(stream_messages(&nats.url()).await.len(), ids.len(), "everything reached the stream once");
+    let stats = c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!(stats.done, 0, "nothing was marked done");
+
+    // A new relay reclaims the rows after the lease and publishes them again.
+    let relay_env: Vec<(&str, &str)> = with(&env, &[("REELAY_WRITE_URL", &write_url)]);
+    let mut relay = start(BIN, &dir.path().join("r2/x.db"), &["relay"], &relay_env).await;
+    eventually("the republished rows are marked done", Duration::from_secs(30), || drained(&c)).await;
+    let messages = stream_messages(&nats.url()).await;
+    let distinct: HashSet<String> = messages.iter().map(|(_, id)| id.clone()).collect();
+    assert_eq!(messages.len(), ids.len(), "the broker dropped every duplicate");
+    assert_eq!(distinct, ids, "one message per event id");
+    assert!(relay.log_text().contains("duplicate PubAck"), "{}", relay.log_text());
+    relay.stop().await;
+    write.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
+    let dir = temp_dir();
+    let mut nats = NatsServer::start(&dir.path().join("nats"));
+    let env = nats_env(&nats);
+    let db = dir.path().join("reelay.db");
+    let effects_db = dir.path().join("effects.db");
+    let effects_path = effects_db.to_str().unwrap().to_owned();
+    let all_env = with(&env, &[("REELAY_PROBE_DB", &effects_path), ("REELAY_PROBE_HANDLERS", "probe-a,probe-b")]);
+    let mut reelay = Reelay::start_all(BIN, &db, &all_env).await;
+    let c = reelay.clients().await;
+
+    // Steady writes for the whole test; every one must succeed.
+    let writer = {
+        let mut c = c.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let mut n = 0;
+            while started.elapsed() < Duration::from_secs(9) {
+                c.users
+                    .create_user(v1::CreateUserRequest { handle: format!("u{n}"), display_name: "U".into() })
+                    .await
+                    .expect("writes succeed while the broker is down");
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            n
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    nats.kill();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    nats.restart();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    nats.pause();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    nats.resume();
+    let written = writer.await.unwrap();
+    assert!(written > 100, "{written} writes");
+
+    let ids = event_ids(&db).await;
+    assert_eq!(ids.len(), written);
+    eventually("every event reaches both probes after the outages", Duration::from_secs(90), || {
+        let (effects_db, expected) = (effects_db.clone(), ids.len() * 2);
+        async move { probe_records(&effects_db, "effects").await.0.len() == expected }
+    })
+    .await;
+    eventually("the outbox is drained", Duration::from_secs(30), || drained(&c)).await;
+    let (counts, _) = probe_records(&effects_db, "effects").await;
+    assert!(counts.values().all(|n| *n == 1), "an effect happened twice");
+    let outbox = query_strings(
+        &db,
+        "SELECT CAST(SUM(attempts) AS TEXT), CAST(SUM(status = 'dead_lettered') AS TEXT) FROM event_queue",
+    )
+    .await;
+    assert_eq!(outbox[0], ["0", "0"], "no attempt spent, nothing dead-lettered");
+    assert!(reelay.log_text().contains("the broker is unreachable"), "the relay paused");
+    reelay.stop().await;
+}
+
+#[tokio::test]
+async fn an_existing_stream_and_consumer_are_updated_in_place() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    // As an older deployment left them: the 2-minute default window, old consumer limits, and
+    // fields an operator set by hand.
+    js.create_stream(stream::Config {
+        name: STREAM.into(),
+        subjects: vec!["reelay.events.>".into()],
+        storage: stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        max_messages: 1_000_000,
+        description: Some("set by ops".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let stream = js.get_stream(STREAM).await.unwrap();
+    stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("handler-probe-a".into()),
+            description: Some("ops consumer".into()),
+            filter_subjects: vec!["reelay.events.UserRegistered".into()],
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_deliver: 3,
+            ack_wait: Duration::from_secs(10),
+            max_waiting: 77,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[]).await;
+    let env = nats_env(&nats);
+    let write_url = format!("http://{}", write.addr);
+    let effects = dir.path().join("effects.db");
+    let effects = effects.to_str().unwrap();
+    let handler_env = with(
+        &env,
+        &[
+            ("REELAY_WRITE_URL", &write_url),
+            ("REELAY_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", effects),
+            ("EVENT_QUEUE_MAX_ATTEMPTS", "5"),
+            ("REELAY_ACK_WAIT_MS", "20000"),
+        ],
+    );
+    let mut handlers = start(BIN, &dir.path().join("h/x.db"), &["handlers"], &handler_env).await;
+
+    let mut stream = js.get_stream(STREAM).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(config.duplicate_window, Duration::from_secs(3600));
+    assert_eq!(
+        (config.max_messages, config.description.as_deref()),
+        (1_000_000, Some("set by ops")),
+        "operator fields kept"
+    );
+    let mut consumer: consumer::PullConsumer = stream.get_consumer("handler-probe-a").await.unwrap();
+    let config = consumer.info().await.unwrap().config.clone();
+    assert_eq!((config.max_deliver, config.ack_wait), (5, Duration::from_secs(20)));
+    assert_eq!((config.max_waiting, config.description.as_deref()), (77, Some("ops consumer")), "operator fields kept");
+    assert_eq!(config.filter_subjects, vec!["reelay.events.UserRegistered".to_owned()], "the filter is kept");
+    let log = handlers.log_text();
+    assert!(log.contains("updated the existing stream's duplicate_window in place"), "{log}");
+    assert!(log.contains("updated the existing consumer's max_deliver and ack_wait in place"), "{log}");
+    handlers.stop().await;
+    write.stop().await;
+}
+
+#[tokio::test]
+async fn a_handler_that_always_fails_stops_after_max_deliver_on_the_backoff_schedule() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut advisories =
+        client.subscribe(format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM}.handler-probe-a")).await.unwrap();
+    let env = nats_env(&nats);
+    let effects_db = dir.path().join("effects.db");
+    let effects = effects_db.to_str().unwrap();
+    let all_env = with(
+        &env,
+        &[
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", effects),
+            ("REELAY_PROBE_FAIL", "1"),
+            ("EVENT_QUEUE_MAX_ATTEMPTS", "3"),
+            ("REELAY_RETRY_BASE_MS", "400"),
+        ],
+    );
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_all(BIN, &db, &all_env).await;
+    let mut c = reelay.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&db).await.remove(0);
+
+    let advisory =
+        tokio::time::timeout(Duration::from_secs(30), advisories.next()).await.expect("the max-deliveries advisory");
+    let advisory = String::from_utf8_lossy(&advisory.unwrap().payload).into_owned();
+    assert!(advisory.contains("handler-probe-a") && advisory.contains("\"deliveries\":3"), "{advisory}");
+    let when = query_strings(
+        &db.with_file_name("effects.db"),
+        &format!("SELECT CAST(at AS TEXT) FROM attempts WHERE event_id = '{event_id}' ORDER BY at"),
+    )
+    .await;
+    let at: Vec<i64> = when.iter().map(|r| r[0].parse().unwrap()).collect();
+    assert_eq!(at.len(), 3, "three deliveries: {at:?}");
+    assert!(at[1] - at[0] >= 400, "the second delivery waited retry_backoff(1): {at:?}");
+    assert!(at[2] - at[1] >= 800, "the third waited retry_backoff(2): {at:?}");
+    let log = reelay.log_text();
+    let exhausted =
+        log.lines().find(|l| l.contains("event exhausted max deliveries")).expect("the exhaustion is logged");
+    assert!(exhausted.contains("ERROR") && exhausted.contains(&event_id), "{exhausted}");
+    // No fourth delivery.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(probe_records(&effects_db, "attempts").await.0.values().sum::<usize>(), 3);
+    assert!(probe_records(&effects_db, "effects").await.0.is_empty());
+    reelay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_of_a_handler_share_its_consumer_and_apply_each_effect_once() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let env = nats_env(&nats);
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[]).await;
+    let write_url = format!("http://{}", write.addr);
+    let effects_db = dir.path().join("effects.db");
+    let effects = effects_db.to_str().unwrap();
+    let relay_env = with(&env, &[("REELAY_WRITE_URL", &write_url)]);
+    let mut relay = start(BIN, &dir.path().join("relay/x.db"), &["relay"], &relay_env).await;
+    let replica_env = with(
+        &env,
+        &[
+            ("REELAY_WRITE_URL", &write_url),
+            ("REELAY_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", effects),
+            ("REELAY_CONSUMER_BATCH", "8"),
+        ],
+    );
+    let mut one = start(BIN, &dir.path().join("one/x.db"), &["handlers"], &replica_env).await;
+    let mut two = start(BIN, &dir.path().join("two/x.db"), &["handlers"], &replica_env).await;
+
+    let c = write.clients().await;
+    let mut tasks = Vec::new();
+    for w in 0..4 {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..150 {
+                c.users
+                    .create_user(v1::CreateUserRequest { handle: format!("w{w}_{i}"), display_name: "W".into() })
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let ids = event_ids(&db).await;
+    eventually("every event is handled", Duration::from_secs(60), || {
+        let (effects_db, expected) = (effects_db.clone(), ids.len());
+        async move { probe_records(&effects_db, "effects").await.0.len() == expected }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (counts, pids) = probe_records(&effects_db, "effects").await;
+    assert_eq!(counts.len(), ids.len());
+    assert!(counts.values().all(|n| *n == 1), "an effect happened twice");
+    assert_eq!(pids.len(), 2, "both replicas took part");
+    one.stop().await;
+    two.stop().await;
+    relay.stop().await;
+    write.stop().await;
+}
+
+#[tokio::test]
+async fn core_nats_mode_delivers_to_live_subscribers() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let env = nats_env(&nats);
+    let effects_db = dir.path().join("effects.db");
+    let effects = effects_db.to_str().unwrap();
+    let all_env =
+        with(&env, &[("NATS_MODE", "core"), ("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", effects)]);
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_all(BIN, &db, &all_env).await;
+    let c = reelay.clients().await;
+    let mut writer = c.clone();
+    for i in 0..20 {
+        writer.user(&format!("user{i}")).await;
+    }
+    let ids = event_ids(&db).await;
+    eventually("live subscribers get every event", Duration::from_secs(30), || {
+        let (effects_db, expected) = (effects_db.clone(), ids.len());
+        async move { probe_records(&effects_db, "effects").await.0.len() == expected }
+    })
+    .await;
+    eventually("rows are marked done after the flush", Duration::from_secs(10), || drained(&c)).await;
+    reelay.stop().await;
+}
