@@ -263,9 +263,9 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
     let mut c = write.clients().await;
     let mut env = probe_env(effects_db.to_str().unwrap(), "probe-a");
     // Long enough for the write service to go down while the handler runs.
-    env.push(("REELAY_PROBE_DELAY_MS", "1500"));
+    env.push(("REELAY_PROBE_DELAY_MS", "1000"));
     let mut handlers = Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &env).await;
-    for i in 0..20 {
+    for i in 0..6 {
         c.user(&format!("user{i}")).await;
     }
     let ids = event_ids(&db).await;

@@ -26,8 +26,9 @@ use tokio::net::TcpListener;
 
 use crate::config::{Backend, DatabaseArgs, MigrateArgs, NatsMode, RunArgs};
 
-/// How long one outbox claim waits for rows; bounds how long shutdown waits for a fetch.
-const CLAIM_LONG_POLL: Duration = Duration::from_secs(5);
+/// How long one outbox claim waits for rows. Commits wake it at once, so this only bounds how
+/// long a stopping consumer waits for its last fetch (an idle claim costs one empty job).
+const CLAIM_LONG_POLL: Duration = Duration::from_secs(1);
 
 fn db_config(args: &DatabaseArgs) -> DbConfig {
     let mut config = DbConfig::new(args.database_path());
