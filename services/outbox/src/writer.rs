@@ -150,7 +150,7 @@ impl Writer {
         let (commits_tx, commits) = watch::channel(0);
         let (stop, stop_rx) = watch::channel(false);
         let tx = WriteTx { conn, traceparent: String::new(), events: 0, now_ms: 0 };
-        let task = tokio::spawn(run(tx, rx, commits_tx, stop_rx, Failpoints::from_env()));
+        let task = tokio::spawn(run(tx, rx, commits_tx, stop_rx));
         Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))) }
     }
 
@@ -196,7 +196,6 @@ async fn run(
     mut jobs: mpsc::Receiver<Box<dyn Job>>,
     commits: watch::Sender<u64>,
     mut stop: watch::Receiver<bool>,
-    failpoints: Failpoints,
 ) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     loop {
@@ -212,7 +211,7 @@ async fn run(
                 continue;
             }
         }
-        let events = commit_batch(&mut tx, &mut batch, &failpoints).await;
+        let events = commit_batch(&mut tx, &mut batch).await;
         if events > 0 {
             commits.send_modify(|count| *count += events as u64);
         }
@@ -221,8 +220,8 @@ async fn run(
 }
 
 /// Runs one batch in one transaction. Returns how many outbox rows it committed.
-async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>, failpoints: &Failpoints) -> usize {
-    let outcome = run_batch(tx, batch, failpoints).await;
+async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>) -> usize {
+    let outcome = run_batch(tx, batch).await;
     let (committed, events) = match outcome {
         Ok(events) => (Ok(()), events),
         Err(error) => {
@@ -237,11 +236,7 @@ async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>, failpoint
     events
 }
 
-async fn run_batch(
-    tx: &mut WriteTx,
-    batch: &mut [Box<dyn Job>],
-    failpoints: &Failpoints,
-) -> Result<usize, CommitError> {
+async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
     // A lone job needs no savepoint: if it fails, the whole transaction is rolled back.
     let savepoints = batch.len() > 1;
     tx.conn.execute("BEGIN IMMEDIATE").await.map_err(CommitError::storage)?;
@@ -256,7 +251,7 @@ async fn run_batch(
             tracing::error!(job = job.name(), "write job panicked; rolled back");
             false
         });
-        if ok && failpoints.fires(job.name()) {
+        if ok && failpoint_armed(job.name()) {
             job.abort(CommitError::Failpoint(job.name()));
             ok = false;
         }
@@ -283,7 +278,8 @@ async fn run_batch(
 /// built with the `failpoints` feature, which release builds never enable. Services use it to
 /// simulate a crash at a precise point (e.g. the relay between PubAck and mark-done).
 pub fn failpoint_armed(name: &str) -> bool {
-    Failpoints::from_env().fires(name)
+    static ARMED: std::sync::OnceLock<Failpoints> = std::sync::OnceLock::new();
+    ARMED.get_or_init(Failpoints::from_env).fires(name)
 }
 
 /// Test-only fault injection: `REELAY_FAILPOINTS=log_review,edit_review` (or `*`) makes those

@@ -55,7 +55,8 @@ mod enabled {
             SqlitePoolOptions::new().max_connections(1).connect_with(options).await.map_err(|e| e.to_string())?;
         for table in ["effects", "attempts"] {
             let sql = format!(
-                "CREATE TABLE IF NOT EXISTS {table} (event_id TEXT NOT NULL, handler TEXT NOT NULL, pid INTEGER NOT NULL, at INTEGER NOT NULL)"
+                "CREATE TABLE IF NOT EXISTS {table} (event_id TEXT NOT NULL, handler TEXT NOT NULL, pid INTEGER NOT NULL, \
+                 at INTEGER NOT NULL, at_us INTEGER NOT NULL)"
             );
             sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&effects).await.map_err(|e| e.to_string())?;
         }
@@ -79,12 +80,14 @@ mod enabled {
     impl Probe {
         /// One row per call: `attempts` for every run, `effects` for every effect.
         async fn record(&self, table: &str, event: &v1::Event) -> Result<(), HandlerError> {
-            let sql = format!("INSERT INTO {table} (event_id, handler, pid, at) VALUES (?, ?, ?, ?)");
+            let sql = format!("INSERT INTO {table} (event_id, handler, pid, at, at_us) VALUES (?, ?, ?, ?, ?)");
+            let now_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64);
             sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(event.event_id.clone())
                 .bind(self.name)
                 .bind(i64::from(std::process::id()))
-                .bind(reelay_outbox::now_ms())
+                .bind(now_us / 1000)
+                .bind(now_us)
                 .execute(&self.effects)
                 .await
                 .map_err(|e| HandlerError::retryable(format!("probe could not record into {table}: {e}")))?;

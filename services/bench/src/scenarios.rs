@@ -1,0 +1,584 @@
+//! The scenarios. Each starts what it measures and measures its baseline in the same run.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use prost::Message;
+use reelay_contracts::v1::{self, event::Payload};
+use reelay_domain::NewEvent;
+use reelay_harness::{Clients, NatsServer, Reelay, query_strings};
+use reelay_outbox::{Database, DbConfig, WriteTx, enqueue_events};
+use sqlx::{ConnectOptions, Connection, Executor};
+
+use crate::Bench;
+use crate::report::Report;
+
+type Env = Vec<(String, String)>;
+
+fn env_refs(env: &Env) -> Vec<(&str, &str)> {
+    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+fn nats_env(nats: &NatsServer) -> Env {
+    vec![
+        ("EVENT_BUS_BACKEND".into(), "nats".into()),
+        ("NATS_URL".into(), nats.url()),
+        ("REELAY_NATS_MONITOR_URL".into(), nats.monitor_url()),
+        ("RUST_LOG".into(), "warn".into()),
+    ]
+}
+
+async fn start(b: &Bench, db: &Path, services: &[&'static str], env: &Env) -> Reelay {
+    Reelay::start(Reelay::spec(&b.reelay, db, services, &env_refs(env))).await
+}
+
+fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
+}
+
+/// (current RSS, peak RSS) of a process in MB, from /proc.
+fn rss_mb(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Users and one movie to review, so the measured calls create nothing else.
+async fn fixtures(c: &mut Clients, users: usize) -> (Vec<String>, String) {
+    let mut ids = Vec::with_capacity(users);
+    for i in 0..users {
+        ids.push(c.user(&format!("bench{i}")).await);
+    }
+    let movie = c
+        .movies
+        .discover_movie(v1::DiscoverMovieRequest {
+            actor_user_id: ids[0].clone(),
+            title: "Heat".into(),
+            year: 1995,
+            external_id: String::new(),
+        })
+        .await
+        .expect("discover the bench movie")
+        .into_inner()
+        .movie
+        .expect("movie")
+        .movie_id;
+    (ids, movie)
+}
+
+fn log_review(user: &str, movie: &str, n: u64) -> v1::LogReviewRequest {
+    v1::LogReviewRequest {
+        actor_user_id: user.to_owned(),
+        movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::MovieId(movie.to_owned())) }),
+        rating: (n % 10 + 1) as u32,
+        body: format!("Review number {n}: the diner scene still works, and the score carries the last act."),
+        watched_on: "2024-03-01".into(),
+        rewatch: false,
+    }
+}
+
+/// Calls per second of `clients` concurrent callers over `b.measure`, after `b.warmup`.
+async fn throughput(b: &Bench, c: &Clients, users: &[String], movie: &str, clients: usize) -> f64 {
+    let start = Instant::now();
+    let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let mut c = c.clone();
+        let (user, movie) = (users[i % users.len()].clone(), movie.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut counted = 0u64;
+            let mut n = 0;
+            while Instant::now() < until {
+                c.reviews.log_review(log_review(&user, &movie, n)).await.expect("LogReview");
+                n += 1;
+                let done = Instant::now();
+                if done >= from && done <= until {
+                    counted += 1;
+                }
+            }
+            counted
+        }));
+    }
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.expect("client task");
+    }
+    total as f64 / b.measure.as_secs_f64()
+}
+
+/// A connection with the service's pragmas (WAL, synchronous FULL).
+async fn raw_connection(path: &Path) -> anyhow::Result<sqlx::SqliteConnection> {
+    drop(Database::open(&DbConfig::new(path)).await?);
+    Ok(sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
+        .foreign_keys(true)
+        .connect()
+        .await?)
+}
+
+fn review_event(n: u64) -> Vec<u8> {
+    v1::Event {
+        event_id: uuid::Uuid::new_v4().to_string(),
+        event_type: "ReviewLogged".into(),
+        aggregate_id: uuid::Uuid::now_v7().to_string(),
+        occurred_at_ms: 1,
+        traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+        payload: Some(Payload::ReviewLogged(v1::ReviewLogged {
+            review_id: uuid::Uuid::now_v7().to_string(),
+            user_id: uuid::Uuid::now_v7().to_string(),
+            movie_id: uuid::Uuid::now_v7().to_string(),
+            rating: 7,
+            body: format!("Review number {n}: the diner scene still works, and the score carries the last act."),
+            watched_on: "2024-03-01".into(),
+            movie_title: "Heat".into(),
+            movie_year: 1995,
+            ..Default::default()
+        })),
+    }
+    .encode_to_vec()
+}
+
+/// The raw SQLite limit: the same review row (and outbox row), one transaction each, in-process.
+async fn raw_sqlite(b: &Bench, with_outbox: bool) -> anyhow::Result<f64> {
+    let dir = tempfile::tempdir()?;
+    let mut conn = raw_connection(&dir.path().join("raw.db")).await?;
+    conn.execute("INSERT INTO users (id, handle, display_name, created_at) VALUES ('u', 'u', 'U', 0)").await?;
+    conn.execute("INSERT INTO movies (id, title, title_key, year, created_at) VALUES ('m', 'Heat', 'heat', 1995, 0)").await?;
+    let start = Instant::now();
+    let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
+    let (mut n, mut counted) = (0u64, 0u64);
+    while Instant::now() < until {
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query(
+            "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
+             VALUES (?, 'u', 'm', 7, ?, '2024-03-01', 0, 'local', 0, 0)",
+        )
+        .bind(uuid::Uuid::now_v7().to_string())
+        .bind(format!("Review number {n}: the diner scene still works, and the score carries the last act."))
+        .execute(&mut *tx)
+        .await?;
+        if with_outbox {
+            sqlx::query(
+                "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, available_at, created_at) \
+                 VALUES (?, 'ReviewLogged', 'r', ?, 'pending', 0, 0, 0)",
+            )
+            .bind(uuid::Uuid::new_v4().to_string())
+            .bind(review_event(n))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        n += 1;
+        let done = Instant::now();
+        if done >= from && done <= until {
+            counted += 1;
+        }
+    }
+    Ok(counted as f64 / b.measure.as_secs_f64())
+}
+
+/// 1. The write path: LogReview over gRPC at 1, 8, 64 concurrent clients, with and without
+/// its events, against the raw one-transaction-per-request SQLite rate.
+pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
+    eprintln!("write path");
+    let raw_with = raw_sqlite(b, true).await?;
+    let raw_without = raw_sqlite(b, false).await?;
+    report.add("raw SQLite: review + outbox row, 1 txn each, FULL", raw_with, "ops/s");
+    report.add("raw SQLite: review only, 1 txn each, FULL", raw_without, "ops/s");
+    for events in [true, false] {
+        let dir = tempfile::tempdir()?;
+        let env: Env = if events { vec![] } else { vec![("REELAY_FAILPOINTS".into(), "skip_events".into())] };
+        let mut reelay = start(b, &dir.path().join("reelay.db"), &["write"], &env).await;
+        let mut c = reelay.clients().await;
+        let (users, movie) = fixtures(&mut c, 64).await;
+        for clients in [1, 8, 64] {
+            let rate = throughput(b, &c, &users, &movie, clients).await;
+            if events {
+                let line = report.add(format!("LogReview over gRPC, {clients} clients"), rate, "ops/s");
+                line.against("raw review+outbox txn", raw_with);
+                if clients == 64 {
+                    line.ratio_at_least(2.0);
+                }
+            } else {
+                report
+                    .add(format!("LogReview over gRPC, {clients} clients, events skipped"), rate, "ops/s")
+                    .against("raw review-only txn", raw_without);
+            }
+        }
+        reelay.stop().await;
+    }
+    Ok(())
+}
+
+/// Fills the outbox of a fresh database with `rows` review events, in big write jobs.
+async fn backlog(path: &Path, rows: usize) -> anyhow::Result<()> {
+    let db = Database::open(&DbConfig::new(path)).await?;
+    for chunk in 0..rows.div_ceil(2000) {
+        let n = 2000.min(rows - chunk * 2000);
+        db.writer
+            .transact::<_, BenchError, _>("backlog", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    let events = (0..n)
+                        .map(|i| {
+                            let event = v1::Event::decode(review_event(i as u64).as_slice()).expect("encoded above");
+                            NewEvent::new(&event.aggregate_id, event.payload.expect("payload"))
+                        })
+                        .collect();
+                    enqueue_events(tx, events).await?;
+                    Ok(())
+                })
+            })
+            .await?;
+    }
+    db.close().await;
+    Ok(())
+}
+
+#[derive(Debug)]
+struct BenchError(String);
+
+impl std::fmt::Display for BenchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BenchError {}
+
+impl From<sqlx::Error> for BenchError {
+    fn from(e: sqlx::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+impl From<reelay_outbox::CommitError> for BenchError {
+    fn from(e: reelay_outbox::CommitError) -> Self {
+        Self(e.to_string())
+    }
+}
+
+async fn stats(c: &mut Clients) -> v1::StatsResponse {
+    c.outbox.stats(v1::StatsRequest {}).await.expect("outbox stats").into_inner()
+}
+
+/// Raw pipelined JetStream publishes from this process: `rows` messages of the relay's size,
+/// each with a unique `Nats-Msg-Id`, `in_flight` PubAcks outstanding.
+async fn raw_publish(nats: &NatsServer, rows: usize, in_flight: usize) -> anyhow::Result<f64> {
+    let client = async_nats::connect(nats.url()).await?;
+    let js = async_nats::jetstream::new(client);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "BASELINE".into(),
+        subjects: vec!["baseline.>".into()],
+        storage: async_nats::jetstream::stream::StorageType::File,
+        duplicate_window: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await?;
+    let payloads: Vec<Vec<u8>> = (0..1000).map(|i| review_event(i as u64)).collect();
+    let started = Instant::now();
+    let mut pending = FuturesUnordered::new();
+    for i in 0..rows {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", uuid::Uuid::new_v4().to_string().as_str());
+        let ack = js.publish_with_headers("baseline.ReviewLogged", headers, payloads[i % 1000].clone().into()).await?;
+        pending.push(ack.into_future());
+        if pending.len() >= in_flight {
+            pending.next().await.expect("one in flight")?;
+        }
+    }
+    while let Some(ack) = pending.next().await {
+        ack?;
+    }
+    Ok(rows as f64 / started.elapsed().as_secs_f64())
+}
+
+/// 2. The relay draining a backlog to JetStream, against raw pipelined publishes.
+pub async fn relay_drain(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
+    eprintln!("relay drain");
+    let dir = tempfile::tempdir()?;
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let raw = raw_publish(&nats, b.relay_backlog, 256).await?;
+    let db = dir.path().join("reelay.db");
+    backlog(&db, b.relay_backlog).await?;
+    let mut write = start(b, &db, &["write"], &vec![("RUST_LOG".into(), "warn".into())]).await;
+    let mut c = write.clients().await;
+    let mut env = nats_env(&nats);
+    env.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));
+    let started = Instant::now();
+    let mut relay = start(b, &dir.path().join("relay/x.db"), &["relay"], &env).await;
+    while stats(&mut c).await.done < b.relay_backlog as u64 {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(300), "the relay did not drain the backlog in 5 minutes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rate = b.relay_backlog as f64 / started.elapsed().as_secs_f64();
+    report
+        .add(format!("relay drain of {} outbox rows to JetStream", b.relay_backlog), rate, "ev/s")
+        .against("raw pipelined JetStream publish", raw)
+        .ratio_at_least(0.8);
+    relay.stop().await;
+    write.stop().await;
+    Ok(())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// 3. Commit-to-handler-start latency at steady rates on both backends.
+pub async fn latency(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
+    for backend in ["db", "nats"] {
+        eprintln!("delivery latency, {backend} backend");
+        let dir = tempfile::tempdir()?;
+        let effects = dir.path().join("effects.db");
+        let nats = (backend == "nats").then(|| NatsServer::start(&dir.path().join("nats")));
+        let mut env: Env = match &nats {
+            Some(nats) => nats_env(nats),
+            None => vec![("RUST_LOG".into(), "warn".into())],
+        };
+        env.push(("REELAY_PROBE_HANDLERS".into(), "probe-a".into()));
+        env.push(("REELAY_PROBE_DB".into(), effects.to_string_lossy().into_owned()));
+        let db = dir.path().join("reelay.db");
+        let mut reelay = start(b, &db, &[], &env).await;
+        let mut c = reelay.clients().await;
+        let (users, movie) = fixtures(&mut c, 32).await;
+        for rate in [200usize, 2000] {
+            let (sent, achieved) = paced(b, &c, &users, &movie, rate).await;
+            let waited = Instant::now();
+            let latencies = loop {
+                let handled = handler_starts(&db, &effects, &sent).await;
+                if handled.len() == sent.len() || waited.elapsed() > Duration::from_secs(60) {
+                    break handled;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            anyhow::ensure!(latencies.len() == sent.len(), "only {} of {} events reached the handler", latencies.len(), sent.len());
+            let mut ms: Vec<f64> = latencies;
+            ms.sort_by(f64::total_cmp);
+            let name = format!("{backend}: send-to-handler-start at {rate}/s");
+            report.add(format!("{backend}: achieved write rate (target {rate}/s)"), achieved, "ev/s");
+            let p50 = report.add(format!("{name}, p50"), percentile(&ms, 0.5), "ms");
+            if rate == 200 {
+                p50.at_most(5.0);
+            }
+            let p99 = report.add(format!("{name}, p99"), percentile(&ms, 0.99), "ms");
+            if rate == 200 {
+                p99.at_most(50.0);
+            }
+            report.add(format!("{name}, max"), *ms.last().expect("some latencies"), "ms");
+        }
+        reelay.stop().await;
+    }
+    Ok(())
+}
+
+/// Sends LogReview at `rate` per second for the measured duration; returns review id → send
+/// time (µs) and the achieved rate.
+async fn paced(b: &Bench, c: &Clients, users: &[String], movie: &str, rate: usize) -> (HashMap<String, i64>, f64) {
+    let total = (rate as f64 * b.measure.as_secs_f64()) as usize;
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = tokio::time::Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::new();
+    for w in 0..32 {
+        let (mut c, next) = (c.clone(), next.clone());
+        let (user, movie) = (users[w % users.len()].clone(), movie.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut sent = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    return sent;
+                }
+                tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / rate as f64)).await;
+                let at = now_us();
+                let review = c.reviews.log_review(log_review(&user, &movie, i as u64)).await.expect("LogReview");
+                sent.push((review.into_inner().review.expect("review").review_id, at));
+            }
+        }));
+    }
+    let mut sent = HashMap::new();
+    for task in tasks {
+        sent.extend(task.await.expect("pacer"));
+    }
+    let elapsed = (tokio::time::Instant::now() - start).as_secs_f64();
+    (sent, total as f64 / elapsed)
+}
+
+/// Latency (ms) from each review's send to its ReviewLogged's first handler start.
+async fn handler_starts(db: &Path, effects: &Path, sent: &HashMap<String, i64>) -> Vec<f64> {
+    let events: HashMap<String, String> =
+        query_strings(db, "SELECT event_id, aggregate_id FROM event_queue WHERE event_type = 'ReviewLogged'")
+            .await
+            .into_iter()
+            .map(|r| (r[0].clone(), r[1].clone()))
+            .collect();
+    if !effects.exists() {
+        return Vec::new();
+    }
+    let starts = query_strings(effects, "SELECT event_id, CAST(MIN(at_us) AS TEXT) FROM attempts GROUP BY event_id").await;
+    starts
+        .into_iter()
+        .filter_map(|r| {
+            let review = events.get(&r[0])?;
+            let sent_at = sent.get(review)?;
+            Some((r[1].parse::<i64>().ok()? - sent_at) as f64 / 1000.0)
+        })
+        .collect()
+}
+
+/// 4. Ledger claims + completes through the Ledger API, against the same SQL in-process with
+/// one pair per transaction.
+pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
+    eprintln!("ledger");
+    // Baseline: claim + complete of one pair per transaction.
+    let dir = tempfile::tempdir()?;
+    let mut conn = raw_connection(&dir.path().join("raw.db")).await?;
+    let start = Instant::now();
+    let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
+    let mut counted = 0u64;
+    while Instant::now() < until {
+        let id = uuid::Uuid::new_v4().to_string();
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query("INSERT INTO processed_events (event_id, handler, status, started_at) VALUES (?, 'bench', 'in_progress', 1) ON CONFLICT DO NOTHING")
+            .bind(id.clone())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE processed_events SET status = 'done', processed_at = 2 WHERE event_id = ? AND handler = 'bench' AND started_at = 1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        let done = Instant::now();
+        if done >= from && done <= until {
+            counted += 1;
+        }
+    }
+    let raw = counted as f64 / b.measure.as_secs_f64();
+
+    let mut write = start_quiet_write(b, dir.path()).await;
+    let c = write.clients().await;
+    let clients = 4;
+    let batch = 256;
+    let start = Instant::now();
+    let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut counted = 0u64;
+            while Instant::now() < until {
+                let keys: Vec<v1::LedgerKey> = (0..batch)
+                    .map(|_| v1::LedgerKey { event_id: uuid::Uuid::new_v4().to_string(), handler: "bench".into() })
+                    .collect();
+                let claims = c.ledger.claim(v1::LedgerClaimRequest { keys }).await.expect("claim").into_inner().claims;
+                let owned = claims
+                    .into_iter()
+                    .map(|claim| match claim.outcome {
+                        Some(v1::ledger_claim::Outcome::AcquiredToken(token)) => v1::OwnedKey { key: claim.key, token },
+                        other => panic!("fresh keys are acquired, got {other:?}"),
+                    })
+                    .collect();
+                let settled = c.ledger.complete(v1::LedgerSettleRequest { keys: owned }).await.expect("complete");
+                assert!(settled.into_inner().owned.iter().all(|o| *o));
+                let done = Instant::now();
+                if done >= from && done <= until {
+                    counted += batch as u64;
+                }
+            }
+            counted
+        }));
+    }
+    let mut total = 0;
+    for task in tasks {
+        total += task.await?;
+    }
+    let rate = total as f64 / b.measure.as_secs_f64();
+    report.add("raw SQLite: ledger claim + done, 1 pair per txn", raw, "pairs/s");
+    report
+        .add(format!("Ledger API claim + complete, {batch} pairs per call, {clients} clients"), rate, "pairs/s")
+        .against("1 pair per txn in-process", raw)
+        .ratio_at_least(5.0);
+    write.stop().await;
+    Ok(())
+}
+
+async fn start_quiet_write(b: &Bench, dir: &Path) -> Reelay {
+    start(b, &dir.join("reelay.db"), &["write"], &vec![("RUST_LOG".into(), "warn".into())]).await
+}
+
+/// 5 and 6. Sustained end to end with every real handler (search), services as separate
+/// processes, and the memory each uses idle and under that load.
+pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
+    let raw = raw_sqlite(b, true).await?;
+    for backend in ["db", "nats"] {
+        eprintln!("sustained end to end, {backend} backend");
+        let dir = tempfile::tempdir()?;
+        let db = dir.path().join("reelay.db");
+        let nats = (backend == "nats").then(|| NatsServer::start(&dir.path().join("nats")));
+        let mut env: Env = match &nats {
+            Some(nats) => nats_env(nats),
+            None => vec![("RUST_LOG".into(), "warn".into())],
+        };
+        let mut write = start(b, &db, &["write"], &env).await;
+        env.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));
+        let mut others = Vec::new();
+        if nats.is_some() {
+            others.push(("relay", start(b, &dir.path().join("relay/x.db"), &["relay"], &env).await));
+        }
+        others.push(("handlers", start(b, &dir.path().join("handlers/x.db"), &["handlers"], &env).await));
+        let mut c = write.clients().await;
+        let (users, movie) = fixtures(&mut c, 64).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut processes: Vec<(&str, u32)> = vec![("write", write.pid())];
+        processes.extend(others.iter().map(|(name, p)| (*name, p.pid())));
+        let idle: Vec<(&str, f64)> = processes.iter().map(|(name, pid)| (*name, rss_mb(*pid).0)).collect();
+
+        let before = stats(&mut c).await.done;
+        let started = Instant::now();
+        let written = throughput(b, &c, &users, &movie, 64).await * b.measure.as_secs_f64();
+        let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'").await[0][0]
+            .parse::<u64>()?;
+        loop {
+            let done = query_strings(
+                &db,
+                "SELECT COUNT(*) || '' FROM processed_events WHERE handler = 'search' AND status = 'done'",
+            )
+            .await[0][0]
+                .parse::<u64>()?;
+            // Fixtures raised a MovieDiscovered the search handler also takes.
+            if done > wanted {
+                break;
+            }
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(300), "the handlers did not catch up in 5 minutes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let _ = before;
+        report
+            .add(format!("{backend}: LogReview (64 clients) to search done, sustained"), wanted as f64 / elapsed, "ev/s")
+            .against("raw review+outbox txn", raw);
+        report.add(format!("{backend}: reviews written during the load"), written, "ev");
+        for ((name, pid), (_, idle_mb)) in processes.iter().zip(idle) {
+            report.add(format!("{backend}: {name} RSS idle"), idle_mb, "MB").at_most(64.0);
+            report.add(format!("{backend}: {name} peak RSS under load"), rss_mb(*pid).1, "MB").at_most(64.0);
+        }
+        for (_, mut process) in others {
+            process.stop().await;
+        }
+        write.stop().await;
+    }
+    Ok(())
+}
