@@ -53,7 +53,10 @@ impl CommitError {
 pub struct WriteTx {
     conn: SqliteConnection,
     pub(crate) traceparent: String,
-    pub(crate) events: usize,
+    /// Outbox rows the running job enqueued; they join `batch_rows` if the job succeeds.
+    pub(crate) job_rows: Vec<crate::enqueue::OutboxInsert>,
+    /// Outbox rows of the batch's successful jobs, inserted together just before the commit.
+    batch_rows: Vec<crate::enqueue::OutboxInsert>,
     now_ms: i64,
 }
 
@@ -69,7 +72,7 @@ impl WriteTx {
 
     fn begin_job(&mut self, traceparent: String) {
         self.traceparent = traceparent;
-        self.events = 0;
+        self.job_rows.clear();
         self.now_ms = crate::now_ms();
     }
 }
@@ -149,7 +152,7 @@ impl Writer {
         let (jobs, rx) = mpsc::channel(QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0);
         let (stop, stop_rx) = watch::channel(false);
-        let tx = WriteTx { conn, traceparent: String::new(), events: 0, now_ms: 0 };
+        let tx = WriteTx { conn, traceparent: String::new(), job_rows: Vec::new(), batch_rows: Vec::new(), now_ms: 0 };
         let task = tokio::spawn(run(tx, rx, commits_tx, stop_rx));
         Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))) }
     }
@@ -237,41 +240,51 @@ async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>) -> usize 
 }
 
 async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
-    // A lone job needs no savepoint: if it fails, the whole transaction is rolled back.
+    // Each job runs in its own savepoint so a failing job is rolled back alone. Savepoint moves
+    // are sent as one multi-statement round trip per job; a lone job needs none (if it fails,
+    // the whole transaction is rolled back).
     let savepoints = batch.len() > 1;
-    tx.conn.execute("BEGIN IMMEDIATE").await.map_err(CommitError::storage)?;
-    let mut events = 0;
+    tx.batch_rows.clear();
+    let begin = if savepoints { "BEGIN IMMEDIATE; SAVEPOINT job" } else { "BEGIN IMMEDIATE" };
+    tx.conn.execute(begin).await.map_err(CommitError::storage)?;
     let mut succeeded = 0;
-    for job in batch.iter_mut() {
+    let jobs = batch.len();
+    for (index, job) in batch.iter_mut().enumerate() {
         tx.begin_job(job.take_traceparent());
-        if savepoints {
-            tx.conn.execute("SAVEPOINT job").await.map_err(CommitError::storage)?;
-        }
         let mut ok = AssertUnwindSafe(job.run(tx)).catch_unwind().await.unwrap_or_else(|_| {
             tracing::error!(job = job.name(), "write job panicked; rolled back");
             false
         });
-        if ok && failpoint_armed(job.name()) {
+        // `*` arms every write job (not the other, named hooks).
+        if ok && (failpoint_armed(job.name()) || failpoint_armed("*")) {
             job.abort(CommitError::Failpoint(job.name()));
             ok = false;
         }
         if ok {
             succeeded += 1;
-            events += tx.events;
+            let rows = std::mem::take(&mut tx.job_rows);
+            tx.batch_rows.extend(rows);
         }
         if savepoints {
-            if !ok {
-                tx.conn.execute("ROLLBACK TO job").await.map_err(CommitError::storage)?;
-            }
-            tx.conn.execute("RELEASE job").await.map_err(CommitError::storage)?;
+            let last = index + 1 == jobs;
+            let step = match (ok, last) {
+                (true, false) => "RELEASE job; SAVEPOINT job",
+                (false, false) => "ROLLBACK TO job; RELEASE job; SAVEPOINT job",
+                (true, true) => "RELEASE job",
+                (false, true) => "ROLLBACK TO job; RELEASE job",
+            };
+            tx.conn.execute(step).await.map_err(CommitError::storage)?;
         }
     }
     if succeeded == 0 {
         tx.conn.execute("ROLLBACK").await.map_err(CommitError::storage)?;
         return Ok(0);
     }
+    // The successful jobs' events, in the same transaction as their changes.
+    let rows = std::mem::take(&mut tx.batch_rows);
+    crate::enqueue::insert_rows(&mut tx.conn, &rows).await.map_err(CommitError::storage)?;
     tx.conn.execute("COMMIT").await.map_err(CommitError::storage)?;
-    Ok(events)
+    Ok(rows.len())
 }
 
 /// True when the test-only failpoint `name` is armed in `REELAY_FAILPOINTS`. Always false unless
@@ -312,7 +325,7 @@ impl Failpoints {
 
     #[cfg(feature = "failpoints")]
     fn fires(&self, job: &str) -> bool {
-        self.names.iter().any(|n| n == "*" || n == job)
+        self.names.iter().any(|n| n == job)
     }
 
     #[cfg(not(feature = "failpoints"))]

@@ -164,6 +164,40 @@ async fn ensure_user(conn: &mut SqliteConnection, id: UserId) -> Result<()> {
     found.map(|_| ()).ok_or_else(|| ServiceError::not_found(format_args!("user {id}")))
 }
 
+/// The hot path of a write that names a movie by id: checks the actor and loads the movie in one
+/// statement (each statement is a round trip to SQLite's thread, inside the single writer).
+async fn actor_and_movie(conn: &mut SqliteConnection, actor: UserId, movie: MovieId) -> Result<MovieRow> {
+    let row = sqlx::query(
+        "SELECT EXISTS (SELECT 1 FROM users WHERE id = ?1), m.id, m.title, m.year, m.external_id, m.created_at \
+         FROM (SELECT 1) LEFT JOIN movies m ON m.id = ?2",
+    )
+    .bind(actor.to_string())
+    .bind(movie.to_string())
+    .fetch_one(conn)
+    .await?;
+    if !row.get::<bool, _>(0) {
+        return Err(ServiceError::not_found(format_args!("user {actor}")));
+    }
+    let Some(id) = row.get::<Option<String>, _>(1) else {
+        return Err(ServiceError::not_found(format_args!("movie {movie}")));
+    };
+    Ok(MovieRow { id, title: row.get(2), year: row.get(3), external_id: row.get(4), created_at: row.get(5) })
+}
+
+/// Checks the actor, then finds or creates the movie the command names.
+async fn actor_and_resolved_movie(
+    tx: &mut WriteTx,
+    actor: UserId,
+    spec: &MovieSpec,
+    events: &mut Vec<NewEvent>,
+) -> Result<(MovieRow, bool)> {
+    if let MovieSpec::Id(id) = spec {
+        return Ok((actor_and_movie(tx.conn(), actor, *id).await?, false));
+    }
+    ensure_user(tx.conn(), actor).await?;
+    resolve_movie(tx, spec, events).await
+}
+
 async fn movie_by_id(conn: &mut SqliteConnection, id: &str) -> Result<Option<MovieRow>> {
     Ok(sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE id = ?")
         .bind(id.to_owned())
@@ -392,9 +426,8 @@ impl Store {
 
     pub async fn discover_movie(&self, actor: UserId, spec: MovieSpec) -> Result<(MovieRow, bool)> {
         write_job!(self, "discover_movie", |tx| {
-            ensure_user(tx.conn(), actor).await?;
             let mut events = Vec::new();
-            let (movie, created) = resolve_movie(tx, &spec, &mut events).await?;
+            let (movie, created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
             commit_events(tx, events).await?;
             Ok((movie, created))
         })
@@ -423,9 +456,8 @@ impl Store {
 
     pub async fn log_review(&self, actor: UserId, spec: MovieSpec, fields: ReviewFields) -> Result<(ReviewRow, bool)> {
         write_job!(self, "log_review", |tx| {
-            ensure_user(tx.conn(), actor).await?;
             let mut events = Vec::new();
-            let (movie, movie_created) = resolve_movie(tx, &spec, &mut events).await?;
+            let (movie, movie_created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
             let now = tx.now_ms();
             let review = ReviewRow {
                 id: ReviewId::new().to_string(),
@@ -522,9 +554,8 @@ impl Store {
     /// Adds a movie to the actor's watchlist. Adding one already there changes nothing.
     pub async fn add_to_watchlist(&self, actor: UserId, spec: MovieSpec) -> Result<WatchlistRow> {
         write_job!(self, "add_to_watchlist", |tx| {
-            ensure_user(tx.conn(), actor).await?;
             let mut events = Vec::new();
-            let (movie, _) = resolve_movie(tx, &spec, &mut events).await?;
+            let (movie, _) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
             let inserted =
                 sqlx::query("INSERT OR IGNORE INTO watchlist (user_id, movie_id, added_at) VALUES (?, ?, ?)")
                     .bind(actor.to_string())
