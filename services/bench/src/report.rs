@@ -27,7 +27,10 @@ impl Report {
 
     pub fn print(&self) {
         println!();
-        println!("{:<58} {:>12} {:<6} {:<40} {:>8}  {}", "scenario", "measured", "unit", "baseline (same run)", "ratio", "target");
+        println!(
+            "{:<58} {:>12} {:<6} {:<40} {:>8}  {}",
+            "scenario", "measured", "unit", "baseline (same run)", "ratio", "target"
+        );
         for l in &self.lines {
             let (baseline, ratio) = match &l.baseline {
                 Some((name, value)) => (format!("{name}: {value:.1}"), format!("{:.2}x", l.measured / value)),

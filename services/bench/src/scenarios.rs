@@ -157,7 +157,8 @@ async fn raw_sqlite(b: &Bench, with_outbox: bool) -> anyhow::Result<f64> {
     let dir = tempfile::tempdir()?;
     let mut conn = raw_connection(&dir.path().join("raw.db")).await?;
     conn.execute("INSERT INTO users (id, handle, display_name, created_at) VALUES ('u', 'u', 'U', 0)").await?;
-    conn.execute("INSERT INTO movies (id, title, title_key, year, created_at) VALUES ('m', 'Heat', 'heat', 1995, 0)").await?;
+    conn.execute("INSERT INTO movies (id, title, title_key, year, created_at) VALUES ('m', 'Heat', 'heat', 1995, 0)")
+        .await?;
     let start = Instant::now();
     let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
     let (mut n, mut counted) = (0u64, 0u64);
@@ -321,7 +322,10 @@ pub async fn relay_drain(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut relay = start(b, &dir.path().join("relay/x.db"), &["relay"], &env).await;
     while stats(&mut c).await.done < b.relay_backlog as u64 {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(300), "the relay did not drain the backlog in 5 minutes");
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(300),
+            "the relay did not drain the backlog in 5 minutes"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let rate = b.relay_backlog as f64 / started.elapsed().as_secs_f64();
@@ -365,7 +369,12 @@ pub async fn latency(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             };
-            anyhow::ensure!(latencies.len() == sent.len(), "only {} of {} events reached the handler", latencies.len(), sent.len());
+            anyhow::ensure!(
+                latencies.len() == sent.len(),
+                "only {} of {} events reached the handler",
+                latencies.len(),
+                sent.len()
+            );
             let mut ms: Vec<f64> = latencies;
             ms.sort_by(f64::total_cmp);
             let name = format!("{backend}: send-to-handler-start at {rate}/s");
@@ -428,7 +437,8 @@ async fn handler_starts(db: &Path, effects: &Path, sent: &HashMap<String, i64>) 
     if !effects.exists() {
         return Vec::new();
     }
-    let starts = query_strings(effects, "SELECT event_id, CAST(MIN(at_us) AS TEXT) FROM attempts GROUP BY event_id").await;
+    let starts =
+        query_strings(effects, "SELECT event_id, CAST(MIN(at_us) AS TEXT) FROM attempts GROUP BY event_id").await;
     starts
         .into_iter()
         .filter_map(|r| {
@@ -549,7 +559,8 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let before = stats(&mut c).await.done;
         let started = Instant::now();
         let written = throughput(b, &c, &users, &movie, 64).await * b.measure.as_secs_f64();
-        let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'").await[0][0]
+        let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'")
+            .await[0][0]
             .parse::<u64>()?;
         loop {
             let done = query_strings(
@@ -568,7 +579,11 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let elapsed = started.elapsed().as_secs_f64();
         let _ = before;
         report
-            .add(format!("{backend}: LogReview (64 clients) to search done, sustained"), wanted as f64 / elapsed, "ev/s")
+            .add(
+                format!("{backend}: LogReview (64 clients) to search done, sustained"),
+                wanted as f64 / elapsed,
+                "ev/s",
+            )
             .against("raw review+outbox txn", raw);
         report.add(format!("{backend}: reviews written during the load"), written, "ev");
         for ((name, pid), (_, idle_mb)) in processes.iter().zip(idle) {
