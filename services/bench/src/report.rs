@@ -27,9 +27,10 @@ impl Report {
 
     pub fn print(&self) {
         println!();
+        let header = ["scenario", "measured", "unit", "baseline (same run)", "ratio", "target"];
         println!(
             "{:<58} {:>12} {:<6} {:<40} {:>8}  {}",
-            "scenario", "measured", "unit", "baseline (same run)", "ratio", "target"
+            header[0], header[1], header[2], header[3], header[4], header[5]
         );
         for l in &self.lines {
             let (baseline, ratio) = match &l.baseline {

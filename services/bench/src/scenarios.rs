@@ -192,8 +192,8 @@ async fn raw_sqlite(b: &Bench, with_outbox: bool) -> anyhow::Result<f64> {
     Ok(counted as f64 / b.measure.as_secs_f64())
 }
 
-/// 1. The write path: LogReview over gRPC at 1, 8, 64 concurrent clients, with and without
-/// its events, against the raw one-transaction-per-request SQLite rate.
+/// Scenario 1, the write path: LogReview over gRPC at 1, 8, 64 concurrent clients, with and
+/// without its events, against the raw one-transaction-per-request SQLite rate.
 pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("write path");
     let raw_with = raw_sqlite(b, true).await?;
@@ -307,7 +307,7 @@ async fn raw_publish(nats: &NatsServer, rows: usize, in_flight: usize) -> anyhow
     Ok(rows as f64 / started.elapsed().as_secs_f64())
 }
 
-/// 2. The relay draining a backlog to JetStream, against raw pipelined publishes.
+/// Scenario 2: the relay draining a backlog to JetStream, against raw pipelined publishes.
 pub async fn relay_drain(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("relay drain");
     let dir = tempfile::tempdir()?;
@@ -342,7 +342,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// 3. Commit-to-handler-start latency at steady rates on both backends.
+/// Scenario 3: commit-to-handler-start latency at steady rates on both backends.
 pub async fn latency(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     for backend in ["db", "nats"] {
         eprintln!("delivery latency, {backend} backend");
@@ -449,8 +449,8 @@ async fn handler_starts(db: &Path, effects: &Path, sent: &HashMap<String, i64>) 
         .collect()
 }
 
-/// 4. Ledger claims + completes through the Ledger API, against the same SQL in-process with
-/// one pair per transaction.
+/// Scenario 4: ledger claims + completes through the Ledger API, against the same SQL
+/// in-process with one pair per transaction.
 pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("ledger");
     // Baseline: claim + complete of one pair per transaction.
@@ -529,8 +529,8 @@ async fn start_quiet_write(b: &Bench, dir: &Path) -> Reelay {
     start(b, &dir.join("reelay.db"), &["write"], &vec![("RUST_LOG".into(), "warn".into())]).await
 }
 
-/// 5 and 6. Sustained end to end with every real handler (search), services as separate
-/// processes, and the memory each uses idle and under that load.
+/// Scenarios 5 and 6: sustained end to end with every real handler (search), services as
+/// separate processes, and the memory each uses idle and under that load.
 pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let raw = raw_sqlite(b, true).await?;
     for backend in ["db", "nats"] {

@@ -227,6 +227,10 @@ pub struct HandlerArgs {
     #[arg(long, env = "REELAY_CONSUMER_BATCH", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub batch: u32,
 
+    /// Batches a consumer works on at once (while fetching the next).
+    #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub in_flight: u32,
+
     /// A handler call that takes longer fails (and is retried).
     #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000)]
     pub handler_timeout_ms: u64,

@@ -175,6 +175,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let (handlers, index) = hosted_handlers(&args).await?;
         let timeout = Duration::from_millis(args.handlers.handler_timeout_ms);
         let batch = args.handlers.batch as usize;
+        let in_flight = args.handlers.in_flight as usize;
         let names: Vec<&str> = handlers.iter().map(|h| h.name()).collect();
         tracing::info!(backend = ?args.handlers.backend, %write_url, handlers = ?names, "handlers service starting");
         let dispatcher = |hosted: Vec<Arc<dyn Handler>>| {
@@ -187,7 +188,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     format!("handlers-{}", std::process::id()),
                     CLAIM_LONG_POLL,
                 );
-                clients.spawn(run_consumer(source, dispatcher(handlers), batch, shutdown.clone()));
+                clients.spawn(run_consumer(source, dispatcher(handlers), batch, in_flight, shutdown.clone()));
             }
             (Some(client), NatsMode::Jetstream) => {
                 let js = async_nats::jetstream::new(client.clone());
@@ -197,7 +198,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     let name = JetStreamConfig::consumer_name(handler.name());
                     let source =
                         JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
-                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, shutdown.clone()));
+                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, in_flight, shutdown.clone()));
                 }
             }
             (Some(client), NatsMode::Core) => {
@@ -205,7 +206,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     let source = CoreSource::subscribe(client, &js_config.subject_prefix, handler.name())
                         .await
                         .map_err(anyhow::Error::from)?;
-                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, shutdown.clone()));
+                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, in_flight, shutdown.clone()));
                 }
             }
         }

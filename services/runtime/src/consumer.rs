@@ -2,25 +2,35 @@
 //! ledger, settle it, repeat. An unreachable event source or ledger pauses the loop (nothing
 //! is settled, so no attempt is spent); shutdown lets the batch in hand finish first.
 
+use std::sync::Arc;
+
 use prost::Message;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 
 use crate::Shutdown;
 use crate::dispatch::{Dispatcher, Verdict};
 use crate::pause::Pause;
-use crate::source::{Delivery, EventSource, Settlement, SourceError};
+use crate::source::{Delivery, EventSource, Settlement, Settler, SourceError};
 
 pub async fn run_consumer<S: EventSource>(
     mut source: S,
-    mut dispatcher: Dispatcher,
+    dispatcher: Dispatcher,
     batch_size: usize,
+    in_flight: usize,
     shutdown: Shutdown,
 ) {
-    tracing::info!(handlers = ?dispatcher.handler_names(), batch_size, "consumer started");
+    tracing::info!(handlers = ?dispatcher.handler_names(), batch_size, in_flight, "consumer started");
+    // Up to `in_flight` batches are worked on while the next is fetched, so one slow handler
+    // call (an index commit) does not hold back the start of the next event.
+    let permits = Arc::new(Semaphore::new(in_flight.max(1)));
+    let mut batches = JoinSet::new();
     let mut source_pause = Pause::new("event source");
-    let mut ledger_pause = Pause::new("ledger");
     while !shutdown.is_requested() {
+        let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
+        while batches.try_join_next().is_some() {}
         // The fetch is not raced against shutdown: dropping a claim in flight could strand rows
-        // until their lease ends. Fetches wait only a few seconds, so shutdown is still prompt.
+        // until their lease ends. Fetches wait only briefly, so shutdown is still prompt.
         let deliveries = match source.fetch(batch_size).await {
             Ok(deliveries) => {
                 source_pause.resumed();
@@ -39,50 +49,71 @@ pub async fn run_consumer<S: EventSource>(
         if deliveries.is_empty() {
             continue;
         }
-        let verdicts = loop {
-            let dispatched = with_progress(&mut source, &deliveries, dispatcher.dispatch(&deliveries)).await;
-            match dispatched {
-                Ok(verdicts) => {
-                    ledger_pause.resumed();
-                    break Some(verdicts);
-                }
-                Err(_) if shutdown.is_requested() => break None,
-                Err(unavailable) => {
-                    // Hold on to the deliveries (reporting progress) rather than failing them:
-                    // an outage of any length must not use up their attempts.
-                    with_progress(&mut source, &deliveries, ledger_pause.wait(&unavailable.0)).await;
-                }
-            }
-        };
-        let settlements: Vec<Settlement<S::Token>> = match verdicts {
-            Some(verdicts) => deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(),
-            // Stopping while the ledger is down: hand the deliveries back for someone else now.
-            None => deliveries.into_iter().map(|d| d.ack.defer(reelay_outbox::now_ms())).collect(),
-        };
-        loop {
-            match source.settle(&settlements).await {
-                Ok(()) => {
-                    source_pause.resumed();
-                    break;
-                }
-                Err(SourceError::Unavailable(error)) if !shutdown.is_requested() => source_pause.wait(&error).await,
-                Err(error) => {
-                    // The claims expire and the events come back; the ledger skips what finished.
-                    tracing::error!(%error, deliveries = settlements.len(), "could not settle deliveries; they will be redelivered");
-                    break;
-                }
-            }
-        }
+        let (settler, dispatcher, shutdown) = (source.settler(), dispatcher.clone(), shutdown.clone());
+        batches.spawn(async move {
+            process_batch(deliveries, dispatcher, settler, shutdown).await;
+            drop(permit);
+        });
     }
+    while batches.join_next().await.is_some() {}
     tracing::info!("consumer stopped");
 }
 
+/// Dispatches one batch through the ledger and settles it.
+async fn process_batch<T, X>(
+    deliveries: Vec<Delivery<T>>,
+    mut dispatcher: Dispatcher,
+    mut settler: X,
+    shutdown: Shutdown,
+) where
+    T: Send + Sync + 'static,
+    X: Settler<T>,
+{
+    let mut ledger_pause = Pause::new("ledger");
+    let mut settle_pause = Pause::new("event source");
+    let verdicts = loop {
+        let dispatched = with_progress(&mut settler, &deliveries, dispatcher.dispatch(&deliveries)).await;
+        match dispatched {
+            Ok(verdicts) => {
+                ledger_pause.resumed();
+                break Some(verdicts);
+            }
+            Err(_) if shutdown.is_requested() => break None,
+            Err(unavailable) => {
+                // Hold on to the deliveries (reporting progress) rather than failing them:
+                // an outage of any length must not use up their attempts.
+                with_progress(&mut settler, &deliveries, ledger_pause.wait(&unavailable.0)).await;
+            }
+        }
+    };
+    let settlements: Vec<Settlement<T>> = match verdicts {
+        Some(verdicts) => deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(),
+        // Stopping while the ledger is down: hand the deliveries back for someone else now.
+        None => deliveries.into_iter().map(|d| d.ack.defer(reelay_outbox::now_ms())).collect(),
+    };
+    loop {
+        match settler.settle(&settlements).await {
+            Ok(()) => {
+                settle_pause.resumed();
+                break;
+            }
+            Err(SourceError::Unavailable(error)) if !shutdown.is_requested() => settle_pause.wait(&error).await,
+            Err(error) => {
+                // The claims expire and the events come back; the ledger skips what finished.
+                tracing::error!(%error, deliveries = settlements.len(), "could not settle deliveries; they will be redelivered");
+                break;
+            }
+        }
+    }
+}
+
 /// Runs `work` while telling the source, as often as it needs, that `deliveries` are in hand.
-async fn with_progress<S: EventSource, F: Future>(
-    source: &mut S,
-    deliveries: &[Delivery<S::Token>],
-    work: F,
-) -> F::Output {
+async fn with_progress<T, X, F>(source: &mut X, deliveries: &[Delivery<T>], work: F) -> F::Output
+where
+    T: Send + Sync + 'static,
+    X: Settler<T>,
+    F: Future,
+{
     let Some(interval) = source.progress_interval() else { return work.await };
     tokio::pin!(work);
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 
 use crate::consumer::decode_envelope;
-use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, SourceError};
+use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 pub struct CoreSource {
     subscriber: async_nats::Subscriber,
@@ -35,6 +35,11 @@ impl CoreSource {
 #[async_trait::async_trait]
 impl EventSource for CoreSource {
     type Token = ();
+    type Settler = CoreSettler;
+
+    fn settler(&self) -> CoreSettler {
+        CoreSettler { name: self.name.clone() }
+    }
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<()>>, SourceError> {
         let mut deliveries = Vec::new();
@@ -62,7 +67,16 @@ impl EventSource for CoreSource {
         }
         Ok(deliveries)
     }
+}
 
+/// Core NATS has nothing to settle; failures are only logged.
+#[derive(Clone)]
+pub struct CoreSettler {
+    name: String,
+}
+
+#[async_trait::async_trait]
+impl Settler<()> for CoreSettler {
     async fn settle(&mut self, settlements: &[Settlement<()>]) -> Result<(), SourceError> {
         let dropped = settlements.iter().filter(|s| !matches!(s.kind, SettleKind::Ack)).count();
         if dropped > 0 {

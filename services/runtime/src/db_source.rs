@@ -8,7 +8,7 @@ use reelay_contracts::v1::{self, outbox_client::OutboxClient};
 
 use crate::client::{ServiceChannel, is_transport_failure};
 use crate::consumer::decode_envelope;
-use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, SourceError};
+use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 /// A claimed outbox row: its id and claim token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +45,11 @@ fn claim(token: &RowToken) -> v1::RowClaim {
 #[async_trait::async_trait]
 impl EventSource for OutboxSource {
     type Token = RowToken;
+    type Settler = OutboxSettler;
+
+    fn settler(&self) -> OutboxSettler {
+        OutboxSettler { client: self.client.clone() }
+    }
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<RowToken>>, SourceError> {
         let wait_ms = self.long_poll.as_millis() as u32;
@@ -62,7 +67,16 @@ impl EventSource for OutboxSource {
             })
             .collect())
     }
+}
 
+/// Settles claimed rows through the Outbox API.
+#[derive(Clone)]
+pub struct OutboxSettler {
+    client: OutboxClient<ServiceChannel>,
+}
+
+#[async_trait::async_trait]
+impl Settler<RowToken> for OutboxSettler {
     async fn settle(&mut self, settlements: &[Settlement<RowToken>]) -> Result<(), SourceError> {
         let mut done = Vec::new();
         let mut failed = Vec::new();

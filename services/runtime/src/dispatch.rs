@@ -47,6 +47,7 @@ enum PairState {
     LedgerError(String),
 }
 
+#[derive(Clone)]
 pub struct Dispatcher {
     handlers: Vec<Arc<dyn Handler>>,
     ledger: LedgerClient<ServiceChannel>,

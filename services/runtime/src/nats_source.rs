@@ -12,7 +12,7 @@ use async_nats::jetstream::{AckKind, Message};
 use futures_util::StreamExt;
 
 use crate::consumer::decode_envelope;
-use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, SourceError};
+use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 pub struct JetStreamSource {
     client: async_nats::Client,
@@ -52,6 +52,16 @@ fn unavailable(error: impl std::fmt::Display) -> SourceError {
 #[async_trait::async_trait]
 impl EventSource for JetStreamSource {
     type Token = MessageToken;
+    type Settler = JetStreamSettler;
+
+    fn settler(&self) -> JetStreamSettler {
+        JetStreamSettler {
+            client: self.client.clone(),
+            name: self.name.clone(),
+            max_deliver: self.max_deliver,
+            ack_wait: self.ack_wait,
+        }
+    }
 
     /// Long-polls for one message (so a new event is handled as soon as it arrives, with no
     /// timer), then takes whatever else is already waiting without waiting again. No pull is
@@ -88,7 +98,19 @@ impl EventSource for JetStreamSource {
         }
         Ok(deliveries)
     }
+}
 
+/// Acks, naks and terms JetStream messages.
+#[derive(Clone)]
+pub struct JetStreamSettler {
+    client: async_nats::Client,
+    name: String,
+    max_deliver: u32,
+    ack_wait: Duration,
+}
+
+#[async_trait::async_trait]
+impl Settler<MessageToken> for JetStreamSettler {
     async fn settle(&mut self, settlements: &[Settlement<MessageToken>]) -> Result<(), SourceError> {
         for settlement in settlements {
             let message = &settlement.ack.token().0;

@@ -88,12 +88,21 @@ pub enum SourceError {
 #[async_trait::async_trait]
 pub trait EventSource: Send {
     type Token: Send + Sync + std::fmt::Debug + 'static;
+    type Settler: Settler<Self::Token>;
 
     /// Up to `max` deliveries; may wait for some to arrive, and may return none.
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<Self::Token>>, SourceError>;
 
+    /// A handle that settles this source's deliveries, so batches can be worked on while the
+    /// next one is fetched.
+    fn settler(&self) -> Self::Settler;
+}
+
+/// Settles deliveries of one source. Cheap to clone: one clone per batch in flight.
+#[async_trait::async_trait]
+pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
     /// Applies settlements. On `Unavailable` the caller retries the same settlements.
-    async fn settle(&mut self, settlements: &[Settlement<Self::Token>]) -> Result<(), SourceError>;
+    async fn settle(&mut self, settlements: &[Settlement<T>]) -> Result<(), SourceError>;
 
     /// How often deliveries in hand must be reported as still in progress so the backend does
     /// not redeliver them (a long handler, a paused consumer). `None`: no need.
@@ -102,7 +111,7 @@ pub trait EventSource: Send {
     }
 
     /// Reports deliveries in hand as still being worked on.
-    async fn in_progress(&mut self, _deliveries: &[Delivery<Self::Token>]) -> Result<(), SourceError> {
+    async fn in_progress(&mut self, _deliveries: &[Delivery<T>]) -> Result<(), SourceError> {
         Ok(())
     }
 }

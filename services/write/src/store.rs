@@ -309,6 +309,47 @@ async fn insert_review(conn: &mut SqliteConnection, review: &ReviewRow, import_k
     Ok(())
 }
 
+/// Inserts a review of the movie `movie` only if both the actor and the movie exist, returning
+/// the movie; when either is missing, says which.
+async fn insert_review_of_known_movie(
+    conn: &mut SqliteConnection,
+    review: &mut ReviewRow,
+    actor: UserId,
+    movie: MovieId,
+) -> Result<MovieRow> {
+    let inserted = sqlx::query(
+        "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
+         SELECT ?1, ?2, m.id, ?4, ?5, ?6, ?7, ?8, ?9, ?9 FROM movies m \
+         WHERE m.id = ?3 AND EXISTS (SELECT 1 FROM users WHERE id = ?2) \
+         RETURNING (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id), \
+                   (SELECT external_id FROM movies WHERE id = movie_id), (SELECT created_at FROM movies WHERE id = movie_id)",
+    )
+    .bind(review.id.clone())
+    .bind(review.user_id.clone())
+    .bind(movie.to_string())
+    .bind(review.rating)
+    .bind(review.body.clone())
+    .bind(review.watched_on.clone())
+    .bind(review.rewatch)
+    .bind(review.source.clone())
+    .bind(review.created_at)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = inserted else {
+        // Nothing was written; find out what was missing.
+        actor_and_movie(conn, actor, movie).await?;
+        return Err(ServiceError::internal("the review was not inserted though its user and movie exist"));
+    };
+    review.movie_id = movie.to_string();
+    Ok(MovieRow {
+        id: movie.to_string(),
+        title: row.get(0),
+        year: row.get(1),
+        external_id: row.get(2),
+        created_at: row.get(3),
+    })
+}
+
 fn review_logged(review: &ReviewRow, movie: &MovieRow, source: v1::ReviewSource) -> NewEvent {
     NewEvent::new(
         &review.id,
@@ -456,13 +497,11 @@ impl Store {
 
     pub async fn log_review(&self, actor: UserId, spec: MovieSpec, fields: ReviewFields) -> Result<(ReviewRow, bool)> {
         write_job!(self, "log_review", |tx| {
-            let mut events = Vec::new();
-            let (movie, movie_created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
             let now = tx.now_ms();
-            let review = ReviewRow {
+            let mut review = ReviewRow {
                 id: ReviewId::new().to_string(),
                 user_id: actor.to_string(),
-                movie_id: movie.id.clone(),
+                movie_id: String::new(),
                 rating: i64::from(fields.rating),
                 body: fields.body,
                 watched_on: fields.watched_on,
@@ -471,7 +510,20 @@ impl Store {
                 created_at: now,
                 updated_at: now,
             };
-            insert_review(tx.conn(), &review, None).await?;
+            let mut events = Vec::new();
+            let (movie, movie_created) = match spec {
+                // The common case, a known movie by id, is one statement: the writer is bound
+                // by statement round trips, not by SQLite.
+                MovieSpec::Id(movie) => {
+                    (insert_review_of_known_movie(tx.conn(), &mut review, actor, movie).await?, false)
+                }
+                spec => {
+                    let (movie, created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
+                    review.movie_id = movie.id.clone();
+                    insert_review(tx.conn(), &review, None).await?;
+                    (movie, created)
+                }
+            };
             events.push(review_logged(&review, &movie, v1::ReviewSource::Local));
             commit_events(tx, events).await?;
             Ok((review, movie_created))
