@@ -37,6 +37,16 @@ async fn start(b: &Bench, db: &Path, services: &[&'static str], env: &Env) -> Re
     Reelay::start(Reelay::spec(&b.reelay, db, services, &env_refs(env))).await
 }
 
+/// A temp dir for one scenario; `REELAY_BENCH_KEEP=1` keeps it (logs, databases) for a look.
+fn scratch() -> std::io::Result<tempfile::TempDir> {
+    let mut dir = tempfile::Builder::new().prefix("reelay-bench-").tempdir()?;
+    if std::env::var_os("REELAY_BENCH_KEEP").is_some() {
+        eprintln!("keeping {}", dir.path().display());
+        dir.disable_cleanup(true);
+    }
+    Ok(dir)
+}
+
 fn now_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
 }
@@ -154,7 +164,7 @@ fn review_event(n: u64) -> Vec<u8> {
 
 /// The raw SQLite limit: the same review row (and outbox row), one transaction each, in-process.
 async fn raw_sqlite(b: &Bench, with_outbox: bool) -> anyhow::Result<f64> {
-    let dir = tempfile::tempdir()?;
+    let dir = scratch()?;
     let mut conn = raw_connection(&dir.path().join("raw.db")).await?;
     conn.execute("INSERT INTO users (id, handle, display_name, created_at) VALUES ('u', 'u', 'U', 0)").await?;
     conn.execute("INSERT INTO movies (id, title, title_key, year, created_at) VALUES ('m', 'Heat', 'heat', 1995, 0)")
@@ -201,7 +211,7 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     report.add("raw SQLite: review + outbox row, 1 txn each, FULL", raw_with, "ops/s");
     report.add("raw SQLite: review only, 1 txn each, FULL", raw_without, "ops/s");
     for events in [true, false] {
-        let dir = tempfile::tempdir()?;
+        let dir = scratch()?;
         let env: Env = if events { vec![] } else { vec![("REELAY_FAILPOINTS".into(), "skip_events".into())] };
         let mut reelay = start(b, &dir.path().join("reelay.db"), &["write"], &env).await;
         let mut c = reelay.clients().await;
@@ -310,7 +320,7 @@ async fn raw_publish(nats: &NatsServer, rows: usize, in_flight: usize) -> anyhow
 /// Scenario 2: the relay draining a backlog to JetStream, against raw pipelined publishes.
 pub async fn relay_drain(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("relay drain");
-    let dir = tempfile::tempdir()?;
+    let dir = scratch()?;
     let nats = NatsServer::start(&dir.path().join("nats"));
     let raw = raw_publish(&nats, b.relay_backlog, 256).await?;
     let db = dir.path().join("reelay.db");
@@ -346,7 +356,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 pub async fn latency(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     for backend in ["db", "nats"] {
         eprintln!("delivery latency, {backend} backend");
-        let dir = tempfile::tempdir()?;
+        let dir = scratch()?;
         let effects = dir.path().join("effects.db");
         let nats = (backend == "nats").then(|| NatsServer::start(&dir.path().join("nats")));
         let mut env: Env = match &nats {
@@ -454,7 +464,7 @@ async fn handler_starts(db: &Path, effects: &Path, sent: &HashMap<String, i64>) 
 pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("ledger");
     // Baseline: claim + complete of one pair per transaction.
-    let dir = tempfile::tempdir()?;
+    let dir = scratch()?;
     let mut conn = raw_connection(&dir.path().join("raw.db")).await?;
     let start = Instant::now();
     let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
@@ -535,7 +545,7 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let raw = raw_sqlite(b, true).await?;
     for backend in ["db", "nats"] {
         eprintln!("sustained end to end, {backend} backend");
-        let dir = tempfile::tempdir()?;
+        let dir = scratch()?;
         let db = dir.path().join("reelay.db");
         let nats = (backend == "nats").then(|| NatsServer::start(&dir.path().join("nats")));
         let mut env: Env = match &nats {
