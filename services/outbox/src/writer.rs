@@ -79,6 +79,8 @@ impl WriteTx {
 
 trait Job: Send {
     fn name(&self) -> &'static str;
+    /// Whether a failure of this job must be rolled back to a savepoint.
+    fn needs_savepoint(&self) -> bool;
     fn take_traceparent(&mut self) -> String;
     /// Runs the job's statements; true when it succeeded.
     fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool>;
@@ -90,6 +92,9 @@ trait Job: Send {
 
 struct TypedJob<T, E, F> {
     name: &'static str,
+    /// False for jobs that change the database with at most one statement and do not fail
+    /// after it: SQLite undoes a failed statement by itself.
+    savepoint: bool,
     traceparent: String,
     work: Option<F>,
     outcome: Option<Result<T, E>>,
@@ -108,6 +113,11 @@ where
 
     fn take_traceparent(&mut self) -> String {
         std::mem::take(&mut self.traceparent)
+    }
+
+    fn needs_savepoint(&self) -> bool {
+        // An armed failpoint fails the job after its statements ran: they must be undone.
+        self.savepoint || failpoint_armed(self.name) || failpoint_armed("*")
     }
 
     fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool> {
@@ -168,9 +178,41 @@ impl Writer {
         E: From<CommitError> + Send + 'static,
         F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
     {
+        self.submit(name, true, work)
+    }
+
+    /// Like [`Writer::transact`], for a job that changes the database with at most one
+    /// statement and cannot fail after that statement succeeded (events it enqueues are
+    /// dropped with it if it fails). SQLite undoes a failed statement by itself, so the job
+    /// needs no savepoint: a round trip to SQLite saved on the hottest write paths.
+    pub fn transact_single_statement<T, E, F>(
+        &self,
+        name: &'static str,
+        work: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + 'static
+    where
+        T: Send + 'static,
+        E: From<CommitError> + Send + 'static,
+        F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
+    {
+        self.submit(name, false, work)
+    }
+
+    fn submit<T, E, F>(
+        &self,
+        name: &'static str,
+        savepoint: bool,
+        work: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + 'static
+    where
+        T: Send + 'static,
+        E: From<CommitError> + Send + 'static,
+        F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
+    {
         let (reply, receive) = oneshot::channel();
         let traceparent = TRACEPARENT.try_with(Clone::clone).unwrap_or_default();
-        let job: Box<dyn Job> = Box::new(TypedJob { name, traceparent, work: Some(work), outcome: None, reply });
+        let job: Box<dyn Job> =
+            Box::new(TypedJob { name, savepoint, traceparent, work: Some(work), outcome: None, reply });
         let jobs = self.jobs.clone();
         async move {
             jobs.send(job).await.map_err(|_| CommitError::Closed)?;
@@ -240,15 +282,15 @@ async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>) -> usize 
 }
 
 async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
-    // Each job runs in its own savepoint so a failing job is rolled back alone. Savepoint moves
-    // are sent as one multi-statement round trip per job; a lone job needs none (if it fails,
-    // the whole transaction is rolled back).
-    let savepoints = batch.len() > 1;
+    // Each job that needs one runs in its own savepoint, so a failing job is rolled back alone.
+    // Savepoint moves ride along with the statement before them (one round trip); a lone job
+    // needs none (if it fails, the whole transaction is rolled back).
+    let lone = batch.len() == 1;
+    let needs: Vec<bool> = batch.iter().map(|job| !lone && job.needs_savepoint()).collect();
     tx.batch_rows.clear();
-    let begin = if savepoints { "BEGIN IMMEDIATE; SAVEPOINT job" } else { "BEGIN IMMEDIATE" };
+    let begin = if needs[0] { "BEGIN IMMEDIATE; SAVEPOINT job" } else { "BEGIN IMMEDIATE" };
     tx.conn.execute(begin).await.map_err(CommitError::storage)?;
     let mut succeeded = 0;
-    let jobs = batch.len();
     for (index, job) in batch.iter_mut().enumerate() {
         tx.begin_job(job.take_traceparent());
         let mut ok = AssertUnwindSafe(job.run(tx)).catch_unwind().await.unwrap_or_else(|_| {
@@ -265,14 +307,16 @@ async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize
             let rows = std::mem::take(&mut tx.job_rows);
             tx.batch_rows.extend(rows);
         }
-        if savepoints {
-            let last = index + 1 == jobs;
-            let step = match (ok, last) {
-                (true, false) => "RELEASE job; SAVEPOINT job",
-                (false, false) => "ROLLBACK TO job; RELEASE job; SAVEPOINT job",
-                (true, true) => "RELEASE job",
-                (false, true) => "ROLLBACK TO job; RELEASE job",
-            };
+        let next_needs = needs.get(index + 1).copied().unwrap_or(false);
+        let step = match (needs[index], ok, next_needs) {
+            (true, true, true) => "RELEASE job; SAVEPOINT job",
+            (true, true, false) => "RELEASE job",
+            (true, false, true) => "ROLLBACK TO job; RELEASE job; SAVEPOINT job",
+            (true, false, false) => "ROLLBACK TO job; RELEASE job",
+            (false, _, true) => "SAVEPOINT job",
+            (false, _, false) => "",
+        };
+        if !step.is_empty() {
             tx.conn.execute(step).await.map_err(CommitError::storage)?;
         }
     }
@@ -415,6 +459,58 @@ mod tests {
             .get(0);
         assert_eq!((users, events, refused), (200, 200, 0));
         assert_eq!(*commits.borrow(), 200, "the commit counter counts committed outbox rows");
+        db.close().await;
+    }
+
+    fn insert_user(
+        n: i64,
+        handle: String,
+    ) -> impl for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<i64, TestError>> + Send + 'static {
+        move |tx| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES (?, ?, 'x', 0)")
+                    .bind(n.to_string())
+                    .bind(handle)
+                    .execute(tx.conn())
+                    .await?;
+                enqueue_events(tx, vec![event(n)]).await?;
+                Ok(n)
+            })
+        }
+    }
+
+    /// Single-statement jobs (no savepoint) mixed with savepoint jobs in the same batches: a
+    /// single statement that fails changes nothing and its batch-mates commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn single_statement_jobs_fail_alone_without_savepoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("s.db"))).await.unwrap();
+        db.writer.transact("taken", insert_user(-1, "taken".into())).await.unwrap();
+        let mut tasks = Vec::new();
+        for n in 0..300i64 {
+            let writer = db.writer.clone();
+            tasks.push(tokio::spawn(async move {
+                // Every third job inserts a handle that is already taken: its one statement fails.
+                let handle = if n % 3 == 0 { "taken".to_owned() } else { format!("u{n}") };
+                if n % 2 == 0 {
+                    writer.transact_single_statement("single", insert_user(n, handle)).await
+                } else {
+                    writer.transact("multi", insert_user(n, handle)).await
+                }
+            }));
+        }
+        let mut failed = 0;
+        for (n, task) in tasks.into_iter().enumerate() {
+            match task.await.unwrap() {
+                Ok(value) => assert_eq!(value, n as i64),
+                Err(TestError::Sql(_)) if n % 3 == 0 => failed += 1,
+                Err(other) => panic!("job {n}: {other:?}"),
+            }
+        }
+        assert_eq!(failed, 100);
+        let users: i64 = sqlx::query("SELECT COUNT(*) FROM users").fetch_one(&db.reads).await.unwrap().get(0);
+        let events: i64 = sqlx::query("SELECT COUNT(*) FROM event_queue").fetch_one(&db.reads).await.unwrap().get(0);
+        assert_eq!((users, events), (201, 201), "failed jobs left no row and no event");
         db.close().await;
     }
 

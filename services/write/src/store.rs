@@ -7,7 +7,7 @@
 use reelay_contracts::v1::{self, account, event::Payload};
 use reelay_domain::letterboxd::DiaryRow;
 use reelay_domain::{EventId, MovieId, NewEvent, ReviewId, UserId, WrapUpId, validate};
-use reelay_outbox::{Database, WriteTx, enqueue_events};
+use reelay_outbox::{Database, WriteTx, enqueue_events, now_ms};
 use reelay_runtime::ServiceError;
 use sqlx::{Row, SqliteConnection};
 
@@ -419,6 +419,12 @@ macro_rules! write_job {
     ($store:expr, $name:literal, |$tx:ident| $body:block) => {
         $store.db.writer.transact::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
     };
+    ($store:expr, single_statement $name:literal, |$tx:ident| $body:block) => {
+        $store
+            .db
+            .writer
+            .transact_single_statement::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
+    };
 }
 
 impl Store {
@@ -496,34 +502,34 @@ impl Store {
     // --- reviews ---------------------------------------------------------------------------
 
     pub async fn log_review(&self, actor: UserId, spec: MovieSpec, fields: ReviewFields) -> Result<(ReviewRow, bool)> {
+        let now = now_ms();
+        let mut review = ReviewRow {
+            id: ReviewId::new().to_string(),
+            user_id: actor.to_string(),
+            movie_id: String::new(),
+            rating: i64::from(fields.rating),
+            body: fields.body,
+            watched_on: fields.watched_on,
+            rewatch: fields.rewatch,
+            source: "local".into(),
+            created_at: now,
+            updated_at: now,
+        };
+        if let MovieSpec::Id(movie) = spec {
+            // The common case, a known movie by id, is one statement (the writer is bound by
+            // statement round trips, not by SQLite), so it needs no savepoint either.
+            return write_job!(self, single_statement "log_review", |tx| {
+                let movie = insert_review_of_known_movie(tx.conn(), &mut review, actor, movie).await?;
+                commit_events(tx, vec![review_logged(&review, &movie, v1::ReviewSource::Local)]).await?;
+                Ok((review, false))
+            })
+            .await;
+        }
         write_job!(self, "log_review", |tx| {
-            let now = tx.now_ms();
-            let mut review = ReviewRow {
-                id: ReviewId::new().to_string(),
-                user_id: actor.to_string(),
-                movie_id: String::new(),
-                rating: i64::from(fields.rating),
-                body: fields.body,
-                watched_on: fields.watched_on,
-                rewatch: fields.rewatch,
-                source: "local".into(),
-                created_at: now,
-                updated_at: now,
-            };
             let mut events = Vec::new();
-            let (movie, movie_created) = match spec {
-                // The common case, a known movie by id, is one statement: the writer is bound
-                // by statement round trips, not by SQLite.
-                MovieSpec::Id(movie) => {
-                    (insert_review_of_known_movie(tx.conn(), &mut review, actor, movie).await?, false)
-                }
-                spec => {
-                    let (movie, created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
-                    review.movie_id = movie.id.clone();
-                    insert_review(tx.conn(), &review, None).await?;
-                    (movie, created)
-                }
-            };
+            let (movie, movie_created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
+            review.movie_id = movie.id.clone();
+            insert_review(tx.conn(), &review, None).await?;
             events.push(review_logged(&review, &movie, v1::ReviewSource::Local));
             commit_events(tx, events).await?;
             Ok((review, movie_created))
