@@ -398,6 +398,9 @@ pub async fn latency(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
                 p99.at_most(50.0);
             }
             report.add(format!("{name}, max"), *ms.last().expect("some latencies"), "ms");
+            for (stage, median) in stages(&db, &effects, &sent).await {
+                report.add(format!("{backend} at {rate}/s, median {stage}"), median, "ms");
+            }
         }
         reelay.stop().await;
     }
@@ -434,6 +437,44 @@ async fn paced(b: &Bench, c: &Clients, users: &[String], movie: &str, rate: usiz
     }
     let elapsed = (tokio::time::Instant::now() - start).as_secs_f64();
     (sent, total as f64 / elapsed)
+}
+
+/// Where the time goes, per event (medians, ms): from the write job's start to the outbox
+/// claim (relay or db consumer), from there to the ledger claim, and from that to the handler.
+async fn stages(db: &Path, effects: &Path, sent: &HashMap<String, i64>) -> Vec<(&'static str, f64)> {
+    let rows = query_strings(
+        db,
+        "SELECT q.event_id, q.aggregate_id, CAST(q.created_at AS TEXT), CAST(q.claimed_at AS TEXT), CAST(p.started_at AS TEXT) \
+         FROM event_queue q JOIN processed_events p ON p.event_id = q.event_id AND p.handler = 'probe-a' \
+         WHERE q.event_type = 'ReviewLogged'",
+    )
+    .await;
+    let starts: HashMap<String, i64> =
+        query_strings(effects, "SELECT event_id, CAST(MIN(at_us) AS TEXT) FROM attempts GROUP BY event_id")
+            .await
+            .into_iter()
+            .filter_map(|r| Some((r[0].clone(), r[1].parse().ok()?)))
+            .collect();
+    let mut spans: [Vec<f64>; 3] = Default::default();
+    for r in rows.iter().filter(|r| sent.contains_key(&r[1])) {
+        let (created, claimed, ledger) = (r[2].parse::<f64>(), r[3].parse::<f64>(), r[4].parse::<f64>());
+        let (Ok(created), Ok(claimed), Ok(ledger), Some(start)) = (created, claimed, ledger, starts.get(&r[0])) else {
+            continue;
+        };
+        spans[0].push(claimed - created);
+        spans[1].push(ledger - claimed);
+        spans[2].push(*start as f64 / 1000.0 - ledger);
+    }
+    let names = ["write start to outbox claim", "outbox claim to ledger claim", "ledger claim to handler start"];
+    names
+        .into_iter()
+        .zip(spans)
+        .filter(|(_, s)| !s.is_empty())
+        .map(|(name, mut s)| {
+            s.sort_by(f64::total_cmp);
+            (name, percentile(&s, 0.5))
+        })
+        .collect()
 }
 
 /// Latency (ms) from each review's send to its ReviewLogged's first handler start.

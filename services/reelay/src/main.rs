@@ -14,7 +14,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     reelay_runtime::telemetry::init(cli.log_json());
     reelay_runtime::telemetry::install_panic_hook();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // Blocking threads run index commits and searches; a small pool keeps memory bounded.
+    let runtime = match tokio::runtime::Builder::new_multi_thread().max_blocking_threads(16).enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("reelay: cannot start the async runtime: {error}");

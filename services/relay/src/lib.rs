@@ -36,6 +36,8 @@ pub struct RelayConfig {
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Batches being marked done while the next is published.
+const MAX_SETTLING: usize = 2;
 
 pub struct Relay {
     outbox: OutboxClient<ServiceChannel>,
@@ -66,6 +68,7 @@ impl Relay {
     pub async fn run(mut self, shutdown: Shutdown) {
         tracing::info!(mode = ?self.config.mode, prefix = %self.config.subject_prefix, batch = self.config.batch, "relay started");
         let mut backoff = FIRST_BACKOFF;
+        let mut settling = tokio::task::JoinSet::new();
         while !shutdown.is_requested() {
             let mut request = tonic::Request::new(v1::ClaimRequest {
                 consumer: format!("relay-{}", std::process::id()),
@@ -95,7 +98,16 @@ impl Relay {
                 std::process::abort();
             }
             let paused = !published.retry.is_empty();
-            self.settle(published, backoff).await;
+            if paused {
+                settle(self.outbox.clone(), published, backoff).await;
+            } else {
+                // Mark this batch done while the next one is claimed and published; the rows
+                // stay claimed meanwhile, so nobody else takes them.
+                while settling.len() >= MAX_SETTLING {
+                    settling.join_next().await;
+                }
+                settling.spawn(settle(self.outbox.clone(), published, backoff));
+            }
             if paused {
                 tracing::warn!(delay = ?backoff, "the broker is unreachable; deferring rows without spending attempts and pausing");
                 tokio::time::sleep(backoff).await;
@@ -104,6 +116,7 @@ impl Relay {
                 backoff = FIRST_BACKOFF;
             }
         }
+        while settling.join_next().await.is_some() {}
         tracing::info!("relay stopped");
     }
 
@@ -185,59 +198,59 @@ impl Relay {
         }
         published
     }
+}
 
-    /// Marks published rows done, defers the ones that could not be sent, fails the refused.
-    /// Retried until the write service answers, so a PubAck is never forgotten by a live relay.
-    async fn settle(&mut self, published: Published, backoff: Duration) {
-        if published.duplicates > 0 {
-            tracing::info!(
-                duplicates = published.duplicates,
-                "the broker already had some events (duplicate PubAck): treated as published"
-            );
-        }
-        let until_ms = reelay_outbox::now_ms() + backoff.as_millis() as i64;
-        for chunk in published.done.chunks(1000) {
-            self.call_until_answered("complete", |mut outbox| {
-                let rows = chunk.to_vec();
-                async move { outbox.complete(v1::CompleteRequest { rows }).await.map(drop) }
-            })
-            .await;
-        }
-        for chunk in published.retry.chunks(1000) {
-            self.call_until_answered("defer", |mut outbox| {
-                let rows = chunk.to_vec();
-                async move { outbox.defer(v1::DeferRequest { rows, until_ms }).await.map(drop) }
-            })
-            .await;
-        }
-        for chunk in published.refused.chunks(1000) {
-            self.call_until_answered("fail", |mut outbox| {
-                let rows = chunk.to_vec();
-                async move { outbox.fail(v1::FailRequest { rows }).await.map(drop) }
-            })
-            .await;
-        }
+/// Marks published rows done, defers the ones that could not be sent, fails the refused.
+/// Retried until the write service answers, so a PubAck is never forgotten by a live relay.
+async fn settle(outbox: OutboxClient<ServiceChannel>, published: Published, backoff: Duration) {
+    if published.duplicates > 0 {
+        tracing::info!(
+            duplicates = published.duplicates,
+            "the broker already had some events (duplicate PubAck): treated as published"
+        );
     }
+    let until_ms = reelay_outbox::now_ms() + backoff.as_millis() as i64;
+    for chunk in published.done.chunks(1000) {
+        call_until_answered(&outbox, "complete", |mut outbox| {
+            let rows = chunk.to_vec();
+            async move { outbox.complete(v1::CompleteRequest { rows }).await.map(drop) }
+        })
+        .await;
+    }
+    for chunk in published.retry.chunks(1000) {
+        call_until_answered(&outbox, "defer", |mut outbox| {
+            let rows = chunk.to_vec();
+            async move { outbox.defer(v1::DeferRequest { rows, until_ms }).await.map(drop) }
+        })
+        .await;
+    }
+    for chunk in published.refused.chunks(1000) {
+        call_until_answered(&outbox, "fail", |mut outbox| {
+            let rows = chunk.to_vec();
+            async move { outbox.fail(v1::FailRequest { rows }).await.map(drop) }
+        })
+        .await;
+    }
+}
 
-    async fn call_until_answered<F, Fut>(&mut self, what: &str, mut call: F)
-    where
-        F: FnMut(OutboxClient<ServiceChannel>) -> Fut,
-        Fut: Future<Output = Result<(), tonic::Status>>,
-    {
-        let mut delay = FIRST_BACKOFF;
-        loop {
-            match call(self.outbox.clone()).await {
-                Ok(()) => return,
-                Err(status) if is_transport_failure(&status) => {
-                    tracing::warn!(what, error = status.message(), "the write service is unreachable; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(MAX_BACKOFF);
-                }
-                Err(status) => {
-                    // The rows stay claimed and come back after the lease; nothing is lost.
-                    tracing::error!(what, code = ?status.code(), error = status.message(), "the write service refused a settle");
-                    return;
-                }
+async fn call_until_answered<F, Fut>(outbox: &OutboxClient<ServiceChannel>, what: &str, mut call: F)
+where
+    F: FnMut(OutboxClient<ServiceChannel>) -> Fut,
+    Fut: Future<Output = Result<(), tonic::Status>>,
+{
+    let mut delay = FIRST_BACKOFF;
+    loop {
+        match call(outbox.clone()).await {
+            Ok(()) => return,
+            Err(status) if is_transport_failure(&status) => {
+                tracing::warn!(what, error = status.message(), "the write service is unreachable; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(MAX_BACKOFF);
+            }
+            Err(status) => {
+                // The rows stay claimed and come back after the lease; nothing is lost.
+                tracing::error!(what, code = ?status.code(), error = status.message(), "the write service refused a settle");
+                return;
             }
         }
     }
