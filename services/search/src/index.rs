@@ -60,7 +60,16 @@ struct Inner {
     /// Tantivy allows one writer per index; the mutex also makes each batch's read-check-write
     /// of versions atomic with respect to other batches.
     writer: Mutex<IndexWriter>,
+    /// Batches waiting for a commit. Whoever holds the writer commits every batch queued by then
+    /// in one commit (a commit fsyncs several files, so it is the cost worth sharing).
+    queue: Mutex<Vec<Queued>>,
     fields: Fields,
+}
+
+/// A batch's changes and where to report its commit's outcome.
+struct Queued {
+    changes: Vec<Change>,
+    done: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 #[derive(Clone, Copy)]
@@ -271,7 +280,9 @@ impl SearchIndex {
         )?;
         // Only our own commits change the index, and each one reloads explicitly.
         let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
-        Ok(Self { inner: Arc::new(Inner { index, reader, writer: Mutex::new(writer), fields }) })
+        Ok(Self {
+            inner: Arc::new(Inner { index, reader, writer: Mutex::new(writer), queue: Mutex::new(Vec::new()), fields }),
+        })
     }
 
     /// Documents in the index, tombstones included.
@@ -304,9 +315,15 @@ impl SearchIndex {
         if changes.is_empty() {
             return results;
         }
+        let (done, committed) = tokio::sync::oneshot::channel();
+        self.inner.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Queued { changes, done });
         let inner = Arc::clone(&self.inner);
-        let written = tokio::task::spawn_blocking(move || inner.write(changes)).await.map_err(IndexError::from);
-        if let Err(error) = written.and_then(|result| result) {
+        let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
+        let written = match drained {
+            Ok(()) => committed.await.unwrap_or_else(|_| Err("the index writer stopped".to_owned())),
+            Err(error) => Err(IndexError::from(error).to_string()),
+        };
+        if let Err(error) = written {
             tracing::warn!(events = changed.len(), %error, "search index batch failed");
             for position in changed {
                 results[position] = Err(HandlerError::retryable(&error));
@@ -373,18 +390,31 @@ fn int(doc: &TantivyDocument, field: Field) -> i32 {
 }
 
 impl Inner {
-    fn write(&self, changes: Vec<Change>) -> Result<(), IndexError> {
+    /// Takes the writer, then commits every queued batch at once and tells each the outcome.
+    /// A batch that another caller's commit already took finds the queue empty.
+    fn commit_queued(&self) {
         let mut writer = match self.writer.lock() {
             Ok(writer) => writer,
-            Err(poisoned) => {
-                // A batch panicked half-staged: drop what it staged before staging anew.
-                let mut writer = poisoned.into_inner();
-                writer.rollback()?;
-                self.writer.clear_poison();
-                writer
-            }
+            Err(poisoned) => poisoned.into_inner(),
         };
-        let staged = self.stage(&writer, changes);
+        let queued = std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if queued.is_empty() {
+            return;
+        }
+        let (changes, waiters): (Vec<Vec<Change>>, Vec<_>) = queued.into_iter().map(|q| (q.changes, q.done)).unzip();
+        let outcome = self.write(&mut writer, changes.into_iter().flatten().collect()).map_err(|e| e.to_string());
+        for waiter in waiters {
+            let _ = waiter.send(outcome.clone());
+        }
+    }
+
+    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), IndexError> {
+        if self.writer.is_poisoned() {
+            // A batch panicked half-staged: drop what it staged before staging anew.
+            writer.rollback()?;
+            self.writer.clear_poison();
+        }
+        let staged = self.stage(writer, changes);
         let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
         if let Err(error) = committed {
             if let Err(rollback) = writer.rollback() {
@@ -546,6 +576,27 @@ mod tests {
     async fn movie_ids(index: &SearchIndex, query: &str) -> Vec<String> {
         let page = index.search_movies(query, 0, 100).await.expect("search movies");
         page.hits.into_iter().map(|hit| hit.movie_id).collect()
+    }
+
+    /// Batches applied at the same time share commits, and each learns its own outcome.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_batches_share_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let tasks: Vec<_> = (0..24)
+            .map(|i| {
+                let index = index.clone();
+                tokio::spawn(async move {
+                    let event = review_logged(&format!("r{i}"), 10, "Heat", &format!("word{i} tension"));
+                    index.apply(&[&event]).await
+                })
+            })
+            .collect();
+        for task in tasks {
+            assert_eq!(task.await.unwrap(), [Ok(())]);
+        }
+        assert_eq!(index.search_reviews("tension", 0, 100).await.unwrap().total_hits, 24);
+        assert_eq!(index.search_reviews("word7", 0, 10).await.unwrap().total_hits, 1);
     }
 
     #[tokio::test]
