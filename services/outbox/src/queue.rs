@@ -232,7 +232,22 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64) -> Result<QueueS
     Ok(stats)
 }
 
-/// When the next pending row becomes due (ms), if any is pending.
-pub async fn next_due_at(conn: &mut sqlx::SqliteConnection) -> Result<Option<i64>, sqlx::Error> {
-    Ok(sqlx::query("SELECT MIN(available_at) FROM event_queue WHERE status = 'pending'").fetch_one(conn).await?.get(0))
+/// A read-only look at the queue for an idle claimer: whether any row is claimable now, and
+/// when the next pending row becomes due (ms). Lets a claimer skip a write job (and its
+/// commit) when there is nothing to claim.
+pub async fn peek(
+    conn: &mut sqlx::SqliteConnection,
+    now: i64,
+    policy: QueuePolicy,
+) -> Result<(bool, Option<i64>), sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT EXISTS (SELECT 1 FROM event_queue WHERE status = 'pending' AND available_at <= ?1) \
+             OR EXISTS (SELECT 1 FROM event_queue WHERE status = 'processing' AND claimed_at < ?2), \
+                (SELECT MIN(available_at) FROM event_queue WHERE status = 'pending')",
+    )
+    .bind(now)
+    .bind(now - policy.lease.as_millis() as i64)
+    .fetch_one(conn)
+    .await?;
+    Ok((row.get(0), row.get(1)))
 }

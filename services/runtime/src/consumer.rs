@@ -9,7 +9,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::Shutdown;
-use crate::dispatch::{Dispatcher, Verdict};
+use crate::dispatch::{Dispatched, Dispatcher, Verdict};
 use crate::pause::Pause;
 use crate::source::{Delivery, EventSource, Settlement, Settler, SourceError};
 
@@ -70,13 +70,12 @@ async fn process_batch<T, X>(
     X: Settler<T>,
 {
     let mut ledger_pause = Pause::new("ledger");
-    let mut settle_pause = Pause::new("event source");
-    let verdicts = loop {
+    let dispatched = loop {
         let dispatched = with_progress(&mut settler, &deliveries, dispatcher.dispatch(&deliveries)).await;
         match dispatched {
-            Ok(verdicts) => {
+            Ok(dispatched) => {
                 ledger_pause.resumed();
-                break Some(verdicts);
+                break Some(dispatched);
             }
             Err(_) if shutdown.is_requested() => break None,
             Err(unavailable) => {
@@ -86,13 +85,28 @@ async fn process_batch<T, X>(
             }
         }
     };
-    let settlements: Vec<Settlement<T>> = match verdicts {
-        Some(verdicts) => deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(),
+    let (settlements, ledger): (Vec<Settlement<T>>, _) = match dispatched {
+        Some(Dispatched { verdicts, ledger }) => {
+            (deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(), ledger)
+        }
         // Stopping while the ledger is down: hand the deliveries back for someone else now.
-        None => deliveries.into_iter().map(|d| d.ack.defer(reelay_outbox::now_ms())).collect(),
+        None => (deliveries.into_iter().map(|d| d.ack.defer(reelay_outbox::now_ms())).collect(), Default::default()),
     };
+    // The ledger and the deliveries are settled at the same time, so the write service can
+    // commit both in one transaction; either order is safe (a redelivery meets a done ledger
+    // row, or an idempotent handler).
+    tokio::join!(dispatcher.settle_ledger(ledger), settle(&mut settler, &settlements, &shutdown));
+}
+
+/// Settles deliveries, pausing while the source is unreachable.
+async fn settle<T, X>(settler: &mut X, settlements: &[Settlement<T>], shutdown: &Shutdown)
+where
+    T: Send + Sync + 'static,
+    X: Settler<T>,
+{
+    let mut settle_pause = Pause::new("event source");
     loop {
-        match settler.settle(&settlements).await {
+        match settler.settle(settlements).await {
             Ok(()) => {
                 settle_pause.resumed();
                 break;

@@ -32,6 +32,19 @@ pub enum Verdict {
     Term { reason: String },
 }
 
+/// What a dispatch decided: one verdict per delivery, and the ledger claims to settle.
+pub struct Dispatched {
+    pub verdicts: Vec<Verdict>,
+    pub ledger: LedgerSettlement,
+}
+
+/// Ledger claims to mark done (their handler succeeded) or give up (it failed).
+#[derive(Debug, Default)]
+pub struct LedgerSettlement {
+    complete: Vec<v1::OwnedKey>,
+    release: Vec<v1::OwnedKey>,
+}
+
 /// The ledger could not be reached: nothing ran; pause and dispatch the same batch again.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("ledger unavailable: {0}")]
@@ -71,7 +84,10 @@ impl Dispatcher {
         self.handlers.iter().map(|h| h.name()).collect()
     }
 
-    pub async fn dispatch<T>(&mut self, deliveries: &[Delivery<T>]) -> Result<Vec<Verdict>, LedgerUnavailable> {
+    /// Claims, runs the handlers, and returns each delivery's verdict together with the ledger
+    /// claims still to settle (see [`Dispatcher::settle_ledger`]), so the caller can settle the
+    /// ledger and the deliveries at the same time (the write service commits them together).
+    pub async fn dispatch<T>(&mut self, deliveries: &[Delivery<T>]) -> Result<Dispatched, LedgerUnavailable> {
         // pairs[d] lists (handler index, state) for delivery d.
         let mut pairs: Vec<Vec<(usize, PairState)>> = deliveries
             .iter()
@@ -88,9 +104,9 @@ impl Dispatcher {
 
         self.claim(deliveries, &mut pairs).await?;
         self.run_handlers(deliveries, &mut pairs).await;
-        self.settle_ledger(deliveries, &pairs).await;
-
-        Ok(deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.retry_policy)).collect())
+        let ledger = self.ledger_settlement(deliveries, &pairs);
+        let verdicts = deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.retry_policy)).collect();
+        Ok(Dispatched { verdicts, ledger })
     }
 
     /// Asks the ledger about every pair of a delivery that has an event id.
@@ -184,10 +200,8 @@ impl Dispatcher {
         }
     }
 
-    /// Completes the claims of handlers that succeeded and releases the others. The effects
-    /// happened, so this is retried until the ledger answers (or the process stops; the claims
-    /// then expire and the idempotent handlers run again).
-    async fn settle_ledger<T>(&mut self, deliveries: &[Delivery<T>], pairs: &[Vec<(usize, PairState)>]) {
+    /// The claims to complete (handler succeeded) and to release (it failed).
+    fn ledger_settlement<T>(&self, deliveries: &[Delivery<T>], pairs: &[Vec<(usize, PairState)>]) -> LedgerSettlement {
         let (mut complete, mut release) = (Vec::new(), Vec::new());
         for (d, ps) in pairs.iter().enumerate() {
             for (h, state) in ps {
@@ -201,6 +215,14 @@ impl Dispatcher {
                 }
             }
         }
+        LedgerSettlement { complete, release }
+    }
+
+    /// Completes the claims of handlers that succeeded and releases the others. The effects
+    /// happened, so this is retried until the ledger answers (or the process stops; the claims
+    /// then expire and the idempotent handlers run again).
+    pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
+        let LedgerSettlement { complete, release } = settlement;
         for (keys, completing) in [(complete, true), (release, false)] {
             for chunk in keys.chunks(LEDGER_BATCH) {
                 let mut pause = Pause::new("ledger");

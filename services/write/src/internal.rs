@@ -99,15 +99,15 @@ impl OutboxApi {
             .await
     }
 
-    /// When to look again if nothing is due: the next row's due time, bounded by the poll.
-    async fn next_look(&self, deadline: Instant) -> Result<Instant, ServiceError> {
+    /// Whether anything is claimable now, and when to look again if not: the next row's due
+    /// time, bounded by the fallback poll and the deadline.
+    async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), ServiceError> {
         let mut conn = self.db.reads.acquire().await?;
+        let now = now_ms();
+        let (due, next_due) = queue::peek(&mut conn, now, self.policy).await?;
         let fallback = Instant::now() + FALLBACK_POLL;
-        let next = match queue::next_due_at(&mut conn).await? {
-            Some(due) => Instant::now() + Duration::from_millis((due - now_ms()).max(0) as u64),
-            None => fallback,
-        };
-        Ok(next.min(fallback).min(deadline))
+        let next = next_due.map_or(fallback, |at| Instant::now() + Duration::from_millis((at - now).max(0) as u64));
+        Ok((due, next.min(fallback).min(deadline)))
     }
 }
 
@@ -132,11 +132,12 @@ impl v1::outbox_server::Outbox for OutboxApi {
         let rows = loop {
             // Mark the commits seen before looking, so one landing after the look wakes us.
             commits.borrow_and_update();
-            let rows = self.claim_now(r.max_rows).await?;
+            // Look before claiming: an empty claim would still cost a write job.
+            let (due, wake) = self.peek(deadline).await?;
+            let rows = if due { self.claim_now(r.max_rows).await? } else { Vec::new() };
             if !rows.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
                 break rows;
             }
-            let wake = self.next_look(deadline).await?;
             tokio::select! {
                 changed = commits.changed() => {
                     if changed.is_err() {
