@@ -186,7 +186,7 @@ pub struct NatsArgs {
     pub monitor_url: Option<String>,
 
     /// Rows the relay claims and publishes at once.
-    #[arg(long, env = "REELAY_RELAY_BATCH", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, env = "REELAY_RELAY_BATCH", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub relay_batch: u32,
 }
 
@@ -228,7 +228,7 @@ pub struct HandlerArgs {
     pub batch: u32,
 
     /// Batches a consumer works on at once (while fetching the next).
-    #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub in_flight: u32,
 
     /// A handler call that takes longer fails (and is retried).

@@ -36,8 +36,8 @@ pub struct RelayConfig {
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// Batches being marked done while the next is published.
-const MAX_SETTLING: usize = 2;
+/// Published batches whose PubAcks and mark-done are still under way while the next is sent.
+const MAX_SETTLING: usize = 3;
 
 pub struct Relay {
     outbox: OutboxClient<ServiceChannel>,
@@ -89,24 +89,32 @@ impl Relay {
             if rows.is_empty() {
                 continue;
             }
-            let published = match self.config.mode {
-                Mode::JetStream => self.publish_jetstream(&rows).await,
-                Mode::Core => self.publish_core(&rows).await,
+            // Publish the batch now; its PubAcks are awaited (and the rows marked done) in the
+            // background while the next batch is claimed and published.
+            let acks = match self.config.mode {
+                Mode::JetStream => Acks::JetStream(self.send_jetstream(&rows).await),
+                Mode::Core => Acks::Core(self.publish_core(&rows).await),
             };
-            if self.crash_after_puback && !published.done.is_empty() {
-                tracing::error!("failpoint relay_after_puback: aborting before marking rows done");
-                std::process::abort();
+            let mut paused = false;
+            while settling.len() >= MAX_SETTLING {
+                paused |= matches!(settling.join_next().await, Some(Ok(true)));
             }
-            let paused = !published.retry.is_empty();
-            if paused {
-                settle(self.outbox.clone(), published, backoff).await;
-            } else {
-                // Mark this batch done while the next one is claimed and published; the rows
-                // stay claimed meanwhile, so nobody else takes them.
-                while settling.len() >= MAX_SETTLING {
-                    settling.join_next().await;
+            let (outbox, crash) = (self.outbox.clone(), self.crash_after_puback);
+            settling.spawn(async move {
+                let published = match acks {
+                    Acks::JetStream(sent) => await_acks(&rows, sent).await,
+                    Acks::Core(published) => published,
+                };
+                if crash && !published.done.is_empty() {
+                    tracing::error!("failpoint relay_after_puback: aborting before marking rows done");
+                    std::process::abort();
                 }
-                settling.spawn(settle(self.outbox.clone(), published, backoff));
+                let unreachable = !published.retry.is_empty();
+                settle(outbox, published, backoff).await;
+                unreachable
+            });
+            while let Some(finished) = settling.try_join_next() {
+                paused |= matches!(finished, Ok(true));
             }
             if paused {
                 tracing::warn!(delay = ?backoff, "the broker is unreachable; deferring rows without spending attempts and pausing");
@@ -135,49 +143,14 @@ impl Relay {
         (subject, headers)
     }
 
-    /// Sends every publish, then awaits every PubAck: the whole batch is in flight at once.
-    async fn publish_jetstream(&self, rows: &[v1::OutboxRow]) -> Published {
-        let mut pending = Vec::with_capacity(rows.len());
+    /// Sends every publish of the batch; the PubAcks come back later.
+    async fn send_jetstream(&self, rows: &[v1::OutboxRow]) -> Vec<Sent> {
+        let mut sent = Vec::with_capacity(rows.len());
         for row in rows {
             let (subject, headers) = self.message(row);
-            let sent = self.jetstream.publish_with_headers(subject, headers, row.payload.clone().into()).await;
-            pending.push(sent);
+            sent.push(self.jetstream.publish_with_headers(subject, headers, row.payload.clone().into()).await);
         }
-        let acks = join_all(pending.into_iter().map(|sent| async move {
-            match sent {
-                Ok(ack) => ack.await,
-                Err(error) => Err(error),
-            }
-        }))
-        .await;
-        let mut published = Published { done: Vec::new(), retry: Vec::new(), refused: Vec::new(), duplicates: 0 };
-        for (row, ack) in rows.iter().zip(acks) {
-            let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
-            match ack {
-                Ok(ack) => {
-                    published.duplicates += usize::from(ack.duplicate);
-                    published.done.push(claim);
-                }
-                Err(error)
-                    if matches!(
-                        error.kind(),
-                        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe | PublishErrorKind::StreamNotFound
-                    ) =>
-                {
-                    tracing::debug!(row = row.id, %error, "publish failed in transport");
-                    published.retry.push(claim);
-                }
-                Err(error) => {
-                    tracing::error!(row = row.id, event_id = %row.event_id, %error, "the broker refused an event");
-                    published.refused.push(v1::FailedRow {
-                        row: Some(claim),
-                        error: error.to_string(),
-                        terminal: false,
-                    });
-                }
-            }
-        }
-        published
+        sent
     }
 
     /// Publishes, then one flush: done when the flush returns.
@@ -198,6 +171,51 @@ impl Relay {
         }
         published
     }
+}
+
+/// A publish sent to JetStream, or the error sending it.
+type Sent = Result<async_nats::jetstream::context::PublishAckFuture, async_nats::jetstream::context::PublishError>;
+
+/// What is still to learn about a published batch.
+enum Acks {
+    JetStream(Vec<Sent>),
+    /// Core NATS: the flush already said everything there is to know.
+    Core(Published),
+}
+
+/// Awaits every PubAck of a batch (a duplicate PubAck is success).
+async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
+    let acks = join_all(sent.into_iter().map(|sent| async move {
+        match sent {
+            Ok(ack) => ack.await,
+            Err(error) => Err(error),
+        }
+    }))
+    .await;
+    let mut published = Published { done: Vec::new(), retry: Vec::new(), refused: Vec::new(), duplicates: 0 };
+    for (row, ack) in rows.iter().zip(acks) {
+        let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
+        match ack {
+            Ok(ack) => {
+                published.duplicates += usize::from(ack.duplicate);
+                published.done.push(claim);
+            }
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe | PublishErrorKind::StreamNotFound
+                ) =>
+            {
+                tracing::debug!(row = row.id, %error, "publish failed in transport");
+                published.retry.push(claim);
+            }
+            Err(error) => {
+                tracing::error!(row = row.id, event_id = %row.event_id, %error, "the broker refused an event");
+                published.refused.push(v1::FailedRow { row: Some(claim), error: error.to_string(), terminal: false });
+            }
+        }
+    }
+    published
 }
 
 /// Marks published rows done, defers the ones that could not be sent, fails the refused.
