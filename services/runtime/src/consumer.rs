@@ -173,3 +173,14 @@ pub fn decode_envelope(
         },
     }
 }
+
+/// The event a NATS message carries, and its dedup id (the `Nats-Msg-Id` header, or the
+/// envelope's id when a publisher set no header). The event type is the subject's last token.
+pub fn event_from_nats(message: &async_nats::Message) -> (reelay_contracts::v1::Event, Option<String>) {
+    let header_id =
+        message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.as_str().to_owned()).unwrap_or_default();
+    let event_type = message.subject.rsplit('.').next().unwrap_or_default();
+    let event = decode_envelope(&message.payload, &header_id, event_type, "");
+    let event_id = if header_id.is_empty() { event.event_id.clone() } else { header_id };
+    (event, (!event_id.is_empty()).then_some(event_id))
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 
-use crate::consumer::decode_envelope;
+use crate::consumer::event_from_nats;
 use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 pub struct CoreSource {
@@ -48,19 +48,8 @@ impl EventSource for CoreSource {
         };
         let mut next = Some(first);
         while let Some(message) = next.take() {
-            let header = |name: &str| {
-                message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned()).unwrap_or_default()
-            };
-            let event_id = header("Nats-Msg-Id");
-            let event_type = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
-            let event = decode_envelope(&message.payload, &event_id, &event_type, "");
-            let event_id = if event_id.is_empty() { event.event_id.clone() } else { event_id };
-            deliveries.push(Delivery {
-                event,
-                event_id: (!event_id.is_empty()).then_some(event_id),
-                attempt: 1,
-                ack: AckHandle::new(()),
-            });
+            let (event, event_id) = event_from_nats(&message);
+            deliveries.push(Delivery { event, event_id, attempt: 1, ack: AckHandle::new(()) });
             if deliveries.len() < max {
                 next = futures_util::FutureExt::now_or_never(self.subscriber.next()).flatten();
             }

@@ -11,7 +11,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Message};
 use futures_util::StreamExt;
 
-use crate::consumer::decode_envelope;
+use crate::consumer::event_from_nats;
 use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 pub struct JetStreamSource {
@@ -82,16 +82,10 @@ impl EventSource for JetStreamSource {
         let mut deliveries = Vec::with_capacity(messages.len());
         for message in messages {
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
-            let header = |name: &str| {
-                message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned()).unwrap_or_default()
-            };
-            let event_id = header("Nats-Msg-Id");
-            let event_type = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
-            let event = decode_envelope(&message.payload, &event_id, &event_type, "");
-            let event_id = if event_id.is_empty() { event.event_id.clone() } else { event_id };
+            let (event, event_id) = event_from_nats(&message);
             deliveries.push(Delivery {
                 event,
-                event_id: (!event_id.is_empty()).then_some(event_id),
+                event_id,
                 attempt: delivered,
                 ack: AckHandle::new(MessageToken(message)),
             });

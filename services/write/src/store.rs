@@ -402,6 +402,12 @@ async fn check_target(conn: &mut SqliteConnection, actor: UserId, target: &Targe
     Ok(())
 }
 
+/// Deletes the row a two-column key names (a follow, a block, a watchlist entry, a remote
+/// follower); true when there was one.
+async fn delete_pair(conn: &mut SqliteConnection, sql: &'static str, first: String, second: String) -> Result<bool> {
+    Ok(sqlx::query(sql).bind(first).bind(second).execute(conn).await?.rows_affected() > 0)
+}
+
 async fn commit_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<EventId>> {
     Ok(enqueue_events(tx, events).await?.into_iter().map(|e| e.event_id).collect())
 }
@@ -647,13 +653,13 @@ impl Store {
     pub async fn remove_from_watchlist(&self, actor: UserId, movie: MovieId) -> Result<bool> {
         write_job!(self, "remove_from_watchlist", |tx| {
             ensure_user(tx.conn(), actor).await?;
-            let removed = sqlx::query("DELETE FROM watchlist WHERE user_id = ? AND movie_id = ?")
-                .bind(actor.to_string())
-                .bind(movie.to_string())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let removed = delete_pair(
+                tx.conn(),
+                "DELETE FROM watchlist WHERE user_id = ? AND movie_id = ?",
+                actor.to_string(),
+                movie.to_string(),
+            )
+            .await?;
             if removed {
                 let event = NewEvent::new(
                     movie,
@@ -750,13 +756,13 @@ impl Store {
     pub async fn unfollow(&self, actor: UserId, target: Target) -> Result<bool> {
         write_job!(self, "unfollow", |tx| {
             ensure_user(tx.conn(), actor).await?;
-            let removed = sqlx::query("DELETE FROM follows WHERE follower_id = ? AND target = ?")
-                .bind(actor.to_string())
-                .bind(target.key())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let removed = delete_pair(
+                tx.conn(),
+                "DELETE FROM follows WHERE follower_id = ? AND target = ?",
+                actor.to_string(),
+                target.key(),
+            )
+            .await?;
             if removed {
                 let event = NewEvent::new(
                     actor,
@@ -845,13 +851,13 @@ impl Store {
     pub async fn unblock(&self, actor: UserId, target: Target) -> Result<bool> {
         write_job!(self, "unblock", |tx| {
             ensure_user(tx.conn(), actor).await?;
-            let removed = sqlx::query("DELETE FROM blocks WHERE blocker_id = ? AND target = ?")
-                .bind(actor.to_string())
-                .bind(target.key())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let removed = delete_pair(
+                tx.conn(),
+                "DELETE FROM blocks WHERE blocker_id = ? AND target = ?",
+                actor.to_string(),
+                target.key(),
+            )
+            .await?;
             if removed {
                 let event = NewEvent::new(
                     actor,
@@ -1054,13 +1060,13 @@ impl Store {
     pub async fn receive_undo(&self, actor_uri: String, user: UserId, activity_uri: String) -> Result<bool> {
         write_job!(self, "receive_undo", |tx| {
             ensure_user(tx.conn(), user).await?;
-            let removed = sqlx::query("DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?")
-                .bind(user.to_string())
-                .bind(actor_uri.clone())
-                .execute(tx.conn())
-                .await?
-                .rows_affected()
-                > 0;
+            let removed = delete_pair(
+                tx.conn(),
+                "DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?",
+                user.to_string(),
+                actor_uri.clone(),
+            )
+            .await?;
             if removed {
                 let event = NewEvent::new(
                     user,
