@@ -305,27 +305,46 @@ impl v1::ledger_server::Ledger for LedgerApi {
         &self,
         request: Request<v1::LedgerSettleRequest>,
     ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
-        let keys = owned_keys(request.into_inner().keys)?;
-        let owned = self
-            .db
-            .writer
-            .transact::<_, ServiceError, _>("ledger_complete", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(ledger::complete(tx, &keys, tx.now_ms()).await?) })
-            })
-            .await?;
-        Ok(Response::new(v1::LedgerSettleResponse { owned }))
+        self.settle(request.into_inner(), Settle::Complete).await
     }
 
     async fn release(
         &self,
         request: Request<v1::LedgerSettleRequest>,
     ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
-        let keys = owned_keys(request.into_inner().keys)?;
+        self.settle(request.into_inner(), Settle::Release).await
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Settle {
+    Complete,
+    Release,
+}
+
+impl LedgerApi {
+    /// Completes or releases owned claims in one write job; `owned` says, per key, whether the
+    /// caller still owned it.
+    async fn settle(
+        &self,
+        request: v1::LedgerSettleRequest,
+        how: Settle,
+    ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
+        let keys = owned_keys(request.keys)?;
+        let job = match how {
+            Settle::Complete => "ledger_complete",
+            Settle::Release => "ledger_release",
+        };
         let owned = self
             .db
             .writer
-            .transact::<_, ServiceError, _>("ledger_release", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(ledger::release(tx, &keys).await?) })
+            .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    Ok(match how {
+                        Settle::Complete => ledger::complete(tx, &keys, tx.now_ms()).await?,
+                        Settle::Release => ledger::release(tx, &keys).await?,
+                    })
+                })
             })
             .await?;
         Ok(Response::new(v1::LedgerSettleResponse { owned }))

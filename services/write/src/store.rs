@@ -754,28 +754,36 @@ impl Store {
     }
 
     pub async fn unfollow(&self, actor: UserId, target: Target) -> Result<bool> {
-        write_job!(self, "unfollow", |tx| {
-            ensure_user(tx.conn(), actor).await?;
-            let removed = delete_pair(
-                tx.conn(),
-                "DELETE FROM follows WHERE follower_id = ? AND target = ?",
-                actor.to_string(),
-                target.key(),
-            )
-            .await?;
-            if removed {
-                let event = NewEvent::new(
-                    actor,
-                    Payload::Unfollowed(v1::Unfollowed {
-                        follower_id: actor.to_string(),
-                        target: Some(target.to_proto()),
-                    }),
-                );
-                commit_events(tx, vec![event]).await?;
-            }
-            Ok(removed)
+        let sql = "DELETE FROM follows WHERE follower_id = ? AND target = ?";
+        self.remove_relation("unfollow", sql, actor, target, |actor, target| {
+            Payload::Unfollowed(v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) })
         })
         .await
+    }
+
+    /// Removes one of the actor's relations (a follow, a block) and raises the event `payload`
+    /// builds, when there was one to remove.
+    async fn remove_relation(
+        &self,
+        job: &'static str,
+        sql: &'static str,
+        actor: UserId,
+        target: Target,
+        payload: fn(UserId, &Target) -> Payload,
+    ) -> Result<bool> {
+        self.db
+            .writer
+            .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    ensure_user(tx.conn(), actor).await?;
+                    let removed = delete_pair(tx.conn(), sql, actor.to_string(), target.key()).await?;
+                    if removed {
+                        commit_events(tx, vec![NewEvent::new(actor, payload(actor, &target))]).await?;
+                    }
+                    Ok(removed)
+                })
+            })
+            .await
     }
 
     /// Blocks an account and severs follows in both directions, in one transaction.
@@ -849,26 +857,9 @@ impl Store {
     }
 
     pub async fn unblock(&self, actor: UserId, target: Target) -> Result<bool> {
-        write_job!(self, "unblock", |tx| {
-            ensure_user(tx.conn(), actor).await?;
-            let removed = delete_pair(
-                tx.conn(),
-                "DELETE FROM blocks WHERE blocker_id = ? AND target = ?",
-                actor.to_string(),
-                target.key(),
-            )
-            .await?;
-            if removed {
-                let event = NewEvent::new(
-                    actor,
-                    Payload::Unblocked(v1::Unblocked {
-                        blocker_id: actor.to_string(),
-                        target: Some(target.to_proto()),
-                    }),
-                );
-                commit_events(tx, vec![event]).await?;
-            }
-            Ok(removed)
+        let sql = "DELETE FROM blocks WHERE blocker_id = ? AND target = ?";
+        self.remove_relation("unblock", sql, actor, target, |actor, target| {
+            Payload::Unblocked(v1::Unblocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) })
         })
         .await
     }
