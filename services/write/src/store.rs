@@ -651,26 +651,11 @@ impl Store {
     }
 
     pub async fn remove_from_watchlist(&self, actor: UserId, movie: MovieId) -> Result<bool> {
-        write_job!(self, "remove_from_watchlist", |tx| {
-            ensure_user(tx.conn(), actor).await?;
-            let removed = delete_pair(
-                tx.conn(),
-                "DELETE FROM watchlist WHERE user_id = ? AND movie_id = ?",
-                actor.to_string(),
-                movie.to_string(),
-            )
-            .await?;
-            if removed {
-                let event = NewEvent::new(
-                    movie,
-                    Payload::WatchlistItemRemoved(v1::WatchlistItemRemoved {
-                        user_id: actor.to_string(),
-                        movie_id: movie.to_string(),
-                    }),
-                );
-                commit_events(tx, vec![event]).await?;
-            }
-            Ok(removed)
+        let sql = "DELETE FROM watchlist WHERE user_id = ? AND movie_id = ?";
+        let key = (actor.to_string(), movie.to_string());
+        self.remove_pair("remove_from_watchlist", sql, actor, key, move || {
+            let payload = v1::WatchlistItemRemoved { user_id: actor.to_string(), movie_id: movie.to_string() };
+            NewEvent::new(movie, Payload::WatchlistItemRemoved(payload))
         })
         .await
     }
@@ -755,30 +740,33 @@ impl Store {
 
     pub async fn unfollow(&self, actor: UserId, target: Target) -> Result<bool> {
         let sql = "DELETE FROM follows WHERE follower_id = ? AND target = ?";
-        self.remove_relation("unfollow", sql, actor, target, |actor, target| {
-            Payload::Unfollowed(v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) })
+        let key = (actor.to_string(), target.key());
+        self.remove_pair("unfollow", sql, actor, key, move || {
+            let payload = v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) };
+            NewEvent::new(actor, Payload::Unfollowed(payload))
         })
         .await
     }
 
-    /// Removes one of the actor's relations (a follow, a block) and raises the event `payload`
-    /// builds, when there was one to remove.
-    async fn remove_relation(
+    /// Deletes the row `sql` names by (`first`, `second`) after checking that `owner` exists,
+    /// and raises `event` when there was a row: unfollow, unblock, watchlist removal, a remote
+    /// actor's undone follow.
+    async fn remove_pair(
         &self,
         job: &'static str,
         sql: &'static str,
-        actor: UserId,
-        target: Target,
-        payload: fn(UserId, &Target) -> Payload,
+        owner: UserId,
+        (first, second): (String, String),
+        event: impl FnOnce() -> NewEvent + Send + 'static,
     ) -> Result<bool> {
         self.db
             .writer
             .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
                 Box::pin(async move {
-                    ensure_user(tx.conn(), actor).await?;
-                    let removed = delete_pair(tx.conn(), sql, actor.to_string(), target.key()).await?;
+                    ensure_user(tx.conn(), owner).await?;
+                    let removed = delete_pair(tx.conn(), sql, first, second).await?;
                     if removed {
-                        commit_events(tx, vec![NewEvent::new(actor, payload(actor, &target))]).await?;
+                        commit_events(tx, vec![event()]).await?;
                     }
                     Ok(removed)
                 })
@@ -858,8 +846,10 @@ impl Store {
 
     pub async fn unblock(&self, actor: UserId, target: Target) -> Result<bool> {
         let sql = "DELETE FROM blocks WHERE blocker_id = ? AND target = ?";
-        self.remove_relation("unblock", sql, actor, target, |actor, target| {
-            Payload::Unblocked(v1::Unblocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) })
+        let key = (actor.to_string(), target.key());
+        self.remove_pair("unblock", sql, actor, key, move || {
+            let payload = v1::Unblocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) };
+            NewEvent::new(actor, Payload::Unblocked(payload))
         })
         .await
     }
@@ -1049,27 +1039,11 @@ impl Store {
     }
 
     pub async fn receive_undo(&self, actor_uri: String, user: UserId, activity_uri: String) -> Result<bool> {
-        write_job!(self, "receive_undo", |tx| {
-            ensure_user(tx.conn(), user).await?;
-            let removed = delete_pair(
-                tx.conn(),
-                "DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?",
-                user.to_string(),
-                actor_uri.clone(),
-            )
-            .await?;
-            if removed {
-                let event = NewEvent::new(
-                    user,
-                    Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
-                        actor_uri,
-                        user_id: user.to_string(),
-                        activity_uri,
-                    }),
-                );
-                commit_events(tx, vec![event]).await?;
-            }
-            Ok(removed)
+        let sql = "DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?";
+        let key = (user.to_string(), actor_uri.clone());
+        self.remove_pair("receive_undo", sql, user, key, move || {
+            let payload = v1::RemoteFollowUndone { actor_uri, user_id: user.to_string(), activity_uri };
+            NewEvent::new(user, Payload::RemoteFollowUndone(payload))
         })
         .await
     }
