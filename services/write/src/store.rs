@@ -402,12 +402,6 @@ async fn check_target(conn: &mut SqliteConnection, actor: UserId, target: &Targe
     Ok(())
 }
 
-/// Deletes the row a two-column key names (a follow, a block, a watchlist entry, a remote
-/// follower); true when there was one.
-async fn delete_pair(conn: &mut SqliteConnection, sql: &'static str, first: String, second: String) -> Result<bool> {
-    Ok(sqlx::query(sql).bind(first).bind(second).execute(conn).await?.rows_affected() > 0)
-}
-
 async fn commit_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<EventId>> {
     Ok(enqueue_events(tx, events).await?.into_iter().map(|e| e.event_id).collect())
 }
@@ -764,7 +758,8 @@ impl Store {
             .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
                 Box::pin(async move {
                     ensure_user(tx.conn(), owner).await?;
-                    let removed = delete_pair(tx.conn(), sql, first, second).await?;
+                    let removed =
+                        sqlx::query(sql).bind(first).bind(second).execute(tx.conn()).await?.rows_affected() > 0;
                     if removed {
                         commit_events(tx, vec![event()]).await?;
                     }
