@@ -54,6 +54,9 @@ pub struct SearchIndex {
     inner: Arc<Inner>,
 }
 
+/// How long a batch waits for others to share its commit.
+const COMMIT_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
+
 struct Inner {
     index: Index,
     reader: IndexReader,
@@ -317,6 +320,10 @@ impl SearchIndex {
         }
         let (done, committed) = tokio::sync::oneshot::channel();
         self.inner.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Queued { changes, done });
+        // Let batches arriving meanwhile join this commit: each commit fsyncs several files,
+        // and at a steady trickle of events those fsyncs would crowd the disk that SQLite's
+        // commits (and so every other handler's delivery) wait on.
+        tokio::time::sleep(COMMIT_LINGER).await;
         let inner = Arc::clone(&self.inner);
         let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
         let written = match drained {
