@@ -228,7 +228,7 @@ pub struct HandlerArgs {
     pub batch: u32,
 
     /// Batches a consumer works on at once (while fetching the next).
-    #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub in_flight: u32,
 
     /// A handler call that takes longer fails (and is retried).
