@@ -66,19 +66,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let mut c = reelay.clients().await;
     let ana = c.user("ana").await;
     let ben = c.user("ben").await;
-    let review = c
-        .reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: ana.clone(),
-            movie: movie_ref("Heat", 1995),
-            rating: 8,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let review = c.review(&ana, movie_ref("Heat", 1995), 8).await;
     let ids = Ids {
         a: ana.clone(),
         b: ben,

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reelay_contracts::v1;
 use reelay_harness::{Clients, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir};
@@ -276,7 +276,6 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
     .await;
     // The ledger and the outbox go away while handlers run and consumers poll.
     write.kill();
-    let down = Instant::now();
     tokio::time::sleep(Duration::from_secs(4)).await;
     write.restart().await;
     let mut c = write.clients().await;
@@ -297,7 +296,6 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
         assert_eq!(counts.get(&(id.clone(), "probe-a".to_owned())), Some(&1), "{id}");
     }
     assert!(handlers.log_text().contains("pausing consumption"), "the consumer paused");
-    assert!(down.elapsed() > Duration::from_secs(4));
     handlers.stop().await;
     write.stop().await;
 }

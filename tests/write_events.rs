@@ -149,19 +149,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     );
 
     // A review of a known movie by id: one event.
-    let alien_review = c
-        .reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: ben.clone(),
-            movie: movie_id_ref(&alien),
-            rating: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let alien_review = c.review(&ben, movie_id_ref(&alien), 10).await;
     outbox.expect(&["ReviewLogged"]).await;
 
     // Edit
@@ -226,19 +214,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     assert!(matches!(&events[1], Payload::MovieDeleted(e) if e.movie_id == heat_review.movie_id));
     assert_eq!(count(&db, &format!("SELECT COUNT(*) FROM movies WHERE id = '{}'", heat_review.movie_id)).await, 0);
     // Alien is still reviewed by ben after ana's review of it goes: only ReviewDeleted.
-    let ana_alien = c
-        .reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: ana.clone(),
-            movie: movie_id_ref(&alien),
-            rating: 8,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let ana_alien = c.review(&ana, movie_id_ref(&alien), 8).await;
     outbox.expect(&["ReviewLogged"]).await;
     let kept = c
         .reviews
@@ -411,19 +387,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
     let mut c = setup.clients().await;
     let ana = c.user("ana").await;
     let ben = c.user("ben").await;
-    let review = c
-        .reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: ana.clone(),
-            movie: movie_ref("Heat", 1995),
-            rating: 8,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let review = c.review(&ana, movie_ref("Heat", 1995), 8).await;
     let watched = c
         .watchlist
         .add_to_watchlist(v1::AddToWatchlistRequest { actor_user_id: ana.clone(), movie: movie_ref("Ran", 1985) })

@@ -344,6 +344,17 @@ impl Clients {
             .user_id
     }
 
+    /// Logs a review (no text, no date) and returns it.
+    pub async fn review(&mut self, actor: &str, movie: Option<v1::MovieRef>, rating: u32) -> v1::Review {
+        self.reviews
+            .log_review(v1::LogReviewRequest { actor_user_id: actor.to_owned(), movie, rating, ..Default::default() })
+            .await
+            .expect("log a review")
+            .into_inner()
+            .review
+            .expect("the response carries the review")
+    }
+
     /// Streams a Letterboxd export in 4 KiB chunks.
     pub async fn import(&mut self, actor: &str, csv: &[u8]) -> Result<v1::ImportDiaryResponse, tonic::Status> {
         let chunks: Vec<v1::ImportDiaryChunk> = csv
