@@ -36,6 +36,25 @@ impl JetStreamSource {
     }
 }
 
+/// How long past its expiry a pull may go unanswered before it is presumed lost with its
+/// connection (a reconnect drops pull requests without a word).
+const PULL_GRACE: Duration = Duration::from_secs(3);
+
+/// Collects a pull's messages into `into`, giving up once `limit` has passed.
+async fn collect<S>(mut batch: S, into: &mut Vec<Message>, limit: Duration) -> Result<(), SourceError>
+where
+    S: futures_util::Stream<Item = Result<Message, async_nats::Error>> + Unpin,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, batch.next()).await {
+            Ok(Some(message)) => into.push(message.map_err(unavailable)?),
+            Ok(None) => return Ok(()),
+            Err(_) => return Err(SourceError::Unavailable("a pull request got no answer (connection lost?)".into())),
+        }
+    }
+}
+
 /// A JetStream message in hand.
 pub struct MessageToken(pub Message);
 
@@ -68,15 +87,14 @@ impl EventSource for JetStreamSource {
     /// left outstanding, so no message is delivered to this consumer that it is not holding.
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<MessageToken>>, SourceError> {
         let mut messages = Vec::new();
-        let mut first =
+        let first =
             self.consumer.batch().max_messages(1).expires(self.expires).messages().await.map_err(unavailable)?;
-        while let Some(message) = first.next().await {
-            messages.push(message.map_err(unavailable)?);
-        }
+        collect(first, &mut messages, self.expires + PULL_GRACE).await?;
         if !messages.is_empty() && max > 1 {
-            let mut rest = self.consumer.fetch().max_messages(max - 1).messages().await.map_err(unavailable)?;
-            while let Some(message) = rest.next().await {
-                messages.push(message.map_err(unavailable)?);
+            let rest = self.consumer.fetch().max_messages(max - 1).messages().await.map_err(unavailable)?;
+            // What already arrived is ours to settle, whatever happens to the rest.
+            if let Err(error) = collect(rest, &mut messages, PULL_GRACE).await {
+                tracing::warn!(%error, "a follow-up pull failed; settling what arrived");
             }
         }
         let mut deliveries = Vec::with_capacity(messages.len());
