@@ -260,9 +260,10 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
     let db = dir.path().join("reelay.db");
     let effects_db = dir.path().join("effects.db");
     // A claim the write service committed just before it was killed never reaches its claimer;
-    // the row (or ledger key) comes back when the lease runs out. Short leases keep that wait
-    // inside the test's patience; they do not change what is checked.
-    let leases = [("REELAY_OUTBOX_LEASE_MS", "3000"), ("REELAY_LEDGER_LEASE_MS", "3000")];
+    // the row (or ledger key) comes back when the lease runs out. Leases shorter than the
+    // defaults keep that wait inside the test's patience, and longer than the 4 s outage, so a
+    // live claim is never taken over (which would legitimately run a handler twice).
+    let leases = [("REELAY_OUTBOX_LEASE_MS", "12000"), ("REELAY_LEDGER_LEASE_MS", "12000")];
     let mut write = Reelay::start_write(BIN, &db, &leases).await;
     let mut c = write.clients().await;
     let mut env = probe_env(effects_db.to_str().unwrap(), "probe-a");
