@@ -78,6 +78,7 @@ async fn fixtures(c: &mut Clients, users: usize) -> (Vec<String>, String) {
             title: "Heat".into(),
             year: 1995,
             external_id: String::new(),
+            ..Default::default()
         })
         .await
         .expect("discover the bench movie")
@@ -96,6 +97,7 @@ fn log_review(user: &str, movie: &str, n: u64) -> v1::LogReviewRequest {
         body: format!("Review number {n}: the diner scene still works, and the score carries the last act."),
         watched_on: "2024-03-01".into(),
         rewatch: false,
+        ..Default::default()
     }
 }
 
@@ -272,6 +274,12 @@ impl std::error::Error for BenchError {}
 
 impl From<sqlx::Error> for BenchError {
     fn from(e: sqlx::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+impl From<reelay_outbox::EnqueueError> for BenchError {
+    fn from(e: reelay_outbox::EnqueueError) -> Self {
         Self(e.to_string())
     }
 }

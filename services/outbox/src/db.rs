@@ -8,6 +8,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use sqlx::{ConnectOptions, Connection};
 
 use crate::Writer;
+use crate::writer::{Opener, WriterConfig};
 
 /// How hard a commit waits for the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -39,7 +40,13 @@ pub struct DbConfig {
     pub read_connections: u32,
     /// How long a statement waits for a lock held by another process before failing.
     pub busy_timeout: Duration,
+    /// The largest encoded event a write may raise (`REELAY_MAX_EVENT_BYTES`): every event must
+    /// fit a claim answer and a broker message, or it could never be delivered.
+    pub max_event_bytes: usize,
 }
+
+/// The default [`DbConfig::max_event_bytes`]: NATS's default `max_payload`.
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 1024 * 1024;
 
 impl DbConfig {
     pub fn new(path: impl Into<PathBuf>) -> Self {
@@ -48,6 +55,7 @@ impl DbConfig {
             synchronous: Synchronous::Full,
             read_connections: 4,
             busy_timeout: Duration::from_secs(5),
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
         }
     }
 
@@ -112,7 +120,13 @@ impl Database {
             .connect_with(config.options().read_only(true))
             .await?;
         conn.ping().await?;
-        Ok(Self { reads, writer: Writer::start(conn) })
+        let options = config.options();
+        let reopen: Opener = std::sync::Arc::new(move || {
+            let options = options.clone();
+            Box::pin(async move { options.connect().await })
+        });
+        let writer = Writer::start(conn, WriterConfig { reopen, max_event_bytes: config.max_event_bytes });
+        Ok(Self { reads, writer })
     }
 
     /// Stops the writer after the jobs already queued, then closes the read pool.

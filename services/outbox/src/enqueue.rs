@@ -10,6 +10,17 @@ use crate::WriteTx;
 /// Rows per INSERT statement (6 parameters each).
 const ROWS_PER_STATEMENT: usize = 128;
 
+/// Why events could not be enqueued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnqueueError {
+    /// Delivering it would exceed a claim answer or a broker message: refused before anything is
+    /// written, since it could never reach its handlers.
+    #[error(
+        "the {event_type} event this write raises would be {bytes} bytes, over the {limit}-byte limit for one event (REELAY_MAX_EVENT_BYTES)"
+    )]
+    TooLarge { event_type: &'static str, bytes: usize, limit: usize },
+}
+
 /// What was written for one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnqueuedEvent {
@@ -33,8 +44,9 @@ pub(crate) struct OutboxInsert {
 ///
 /// The rows are written by the writer just before the commit, together with those of the other
 /// jobs of the batch (one multi-row insert instead of one per job); a job that fails takes its
-/// rows with it.
-pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<EnqueuedEvent>, sqlx::Error> {
+/// rows with it. An event larger than the configured limit fails the job: it could never be
+/// delivered.
+pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<EnqueuedEvent>, EnqueueError> {
     // Benchmark builds only: measure what the write path costs without its events.
     if crate::failpoint_armed("skip_events") {
         return Ok(Vec::new());
@@ -52,11 +64,15 @@ pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<V
             traceparent: tx.traceparent.clone(),
             payload: Some(event.payload),
         };
+        let payload = envelope.encode_to_vec();
+        if payload.len() > tx.max_event_bytes {
+            return Err(EnqueueError::TooLarge { event_type, bytes: payload.len(), limit: tx.max_event_bytes });
+        }
         tx.job_rows.push(OutboxInsert {
             event_id: event_id.to_string(),
             event_type,
             aggregate_id: event.aggregate_id,
-            payload: envelope.encode_to_vec(),
+            payload,
             at,
         });
         enqueued.push(EnqueuedEvent { event_id, event_type });

@@ -11,10 +11,10 @@ mod migrate;
 pub mod queue;
 mod writer;
 
-pub use db::{Database, DbConfig, Synchronous};
-pub use enqueue::{EnqueuedEvent, enqueue_events};
+pub use db::{DEFAULT_MAX_EVENT_BYTES, Database, DbConfig, Synchronous};
+pub use enqueue::{EnqueueError, EnqueuedEvent, enqueue_events};
 pub use migrate::{MIGRATOR, migrate, migrate_to};
-pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer, failpoint_armed};
+pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer, failpoint_armed, sqlite_primary_code};
 
 /// Milliseconds since the Unix epoch: the unit of every timestamp column.
 pub fn now_ms() -> i64 {

@@ -65,13 +65,26 @@ fn claims_sql(head: &str, n: usize, tail: &str) -> AssertSqlSafe<String> {
     AssertSqlSafe(format!("{head} WHERE (id, claimed_at) IN (VALUES {tuples}) {tail}"))
 }
 
-/// Claims up to `max_rows` due rows, oldest first: pending rows whose `available_at` has come,
-/// and processing rows whose claim is older than the lease.
+/// What one claim may hand out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimLimits {
+    pub max_rows: u32,
+    /// The largest answer the claimer can read: rows are claimed until the next would not fit.
+    pub max_bytes: usize,
+}
+
+/// What a claim answer costs per row beyond its payload (ids, type, token, framing), rounded up.
+pub const CLAIM_ROW_OVERHEAD: usize = 256;
+
+/// Claims due rows, oldest first, within `limits`: pending rows whose `available_at` has come,
+/// and processing rows whose claim is older than the lease. A row whose payload alone cannot fit
+/// an answer is dead-lettered with the reason instead of being handed out (it would fail every
+/// claim, forever).
 pub async fn claim_due(
     tx: &mut WriteTx,
     now: i64,
     policy: QueuePolicy,
-    max_rows: u32,
+    limits: ClaimLimits,
 ) -> Result<Vec<ClaimedRow>, sqlx::Error> {
     let stale_before = now - policy.lease.as_millis() as i64;
     let reclaimed =
@@ -83,13 +96,41 @@ pub async fn claim_due(
     if reclaimed > 0 {
         tracing::warn!(rows = reclaimed, "reclaiming outbox rows whose claimer's lease expired");
     }
+    // Sizes first (length() of a blob reads no content), so the answer stays within its bytes.
+    let candidates: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT id, length(payload) FROM event_queue WHERE status = 'pending' AND available_at <= ? ORDER BY id LIMIT ?",
+    )
+    .bind(now)
+    .bind(i64::from(limits.max_rows))
+    .fetch_all(tx.conn())
+    .await?;
+    let (mut last, mut bytes) = (None, 0usize);
+    let mut oversized = Vec::new();
+    for (id, length) in candidates {
+        let cost = length as usize + CLAIM_ROW_OVERHEAD;
+        if cost > limits.max_bytes {
+            oversized.push((id, length));
+            continue;
+        }
+        if bytes + cost > limits.max_bytes {
+            break;
+        }
+        bytes += cost;
+        last = Some(id);
+    }
+    // Oversized rows among those examined; any after the last claimed row wait for their turn.
+    for (id, length) in oversized.iter().filter(|(id, _)| last.is_none_or(|last| *id < last)) {
+        dead_letter_oversized(tx, *id, *length, limits.max_bytes).await?;
+    }
+    // Nothing fits: every candidate was oversized (and is dead-lettered now), or none was due.
+    let Some(last) = last else { return Ok(Vec::new()) };
     let rows = sqlx::query(
         "UPDATE event_queue SET status = 'processing', claimed_at = ?1 \
-         WHERE id IN (SELECT id FROM event_queue WHERE status = 'pending' AND available_at <= ?1 ORDER BY id LIMIT ?2) \
+         WHERE status = 'pending' AND available_at <= ?1 AND id <= ?2 \
          RETURNING id, event_id, event_type, aggregate_id, payload, attempts, claimed_at",
     )
     .bind(now)
-    .bind(i64::from(max_rows))
+    .bind(last)
     .fetch_all(tx.conn())
     .await?;
     let mut claimed: Vec<ClaimedRow> = rows
@@ -106,6 +147,25 @@ pub async fn claim_due(
         .collect();
     claimed.sort_by_key(|r| r.id);
     Ok(claimed)
+}
+
+async fn dead_letter_oversized(tx: &mut WriteTx, id: i64, length: i64, max_bytes: usize) -> Result<(), sqlx::Error> {
+    let reason = format!(
+        "undeliverable: the event is {length} bytes and a claim answer holds at most {} bytes of event \
+         (REELAY_GRPC_MAX_MESSAGE_BYTES); it was written before the size limit or by a foreign writer",
+        max_bytes.saturating_sub(CLAIM_ROW_OVERHEAD)
+    );
+    let event_id: Option<Option<String>> = sqlx::query_scalar(
+        "UPDATE event_queue SET status = 'dead_lettered', last_error = ? WHERE id = ? AND status = 'pending' RETURNING event_id",
+    )
+    .bind(reason.clone())
+    .bind(id)
+    .fetch_optional(tx.conn())
+    .await?;
+    if event_id.is_some() {
+        tracing::error!(row = id, event_id = event_id.flatten().as_deref().unwrap_or(""), %reason, "outbox row dead-lettered");
+    }
+    Ok(())
 }
 
 /// Marks delivered rows done.

@@ -7,22 +7,37 @@
 //! back alone and its batch-mates still commit. A job's result reaches its caller only after the
 //! commit that made it durable.
 //!
+//! Storage faults. SQLite rolls a whole transaction back by itself on some errors (an I/O error,
+//! a full disk, out of memory); the statements after that would run in autocommit mode and
+//! commit one by one, splitting a write from its events. Two hooks on the write connection keep
+//! that from ever happening: a rollback hook tells the writer its transaction is gone (it then
+//! fails every job of the batch and runs nothing more), and a commit hook refuses every commit
+//! the writer did not ask for. A failed `COMMIT` may still have reached the disk, so its jobs
+//! are told the outcome is unknown; after any storage fault the writer stops trusting the
+//! connection and opens a fresh one.
+//!
 //! After a commit that wrote outbox rows the writer bumps a counter that claimers can wait on,
 //! so a waiting consumer learns about new events without polling.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
-use sqlx::{Executor, SqliteConnection};
+use sqlx::{Connection, Executor, SqliteConnection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// Most jobs committed together. Bounds the time a batch holds the write lock.
 const MAX_BATCH: usize = 256;
 const QUEUE_DEPTH: usize = 4096;
+/// How soon, and at most how rarely, the writer tries to reopen a connection it stopped trusting.
+const REOPEN_FIRST_DELAY: Duration = Duration::from_millis(100);
+const REOPEN_MAX_DELAY: Duration = Duration::from_secs(5);
 
 tokio::task_local! {
     /// The W3C `traceparent` of the request being served; stamped on every event it enqueues.
@@ -32,8 +47,20 @@ tokio::task_local! {
 /// Why a write did not commit, for reasons outside the job itself.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CommitError {
+    /// The batch failed before its commit and was rolled back: nothing was written.
     #[error("database write failed: {0}")]
     Storage(Arc<sqlx::Error>),
+    /// SQLite rolled the transaction back by itself after an error inside it (an I/O error, a
+    /// full disk, out of memory): nothing was written.
+    #[error("the database rolled the write transaction back after a storage error")]
+    RolledBack,
+    /// `COMMIT` failed. After a failed write or fsync the transaction may or may not be on disk:
+    /// the caller must treat the outcome as unknown (and may retry with its idempotency key).
+    #[error("the commit failed and its outcome is unknown: {0}")]
+    OutcomeUnknown(Arc<sqlx::Error>),
+    /// The writer is reopening the database after a storage fault and took no jobs.
+    #[error("the database is reopening after a storage fault: {0}")]
+    Recovering(Arc<str>),
     #[error("the database writer has stopped")]
     Closed,
     #[error("the write job panicked")]
@@ -45,6 +72,62 @@ pub enum CommitError {
 impl CommitError {
     fn storage(error: sqlx::Error) -> Self {
         Self::Storage(Arc::new(error))
+    }
+
+    /// Whether the connection that produced this error can still be trusted with writes.
+    fn distrusts_connection(&self) -> bool {
+        match self {
+            Self::Storage(error) => !is_lock_contention(error),
+            Self::RolledBack | Self::OutcomeUnknown(_) => true,
+            Self::Recovering(_) | Self::Closed | Self::Panicked | Self::Failpoint(_) => false,
+        }
+    }
+}
+
+/// SQLite's primary result code of `error`, if it came from SQLite.
+pub fn sqlite_primary_code(error: &sqlx::Error) -> Option<i32> {
+    let code = error.as_database_error()?.code()?;
+    code.parse::<i32>().ok().map(|n| n & 0xff)
+}
+
+const SQLITE_BUSY: i32 = 5;
+const SQLITE_LOCKED: i32 = 6;
+const SQLITE_FULL: i32 = 13;
+
+fn is_lock_contention(error: &sqlx::Error) -> bool {
+    matches!(sqlite_primary_code(error), Some(SQLITE_BUSY | SQLITE_LOCKED))
+}
+
+/// Opens a fresh write connection (the writer's own after it stopped trusting the old one).
+pub type Opener = Arc<dyn Fn() -> BoxFuture<'static, Result<SqliteConnection, sqlx::Error>> + Send + Sync>;
+
+/// What the hooks installed on the write connection observed.
+#[derive(Default)]
+struct Hooks {
+    /// Whole-transaction rollbacks: the writer's own and those SQLite does by itself.
+    rollbacks: AtomicU64,
+    /// True only while the writer's own `COMMIT` runs; every other commit is refused.
+    commit_allowed: AtomicBool,
+    /// Commits refused because the writer did not ask for them.
+    stray_commits: AtomicU64,
+}
+
+impl Hooks {
+    async fn install(self: &Arc<Self>, conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+        let mut handle = conn.lock_handle().await?;
+        let hooks = Arc::clone(self);
+        handle.set_rollback_hook(move || {
+            hooks.rollbacks.fetch_add(1, Ordering::SeqCst);
+        });
+        let hooks = Arc::clone(self);
+        handle.set_commit_hook(move || {
+            let allowed = hooks.commit_allowed.load(Ordering::SeqCst);
+            if !allowed {
+                hooks.stray_commits.fetch_add(1, Ordering::SeqCst);
+            }
+            allowed
+        });
+        Ok(())
     }
 }
 
@@ -58,6 +141,8 @@ pub struct WriteTx {
     /// Outbox rows of the batch's successful jobs, inserted together just before the commit.
     batch_rows: Vec<crate::enqueue::OutboxInsert>,
     now_ms: i64,
+    /// The largest encoded event `enqueue_events` accepts.
+    pub(crate) max_event_bytes: usize,
 }
 
 impl WriteTx {
@@ -84,7 +169,7 @@ trait Job: Send {
     fn take_traceparent(&mut self) -> String;
     /// Runs the job's statements; true when it succeeded.
     fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool>;
-    /// Replaces a successful outcome with a failure (the job was rolled back after running).
+    /// Replaces the job's outcome with a failure (the job was rolled back, or never ran).
     fn abort(&mut self, error: CommitError);
     /// Delivers the outcome once the batch's fate is known.
     fn finish(self: Box<Self>, committed: Result<(), CommitError>);
@@ -156,14 +241,21 @@ pub struct Writer {
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
 }
 
+/// How the writer task is set up.
+pub struct WriterConfig {
+    /// Opens a fresh write connection when the current one is no longer trusted.
+    pub reopen: Opener,
+    /// The largest encoded event `enqueue_events` accepts.
+    pub max_event_bytes: usize,
+}
+
 impl Writer {
     /// Starts the writer task on `conn`, which must be the only connection that writes.
-    pub fn start(conn: SqliteConnection) -> Self {
+    pub fn start(conn: SqliteConnection, config: WriterConfig) -> Self {
         let (jobs, rx) = mpsc::channel(QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0);
         let (stop, stop_rx) = watch::channel(false);
-        let tx = WriteTx { conn, traceparent: String::new(), job_rows: Vec::new(), batch_rows: Vec::new(), now_ms: 0 };
-        let task = tokio::spawn(run(tx, rx, commits_tx, stop_rx));
+        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx));
         Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))) }
     }
 
@@ -236,12 +328,92 @@ impl Writer {
     }
 }
 
+/// The write connection and what the writer knows about it.
+struct OpenConn {
+    tx: WriteTx,
+    hooks: Arc<Hooks>,
+}
+
+/// The writer's hold on the database: a trusted connection, or none while it reopens one.
+struct Session {
+    config: WriterConfig,
+    current: Option<OpenConn>,
+    /// When to try reopening next, and how long to wait after that one fails.
+    next_reopen: Instant,
+    reopen_delay: Duration,
+    last_fault: Arc<str>,
+}
+
+impl Session {
+    async fn adopt(&mut self, mut conn: SqliteConnection) -> Result<(), sqlx::Error> {
+        let hooks = Arc::new(Hooks::default());
+        if let Err(error) = hooks.install(&mut conn).await {
+            let _ = conn.close().await;
+            return Err(error);
+        }
+        let tx = WriteTx {
+            conn,
+            traceparent: String::new(),
+            job_rows: Vec::new(),
+            batch_rows: Vec::new(),
+            now_ms: 0,
+            max_event_bytes: self.config.max_event_bytes,
+        };
+        self.current = Some(OpenConn { tx, hooks });
+        Ok(())
+    }
+
+    /// Drops the connection after a storage fault; the next batch reopens one.
+    async fn distrust(&mut self, why: &CommitError) {
+        tracing::error!(error = %why, "closing the write connection after a storage fault; a fresh one will be opened");
+        if let Some(old) = self.current.take() {
+            // Whatever it still holds is rolled back; a broken connection may fail to close.
+            let _ = old.tx.conn.close().await;
+        }
+        self.last_fault = Arc::from(why.to_string());
+        self.next_reopen = Instant::now();
+        self.reopen_delay = REOPEN_FIRST_DELAY;
+    }
+
+    /// The trusted connection, reopening one if it is time to try.
+    async fn connection(&mut self) -> Option<&mut OpenConn> {
+        if self.current.is_none() && Instant::now() >= self.next_reopen {
+            let opened = (self.config.reopen)().await;
+            let adopted = match opened {
+                Ok(conn) => self.adopt(conn).await,
+                Err(error) => Err(error),
+            };
+            match adopted {
+                Ok(()) => tracing::warn!("write connection reopened; taking writes again"),
+                Err(error) => {
+                    tracing::error!(%error, retry_in = ?self.reopen_delay, "cannot reopen the database");
+                    self.last_fault = Arc::from(format!("reopening failed: {error}"));
+                    self.next_reopen = Instant::now() + self.reopen_delay;
+                    self.reopen_delay = (self.reopen_delay * 2).min(REOPEN_MAX_DELAY);
+                }
+            }
+        }
+        self.current.as_mut()
+    }
+}
+
 async fn run(
-    mut tx: WriteTx,
+    conn: SqliteConnection,
+    config: WriterConfig,
     mut jobs: mpsc::Receiver<Box<dyn Job>>,
     commits: watch::Sender<u64>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let mut session = Session {
+        config,
+        current: None,
+        next_reopen: Instant::now(),
+        reopen_delay: REOPEN_FIRST_DELAY,
+        last_fault: Arc::from(""),
+    };
+    if let Err(error) = session.adopt(conn).await {
+        session.distrust(&CommitError::storage(error)).await;
+    }
     let mut batch = Vec::with_capacity(MAX_BATCH);
     loop {
         tokio::select! {
@@ -256,32 +428,70 @@ async fn run(
                 continue;
             }
         }
-        let events = commit_batch(&mut tx, &mut batch).await;
-        if events > 0 {
-            commits.send_modify(|count| *count += events as u64);
+        let Some(connection) = session.connection().await else {
+            let error = CommitError::Recovering(session.last_fault.clone());
+            for mut job in batch.drain(..) {
+                job.abort(error.clone());
+                job.finish(Err(error.clone()));
+            }
+            continue;
+        };
+        match commit_batch(connection, &mut batch).await {
+            Ok(events) if events > 0 => commits.send_modify(|count| *count += events as u64),
+            Ok(_) => {}
+            Err(error) if error.distrusts_connection() => session.distrust(&error).await,
+            Err(_) => {}
         }
+    }
+    if let Some(current) = session.current.take() {
+        let _ = current.tx.conn.close().await;
     }
     tracing::debug!("database writer stopped");
 }
 
-/// Runs one batch in one transaction. Returns how many outbox rows it committed.
-async fn commit_batch(tx: &mut WriteTx, batch: &mut Vec<Box<dyn Job>>) -> usize {
-    let outcome = run_batch(tx, batch).await;
-    let (committed, events) = match outcome {
-        Ok(events) => (Ok(()), events),
+/// Runs one batch in one transaction. Returns how many outbox rows it committed, or why the
+/// whole batch failed (every job of it has been told).
+async fn commit_batch(connection: &mut OpenConn, batch: &mut Vec<Box<dyn Job>>) -> Result<usize, CommitError> {
+    let outcome = run_batch(connection, batch).await;
+    let stray = connection.hooks.stray_commits.swap(0, Ordering::SeqCst);
+    if stray > 0 {
+        tracing::error!(
+            commits = stray,
+            "refused commits the writer did not ask for (statements run after SQLite ended the transaction)"
+        );
+    }
+    let committed = match &outcome {
+        Ok(_) => Ok(()),
         Err(error) => {
-            tracing::error!(%error, jobs = batch.len(), "write batch failed; rolling back");
-            let _ = tx.conn.execute("ROLLBACK").await;
-            (Err(error), 0)
+            if matches!(error, CommitError::OutcomeUnknown(_)) {
+                tracing::error!(%error, jobs = batch.len(), "commit failed; the outcome of this batch is unknown");
+            } else {
+                tracing::error!(%error, jobs = batch.len(), "write batch failed; rolling back, nothing of it was written");
+            }
+            // Harmless when SQLite already ended the transaction.
+            let _ = connection.tx.conn.execute("ROLLBACK").await;
+            Err(error.clone())
         }
     };
-    for job in batch.drain(..) {
+    for mut job in batch.drain(..) {
+        if let Err(error) = &committed {
+            // A job's own error may have been caused by the same fault: the batch's error is
+            // what the caller must act on.
+            job.abort(error.clone());
+        }
         job.finish(committed.clone());
     }
-    events
+    outcome
 }
 
-async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
+async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
+    let OpenConn { tx, hooks } = connection;
+    // Any whole-transaction rollback from here on that the writer did not issue means SQLite
+    // ended the transaction after an error: nothing more may run in this batch.
+    let rollbacks = hooks.rollbacks.load(Ordering::SeqCst);
+    let still_open = || {
+        if hooks.rollbacks.load(Ordering::SeqCst) == rollbacks { Ok(()) } else { Err(CommitError::RolledBack) }
+    };
     // Each job that needs one runs in its own savepoint, so a failing job is rolled back alone.
     // Savepoint moves ride along with the statement before them (one round trip); a lone job
     // needs none (if it fails, the whole transaction is rolled back).
@@ -297,6 +507,7 @@ async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize
             tracing::error!(job = job.name(), "write job panicked; rolled back");
             false
         });
+        still_open()?;
         // `*` arms every write job (not the other, named hooks).
         if ok && (failpoint_armed(job.name()) || failpoint_armed("*")) {
             job.abort(CommitError::Failpoint(job.name()));
@@ -317,7 +528,9 @@ async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize
             (false, _, false) => "",
         };
         if !step.is_empty() {
-            tx.conn.execute(step).await.map_err(CommitError::storage)?;
+            let stepped = tx.conn.execute(step).await;
+            still_open()?;
+            stepped.map_err(CommitError::storage)?;
         }
     }
     if succeeded == 0 {
@@ -326,9 +539,25 @@ async fn run_batch(tx: &mut WriteTx, batch: &mut [Box<dyn Job>]) -> Result<usize
     }
     // The successful jobs' events, in the same transaction as their changes.
     let rows = std::mem::take(&mut tx.batch_rows);
-    crate::enqueue::insert_rows(&mut tx.conn, &rows).await.map_err(CommitError::storage)?;
-    tx.conn.execute("COMMIT").await.map_err(CommitError::storage)?;
-    Ok(rows.len())
+    let inserted = crate::enqueue::insert_rows(&mut tx.conn, &rows).await;
+    still_open()?;
+    inserted.map_err(CommitError::storage)?;
+    if failpoint_armed("commit_fails_after_write") {
+        // Test builds: the commit reaches the disk, but its caller hears it failed.
+        hooks.commit_allowed.store(true, Ordering::SeqCst);
+        let _ = tx.conn.execute("COMMIT").await;
+        hooks.commit_allowed.store(false, Ordering::SeqCst);
+        return Err(CommitError::OutcomeUnknown(Arc::new(sqlx::Error::Protocol("failpoint".into()))));
+    }
+    hooks.commit_allowed.store(true, Ordering::SeqCst);
+    let committed = tx.conn.execute("COMMIT").await;
+    hooks.commit_allowed.store(false, Ordering::SeqCst);
+    match committed {
+        Ok(_) => Ok(rows.len()),
+        // A write that ran out of space wrote no commit record: the transaction is not on disk.
+        Err(error) if sqlite_primary_code(&error) == Some(SQLITE_FULL) => Err(CommitError::storage(error)),
+        Err(error) => Err(CommitError::OutcomeUnknown(Arc::new(error))),
+    }
 }
 
 /// True when the test-only failpoint `name` is armed in `REELAY_FAILPOINTS`. Always false unless
@@ -392,6 +621,7 @@ mod tests {
         Refused,
         Commit(CommitError),
         Sql(#[allow(dead_code, reason = "shown by Debug when a test fails")] sqlx::Error),
+        Enqueue(#[allow(dead_code, reason = "shown by Debug when a test fails")] crate::EnqueueError),
     }
 
     impl From<CommitError> for TestError {
@@ -403,6 +633,12 @@ mod tests {
     impl From<sqlx::Error> for TestError {
         fn from(error: sqlx::Error) -> Self {
             Self::Sql(error)
+        }
+    }
+
+    impl From<crate::EnqueueError> for TestError {
+        fn from(error: crate::EnqueueError) -> Self {
+            Self::Enqueue(error)
         }
     }
 
@@ -511,6 +747,80 @@ mod tests {
         let users: i64 = sqlx::query("SELECT COUNT(*) FROM users").fetch_one(&db.reads).await.unwrap().get(0);
         let events: i64 = sqlx::query("SELECT COUNT(*) FROM event_queue").fetch_one(&db.reads).await.unwrap().get(0);
         assert_eq!((users, events), (201, 201), "failed jobs left no row and no event");
+        db.close().await;
+    }
+
+    /// SQLite ends a transaction by itself after some errors (an I/O error, a full disk); here a
+    /// job does the same with a bare ROLLBACK and then keeps writing, as code that swallowed the
+    /// error would. Nothing of its batch may commit, its later statements must not autocommit,
+    /// and every job that was told OK has its row and its event.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transaction_sqlite_ended_fails_its_whole_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("r.db"))).await.unwrap();
+        let mut tasks = Vec::new();
+        for n in 0..400i64 {
+            if n % 40 == 0 {
+                // Waves, so that batches without a saboteur exist.
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            let writer = db.writer.clone();
+            let saboteur = n == 87 || n == 250;
+            tasks.push(tokio::spawn(async move {
+                let insert = insert_user(n, format!("u{n}"));
+                let result = if saboteur {
+                    writer
+                        .transact_single_statement("saboteur", move |tx: &mut WriteTx| {
+                            Box::pin(async move {
+                                let value = insert(tx).await?;
+                                tx.conn().execute("ROLLBACK").await?;
+                                // Would autocommit now; the commit hook refuses it.
+                                let late = sqlx::query(
+                                    "INSERT INTO users (id, handle, display_name, created_at) VALUES (?, ?, 'x', 0)",
+                                )
+                                .bind(format!("late{n}"))
+                                .bind(format!("late{n}"))
+                                .execute(tx.conn())
+                                .await;
+                                assert!(late.is_err(), "a statement after the rollback must not commit");
+                                Ok(value)
+                            })
+                        })
+                        .await
+                } else if n % 2 == 0 {
+                    writer.transact_single_statement("single", insert).await
+                } else {
+                    writer.transact("multi", insert).await
+                };
+                (n, saboteur, result)
+            }));
+        }
+        let mut told_ok = Vec::new();
+        for task in tasks {
+            let (n, saboteur, result) = task.await.unwrap();
+            match result {
+                Ok(value) => {
+                    assert!(!saboteur, "job {n} ended its transaction yet was told OK");
+                    assert_eq!(value, n);
+                    told_ok.push(n.to_string());
+                }
+                Err(TestError::Commit(CommitError::RolledBack | CommitError::Recovering(_))) => {}
+                Err(other) => panic!("job {n}: {other:?}"),
+            }
+        }
+        let users: Vec<String> =
+            sqlx::query_scalar("SELECT id FROM users ORDER BY CAST(id AS INTEGER)").fetch_all(&db.reads).await.unwrap();
+        let events: Vec<String> =
+            sqlx::query_scalar("SELECT aggregate_id FROM event_queue ORDER BY CAST(aggregate_id AS INTEGER)")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        told_ok.sort_by_key(|id| id.parse::<i64>().unwrap());
+        assert_eq!(users, told_ok, "exactly the jobs told OK wrote their rows");
+        assert_eq!(events, told_ok, "and each of them its event");
+        assert!(told_ok.len() >= 200, "most jobs still commit: {}", told_ok.len());
+        // The writer reopened its connection and serves again.
+        db.writer.transact("after", insert_user(10_000, "after".into())).await.unwrap();
         db.close().await;
     }
 

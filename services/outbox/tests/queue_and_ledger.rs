@@ -6,7 +6,7 @@ use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
 use reelay_domain::{NewEvent, retry_backoff};
 use reelay_outbox::ledger::{self, ClaimOutcome, LedgerKey, LedgerPolicy, OwnedKey};
-use reelay_outbox::queue::{self, FailedRow, QueuePolicy, RowClaim};
+use reelay_outbox::queue::{self, ClaimLimits, FailedRow, QueuePolicy, RowClaim};
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
 
@@ -39,6 +39,8 @@ where
         .expect("test job")
 }
 
+const LIMITS: ClaimLimits = ClaimLimits { max_rows: 10, max_bytes: 4 * 1024 * 1024 };
+
 async fn open() -> (tempfile::TempDir, Database) {
     let dir = tempfile::tempdir().unwrap();
     let db = Database::open(&DbConfig::new(dir.path().join("q.db"))).await.unwrap();
@@ -53,7 +55,8 @@ async fn enqueue(db: &Database, n: usize) {
                     NewEvent::new(i, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: i.to_string() }))
                 })
                 .collect();
-            enqueue_events(tx, events).await.map(drop)
+            enqueue_events(tx, events).await.expect("small events fit");
+            Ok(())
         })
     })
     .await
@@ -77,7 +80,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
     let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 5, ..QueuePolicy::default() };
     let mut now = T0;
     for attempt in 1..=5u32 {
-        let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, now, policy, 10))).await;
+        let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, now, policy, LIMITS))).await;
         assert_eq!(claimed.len(), 1, "attempt {attempt} is due at {now}");
         assert_eq!(claimed[0].attempts, attempt - 1);
         let row = RowClaim { id: claimed[0].id, claimed_at: claimed[0].claimed_at };
@@ -90,7 +93,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
             let wait = retry_backoff(attempt).as_millis() as i64;
             assert_eq!(available_at, now + wait, "attempt {attempt} waits {wait} ms");
             // Not a millisecond early.
-            let early = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + wait - 1, policy, 10))).await;
+            let early = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + wait - 1, policy, LIMITS))).await;
             assert!(early.is_empty());
             now += wait;
         } else {
@@ -98,7 +101,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
             assert_eq!(settled.dead_lettered, vec![row.id]);
         }
     }
-    let later = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + 3_600_000, policy, 10))).await;
+    let later = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + 3_600_000, policy, LIMITS))).await;
     assert!(later.is_empty(), "a dead-lettered row is never claimed again");
     let waits: Vec<u64> = (1..5).map(|a| retry_backoff(a).as_secs()).collect();
     assert_eq!(waits, [5, 10, 20, 40]);
@@ -109,7 +112,7 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let (_dir, db) = open().await;
     enqueue(&db, 3).await;
     let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 3, ..QueuePolicy::default() };
-    let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, 10))).await;
+    let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, LIMITS))).await;
     assert_eq!(claimed.len(), 3);
     let claims: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
 
@@ -117,11 +120,11 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let first = claims[0];
     job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[first], T0 + 60_000).await })).await;
     assert_eq!(row_state(&db, first.id).await, ("pending".into(), 0, T0 + 60_000));
-    assert!(job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 59_999, policy, 10))).await.is_empty());
+    assert!(job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 59_999, policy, LIMITS))).await.is_empty());
 
     // The second claimer dies; after the lease its row is claimed again under a new token.
     let second = claims[1];
-    let reclaimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 600_001, policy, 10))).await;
+    let reclaimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 600_001, policy, LIMITS))).await;
     let ids: Vec<i64> = reclaimed.iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![first.id, second.id, claims[2].id], "the deferred row is due, the stale ones reclaimed");
     // The dead claimer's late settle is refused and changes nothing.
@@ -231,4 +234,53 @@ async fn purge_removes_only_rows_older_than_the_retention() {
     assert_eq!(left.len(), 51);
     assert!(left.contains(&"new".to_string()) && !left.contains(&"old".to_string()));
     assert!(left.iter().filter(|e| e.starts_with('e')).all(|e| e[1..].parse::<u32>().unwrap() >= 50));
+}
+
+/// Claims stay within the claimer's answer size, and a row no answer can hold (a foreign
+/// writer's, or one from before the size limit) is dead-lettered with its reason instead of
+/// failing every claim forever.
+#[tokio::test]
+async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
+    let (_dir, db) = open().await;
+    let policy = QueuePolicy::default();
+    // 20 rows of 40 KB, one of 300 KB in the middle (the 8th).
+    job(&db, move |tx| {
+        Box::pin(async move {
+            for n in 0..20 {
+                let size = if n == 7 { 300_000 } else { 40_000 };
+                sqlx::query(
+                    "INSERT INTO event_queue (event_type, aggregate_id, payload, status, attempts, available_at, created_at) \
+                     VALUES ('Foreign', ?, ?, 'pending', 0, 0, 0)",
+                )
+                .bind(n.to_string())
+                .bind(vec![7u8; size])
+                .execute(tx.conn())
+                .await?;
+            }
+            Ok(())
+        })
+    })
+    .await;
+    let limits = ClaimLimits { max_rows: 100, max_bytes: 200_000 };
+    let mut batches = Vec::new();
+    loop {
+        let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, limits))).await;
+        if claimed.is_empty() {
+            break;
+        }
+        let bytes: usize = claimed.iter().map(|r| r.payload.len() + queue::CLAIM_ROW_OVERHEAD).sum();
+        assert!(bytes <= limits.max_bytes, "a claim of {bytes} bytes exceeds {}", limits.max_bytes);
+        batches.push(claimed.iter().map(|r| r.aggregate_id.parse::<u32>().unwrap()).collect::<Vec<_>>());
+    }
+    let claimed: Vec<u32> = batches.concat();
+    let expected: Vec<u32> = (0..20).filter(|n| *n != 7).collect();
+    assert_eq!(claimed, expected, "every deliverable row claimed once, in order: {batches:?}");
+    assert!(batches.iter().all(|b| b.len() <= 4), "200 KB holds four 40 KB rows: {batches:?}");
+    let oversized = sqlx::query("SELECT status, last_error FROM event_queue WHERE aggregate_id = '7'")
+        .fetch_one(&db.reads)
+        .await
+        .unwrap();
+    assert_eq!(oversized.get::<String, _>(0), "dead_lettered");
+    let reason: String = oversized.get(1);
+    assert!(reason.contains("300000 bytes"), "the reason names the size: {reason}");
 }

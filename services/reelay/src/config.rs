@@ -85,6 +85,13 @@ pub struct RunArgs {
     #[arg(long, env = "REELAY_GRPC_MAX_MESSAGE_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub grpc_max_message_bytes: usize,
 
+    /// The largest event a write may raise (encoded, in bytes). A write whose event would be
+    /// larger is refused, since it could never be delivered: every event must fit a claim
+    /// answer (REELAY_GRPC_MAX_MESSAGE_BYTES) and, on the nats backend, the broker's
+    /// `max_payload` (1 MiB by default; the relay refuses to start on a smaller one).
+    #[arg(long, env = "REELAY_MAX_EVENT_BYTES", default_value_t = 1_000_000)]
+    pub max_event_bytes: usize,
+
     /// Deadline for a call that brings no shorter `grpc-timeout`, in milliseconds.
     #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000)]
     pub grpc_timeout_ms: u64,
@@ -125,9 +132,13 @@ pub struct DeliveryArgs {
     #[arg(long, env = "REELAY_LEDGER_RETENTION_DAYS", default_value_t = 30)]
     pub ledger_retention_days: u64,
 
-    /// How often the write service purges ledger rows past retention.
+    /// How often the write service purges ledger rows and request ids past retention.
     #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000)]
     pub ledger_purge_interval_ms: u64,
+
+    /// How long a write's `request_id` answers a retry with the first call's answer.
+    #[arg(long, env = "REELAY_REQUEST_ID_RETENTION_HOURS", default_value_t = 24)]
+    pub request_id_retention_hours: u64,
 
     /// The first retry delay after a failed delivery; it doubles per attempt. Only tests
     /// should change it.

@@ -96,8 +96,12 @@ fn jetstream_config(args: &RunArgs) -> JetStreamConfig {
     }
 }
 
+/// Room a published event needs beyond its payload: the `Nats-Msg-Id` and `traceparent` headers.
+const NATS_HEADER_ROOM: usize = 4096;
+
 /// Connects to NATS and, on JetStream, makes sure the stream is as this build needs it.
-async fn nats_setup(args: &RunArgs, js_config: &JetStreamConfig) -> anyhow::Result<async_nats::Client> {
+/// A relaying node also checks that the broker takes the largest event a write may raise.
+async fn nats_setup(args: &RunArgs, js_config: &JetStreamConfig, relays: bool) -> anyhow::Result<async_nats::Client> {
     let client = jetstream::connect(&js_config.url).await?;
     if args.nats.nats_mode == NatsMode::Jetstream {
         jetstream::check_retry_horizon(
@@ -107,6 +111,22 @@ async fn nats_setup(args: &RunArgs, js_config: &JetStreamConfig) -> anyhow::Resu
         )?;
         jetstream::ensure_stream(&async_nats::jetstream::new(client.clone()), js_config).await?;
         jetstream::warn_unless_fsync_always(js_config.monitor_url.as_deref()).await;
+    }
+    if !relays {
+        return Ok(client);
+    }
+    // The server's INFO arrives with the connection.
+    let _ = client.flush().await;
+    let max_payload = client.server_info().max_payload;
+    if max_payload == 0 {
+        tracing::warn!("could not learn the NATS server's max_payload; events over it would be dead-lettered");
+    } else if max_payload < args.max_event_bytes + NATS_HEADER_ROOM {
+        bail!(
+            "the NATS server takes messages of at most {max_payload} bytes (max_payload), but events may be up to \
+             {} bytes (REELAY_MAX_EVENT_BYTES) plus {NATS_HEADER_ROOM} bytes of headers: raise the server's \
+             max_payload or lower REELAY_MAX_EVENT_BYTES",
+            args.max_event_bytes
+        );
     }
     Ok(client)
 }
@@ -118,6 +138,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         args.services.iter().copied().collect()
     };
+    let claim_room = reelay_outbox::queue::CLAIM_ROW_OVERHEAD + 1024;
+    if args.max_event_bytes + claim_room > args.grpc_max_message_bytes {
+        bail!(
+            "REELAY_MAX_EVENT_BYTES ({}) must leave {claim_room} bytes of room under REELAY_GRPC_MAX_MESSAGE_BYTES ({}): \
+             every event must fit one claim answer",
+            args.max_event_bytes,
+            args.grpc_max_message_bytes
+        );
+    }
     if services.contains(&Service::Relay) && !nats {
         bail!("the relay publishes the outbox to NATS; set EVENT_BUS_BACKEND=nats (and NATS_URL) to run it");
     }
@@ -152,7 +181,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         connect_lazy(&write_url, grpc.service_token.as_deref(), args.call_timeout()).map_err(anyhow::Error::msg)?;
     let js_config = jetstream_config(&args);
     let nats_client = if nats && (services.contains(&Service::Relay) || services.contains(&Service::Handlers)) {
-        Some(nats_setup(&args, &js_config).await?)
+        Some(nats_setup(&args, &js_config, services.contains(&Service::Relay)).await?)
     } else {
         None
     };
@@ -165,6 +194,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             mode,
             batch: args.nats.relay_batch,
             long_poll: CLAIM_LONG_POLL,
+            max_message_bytes: args.grpc_max_message_bytes,
         };
         tracing::info!(%write_url, nats = %js_config.url, ?mode, "relay service starting");
         let stop = shutdown.clone();
@@ -187,6 +217,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     write_channel.clone(),
                     format!("handlers-{}", std::process::id()),
                     CLAIM_LONG_POLL,
+                    args.grpc_max_message_bytes,
                 );
                 clients.spawn(run_consumer(source, dispatcher(handlers), batch, in_flight, shutdown.clone()));
             }
@@ -232,17 +263,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut db = None;
     if let Some(listener) = write_listener {
         let path = args.database.database_path();
-        let database = Database::open(&db_config(&args.database))
-            .await
-            .with_context(|| format!("cannot open the database {}", path.display()))?;
+        let mut config = db_config(&args.database);
+        config.max_event_bytes = args.max_event_bytes;
+        let database =
+            Database::open(&config).await.with_context(|| format!("cannot open the database {}", path.display()))?;
         tracing::info!(database = %path.display(), synchronous = ?args.database.sqlite_synchronous, "database ready");
         let policy = delivery_policy(&args);
         let server = reelay_write::mount(GrpcServer::new(grpc), reelay_write::Store::new(database.clone()));
         let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
+        let retention = reelay_write::Retention {
+            ledger: policy.ledger,
+            request_ids: Duration::from_secs(args.delivery.request_id_retention_hours * 3600),
+        };
         tasks.spawn(
-            reelay_write::purge_ledger(
+            reelay_write::purge_expired(
                 database.clone(),
-                policy.ledger,
+                retention,
                 Duration::from_millis(args.delivery.ledger_purge_interval_ms),
                 shutdown.clone(),
             )

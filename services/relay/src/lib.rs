@@ -32,6 +32,8 @@ pub struct RelayConfig {
     /// Rows claimed, and publishes in flight, at once.
     pub batch: u32,
     pub long_poll: Duration,
+    /// The largest gRPC message this relay reads: it bounds the claim answers it asks for.
+    pub max_message_bytes: usize,
 }
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
@@ -62,7 +64,8 @@ impl Relay {
     pub fn new(outbox: ServiceChannel, nats: async_nats::Client, config: RelayConfig) -> Self {
         let jetstream = async_nats::jetstream::new(nats.clone());
         let crash_after_puback = reelay_outbox::failpoint_armed("relay_after_puback");
-        Self { outbox: OutboxClient::new(outbox), nats, jetstream, config, crash_after_puback }
+        let outbox = OutboxClient::new(outbox).max_decoding_message_size(config.max_message_bytes);
+        Self { outbox, nats, jetstream, config, crash_after_puback }
     }
 
     pub async fn run(mut self, shutdown: Shutdown) {
@@ -74,6 +77,7 @@ impl Relay {
                 consumer: format!("relay-{}", std::process::id()),
                 max_rows: self.config.batch,
                 wait_ms: self.config.long_poll.as_millis() as u32,
+                max_bytes: self.config.max_message_bytes as u32,
             });
             request.set_timeout(self.config.long_poll + Duration::from_secs(10));
             let rows = match self.outbox.claim(request).await {
@@ -162,6 +166,11 @@ impl Relay {
             let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
             match self.nats.publish_with_headers(subject, headers, row.payload.clone().into()).await {
                 Ok(()) => sent.push(claim),
+                Err(error) if error.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
+                    let reason = format!("undeliverable: {error}");
+                    tracing::error!(row = row.id, event_id = %row.event_id, %reason, "the broker can never take this event");
+                    published.refused.push(v1::FailedRow { row: Some(claim), error: reason, terminal: true });
+                }
                 Err(_) => published.retry.push(claim),
             }
         }
@@ -208,6 +217,16 @@ async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
             {
                 tracing::debug!(row = row.id, %error, "publish failed in transport");
                 published.retry.push(claim);
+            }
+            Err(error) if error.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                // The write service refuses events over REELAY_MAX_EVENT_BYTES, so this row came
+                // from before that limit or from a foreign writer: no retry will ever fit it.
+                let reason = format!(
+                    "undeliverable: the event is {} bytes, over the broker's max_payload ({error})",
+                    row.payload.len()
+                );
+                tracing::error!(row = row.id, event_id = %row.event_id, %reason, "the broker can never take this event");
+                published.refused.push(v1::FailedRow { row: Some(claim), error: reason, terminal: true });
             }
             Err(error) => {
                 tracing::error!(row = row.id, event_id = %row.event_id, %error, "the broker refused an event");

@@ -41,11 +41,17 @@ pub fn connect_lazy(url: &str, token: Option<&str>, call_timeout: Duration) -> R
     Ok(InterceptedService::new(endpoint.connect_lazy(), ServiceToken(token)))
 }
 
-/// True when a failed call says the peer could not be reached or did not answer in time: the
-/// caller should pause and retry, not count it as a failure of the work.
+/// True when a failed call says the peer could not be reached, did not answer in time, or is out
+/// of a resource that comes back (its disk is full): the caller should pause and retry, not
+/// count it as a failure of the work.
 pub fn is_transport_failure(status: &Status) -> bool {
     matches!(
         status.code(),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Aborted
+        Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::Unknown
+            | Code::Aborted
+            | Code::ResourceExhausted
     )
 }

@@ -22,11 +22,19 @@ pub struct OutboxSource {
     consumer: String,
     /// How long one claim waits for rows before returning empty.
     long_poll: Duration,
+    /// The largest claim answer this process reads (its gRPC message limit).
+    max_message_bytes: usize,
 }
 
 impl OutboxSource {
-    pub fn new(channel: ServiceChannel, consumer: impl Into<String>, long_poll: Duration) -> Self {
-        Self { client: OutboxClient::new(channel), consumer: consumer.into(), long_poll }
+    pub fn new(
+        channel: ServiceChannel,
+        consumer: impl Into<String>,
+        long_poll: Duration,
+        max_message_bytes: usize,
+    ) -> Self {
+        let client = OutboxClient::new(channel).max_decoding_message_size(max_message_bytes);
+        Self { client, consumer: consumer.into(), long_poll, max_message_bytes }
     }
 }
 
@@ -53,8 +61,12 @@ impl EventSource for OutboxSource {
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<RowToken>>, SourceError> {
         let wait_ms = self.long_poll.as_millis() as u32;
-        let mut request =
-            tonic::Request::new(v1::ClaimRequest { consumer: self.consumer.clone(), max_rows: max as u32, wait_ms });
+        let mut request = tonic::Request::new(v1::ClaimRequest {
+            consumer: self.consumer.clone(),
+            max_rows: max as u32,
+            wait_ms,
+            max_bytes: self.max_message_bytes as u32,
+        });
         request.set_timeout(self.long_poll + Duration::from_secs(10));
         let rows = self.client.claim(request).await.map_err(source_error)?.into_inner().rows;
         Ok(rows

@@ -6,7 +6,7 @@
 use std::fmt;
 
 use reelay_domain::ValidationError;
-use reelay_outbox::CommitError;
+use reelay_outbox::{CommitError, EnqueueError};
 use tonic::{Code, Status};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,14 +93,34 @@ impl From<ValidationError> for ServiceError {
 
 impl From<sqlx::Error> for ServiceError {
     fn from(error: sqlx::Error) -> Self {
-        classify_sqlx(&error)
+        classify_sqlx(&error, true)
+    }
+}
+
+impl From<EnqueueError> for ServiceError {
+    fn from(error: EnqueueError) -> Self {
+        // The request's content makes the event too large; the same request can never succeed.
+        Self::new(ErrorCode::InvalidArgument, format!("{error}; nothing was written"))
     }
 }
 
 impl From<CommitError> for ServiceError {
     fn from(error: CommitError) -> Self {
         match &error {
-            CommitError::Storage(inner) => classify_sqlx(inner),
+            // The writer logged the batch's failure once; its jobs do not repeat it.
+            CommitError::Storage(inner) => classify_sqlx(inner, false),
+            CommitError::RolledBack => {
+                Self::new(ErrorCode::Unavailable, "a storage error rolled the write back; nothing was written, retry")
+            }
+            CommitError::OutcomeUnknown(_) => Self::new(
+                ErrorCode::Unavailable,
+                "outcome unknown: the commit failed on a storage error and may or may not have been written; \
+                     retry with the same request_id to apply it at most once",
+            ),
+            CommitError::Recovering(fault) => Self::new(
+                ErrorCode::Unavailable,
+                format!("the database is recovering from a storage fault ({fault}); nothing was written, retry"),
+            ),
             CommitError::Closed => Self::new(ErrorCode::Unavailable, "the service is shutting down"),
             CommitError::Panicked => Self::internal("the write failed unexpectedly; nothing was written"),
             CommitError::Failpoint(name) => {
@@ -111,32 +131,42 @@ impl From<CommitError> for ServiceError {
 }
 
 /// SQLite's primary result codes that a caller can act on.
-const SQLITE_BUSY: &str = "5";
-const SQLITE_LOCKED: &str = "6";
-const SQLITE_FULL: &str = "13";
+const SQLITE_BUSY: i32 = 5;
+const SQLITE_LOCKED: i32 = 6;
+const SQLITE_NOMEM: i32 = 7;
+const SQLITE_IOERR: i32 = 10;
+const SQLITE_FULL: i32 = 13;
 
-fn classify_sqlx(error: &sqlx::Error) -> ServiceError {
-    if let sqlx::Error::Database(db) = error {
-        let code = db.code();
-        let primary = code.as_deref().map(|c| c.parse::<i32>().map_or(c.to_owned(), |n| (n & 0xff).to_string()));
-        match primary.as_deref() {
-            Some(SQLITE_BUSY) | Some(SQLITE_LOCKED) => {
-                return ServiceError::new(ErrorCode::Unavailable, "the database is busy; retry");
-            }
-            Some(SQLITE_FULL) => {
-                tracing::error!(%error, "database disk is full");
-                return ServiceError::new(
-                    ErrorCode::ResourceExhausted,
-                    "the database disk is full; nothing was written",
-                );
-            }
-            _ => {}
+/// Maps a database error to what the caller can do about it; `log` says whether this is the
+/// first place that sees it.
+fn classify_sqlx(error: &sqlx::Error, log: bool) -> ServiceError {
+    match reelay_outbox::sqlite_primary_code(error) {
+        Some(SQLITE_BUSY | SQLITE_LOCKED) => {
+            return ServiceError::new(ErrorCode::Unavailable, "the database is busy; retry");
         }
+        Some(SQLITE_FULL) => {
+            if log {
+                tracing::error!(%error, "database disk is full");
+            }
+            return ServiceError::new(ErrorCode::ResourceExhausted, "the database disk is full; nothing was written");
+        }
+        Some(SQLITE_IOERR | SQLITE_NOMEM) => {
+            if log {
+                tracing::error!(%error, "database storage error");
+            }
+            return ServiceError::new(
+                ErrorCode::Unavailable,
+                format!("database storage error ({error}); nothing was written, retry"),
+            );
+        }
+        _ => {}
     }
     if matches!(error, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_)) {
         return ServiceError::new(ErrorCode::Unavailable, format!("database unavailable: {error}"));
     }
-    tracing::error!(%error, "unexpected database error");
+    if log {
+        tracing::error!(%error, "unexpected database error");
+    }
     ServiceError::internal("unexpected database error (see the server log)")
 }
 

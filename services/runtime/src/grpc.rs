@@ -217,7 +217,11 @@ where
             TRACEPARENT
                 .scope(traceparent, async move {
                     match AssertUnwindSafe(call).catch_unwind().await {
-                        Ok(result) => result,
+                        Ok(Ok(mut response)) => {
+                            blame_the_request(&mut response);
+                            Ok(response)
+                        }
+                        Ok(Err(error)) => Err(error),
                         Err(_) => {
                             tracing::error!("handler panicked");
                             Ok(Status::internal("the server failed unexpectedly (see its log)").into_http())
@@ -227,6 +231,23 @@ where
                 .instrument(span),
         )
     }
+}
+
+/// tonic answers a request it could not read with codes that blame the server: OUT_OF_RANGE for
+/// a message over the size limit and INTERNAL for one that does not decode. Both are the
+/// caller's doing, so they become RESOURCE_EXHAUSTED (gRPC's own code for a message over the
+/// limit) and INVALID_ARGUMENT. Such answers carry their status in the response headers.
+fn blame_the_request(response: &mut http::Response<Body>) {
+    let Some(status) = Status::from_header_map(response.headers()) else { return };
+    let code = match status.code() {
+        tonic::Code::OutOfRange if status.message().contains("decoded message length too large") => {
+            tonic::Code::ResourceExhausted
+        }
+        tonic::Code::Internal if status.message().starts_with("failed to decode") => tonic::Code::InvalidArgument,
+        _ => return,
+    };
+    let message = format!("the request could not be read: {}", status.message());
+    let _ = Status::new(code, message).add_header(response.headers_mut());
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

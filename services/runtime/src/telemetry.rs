@@ -1,11 +1,17 @@
 //! Structured logs via `tracing`: `RUST_LOG` filters (default `info`), `REELAY_LOG_FORMAT=json`
-//! switches to one JSON object per line for log collectors.
+//! switches to one JSON object per line for log collectors. Text logs are coloured only when
+//! they go to a terminal.
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
 pub fn init(json: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let result = if json { builder.json().try_init() } else { builder.try_init() };
     // A second init (tests) keeps the first subscriber.
     let _ = result;

@@ -1,15 +1,19 @@
 //! The write service: the only owner of the SQLite database.
 //!
-//! `api` turns gRPC requests into validated commands; `store` is the SQLite adapter that runs
-//! each command as one writer job, writing the change and the events it causes in the same
-//! transaction through `reelay_outbox::enqueue_events`. Handlers of the API never open
-//! transactions.
+//! `api` turns gRPC requests into validated commands, one file per domain service, plus the
+//! internal Outbox and Ledger services; `store` is the SQLite adapter, one file per aggregate,
+//! that runs each command as one writer job, writing the change and the events it causes in the
+//! same transaction through `reelay_outbox::enqueue_events`. Handlers of the API never open
+//! transactions. `request_ids` makes writes that carry a client `request_id` happen at most
+//! once.
 
 mod api;
 mod convert;
-mod internal;
+mod request_ids;
+mod retention;
 mod store;
 
 pub use api::mount;
-pub use internal::{DeliveryPolicy, mount_internal, purge_ledger};
+pub use api::{DeliveryPolicy, mount_internal};
+pub use retention::{Retention, purge_expired};
 pub use store::Store;

@@ -119,3 +119,71 @@ pub async fn probe_records(path: &Path, table: &str) -> (HashMap<(String, String
     }
     (counts, pids)
 }
+
+/// Reviews and their `ReviewLogged` events, read back from the database: the pairs a storage
+/// fault must never split.
+#[derive(Debug, Default)]
+pub struct ReviewLedger {
+    /// review id → its body.
+    pub reviews: HashMap<String, String>,
+    /// review id → how many `ReviewLogged` events name it.
+    pub logged: HashMap<String, usize>,
+}
+
+impl ReviewLedger {
+    pub async fn read(path: &Path) -> Self {
+        let mut ledger = Self::default();
+        for row in query_strings(path, "SELECT id, body FROM reviews").await {
+            ledger.reviews.insert(row[0].clone(), row[1].clone());
+        }
+        for row in outbox_rows(path).await {
+            if let Some(v1::event::Payload::ReviewLogged(logged)) = row.envelope.and_then(|e| e.payload) {
+                *ledger.logged.entry(logged.review_id).or_insert(0) += 1;
+            }
+        }
+        ledger
+    }
+
+    /// Reviews with no `ReviewLogged`, reviews with more than one, and events of reviews that do
+    /// not exist. All three must be empty.
+    pub fn split_writes(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for id in self.reviews.keys() {
+            match self.logged.get(id).copied().unwrap_or(0) {
+                1 => {}
+                0 => problems.push(format!("review {id} has no ReviewLogged event")),
+                n => problems.push(format!("review {id} has {n} ReviewLogged events")),
+            }
+        }
+        for id in self.logged.keys().filter(|id| !self.reviews.contains_key(*id)) {
+            problems.push(format!("ReviewLogged names review {id}, which does not exist"));
+        }
+        problems.sort();
+        problems
+    }
+
+    /// How many reviews have a body starting with `marker`.
+    pub fn count_marked(&self, marker: &str) -> usize {
+        self.reviews.values().filter(|body| body.starts_with(marker)).count()
+    }
+}
+
+/// Inserts an outbox row as a foreign writer would (no event id, any payload), due at once.
+pub async fn insert_foreign_event(path: &Path, event_type: &str, payload: &[u8]) {
+    let mut conn = SqliteConnectOptions::new()
+        .filename(path)
+        .busy_timeout(std::time::Duration::from_secs(10))
+        .connect()
+        .await
+        .expect("open the test database for writing");
+    sqlx::query(
+        "INSERT INTO event_queue (event_type, aggregate_id, payload, status, attempts, available_at, created_at) \
+         VALUES (?, 'foreign', ?, 'pending', 0, 0, 0)",
+    )
+    .bind(event_type.to_owned())
+    .bind(payload.to_vec())
+    .execute(&mut conn)
+    .await
+    .expect("insert a foreign outbox row");
+    conn.close().await.unwrap();
+}

@@ -7,6 +7,7 @@
 //! It also reads the SQLite file directly, to check what a call really committed.
 
 mod db;
+mod faults;
 mod nats;
 
 use reelay_contracts::v1;
@@ -24,7 +25,11 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-pub use db::{OutboxRow, Snapshot, event_ids, outbox_rows, probe_records, query_strings, table_snapshot};
+pub use db::{
+    OutboxRow, ReviewLedger, Snapshot, event_ids, insert_foreign_event, outbox_rows, probe_records, query_strings,
+    table_snapshot,
+};
+pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
 
 /// The token test processes are started with.
@@ -190,6 +195,11 @@ impl Reelay {
         }
     }
 
+    /// Whether the process is still alive (it may have exited on its own).
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|child| matches!(child.try_wait(), Ok(None)))
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(Child::id).expect("process is running")
     }
@@ -222,6 +232,11 @@ impl Reelay {
 
     pub async fn channel_with_token(&self, token: Option<&str>) -> InterceptedService<Channel, Auth> {
         Self::connect(self.addr, token).await
+    }
+
+    /// Clients for the write service's API reached through another address (a proxy).
+    pub async fn clients_via(addr: SocketAddr) -> Clients {
+        Clients::new(Self::connect(addr, Some(TEST_TOKEN)).await)
     }
 
     /// An authenticated channel to the handlers service (the Search API).
@@ -259,6 +274,15 @@ impl Reelay {
         }
     }
 
+    /// SIGSTOP: frozen, its connections open but unanswered, until [`Reelay::resume`].
+    pub fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    pub fn resume(&self) {
+        signal(self.pid(), "CONT");
+    }
+
     /// SIGKILL: a crash, with no chance to clean up.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -274,7 +298,8 @@ impl Reelay {
 
 impl Drop for Reelay {
     fn drop(&mut self) {
-        if self.child.is_some() {
+        if let Some(child) = &self.child {
+            signal(child.id(), "CONT");
             self.kill();
         }
         if std::thread::panicking() {
@@ -306,6 +331,8 @@ pub type AuthedChannel = InterceptedService<Channel, Auth>;
 /// One client per domain service, all over one connection.
 #[derive(Clone)]
 pub struct Clients {
+    /// The connection every client shares, for calls the generated clients cannot make.
+    pub channel: AuthedChannel,
     pub users: v1::users_client::UsersClient<AuthedChannel>,
     pub movies: v1::movies_client::MoviesClient<AuthedChannel>,
     pub reviews: v1::reviews_client::ReviewsClient<AuthedChannel>,
@@ -321,6 +348,7 @@ pub struct Clients {
 impl Clients {
     pub fn new(channel: AuthedChannel) -> Self {
         Self {
+            channel: channel.clone(),
             users: v1::users_client::UsersClient::new(channel.clone()),
             movies: v1::movies_client::MoviesClient::new(channel.clone()),
             reviews: v1::reviews_client::ReviewsClient::new(channel.clone()),
@@ -337,7 +365,11 @@ impl Clients {
     /// Creates a user with this handle and returns its id.
     pub async fn user(&mut self, handle: &str) -> String {
         self.users
-            .create_user(v1::CreateUserRequest { handle: handle.into(), display_name: handle.to_uppercase() })
+            .create_user(v1::CreateUserRequest {
+                handle: handle.into(),
+                display_name: handle.to_uppercase(),
+                ..Default::default()
+            })
             .await
             .expect("create user")
             .into_inner()
@@ -357,12 +389,23 @@ impl Clients {
 
     /// Streams a Letterboxd export in 4 KiB chunks.
     pub async fn import(&mut self, actor: &str, csv: &[u8]) -> Result<v1::ImportDiaryResponse, tonic::Status> {
+        self.import_with_request_id(actor, csv, "").await
+    }
+
+    /// Streams a Letterboxd export with an idempotency key on its first chunk.
+    pub async fn import_with_request_id(
+        &mut self,
+        actor: &str,
+        csv: &[u8],
+        request_id: &str,
+    ) -> Result<v1::ImportDiaryResponse, tonic::Status> {
         let chunks: Vec<v1::ImportDiaryChunk> = csv
             .chunks(4096)
             .enumerate()
             .map(|(i, data)| v1::ImportDiaryChunk {
                 actor_user_id: if i == 0 { actor.to_owned() } else { String::new() },
                 data: data.to_vec(),
+                request_id: if i == 0 { request_id.to_owned() } else { String::new() },
             })
             .collect();
         self.integrations.import_diary(tokio_stream_iter(chunks)).await.map(tonic::Response::into_inner)

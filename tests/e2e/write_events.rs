@@ -79,6 +79,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
             title: "Alien".into(),
             year: 1979,
             external_id: "tmdb:348".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -96,6 +97,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
             title: " alien ".into(),
             year: 1979,
             external_id: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -107,7 +109,11 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     // Enrichment request
     let requested = c
         .movies
-        .request_enrichment(v1::RequestEnrichmentRequest { actor_user_id: ana.clone(), movie_id: alien.clone() })
+        .request_enrichment(v1::RequestEnrichmentRequest {
+            actor_user_id: ana.clone(),
+            movie_id: alien.clone(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -126,6 +132,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         body: "The diner scene.".into(),
         watched_on: "2024-03-01".into(),
         rewatch: false,
+        ..Default::default()
     });
     request.metadata_mut().insert("traceparent", traceparent.parse().unwrap());
     let logged = c.reviews.log_review(request).await.unwrap().into_inner();
@@ -162,6 +169,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
             body: "Better every time.".into(),
             watched_on: "2024-03-01".into(),
             rewatch: true,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -175,7 +183,11 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     // Watchlist: add (creating the movie), add again (nothing), remove, remove again (nothing).
     let entry = c
         .watchlist
-        .add_to_watchlist(v1::AddToWatchlistRequest { actor_user_id: ana.clone(), movie: movie_ref("Stalker", 1979) })
+        .add_to_watchlist(v1::AddToWatchlistRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("Stalker", 1979),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -184,6 +196,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         .add_to_watchlist(v1::AddToWatchlistRequest {
             actor_user_id: ana.clone(),
             movie: movie_id_ref(&entry.movie_id),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -205,7 +218,11 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     // Delete: Heat has no other reference, so the movie goes with its last review.
     let deleted = c
         .reviews
-        .delete_review(v1::DeleteReviewRequest { actor_user_id: ana.clone(), review_id: heat_review.review_id.clone() })
+        .delete_review(v1::DeleteReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: heat_review.review_id.clone(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -218,7 +235,11 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     outbox.expect(&["ReviewLogged"]).await;
     let kept = c
         .reviews
-        .delete_review(v1::DeleteReviewRequest { actor_user_id: ana.clone(), review_id: ana_alien.review_id })
+        .delete_review(v1::DeleteReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: ana_alien.review_id,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -228,7 +249,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     // Wrap-up: created once, returned after.
     let wrap = c
         .wrap_ups
-        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024 })
+        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024, ..Default::default() })
         .await
         .unwrap()
         .into_inner();
@@ -237,7 +258,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     outbox.expect(&["WrapUpRequested"]).await;
     let again = c
         .wrap_ups
-        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024 })
+        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ben.clone(), year: 2024, ..Default::default() })
         .await
         .unwrap()
         .into_inner();
@@ -245,7 +266,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     outbox.expect(&[]).await;
 
     // Local follow / unfollow.
-    let follow = v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) };
+    let follow = v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben), ..Default::default() };
     assert!(c.social.follow(follow.clone()).await.unwrap().into_inner().changed);
     outbox.expect(&["Followed"]).await;
     assert!(!c.social.follow(follow).await.unwrap().into_inner().changed);
@@ -271,7 +292,11 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     let remote = "https://films.example/users/carla";
     assert!(
         c.social
-            .follow(v1::FollowRequest { actor_user_id: ana.clone(), target: actor_account(remote) })
+            .follow(v1::FollowRequest {
+                actor_user_id: ana.clone(),
+                target: actor_account(remote),
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner()
@@ -281,12 +306,18 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     assert!(matches!(&events[0], Payload::Followed(e) if e.target == actor_account(remote)));
 
     // Block severs follows both ways in the same transaction.
-    c.social.follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) }).await.unwrap();
-    c.social.follow(v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap();
+    c.social
+        .follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana), ..Default::default() })
+        .await
+        .unwrap();
+    c.social
+        .follow(v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben), ..Default::default() })
+        .await
+        .unwrap();
     outbox.expect(&["Followed", "Followed"]).await;
     assert!(
         c.social
-            .block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben) })
+            .block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben), ..Default::default() })
             .await
             .unwrap()
             .into_inner()
@@ -296,7 +327,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     assert_eq!(count(&db, "SELECT COUNT(*) FROM follows WHERE target NOT LIKE 'actor:%'").await, 0);
     let refused = c
         .social
-        .follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) })
+        .follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana), ..Default::default() })
         .await
         .unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition);
@@ -390,13 +421,24 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
     let review = c.review(&ana, movie_ref("Heat", 1995), 8).await;
     let watched = c
         .watchlist
-        .add_to_watchlist(v1::AddToWatchlistRequest { actor_user_id: ana.clone(), movie: movie_ref("Ran", 1985) })
+        .add_to_watchlist(v1::AddToWatchlistRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("Ran", 1985),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
-    c.social.follow(v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.unwrap();
     c.social
-        .block(v1::BlockRequest { actor_user_id: ben.clone(), target: actor_account("https://x.example/u/z") })
+        .follow(v1::FollowRequest { actor_user_id: ana.clone(), target: user_account(&ben), ..Default::default() })
+        .await
+        .unwrap();
+    c.social
+        .block(v1::BlockRequest {
+            actor_user_id: ben.clone(),
+            target: actor_account("https://x.example/u/z"),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let remote = "https://films.example/users/carla";
@@ -420,7 +462,11 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
         (
             "CreateUser",
             c.users
-                .create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: "Cy".into() })
+                .create_user(v1::CreateUserRequest {
+                    handle: "cy".into(),
+                    display_name: "Cy".into(),
+                    ..Default::default()
+                })
                 .await
                 .map(drop),
         ),
@@ -432,6 +478,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                     title: "Paprika".into(),
                     year: 2006,
                     external_id: String::new(),
+                    ..Default::default()
                 })
                 .await
                 .map(drop),
@@ -442,6 +489,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                 .request_enrichment(v1::RequestEnrichmentRequest {
                     actor_user_id: ana.clone(),
                     movie_id: review.movie_id.clone(),
+                    ..Default::default()
                 })
                 .await
                 .map(drop),
@@ -476,6 +524,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                 .delete_review(v1::DeleteReviewRequest {
                     actor_user_id: ana.clone(),
                     review_id: review.review_id.clone(),
+                    ..Default::default()
                 })
                 .await
                 .map(drop),
@@ -486,6 +535,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                 .add_to_watchlist(v1::AddToWatchlistRequest {
                     actor_user_id: ben.clone(),
                     movie: movie_ref("Ida", 2013),
+                    ..Default::default()
                 })
                 .await
                 .map(drop),
@@ -503,14 +553,22 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
         (
             "RequestWrapUp",
             c.wrap_ups
-                .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year: 2024 })
+                .request_wrap_up(v1::RequestWrapUpRequest {
+                    actor_user_id: ana.clone(),
+                    year: 2024,
+                    ..Default::default()
+                })
                 .await
                 .map(drop),
         ),
         (
             "Follow",
             c.social
-                .follow(v1::FollowRequest { actor_user_id: ben.clone(), target: user_account(&ana) })
+                .follow(v1::FollowRequest {
+                    actor_user_id: ben.clone(),
+                    target: user_account(&ana),
+                    ..Default::default()
+                })
                 .await
                 .map(drop),
         ),
@@ -523,7 +581,14 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
         ),
         (
             "Block",
-            c.social.block(v1::BlockRequest { actor_user_id: ana.clone(), target: user_account(&ben) }).await.map(drop),
+            c.social
+                .block(v1::BlockRequest {
+                    actor_user_id: ana.clone(),
+                    target: user_account(&ben),
+                    ..Default::default()
+                })
+                .await
+                .map(drop),
         ),
         (
             "Unblock",

@@ -7,7 +7,7 @@ use reelay_contracts::v1::{self, event::Payload};
 use reelay_harness::{Reelay, outbox_rows, query_strings, temp_dir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
-const DIARY: &[u8] = include_bytes!("fixtures/letterboxd-diary.csv");
+const DIARY: &[u8] = include_bytes!("../fixtures/letterboxd-diary.csv");
 
 /// (title, year) pairs and row count, read independently of Reelay's parser.
 fn expected() -> (usize, HashSet<(String, i32)>) {

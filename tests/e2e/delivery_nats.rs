@@ -110,7 +110,11 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
             let mut n = 0;
             while started.elapsed() < Duration::from_secs(9) {
                 c.users
-                    .create_user(v1::CreateUserRequest { handle: format!("u{n}"), display_name: "U".into() })
+                    .create_user(v1::CreateUserRequest {
+                        handle: format!("u{n}"),
+                        display_name: "U".into(),
+                        ..Default::default()
+                    })
                     .await
                     .expect("writes succeed while the broker is down");
                 n += 1;
@@ -304,7 +308,11 @@ async fn two_replicas_of_a_handler_share_its_consumer_and_apply_each_effect_once
         tasks.push(tokio::spawn(async move {
             for i in 0..150 {
                 c.users
-                    .create_user(v1::CreateUserRequest { handle: format!("w{w}_{i}"), display_name: "W".into() })
+                    .create_user(v1::CreateUserRequest {
+                        handle: format!("w{w}_{i}"),
+                        display_name: "W".into(),
+                        ..Default::default()
+                    })
                     .await
                     .unwrap();
             }

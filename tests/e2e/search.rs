@@ -87,7 +87,11 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
 
     let deleted = c
         .reviews
-        .delete_review(v1::DeleteReviewRequest { actor_user_id: ana.clone(), review_id: review.review_id.clone() })
+        .delete_review(v1::DeleteReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: review.review_id.clone(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();

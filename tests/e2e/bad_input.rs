@@ -27,11 +27,23 @@ fn log(actor: &str, movie: Option<v1::MovieRef>, rating: u32, body: String, watc
         body,
         watched_on: watched_on.into(),
         rewatch: false,
+        ..Default::default()
     }
 }
 
 fn long(n: usize) -> String {
     "x".repeat(n)
+}
+
+/// Sends bytes that are not a `LogReviewRequest` to LogReview: a `CreateUserRequest` whose second
+/// field, read as the `movie` message, holds the invalid tag 0x07.
+async fn undecodable(c: &mut Clients, x: Ids) -> Result<tonic::Response<v1::LogReviewResponse>, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(c.channel.clone());
+    grpc.ready().await.map_err(|e| tonic::Status::unknown(e.to_string()))?;
+    let codec = tonic_prost::ProstCodec::<v1::CreateUserRequest, v1::LogReviewResponse>::default();
+    let bytes = v1::CreateUserRequest { handle: x.a, display_name: "\u{7}".into(), ..Default::default() };
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/reelay.v1.Reviews/LogReview");
+    grpc.unary(tonic::Request::new(bytes), path, codec).await
 }
 
 struct Case {
@@ -74,18 +86,24 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         nobody: "01900000-0000-7000-8000-000000000000".into(),
     };
     let cases: Vec<Case> = vec![
-        case!("empty handle", InvalidArgument, "handle", |c, x| c
-            .users
-            .create_user(v1::CreateUserRequest { handle: "".into(), display_name: "A".into() })),
-        case!("handle with spaces", InvalidArgument, "handle", |c, x| c
-            .users
-            .create_user(v1::CreateUserRequest { handle: "Ana B".into(), display_name: "A".into() })),
+        case!("empty handle", InvalidArgument, "handle", |c, x| c.users.create_user(v1::CreateUserRequest {
+            handle: "".into(),
+            display_name: "A".into(),
+            ..Default::default()
+        })),
+        case!("handle with spaces", InvalidArgument, "handle", |c, x| c.users.create_user(v1::CreateUserRequest {
+            handle: "Ana B".into(),
+            display_name: "A".into(),
+            ..Default::default()
+        })),
         case!("oversized display name", InvalidArgument, "display_name", |c, x| c
             .users
-            .create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: long(101) })),
-        case!("taken handle", AlreadyExists, "handle", |c, x| c
-            .users
-            .create_user(v1::CreateUserRequest { handle: "ana".into(), display_name: "A".into() })),
+            .create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: long(101), ..Default::default() })),
+        case!("taken handle", AlreadyExists, "handle", |c, x| c.users.create_user(v1::CreateUserRequest {
+            handle: "ana".into(),
+            display_name: "A".into(),
+            ..Default::default()
+        })),
         case!("malformed user id", InvalidArgument, "user_id", |c, x| c
             .users
             .get_user(v1::GetUserRequest { user_id: "42".into() })),
@@ -175,56 +193,71 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
             review_id: x.nobody.clone(),
             ..Default::default()
         })),
-        case!("malformed review id", InvalidArgument, "review_id", |c, x| c
-            .reviews
-            .delete_review(v1::DeleteReviewRequest { actor_user_id: x.a.clone(), review_id: "r1".into() })),
-        case!("deleting someone else's review", PermissionDenied, "another user", |c, x| c
-            .reviews
-            .delete_review(v1::DeleteReviewRequest { actor_user_id: x.b.clone(), review_id: x.r.clone() })),
+        case!("malformed review id", InvalidArgument, "review_id", |c, x| c.reviews.delete_review(
+            v1::DeleteReviewRequest { actor_user_id: x.a.clone(), review_id: "r1".into(), ..Default::default() }
+        )),
+        case!("deleting someone else's review", PermissionDenied, "another user", |c, x| c.reviews.delete_review(
+            v1::DeleteReviewRequest { actor_user_id: x.b.clone(), review_id: x.r.clone(), ..Default::default() }
+        )),
         case!("malformed external id", InvalidArgument, "movie.external_id", |c, x| c.watchlist.add_to_watchlist(
             v1::AddToWatchlistRequest {
                 actor_user_id: x.a.clone(),
                 movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::ExternalId("603".into())) }),
+                ..Default::default()
             }
         )),
         case!("unknown external id", NotFound, "external_id", |c, x| c.watchlist.add_to_watchlist(
             v1::AddToWatchlistRequest {
                 actor_user_id: x.a.clone(),
                 movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::ExternalId("tmdb:1".into())) }),
+                ..Default::default()
             }
         )),
         case!("malformed watchlist movie", InvalidArgument, "movie_id", |c, x| c.watchlist.remove_from_watchlist(
             v1::RemoveFromWatchlistRequest { actor_user_id: x.a.clone(), movie_id: "x".into() }
         )),
-        case!("wrap-up year out of range", InvalidArgument, "year", |c, x| c
-            .wrap_ups
-            .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: x.a.clone(), year: 3000 })),
+        case!("wrap-up year out of range", InvalidArgument, "year", |c, x| c.wrap_ups.request_wrap_up(
+            v1::RequestWrapUpRequest { actor_user_id: x.a.clone(), year: 3000, ..Default::default() }
+        )),
         case!("malformed movie to discover", InvalidArgument, "title", |c, x| c.movies.discover_movie(
             v1::DiscoverMovieRequest {
                 actor_user_id: x.a.clone(),
                 title: long(301),
                 year: 2000,
                 external_id: String::new(),
+                ..Default::default()
             }
         )),
         case!("enrichment of an unknown movie", NotFound, "movie", |c, x| c.movies.request_enrichment(
-            v1::RequestEnrichmentRequest { actor_user_id: x.a.clone(), movie_id: x.nobody.clone() }
+            v1::RequestEnrichmentRequest {
+                actor_user_id: x.a.clone(),
+                movie_id: x.nobody.clone(),
+                ..Default::default()
+            }
         )),
-        case!("following yourself", InvalidArgument, "target", |c, x| c
-            .social
-            .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: user_account(&x.a) })),
-        case!("follow without a target", InvalidArgument, "target", |c, x| c
-            .social
-            .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: None })),
-        case!("follow of a non-URI actor", InvalidArgument, "target.actor_uri", |c, x| c
-            .social
-            .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: actor_account("not a uri") })),
-        case!("follow of an unknown user", NotFound, "user", |c, x| c
-            .social
-            .follow(v1::FollowRequest { actor_user_id: x.a.clone(), target: user_account(&x.nobody) })),
-        case!("block of yourself", InvalidArgument, "target", |c, x| c
-            .social
-            .block(v1::BlockRequest { actor_user_id: x.b.clone(), target: user_account(&x.b) })),
+        case!("following yourself", InvalidArgument, "target", |c, x| c.social.follow(v1::FollowRequest {
+            actor_user_id: x.a.clone(),
+            target: user_account(&x.a),
+            ..Default::default()
+        })),
+        case!("follow without a target", InvalidArgument, "target", |c, x| c.social.follow(v1::FollowRequest {
+            actor_user_id: x.a.clone(),
+            target: None,
+            ..Default::default()
+        })),
+        case!("follow of a non-URI actor", InvalidArgument, "target.actor_uri", |c, x| c.social.follow(
+            v1::FollowRequest { actor_user_id: x.a.clone(), target: actor_account("not a uri"), ..Default::default() }
+        )),
+        case!("follow of an unknown user", NotFound, "user", |c, x| c.social.follow(v1::FollowRequest {
+            actor_user_id: x.a.clone(),
+            target: user_account(&x.nobody),
+            ..Default::default()
+        })),
+        case!("block of yourself", InvalidArgument, "target", |c, x| c.social.block(v1::BlockRequest {
+            actor_user_id: x.b.clone(),
+            target: user_account(&x.b),
+            ..Default::default()
+        })),
         case!("oversized page", InvalidArgument, "page_size", |c, x| c.reviews.list_diary(v1::ListDiaryRequest {
             user_id: x.a.clone(),
             page_size: 500,
@@ -275,8 +308,25 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
             }
         )),
         case!("watchlist add of an unknown movie id", NotFound, "movie", |c, x| c.watchlist.add_to_watchlist(
-            v1::AddToWatchlistRequest { actor_user_id: x.a.clone(), movie: movie_id_ref(&x.nobody) }
+            v1::AddToWatchlistRequest {
+                actor_user_id: x.a.clone(),
+                movie: movie_id_ref(&x.nobody),
+                ..Default::default()
+            }
         )),
+        case!("request_id with spaces", InvalidArgument, "request_id", |c, x| c.reviews.log_review(
+            v1::LogReviewRequest {
+                request_id: "my key".into(),
+                ..log(&x.a, movie_ref("Heat", 1995), 8, "ok".into(), "")
+            }
+        )),
+        case!("request_id of 129 characters", InvalidArgument, "request_id", |c, x| c.social.follow(
+            v1::FollowRequest { actor_user_id: x.a.clone(), target: user_account(&x.b), request_id: long(129) }
+        )),
+        case!("a message over the size limit", ResourceExhausted, "could not be read", |c, x| c
+            .reviews
+            .log_review(log(&x.a, movie_ref("Heat", 1995), 8, long(5 * 1024 * 1024), ""))),
+        case!("a message that does not decode", InvalidArgument, "could not be read", |c, x| undecodable(&mut c, x)),
     ];
 
     let baseline = table_snapshot(&db).await;
@@ -302,7 +352,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let mut forged = Clients::new(reelay.channel_with_token(Some("not-the-token-at-all")).await);
     let status = forged
         .users
-        .create_user(v1::CreateUserRequest { handle: "eve".into(), display_name: "Eve".into() })
+        .create_user(v1::CreateUserRequest { handle: "eve".into(), display_name: "Eve".into(), ..Default::default() })
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated);
@@ -325,4 +375,36 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no service token") && stderr.contains("--dev"), "{stderr}");
     assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
+
+    // An event limit no claim answer could carry is refused at start-up too.
+    let out = std::process::Command::new(BIN)
+        .args(["run", "--service", "write", "--dev"])
+        .env("REELAY_DATABASE", dir.path().join("r.db"))
+        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+        .env("REELAY_MAX_EVENT_BYTES", "5000000")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("REELAY_MAX_EVENT_BYTES") && stderr.contains("REELAY_GRPC_MAX_MESSAGE_BYTES"), "{stderr}");
+}
+
+/// A write whose event could never be delivered (over REELAY_MAX_EVENT_BYTES) is refused before
+/// anything is written.
+#[tokio::test]
+async fn a_write_whose_event_is_too_large_to_deliver_is_refused() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_write(BIN, &db, &[("REELAY_MAX_EVENT_BYTES", "20000")]).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    let baseline = table_snapshot(&db).await;
+    let big = "𝄞".repeat(9_000); // 36 KB, within the 10,000-character body limit
+    let status = c.reviews.log_review(log(&ana, movie_ref("Heat", 1995), 8, big, "")).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("REELAY_MAX_EVENT_BYTES"), "{}", status.message());
+    assert_eq!(table_snapshot(&db).await, baseline, "nothing was written");
+    // A smaller one goes through.
+    c.reviews.log_review(log(&ana, movie_ref("Heat", 1995), 8, long(10_000), "")).await.unwrap();
+    reelay.stop().await;
 }

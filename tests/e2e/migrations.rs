@@ -131,7 +131,9 @@ async fn concurrent_migrators_of_one_fresh_file_all_succeed_and_apply_each_migra
         )
         .await;
         let applied: Vec<(&str, &str)> = applied.iter().map(|r| (r[0].as_str(), r[1].as_str())).collect();
-        assert_eq!(applied, [("1", "1"), ("2", "1"), ("101", "1")], "round {round}");
+        let every: Vec<String> = reelay_outbox::MIGRATOR.iter().map(|m| m.version.to_string()).collect();
+        let expected: Vec<(&str, &str)> = every.iter().map(|v| (v.as_str(), "1")).collect();
+        assert_eq!(applied, expected, "round {round}: each migration applied once");
         let tables = query_strings(
             &db,
             "SELECT COUNT(*) || '' FROM sqlite_master WHERE type = 'table' AND name = 'processed_events'",

@@ -1,0 +1,69 @@
+//! The domain gRPC API: validate the request (naming the bad field), run the command, map the
+//! result. No handler here opens a transaction; the store does.
+
+use reelay_contracts::v1::{
+    federation_server::FederationServer, integrations_server::IntegrationsServer, movies_server::MoviesServer,
+    reviews_server::ReviewsServer, social_server::SocialServer, users_server::UsersServer,
+    watchlist_server::WatchlistServer, wrap_ups_server::WrapUpsServer,
+};
+use reelay_runtime::{GrpcServer, ServiceError};
+use tonic::{Response, Status};
+
+use crate::request_ids::RequestKey;
+use crate::store::Store;
+
+mod federation;
+mod integrations;
+mod internal;
+mod ledger;
+mod movies;
+mod outbox;
+mod reviews;
+mod social;
+mod users;
+mod watchlist;
+mod wrap_ups;
+
+pub use internal::{DeliveryPolicy, mount_internal};
+
+type Reply<T> = Result<Response<T>, Status>;
+
+fn ok<T>(value: T) -> Reply<T> {
+    Ok(Response::new(value))
+}
+
+/// Takes the `request_id` out of `request` and returns the call's idempotency key (`None` when
+/// it carries none); the fingerprint covers the rest of the request.
+fn request_key<M: prost::Message>(
+    method: &'static str,
+    request: &mut M,
+    request_id: impl FnOnce(&mut M) -> &mut String,
+) -> Result<Option<RequestKey>, ServiceError> {
+    let id = std::mem::take(request_id(request));
+    RequestKey::of(method, &id, request)
+}
+
+/// Mounts every domain service on `server`, each with the server's message-size limit.
+pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
+    let api = WriteApi { store };
+    let limit = server.config().max_message_bytes;
+    macro_rules! limited {
+        ($server:ident) => {
+            $server::new(api.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit)
+        };
+    }
+    server
+        .add_service(limited!(UsersServer))
+        .add_service(limited!(MoviesServer))
+        .add_service(limited!(ReviewsServer))
+        .add_service(limited!(WatchlistServer))
+        .add_service(limited!(WrapUpsServer))
+        .add_service(limited!(SocialServer))
+        .add_service(limited!(IntegrationsServer))
+        .add_service(limited!(FederationServer))
+}
+
+#[derive(Clone)]
+struct WriteApi {
+    store: Store,
+}

@@ -1,0 +1,191 @@
+//! The Outbox service: claim event rows (waiting for due ones up to a deadline) and settle them.
+
+use std::time::Duration;
+
+use reelay_contracts::v1;
+use reelay_outbox::queue::{self, ClaimLimits, FailedRow, QueuePolicy, RowClaim, Settled};
+use reelay_outbox::{Database, WriteTx, now_ms};
+use reelay_runtime::{ServiceError, Shutdown};
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+
+use super::internal::MAX_BATCH_KEYS;
+
+/// How long an idle claimer sleeps at most before looking again, even without a commit: rows
+/// also become due when a retry delay or a claim lease runs out.
+const FALLBACK_POLL: Duration = Duration::from_secs(1);
+const MAX_CLAIM_ROWS: u32 = 1000;
+const MAX_CLAIM_WAIT_MS: u32 = 60_000;
+
+#[derive(Clone)]
+pub(super) struct OutboxApi {
+    pub(super) db: Database,
+    pub(super) policy: QueuePolicy,
+    pub(super) shutdown: Shutdown,
+    /// The largest message this server sends: no claim answer may be larger.
+    pub(super) max_message_bytes: usize,
+}
+
+fn row_claims(rows: Vec<v1::RowClaim>) -> Result<Vec<RowClaim>, ServiceError> {
+    if rows.is_empty() || rows.len() > MAX_BATCH_KEYS {
+        return Err(ServiceError::invalid("rows", format!("must hold 1..={MAX_BATCH_KEYS} rows, got {}", rows.len())));
+    }
+    Ok(rows.into_iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at_ms }).collect())
+}
+
+fn settle_response(settled: Settled) -> v1::SettleResponse {
+    v1::SettleResponse { settled: settled.settled as u32, lost: settled.lost, dead_lettered: settled.dead_lettered }
+}
+
+impl OutboxApi {
+    async fn claim_now(&self, limits: ClaimLimits) -> Result<Vec<queue::ClaimedRow>, ServiceError> {
+        let policy = self.policy;
+        self.db
+            .writer
+            .transact::<_, ServiceError, _>("outbox_claim", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(queue::claim_due(tx, tx.now_ms(), policy, limits).await?) })
+            })
+            .await
+    }
+
+    /// Whether anything is claimable now, and when to look again if not: the next row's due
+    /// time, bounded by the fallback poll and the deadline.
+    async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), ServiceError> {
+        let mut conn = self.db.reads.acquire().await?;
+        let now = now_ms();
+        let (due, next_due) = queue::peek(&mut conn, now, self.policy).await?;
+        let fallback = Instant::now() + FALLBACK_POLL;
+        let next = next_due.map_or(fallback, |at| Instant::now() + Duration::from_millis((at - now).max(0) as u64));
+        Ok((due, next.min(fallback).min(deadline)))
+    }
+}
+
+#[tonic::async_trait]
+impl v1::outbox_server::Outbox for OutboxApi {
+    async fn claim(&self, request: Request<v1::ClaimRequest>) -> Result<Response<v1::ClaimResponse>, Status> {
+        let r = request.into_inner();
+        if !(1..=MAX_CLAIM_ROWS).contains(&r.max_rows) {
+            return Err(
+                ServiceError::invalid("max_rows", format!("must be 1..={MAX_CLAIM_ROWS}, got {}", r.max_rows)).into()
+            );
+        }
+        if r.wait_ms > MAX_CLAIM_WAIT_MS {
+            return Err(ServiceError::invalid(
+                "wait_ms",
+                format!("must be at most {MAX_CLAIM_WAIT_MS}, got {}", r.wait_ms),
+            )
+            .into());
+        }
+        // The answer must fit both the claimer's limit and this server's; a little is kept for
+        // the answer's own framing.
+        let max_bytes = match r.max_bytes as usize {
+            0 => self.max_message_bytes,
+            asked => asked.min(self.max_message_bytes),
+        };
+        let limits = ClaimLimits { max_rows: r.max_rows, max_bytes: max_bytes.saturating_sub(1024) };
+        let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
+        let mut commits = self.db.writer.subscribe_commits();
+        let rows = loop {
+            // Mark the commits seen before looking, so one landing after the look wakes us.
+            commits.borrow_and_update();
+            // Look before claiming: an empty claim would still cost a write job.
+            let (due, wake) = self.peek(deadline).await?;
+            let rows = if due { self.claim_now(limits).await? } else { Vec::new() };
+            if !rows.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
+                break rows;
+            }
+            tokio::select! {
+                changed = commits.changed() => {
+                    if changed.is_err() {
+                        break Vec::new();
+                    }
+                }
+                () = tokio::time::sleep_until(wake) => {}
+                () = self.shutdown.requested() => break Vec::new(),
+            }
+        };
+        if !rows.is_empty() {
+            tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
+        }
+        let rows = rows
+            .into_iter()
+            .map(|row| v1::OutboxRow {
+                id: row.id,
+                event_id: row.event_id.unwrap_or_default(),
+                event_type: row.event_type,
+                aggregate_id: row.aggregate_id,
+                payload: row.payload,
+                attempts: row.attempts,
+                claimed_at_ms: row.claimed_at,
+            })
+            .collect();
+        Ok(Response::new(v1::ClaimResponse { rows }))
+    }
+
+    async fn complete(&self, request: Request<v1::CompleteRequest>) -> Result<Response<v1::SettleResponse>, Status> {
+        let rows = row_claims(request.into_inner().rows)?;
+        let settled = self
+            .db
+            .writer
+            .transact::<_, ServiceError, _>("outbox_complete", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(queue::complete(tx, &rows).await?) })
+            })
+            .await?;
+        Ok(Response::new(settle_response(settled)))
+    }
+
+    async fn fail(&self, request: Request<v1::FailRequest>) -> Result<Response<v1::SettleResponse>, Status> {
+        let failed = request.into_inner().rows;
+        if failed.is_empty() || failed.len() > MAX_BATCH_KEYS {
+            return Err(ServiceError::invalid("rows", format!("must hold 1..={MAX_BATCH_KEYS} rows")).into());
+        }
+        let rows = failed
+            .into_iter()
+            .map(|f| {
+                let row = f.row.ok_or_else(|| ServiceError::invalid("rows.row", "is required"))?;
+                Ok(FailedRow {
+                    row: RowClaim { id: row.id, claimed_at: row.claimed_at_ms },
+                    error: f.error,
+                    terminal: f.terminal,
+                })
+            })
+            .collect::<Result<Vec<_>, ServiceError>>()?;
+        let policy = self.policy;
+        let settled = self
+            .db
+            .writer
+            .transact::<_, ServiceError, _>("outbox_fail", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(queue::fail(tx, &rows, tx.now_ms(), policy).await?) })
+            })
+            .await?;
+        Ok(Response::new(settle_response(settled)))
+    }
+
+    async fn defer(&self, request: Request<v1::DeferRequest>) -> Result<Response<v1::SettleResponse>, Status> {
+        let r = request.into_inner();
+        let rows = row_claims(r.rows)?;
+        if r.until_ms <= 0 {
+            return Err(ServiceError::invalid("until_ms", "must be a time in milliseconds since the epoch").into());
+        }
+        let settled = self
+            .db
+            .writer
+            .transact::<_, ServiceError, _>("outbox_defer", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(queue::defer(tx, &rows, r.until_ms).await?) })
+            })
+            .await?;
+        Ok(Response::new(settle_response(settled)))
+    }
+
+    async fn stats(&self, _request: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
+        let mut conn = self.db.reads.acquire().await.map_err(ServiceError::from)?;
+        let s = queue::stats(&mut conn, now_ms()).await.map_err(ServiceError::from)?;
+        Ok(Response::new(v1::StatsResponse {
+            pending: s.pending,
+            processing: s.processing,
+            done: s.done,
+            dead_lettered: s.dead_lettered,
+            oldest_due_age_ms: s.oldest_due_age_ms,
+        }))
+    }
+}

@@ -1,0 +1,49 @@
+//! The Watchlist service: adding, removing and listing watchlist entries.
+
+use reelay_contracts::v1;
+use reelay_domain::{MovieId, UserId, validate};
+use reelay_runtime::ServiceError;
+use tonic::Request;
+
+use super::{Reply, WriteApi, ok, request_key};
+use crate::convert;
+
+#[tonic::async_trait]
+impl v1::watchlist_server::Watchlist for WriteApi {
+    async fn add_to_watchlist(&self, request: Request<v1::AddToWatchlistRequest>) -> Reply<v1::WatchlistEntry> {
+        let mut r = request.into_inner();
+        let key = request_key("AddToWatchlist", &mut r, |r| &mut r.request_id)?;
+        let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
+        let spec = convert::movie_spec("movie", r.movie).map_err(ServiceError::from)?;
+        ok(self.store.add_to_watchlist(actor, spec, key).await?)
+    }
+
+    async fn remove_from_watchlist(
+        &self,
+        request: Request<v1::RemoveFromWatchlistRequest>,
+    ) -> Reply<v1::RemoveFromWatchlistResponse> {
+        let r = request.into_inner();
+        let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
+        let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
+        let removed = self.store.remove_from_watchlist(actor, movie).await?;
+        ok(v1::RemoveFromWatchlistResponse { removed })
+    }
+
+    async fn list_watchlist(&self, request: Request<v1::ListWatchlistRequest>) -> Reply<v1::ListWatchlistResponse> {
+        let r = request.into_inner();
+        let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
+        let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
+        let after =
+            convert::page_token(&r.page_token, |t| MovieId::parse("page_token", t)).map_err(ServiceError::from)?;
+        let rows = self.store.list_watchlist(user, size, after).await?;
+        let next_page_token = if rows.len() == size as usize {
+            rows.last().map(|r| r.movie_id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        ok(v1::ListWatchlistResponse {
+            entries: rows.into_iter().map(convert::watchlist_entry).collect(),
+            next_page_token,
+        })
+    }
+}

@@ -1,0 +1,110 @@
+//! Client idempotency keys (`request_id`). A write that carries one records its answer in the
+//! same transaction as the write; a retry with the same key gets that answer back and writes
+//! nothing. This is how a caller recovers from an answer it never received or an "outcome
+//! unknown": it retries with the same key and learns what happened, at most once.
+//!
+//! Keys are scoped by method. A key reused for a different request (another fingerprint) is
+//! refused rather than answered with someone else's result. Keys are kept for a bounded time
+//! and purged in small batches.
+
+use prost::Message;
+use reelay_outbox::WriteTx;
+use reelay_runtime::ServiceError;
+use sqlx::Row;
+
+/// The longest `request_id` accepted.
+const MAX_LEN: usize = 128;
+
+/// One call's idempotency key: the method, the caller's `request_id` and a fingerprint of the
+/// request itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestKey {
+    method: &'static str,
+    request_id: String,
+    fingerprint: String,
+}
+
+impl RequestKey {
+    /// The key of a call, or `None` when it carries no `request_id`. `request` must be the
+    /// request with its `request_id` cleared, so the fingerprint names what was asked.
+    pub fn of<M: Message>(method: &'static str, request_id: &str, request: &M) -> Result<Option<Self>, ServiceError> {
+        Self::from_parts(method, request_id, &[&request.encode_to_vec()])
+    }
+
+    /// Like [`RequestKey::of`], for a request that arrives in parts (a streamed import).
+    pub fn from_parts(method: &'static str, request_id: &str, parts: &[&[u8]]) -> Result<Option<Self>, ServiceError> {
+        if request_id.is_empty() {
+            return Ok(None);
+        }
+        let valid = request_id.len() <= MAX_LEN
+            && request_id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+        if !valid {
+            return Err(ServiceError::invalid(
+                "request_id",
+                format!("must be 1-{MAX_LEN} of A-Z a-z 0-9 . _ : -, got {:?}", truncate(request_id)),
+            ));
+        }
+        let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+        digest.update(method.as_bytes());
+        for part in parts {
+            digest.update(&(part.len() as u64).to_le_bytes());
+            digest.update(part);
+        }
+        let fingerprint = digest.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        Ok(Some(Self { method, request_id: request_id.to_owned(), fingerprint }))
+    }
+
+    /// The answer recorded for this key, if the call was made before. Runs inside the write job,
+    /// so a concurrent retry waits for the first call's transaction and then sees its answer.
+    pub async fn recorded<R: Message + Default>(&self, tx: &mut WriteTx) -> Result<Option<R>, ServiceError> {
+        let row = sqlx::query("SELECT fingerprint, response FROM request_ids WHERE method = ? AND request_id = ?")
+            .bind(self.method)
+            .bind(&self.request_id)
+            .fetch_optional(tx.conn())
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        if row.get::<String, _>(0) != self.fingerprint {
+            return Err(ServiceError::invalid(
+                "request_id",
+                format!("{:?} was already used for a different {} request", self.request_id, self.method),
+            ));
+        }
+        let response = R::decode(row.get::<Vec<u8>, _>(1).as_slice()).map_err(|e| {
+            ServiceError::internal(format!("the answer recorded for a request_id does not decode: {e}"))
+        })?;
+        tracing::info!(method = self.method, request_id = %self.request_id, "repeated request answered from its first call");
+        Ok(Some(response))
+    }
+
+    /// Records the answer of the call that just wrote, in its transaction.
+    pub async fn record<R: Message>(&self, tx: &mut WriteTx, response: &R) -> Result<(), ServiceError> {
+        sqlx::query(
+            "INSERT INTO request_ids (method, request_id, fingerprint, response, created_at) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(self.method)
+        .bind(&self.request_id)
+        .bind(&self.fingerprint)
+        .bind(response.encode_to_vec())
+        .bind(tx.now_ms())
+        .execute(tx.conn())
+        .await?;
+        Ok(())
+    }
+}
+
+fn truncate(value: &str) -> String {
+    value.chars().take(40).collect()
+}
+
+/// Deletes up to `batch` keys recorded before `cutoff_ms`; returns how many went.
+pub async fn purge(tx: &mut WriteTx, cutoff_ms: i64, batch: u32) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        "DELETE FROM request_ids WHERE (method, request_id) IN \
+         (SELECT method, request_id FROM request_ids WHERE created_at < ? LIMIT ?)",
+    )
+    .bind(cutoff_ms)
+    .bind(i64::from(batch))
+    .execute(tx.conn())
+    .await?
+    .rows_affected())
+}

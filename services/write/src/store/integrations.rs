@@ -1,0 +1,137 @@
+//! Integrations: importing a Letterboxd diary, one transaction per chunk of rows.
+
+use reelay_contracts::v1::{self, event::Payload};
+use reelay_domain::letterboxd::DiaryRow;
+use reelay_domain::{NewEvent, ReviewId, UserId};
+use reelay_outbox::WriteTx;
+use reelay_runtime::ServiceError;
+
+use super::{
+    ImportSummary, MovieSpec, Result, ReviewRow, Store, commit_events, ensure_user, insert_review, resolve_movie,
+    review_logged, write_job,
+};
+use crate::request_ids::RequestKey;
+
+/// Diary rows committed per import transaction.
+pub const IMPORT_CHUNK_ROWS: usize = 250;
+
+impl Store {
+    /// Checks that the importing user exists before any chunk is written.
+    pub async fn user_exists(&self, user: UserId) -> Result<bool> {
+        Ok(sqlx::query("SELECT 1 FROM users WHERE id = ?")
+            .bind(user.to_string())
+            .fetch_optional(&self.db.reads)
+            .await?
+            .is_some())
+    }
+
+    /// Imports validated diary rows, one transaction per chunk of [`IMPORT_CHUNK_ROWS`] with
+    /// each row's events and a `DiaryImported` summary. Rows imported before are skipped.
+    ///
+    /// With a request key, the first chunk's transaction looks for the answer of an earlier call
+    /// (and returns it, writing nothing), and the last chunk's records the answer. A retry of an
+    /// import that broke off half way imports the rest; the rows already in are skipped.
+    pub async fn import_diary(
+        &self,
+        actor: UserId,
+        import_id: String,
+        rows: Vec<DiaryRow>,
+        key: Option<RequestKey>,
+    ) -> Result<v1::ImportDiaryResponse> {
+        let mut summary = ImportSummary { rows: rows.len() as u32, ..Default::default() };
+        let chunks = rows.chunks(IMPORT_CHUNK_ROWS).count();
+        for (chunk_index, chunk) in rows.chunks(IMPORT_CHUNK_ROWS).enumerate() {
+            let chunk = chunk.to_vec();
+            let (import_id, key) = (import_id.clone(), key.clone());
+            let (first, last, so_far) = (chunk_index == 0, chunk_index + 1 == chunks, summary.clone());
+            let step = write_job!(self, "import_diary", |tx| {
+                if let Some(key) = key.as_ref().filter(|_| first || last)
+                    && let Some(answer) = key.recorded(tx).await?
+                {
+                    return Ok(ImportStep::Answered(answer));
+                }
+                ensure_user(tx.conn(), actor).await?;
+                let mut events = Vec::new();
+                let (mut imported, mut skipped, mut discovered) = (0u32, 0u32, 0u32);
+                for row in &chunk {
+                    let import_key = format!("{actor}|{}", row.import_key());
+                    let seen = sqlx::query("SELECT 1 FROM reviews WHERE import_key = ?")
+                        .bind(import_key.clone())
+                        .fetch_optional(tx.conn())
+                        .await?
+                        .is_some();
+                    if seen {
+                        skipped += 1;
+                        continue;
+                    }
+                    let spec = MovieSpec::TitleYear { title: row.title.clone(), year: row.year, external_id: None };
+                    let (movie, created) = resolve_movie(tx, &spec, &mut events).await?;
+                    discovered += u32::from(created);
+                    let now = tx.now_ms();
+                    let review = ReviewRow {
+                        id: ReviewId::new().to_string(),
+                        user_id: actor.to_string(),
+                        movie_id: movie.id.clone(),
+                        rating: i64::from(row.rating),
+                        body: row.body.clone(),
+                        watched_on: row.watched_on.clone(),
+                        rewatch: row.rewatch,
+                        source: "import".into(),
+                        created_at: now,
+                        updated_at: now,
+                    };
+                    insert_review(tx.conn(), &review, Some(import_key)).await?;
+                    events.push(review_logged(&review, &movie, v1::ReviewSource::Import));
+                    imported += 1;
+                }
+                if imported > 0 {
+                    events.push(NewEvent::new(
+                        actor,
+                        Payload::DiaryImported(v1::DiaryImported {
+                            import_id: import_id.clone(),
+                            user_id: actor.to_string(),
+                            chunk: chunk_index as u32,
+                            imported,
+                            skipped_duplicates: skipped,
+                        }),
+                    ));
+                }
+                commit_events(tx, events).await?;
+                let mut summary = so_far;
+                summary.imported += imported;
+                summary.skipped_duplicates += skipped;
+                summary.movies_discovered += discovered;
+                if last && let Some(key) = &key {
+                    key.record(tx, &summary.response(import_id)).await?;
+                }
+                Ok(ImportStep::Imported(summary))
+            })
+            .await?;
+            match step {
+                ImportStep::Answered(answer) => return Ok(answer),
+                ImportStep::Imported(so_far) => summary = so_far,
+            }
+        }
+        Ok(summary.response(import_id))
+    }
+}
+
+/// What one chunk's transaction did.
+enum ImportStep {
+    /// The import was made before under the same request key: its answer.
+    Answered(v1::ImportDiaryResponse),
+    /// The running totals after this chunk.
+    Imported(ImportSummary),
+}
+
+impl ImportSummary {
+    fn response(&self, import_id: String) -> v1::ImportDiaryResponse {
+        v1::ImportDiaryResponse {
+            import_id,
+            rows: self.rows,
+            imported: self.imported,
+            skipped_duplicates: self.skipped_duplicates,
+            movies_discovered: self.movies_discovered,
+        }
+    }
+}

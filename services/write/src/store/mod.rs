@@ -1,0 +1,403 @@
+//! The SQLite adapter of the write service.
+//!
+//! Every state-changing method is one writer job: it reads what it needs, writes the change and
+//! hands the events the change causes to `enqueue_events`, all in one transaction. When a method
+//! returns an error, nothing it wrote is kept. Reads use the read-only pool.
+
+use reelay_contracts::v1::{self, account, event::Payload};
+use reelay_domain::{EventId, MovieId, NewEvent, UserId, validate};
+use reelay_outbox::{Database, WriteTx, enqueue_events};
+use reelay_runtime::ServiceError;
+use sqlx::{Row, SqliteConnection};
+
+mod federation;
+mod integrations;
+mod movies;
+mod reviews;
+mod social;
+mod users;
+mod watchlist;
+mod wrap_ups;
+
+type Result<T> = std::result::Result<T, ServiceError>;
+
+// ---------------------------------------------------------------------------------------------
+// Commands and rows
+
+/// How a command names a movie.
+#[derive(Debug, Clone)]
+pub enum MovieSpec {
+    Id(MovieId),
+    /// Must already exist.
+    ExternalId(String),
+    /// Created (raising `MovieDiscovered`) when unknown.
+    TitleYear {
+        title: String,
+        year: i32,
+        external_id: Option<String>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct ReviewFields {
+    pub rating: u32,
+    pub body: String,
+    pub watched_on: String,
+    pub rewatch: bool,
+}
+
+/// The other side of a follow or block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    User(UserId),
+    Actor(String),
+}
+
+impl Target {
+    /// The `target` column value.
+    fn key(&self) -> String {
+        match self {
+            Self::User(id) => format!("user:{id}"),
+            Self::Actor(uri) => format!("actor:{uri}"),
+        }
+    }
+
+    fn to_proto(&self) -> v1::Account {
+        let kind = match self {
+            Self::User(id) => account::Kind::UserId(id.to_string()),
+            Self::Actor(uri) => account::Kind::ActorUri(uri.clone()),
+        };
+        v1::Account { kind: Some(kind) }
+    }
+}
+
+/// `user:<id>` / `actor:<uri>` back to an account.
+pub fn account_from_key(key: &str) -> v1::Account {
+    let kind = match key.split_once(':') {
+        Some(("user", id)) => account::Kind::UserId(id.to_owned()),
+        Some(("actor", uri)) => account::Kind::ActorUri(uri.to_owned()),
+        _ => account::Kind::ActorUri(key.to_owned()),
+    };
+    v1::Account { kind: Some(kind) }
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct UserRow {
+    pub id: String,
+    pub handle: String,
+    pub display_name: String,
+    pub created_at: i64,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct MovieRow {
+    pub id: String,
+    pub title: String,
+    pub year: i64,
+    pub external_id: Option<String>,
+    pub created_at: i64,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ReviewRow {
+    pub id: String,
+    pub user_id: String,
+    pub movie_id: String,
+    pub rating: i64,
+    pub body: String,
+    pub watched_on: String,
+    pub rewatch: bool,
+    pub source: String,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct WatchlistRow {
+    pub user_id: String,
+    pub movie_id: String,
+    pub added_at: i64,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct WrapUpRow {
+    pub id: String,
+    pub user_id: String,
+    pub year: i64,
+    pub status: String,
+    pub summary_json: String,
+    pub requested_at: i64,
+    pub completed_at: Option<i64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImportSummary {
+    pub rows: u32,
+    pub imported: u32,
+    pub skipped_duplicates: u32,
+    pub movies_discovered: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteReviewSaved {
+    pub id: String,
+    pub created: bool,
+    pub changed: bool,
+}
+
+pub struct RemoteReview {
+    pub object_uri: String,
+    pub actor_uri: String,
+    pub movie: MovieSpec,
+    pub rating: u32,
+    pub body: String,
+    pub published_at_ms: i64,
+}
+
+/// `SELECT <every review column> FROM reviews <rest>`, as a static string.
+macro_rules! select_reviews {
+    ($rest:literal) => {
+        concat!("SELECT id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at FROM reviews ", $rest)
+    };
+}
+pub(crate) use select_reviews;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers that run inside a write job
+
+async fn ensure_user(conn: &mut SqliteConnection, id: UserId) -> Result<()> {
+    let found = sqlx::query("SELECT 1 FROM users WHERE id = ?").bind(id.to_string()).fetch_optional(conn).await?;
+    found.map(|_| ()).ok_or_else(|| ServiceError::not_found(format_args!("user {id}")))
+}
+
+/// The hot path of a write that names a movie by id: checks the actor and loads the movie in one
+/// statement (each statement is a round trip to SQLite's thread, inside the single writer).
+async fn actor_and_movie(conn: &mut SqliteConnection, actor: UserId, movie: MovieId) -> Result<MovieRow> {
+    let row = sqlx::query(
+        "SELECT EXISTS (SELECT 1 FROM users WHERE id = ?1), m.id, m.title, m.year, m.external_id, m.created_at \
+         FROM (SELECT 1) LEFT JOIN movies m ON m.id = ?2",
+    )
+    .bind(actor.to_string())
+    .bind(movie.to_string())
+    .fetch_one(conn)
+    .await?;
+    if !row.get::<bool, _>(0) {
+        return Err(ServiceError::not_found(format_args!("user {actor}")));
+    }
+    let Some(id) = row.get::<Option<String>, _>(1) else {
+        return Err(ServiceError::not_found(format_args!("movie {movie}")));
+    };
+    Ok(MovieRow { id, title: row.get(2), year: row.get(3), external_id: row.get(4), created_at: row.get(5) })
+}
+
+/// Checks the actor, then finds or creates the movie the command names.
+async fn actor_and_resolved_movie(
+    tx: &mut WriteTx,
+    actor: UserId,
+    spec: &MovieSpec,
+    events: &mut Vec<NewEvent>,
+) -> Result<(MovieRow, bool)> {
+    if let MovieSpec::Id(id) = spec {
+        return Ok((actor_and_movie(tx.conn(), actor, *id).await?, false));
+    }
+    ensure_user(tx.conn(), actor).await?;
+    resolve_movie(tx, spec, events).await
+}
+
+async fn movie_by_id(conn: &mut SqliteConnection, id: &str) -> Result<Option<MovieRow>> {
+    Ok(sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE id = ?")
+        .bind(id.to_owned())
+        .fetch_optional(conn)
+        .await?)
+}
+
+async fn movie_by_external_id(conn: &mut SqliteConnection, external_id: &str) -> Result<Option<MovieRow>> {
+    Ok(sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE external_id = ?")
+        .bind(external_id.to_owned())
+        .fetch_optional(conn)
+        .await?)
+}
+
+/// Finds the movie a command names, creating it when it is named by title and year and unknown.
+/// Returns the movie and whether it was created (its `MovieDiscovered` is in `events`).
+async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewEvent>) -> Result<(MovieRow, bool)> {
+    match spec {
+        MovieSpec::Id(id) => movie_by_id(tx.conn(), &id.to_string())
+            .await?
+            .map(|m| (m, false))
+            .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}"))),
+        MovieSpec::ExternalId(external_id) => movie_by_external_id(tx.conn(), external_id)
+            .await?
+            .map(|m| (m, false))
+            .ok_or_else(|| ServiceError::not_found(format_args!("movie with external_id {external_id:?}"))),
+        MovieSpec::TitleYear { title, year, external_id } => {
+            if let Some(ext) = external_id
+                && let Some(movie) = movie_by_external_id(tx.conn(), ext).await?
+            {
+                return Ok((movie, false));
+            }
+            let key = validate::title_key(title);
+            let existing: Option<MovieRow> = sqlx::query_as(
+                "SELECT id, title, year, external_id, created_at FROM movies WHERE title_key = ? AND year = ?",
+            )
+            .bind(key.clone())
+            .bind(*year)
+            .fetch_optional(tx.conn())
+            .await?;
+            if let Some(movie) = existing {
+                return Ok((movie, false));
+            }
+            let movie = MovieRow {
+                id: MovieId::new().to_string(),
+                title: title.clone(),
+                year: i64::from(*year),
+                external_id: external_id.clone(),
+                created_at: tx.now_ms(),
+            };
+            sqlx::query(
+                "INSERT INTO movies (id, title, title_key, year, external_id, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            )
+            .bind(movie.id.clone())
+            .bind(movie.title.clone())
+            .bind(key)
+            .bind(movie.year)
+            .bind(movie.external_id.clone())
+            .bind(movie.created_at)
+            .execute(tx.conn())
+            .await?;
+            events.push(NewEvent::new(
+                &movie.id,
+                Payload::MovieDiscovered(v1::MovieDiscovered {
+                    movie_id: movie.id.clone(),
+                    title: movie.title.clone(),
+                    year: *year,
+                    external_id: movie.external_id.clone().unwrap_or_default(),
+                }),
+            ));
+            Ok((movie, true))
+        }
+    }
+}
+
+async fn insert_review(conn: &mut SqliteConnection, review: &ReviewRow, import_key: Option<String>) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, import_key, created_at, updated_at) \
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(review.id.clone())
+    .bind(review.user_id.clone())
+    .bind(review.movie_id.clone())
+    .bind(review.rating)
+    .bind(review.body.clone())
+    .bind(review.watched_on.clone())
+    .bind(review.rewatch)
+    .bind(review.source.clone())
+    .bind(import_key)
+    .bind(review.created_at)
+    .bind(review.updated_at)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+fn review_logged(review: &ReviewRow, movie: &MovieRow, source: v1::ReviewSource) -> NewEvent {
+    NewEvent::new(
+        &review.id,
+        Payload::ReviewLogged(v1::ReviewLogged {
+            review_id: review.id.clone(),
+            user_id: review.user_id.clone(),
+            movie_id: review.movie_id.clone(),
+            rating: review.rating as u32,
+            body: review.body.clone(),
+            watched_on: review.watched_on.clone(),
+            rewatch: review.rewatch,
+            source: source as i32,
+            movie_title: movie.title.clone(),
+            movie_year: movie.year as i32,
+        }),
+    )
+}
+
+async fn is_blocked(conn: &mut SqliteConnection, blocker: &str, target_key: &str) -> Result<bool> {
+    Ok(sqlx::query("SELECT 1 FROM blocks WHERE blocker_id = ? AND target = ?")
+        .bind(blocker.to_owned())
+        .bind(target_key.to_owned())
+        .fetch_optional(conn)
+        .await?
+        .is_some())
+}
+
+async fn commit_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<EventId>> {
+    Ok(enqueue_events(tx, events).await?.into_iter().map(|e| e.event_id).collect())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The store
+
+#[derive(Clone)]
+pub struct Store {
+    db: Database,
+}
+
+/// Runs a write job; the closure body is an async block over `tx`.
+macro_rules! write_job {
+    ($store:expr, $name:literal, |$tx:ident| $body:block) => {
+        $store.db.writer.transact::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
+    };
+    ($store:expr, single_statement $name:literal, |$tx:ident| $body:block) => {
+        $store
+            .db
+            .writer
+            .transact_single_statement::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
+    };
+}
+pub(crate) use write_job;
+
+/// Runs a write job under the caller's idempotency key (`Option<RequestKey>`): a key seen before
+/// returns the answer recorded then and writes nothing; otherwise the body runs, and the answer
+/// it returns (the gRPC response) is recorded in the same transaction. `single_statement` jobs
+/// keep their savepoint-free path only when there is no key to record.
+macro_rules! keyed_job {
+    ($store:expr, $name:literal, $key:expr, |$tx:ident| $body:block) => {
+        keyed_job!(@job $store, transact, $name, $key, |$tx| $body)
+    };
+    ($store:expr, single_statement $name:literal, $key:expr, |$tx:ident| $body:block) => {{
+        let key: Option<$crate::request_ids::RequestKey> = $key;
+        async move {
+            if key.is_none() {
+                keyed_job!(@job $store, transact_single_statement, $name, key, |$tx| $body).await
+            } else {
+                keyed_job!(@job $store, transact, $name, key, |$tx| $body).await
+            }
+        }
+    }};
+    (@job $store:expr, $submit:ident, $name:literal, $key:expr, |$tx:ident| $body:block) => {{
+        let key: Option<$crate::request_ids::RequestKey> = $key;
+        $store.db.writer.$submit::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| {
+            Box::pin(async move {
+                if let Some(key) = &key {
+                    if let Some(answer) = key.recorded($tx).await? {
+                        return Ok(answer);
+                    }
+                }
+                let answer: std::result::Result<_, ServiceError> = async { $body }.await;
+                let answer = answer?;
+                if let Some(key) = &key {
+                    key.record($tx, &answer).await?;
+                }
+                Ok(answer)
+            })
+        })
+    }};
+}
+pub(crate) use keyed_job;
+
+impl Store {
+    pub fn new(db: Database) -> Self {
+        Self { db }
+    }
+
+    pub fn database(&self) -> &Database {
+        &self.db
+    }
+}

@@ -1,0 +1,201 @@
+//! Follows and blocks between a local user and another account, local or remote, and the
+//! follower and following lists.
+
+use reelay_contracts::v1::{self, event::Payload};
+use reelay_domain::{NewEvent, UserId};
+use reelay_outbox::WriteTx;
+use reelay_runtime::ServiceError;
+use sqlx::{Row, SqliteConnection};
+
+use super::{Result, Store, Target, commit_events, ensure_user, is_blocked, keyed_job};
+use crate::request_ids::RequestKey;
+
+/// Validates the other side of a social command: a local user must exist and not be the actor.
+async fn check_target(conn: &mut SqliteConnection, actor: UserId, target: &Target) -> Result<()> {
+    if let Target::User(id) = target {
+        if *id == actor {
+            return Err(ServiceError::invalid("target", "must be another account than actor_user_id"));
+        }
+        ensure_user(conn, *id).await?;
+    }
+    Ok(())
+}
+
+impl Store {
+    pub async fn follow(&self, actor: UserId, target: Target, key: Option<RequestKey>) -> Result<v1::SocialResponse> {
+        keyed_job!(self, "follow", key, |tx| {
+            ensure_user(tx.conn(), actor).await?;
+            check_target(tx.conn(), actor, &target).await?;
+            let actor_key = Target::User(actor).key();
+            let blocked_by_target = match &target {
+                Target::User(id) => is_blocked(tx.conn(), &id.to_string(), &actor_key).await?,
+                Target::Actor(_) => false,
+            };
+            if blocked_by_target || is_blocked(tx.conn(), &actor.to_string(), &target.key()).await? {
+                return Err(ServiceError::failed_precondition("target: a block exists between these accounts"));
+            }
+            let inserted =
+                sqlx::query("INSERT OR IGNORE INTO follows (follower_id, target, created_at) VALUES (?, ?, ?)")
+                    .bind(actor.to_string())
+                    .bind(target.key())
+                    .bind(tx.now_ms())
+                    .execute(tx.conn())
+                    .await?
+                    .rows_affected()
+                    > 0;
+            if inserted {
+                let event = NewEvent::new(
+                    actor,
+                    Payload::Followed(v1::Followed { follower_id: actor.to_string(), target: Some(target.to_proto()) }),
+                );
+                commit_events(tx, vec![event]).await?;
+            }
+            Ok(v1::SocialResponse { changed: inserted })
+        })
+        .await
+    }
+
+    pub async fn unfollow(&self, actor: UserId, target: Target) -> Result<bool> {
+        let sql = "DELETE FROM follows WHERE follower_id = ? AND target = ?";
+        let key = (actor.to_string(), target.key());
+        self.remove_pair("unfollow", sql, actor, key, move || {
+            let payload = v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) };
+            NewEvent::new(actor, Payload::Unfollowed(payload))
+        })
+        .await
+    }
+
+    /// Deletes the row `sql` names by (`first`, `second`) after checking that `owner` exists,
+    /// and raises `event` when there was a row: unfollow, unblock, watchlist removal, a remote
+    /// actor's undone follow.
+    pub(super) async fn remove_pair(
+        &self,
+        job: &'static str,
+        sql: &'static str,
+        owner: UserId,
+        (first, second): (String, String),
+        event: impl FnOnce() -> NewEvent + Send + 'static,
+    ) -> Result<bool> {
+        self.db
+            .writer
+            .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    ensure_user(tx.conn(), owner).await?;
+                    let removed =
+                        sqlx::query(sql).bind(first).bind(second).execute(tx.conn()).await?.rows_affected() > 0;
+                    if removed {
+                        commit_events(tx, vec![event()]).await?;
+                    }
+                    Ok(removed)
+                })
+            })
+            .await
+    }
+
+    /// Blocks an account and severs follows in both directions, in one transaction.
+    pub async fn block(&self, actor: UserId, target: Target, key: Option<RequestKey>) -> Result<v1::SocialResponse> {
+        keyed_job!(self, "block", key, |tx| {
+            ensure_user(tx.conn(), actor).await?;
+            check_target(tx.conn(), actor, &target).await?;
+            let inserted =
+                sqlx::query("INSERT OR IGNORE INTO blocks (blocker_id, target, created_at) VALUES (?, ?, ?)")
+                    .bind(actor.to_string())
+                    .bind(target.key())
+                    .bind(tx.now_ms())
+                    .execute(tx.conn())
+                    .await?
+                    .rows_affected()
+                    > 0;
+            if !inserted {
+                return Ok(v1::SocialResponse { changed: false });
+            }
+            let mut events = vec![NewEvent::new(
+                actor,
+                Payload::Blocked(v1::Blocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) }),
+            )];
+            let outgoing = sqlx::query("DELETE FROM follows WHERE follower_id = ? AND target = ?")
+                .bind(actor.to_string())
+                .bind(target.key())
+                .execute(tx.conn())
+                .await?
+                .rows_affected();
+            if outgoing > 0 {
+                events.push(NewEvent::new(
+                    actor,
+                    Payload::Unfollowed(v1::Unfollowed {
+                        follower_id: actor.to_string(),
+                        target: Some(target.to_proto()),
+                    }),
+                ));
+            }
+            match &target {
+                Target::User(id) => {
+                    let incoming = sqlx::query("DELETE FROM follows WHERE follower_id = ? AND target = ?")
+                        .bind(id.to_string())
+                        .bind(Target::User(actor).key())
+                        .execute(tx.conn())
+                        .await?
+                        .rows_affected();
+                    if incoming > 0 {
+                        events.push(NewEvent::new(
+                            *id,
+                            Payload::Unfollowed(v1::Unfollowed {
+                                follower_id: id.to_string(),
+                                target: Some(Target::User(actor).to_proto()),
+                            }),
+                        ));
+                    }
+                }
+                Target::Actor(uri) => {
+                    // The federation handler delivers the Block, which tells the remote server
+                    // its follow is gone; no separate event is needed for the removed row.
+                    sqlx::query("DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?")
+                        .bind(actor.to_string())
+                        .bind(uri.clone())
+                        .execute(tx.conn())
+                        .await?;
+                }
+            }
+            commit_events(tx, events).await?;
+            Ok(v1::SocialResponse { changed: true })
+        })
+        .await
+    }
+
+    pub async fn unblock(&self, actor: UserId, target: Target) -> Result<bool> {
+        let sql = "DELETE FROM blocks WHERE blocker_id = ? AND target = ?";
+        let key = (actor.to_string(), target.key());
+        self.remove_pair("unblock", sql, actor, key, move || {
+            let payload = v1::Unblocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) };
+            NewEvent::new(actor, Payload::Unblocked(payload))
+        })
+        .await
+    }
+
+    /// Local and remote followers as account keys, ordered by key; `after` is the last key seen.
+    pub async fn list_followers(&self, user: UserId, limit: u32, after: &str) -> Result<Vec<String>> {
+        let keys = sqlx::query(
+            "SELECT k FROM (SELECT 'user:' || follower_id AS k FROM follows WHERE target = ?1 \
+                            UNION ALL SELECT 'actor:' || actor_uri FROM remote_followers WHERE user_id = ?2) \
+             WHERE k > ?3 ORDER BY k LIMIT ?4",
+        )
+        .bind(Target::User(user).key())
+        .bind(user.to_string())
+        .bind(after.to_owned())
+        .bind(i64::from(limit))
+        .fetch_all(&self.db.reads)
+        .await?;
+        Ok(keys.into_iter().map(|r| r.get(0)).collect())
+    }
+
+    pub async fn list_following(&self, user: UserId, limit: u32, after: &str) -> Result<Vec<String>> {
+        let keys =
+            sqlx::query("SELECT target FROM follows WHERE follower_id = ?1 AND target > ?2 ORDER BY target LIMIT ?3")
+                .bind(user.to_string())
+                .bind(after.to_owned())
+                .bind(i64::from(limit))
+                .fetch_all(&self.db.reads)
+                .await?;
+        Ok(keys.into_iter().map(|r| r.get(0)).collect())
+    }
+}

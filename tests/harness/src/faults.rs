@@ -1,0 +1,180 @@
+//! Faults injected into real processes: system calls made to fail through strace, a proxy that
+//! cuts a connection just as the answer comes back, and a small tmpfs that fills up.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::signal;
+
+/// strace attached to every thread of a process, making some of its system calls fail.
+pub struct Strace {
+    child: Option<Child>,
+    trace: PathBuf,
+    stderr: PathBuf,
+}
+
+impl Strace {
+    /// Makes `syscalls` of `pid` fail with `errno` on the calls `when` selects (strace's syntax:
+    /// `7+61` is the 7th call and every 61st after it, counted per thread). Returns once strace
+    /// has attached. strace, not a mock: the process really sees the error.
+    pub async fn inject(pid: u32, syscalls: &str, errno: &str, when: &str, dir: &Path) -> Self {
+        let name = format!("strace-{pid}-{}-{errno}", syscalls.replace(',', "+"));
+        let trace = dir.join(format!("{name}.trace"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        let child = Command::new("strace")
+            .args(["-f", "-o"])
+            .arg(&trace)
+            .args(["-e", &format!("trace={syscalls}")])
+            .args(["-e", &format!("inject={syscalls}:error={errno}:when={when}")])
+            .args(["-p", &pid.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).expect("create the strace log"))
+            .spawn()
+            .expect("run strace (scripts/install-test-tools installs it)");
+        let mut strace = Self { child: Some(child), trace, stderr };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = std::fs::read_to_string(&strace.stderr).unwrap_or_default();
+            if log.contains("attached") {
+                return strace;
+            }
+            if let Some(status) = strace.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("strace exited with {status} before attaching:\n{log}");
+            }
+            assert!(Instant::now() < deadline, "strace did not attach within 10 s:\n{log}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Detaches (the process runs on unharmed) and returns how many calls failed by injection.
+    pub async fn stop(mut self) -> usize {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "INT");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while child.try_wait().ok().flatten().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        std::fs::read_to_string(&self.trace).unwrap_or_default().lines().filter(|l| l.contains("(INJECTED)")).count()
+    }
+}
+
+impl Drop for Strace {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A TCP proxy in front of a server. Once told to, it lets the next request through and, when
+/// the server starts answering, closes the client's connection instead of passing the answer
+/// on: the server did the work, the client never hears of it (a connection killed mid-call).
+pub struct CuttingProxy {
+    pub addr: SocketAddr,
+    cut: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttingProxy {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cut);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else { continue };
+                tokio::spawn(relay(client, server, Arc::clone(&flag)));
+            }
+        });
+        Self { addr, cut, task }
+    }
+
+    /// The next answer bytes from the server (on any connection) kill that connection instead.
+    pub fn cut_next_answer(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn relay(client: TcpStream, server: TcpStream, cut: Arc<AtomicBool>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upstream = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    });
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let n = match server_read.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if cut.swap(false, Ordering::SeqCst) {
+            // Drop the answer and the connection.
+            break;
+        }
+        if client_write.write_all(&buffer[..n]).await.is_err() {
+            break;
+        }
+    }
+    upstream.abort();
+}
+
+/// A tmpfs of a fixed size, mounted for one test (the tests run as root) and unmounted after.
+pub struct Tmpfs {
+    pub path: PathBuf,
+}
+
+impl Tmpfs {
+    pub fn mount(path: &Path, size: &str) -> Self {
+        std::fs::create_dir_all(path).expect("create the tmpfs mount point");
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(path)
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "mounting a {size} tmpfs on {} failed (the tests need root)", path.display());
+        Self { path: path.to_owned() }
+    }
+
+    /// Fills the file system with a ballast file until a write fails (the disk is full).
+    pub fn fill(&self) -> PathBuf {
+        let ballast = self.path.join("ballast");
+        let mut file = std::fs::File::create(&ballast).expect("create the ballast");
+        let block = vec![0u8; 64 * 1024];
+        while std::io::Write::write_all(&mut file, &block).is_ok() {}
+        let _ = file.sync_all();
+        ballast
+    }
+
+    /// Frees the space `fill` took.
+    pub fn drain(&self) {
+        let _ = std::fs::remove_file(self.path.join("ballast"));
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}
