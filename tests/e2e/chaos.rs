@@ -15,12 +15,14 @@ use std::time::{Duration, Instant};
 
 use reelay_contracts::v1;
 use reelay_harness::{
-    Clients, NatsServer, Reelay, ReviewLedger, Strace, Tmpfs, movie_id_ref, outbox_rows, probe_records, temp_dir,
+    Clients, NatsServer, Reelay, ReviewLedger, Strace, Tmpfs, dead_letters, movie_id_ref, outbox_rows, probe_records,
+    temp_dir, unsettled,
 };
 use tonic::Code;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 const CLIENTS: usize = 6;
+const PROBES: [&str; 2] = ["probe-a", "probe-b"];
 /// How long a fault lasts.
 const HOLD: Duration = Duration::from_millis(1500);
 
@@ -171,7 +173,7 @@ impl Cluster {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
             let rows = outbox_rows(&self.db).await;
-            let open = rows.iter().any(|r| r.status == "pending" || r.status == "processing");
+            let open = !unsettled(&self.db, self.nats.is_some(), &PROBES).await.is_empty();
             let (effects, _) = probe_records(&self.effects, "effects").await;
             let delivered = rows
                 .iter()
@@ -341,7 +343,9 @@ struct Report {
     /// Stored although every attempt was told nothing was written.
     phantom: Vec<String>,
     split: Vec<String>,
-    stuck_rows: usize,
+    /// Work not settled once the system is quiet: rows no handler looked at, deliveries in
+    /// flight or waiting for a retry (db), rows the relay did not publish (nats).
+    stuck: Vec<String>,
     dead_lettered: usize,
     /// Events a probe handler never got.
     undelivered: Vec<String>,
@@ -355,7 +359,7 @@ impl Report {
             && self.duplicated.is_empty()
             && self.phantom.is_empty()
             && self.split.is_empty()
-            && self.stuck_rows == 0
+            && self.stuck.is_empty()
             && self.dead_lettered == 0
             && self.undelivered.is_empty()
     }
@@ -378,7 +382,7 @@ impl std::fmt::Display for Report {
         writeln!(f, "duplicated {} [{}]", self.duplicated.len(), show(&self.duplicated))?;
         writeln!(f, "phantom {} [{}]", self.phantom.len(), show(&self.phantom))?;
         writeln!(f, "split writes {} [{}]", self.split.len(), show(&self.split))?;
-        writeln!(f, "stuck outbox rows {}, dead-lettered {}", self.stuck_rows, self.dead_lettered)?;
+        writeln!(f, "stuck {} [{}], dead-lettered {}", self.stuck.len(), show(&self.stuck), self.dead_lettered)?;
         writeln!(f, "undelivered {} [{}]", self.undelivered.len(), show(&self.undelivered))?;
         write!(f, "handler effects re-run after a crash: {}", self.rerun_effects)
     }
@@ -418,8 +422,9 @@ async fn check(cluster: &Cluster, calls: &BTreeMap<String, Outcome>) -> Report {
         }
     }
     let rows = outbox_rows(&cluster.db).await;
-    report.stuck_rows = rows.iter().filter(|r| r.status == "pending" || r.status == "processing").count();
-    report.dead_lettered = rows.iter().filter(|r| r.status == "dead_lettered").count();
+    let nats = cluster.nats.is_some();
+    report.stuck = unsettled(&cluster.db, nats, &PROBES).await;
+    report.dead_lettered = dead_letters(&cluster.db, nats).await;
     let (effects, _) = probe_records(&cluster.effects, "effects").await;
     for id in rows.iter().filter_map(|r| r.event_id.as_ref()) {
         for handler in ["probe-a", "probe-b"] {

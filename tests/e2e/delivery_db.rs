@@ -1,345 +1,533 @@
-//! Delivery on the db backend with real processes: the write service's Outbox and Ledger APIs,
-//! handler processes consuming through them, crashes, outages and retries. Effects are counted
-//! by probe handlers (test builds only) in their own SQLite table.
+//! Delivery on the db backend with real processes: per-handler deliveries through the write
+//! service's Outbox API, handler subsets and replicas in separate processes, crashes and
+//! take-overs, retries, outages, the upgrade of a database with work in flight, and recovery of
+//! a killed `reelay run`. Effects are counted by probe handlers (test builds only) in their own
+//! SQLite file.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::time::Duration;
 
-use reelay_contracts::v1;
-use reelay_harness::{Clients, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir};
+use prost::Message;
+use reelay_contracts::v1::{self, search_client::SearchClient};
+use reelay_harness::{Backend, Cluster, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
-fn probe_env<'a>(effects: &'a str, probes: &'a str) -> Vec<(&'a str, &'a str)> {
-    vec![("REELAY_PROBE_DB", effects), ("REELAY_PROBE_HANDLERS", probes)]
+async fn effects(path: &Path) -> HashMap<(String, String), usize> {
+    probe_records(path, "effects").await.0
 }
 
-async fn effects(path: &Path) -> (HashMap<(String, String), usize>, HashSet<String>) {
-    probe_records(path, "effects").await
-}
-
-async fn stats(c: &mut Clients) -> v1::StatsResponse {
-    c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner()
-}
-
-async fn row(db: &Path, event_id: &str) -> (String, i64, i64) {
-    let r = query_strings(
+/// The delivery state of (event, handler): status, attempts, available_at.
+async fn delivery(db: &Path, event_id: &str, handler: &str) -> Option<(String, i64, i64)> {
+    let rows = query_strings(
         db,
-        &format!("SELECT status, CAST(attempts AS TEXT), CAST(available_at AS TEXT) FROM event_queue WHERE event_id = '{event_id}'"),
+        &format!(
+            "SELECT status, CAST(attempts AS TEXT), CAST(COALESCE(available_at, 0) AS TEXT) FROM processed_events \
+             WHERE event_id = '{event_id}' AND handler = '{handler}'"
+        ),
     )
     .await;
-    (r[0][0].clone(), r[0][1].parse().unwrap(), r[0][2].parse().unwrap())
+    rows.first().map(|r| (r[0].clone(), r[1].parse().unwrap(), r[2].parse().unwrap()))
+}
+
+/// True when the probe handlers have looked at every row and have nothing in flight (the write
+/// service also registers `search`, which these tests do not run).
+async fn settled(c: &mut reelay_harness::Clients) -> bool {
+    let s = c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    s.handlers
+        .iter()
+        .filter(|h| h.handler.starts_with("probe-"))
+        .all(|h| h.behind == 0 && h.in_progress == 0 && h.retrying == 0)
 }
 
 fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
 }
 
+/// probe-a in one process, probe-b in two replicas of another; one probe-b replica is killed
+/// mid-batch. Every (event, handler) effect happens, each once, apart from the one duplicate
+/// the ADR accepts (a replica killed after an effect and before its settle): those, if any,
+/// must be the killed replica's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_handler_processes_apply_every_effect_exactly_once() {
+async fn handler_subsets_and_replicas_in_separate_processes_apply_each_effect_once() {
     let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let effects_db = dir.path().join("effects.db");
-    let effects_path = effects_db.to_str().unwrap();
-    let mut write = Reelay::start_write(BIN, &db, &[]).await;
-    let mut env = probe_env(effects_path, "probe-a,probe-b");
-    env.push(("REELAY_CONSUMER_BATCH", "16"));
-    let (dir_a, dir_b) = (dir.path().join("a"), dir.path().join("b"));
-    let mut one = Reelay::start_handlers(BIN, &write, &dir_a, &env).await;
-    let mut two = Reelay::start_handlers(BIN, &write, &dir_b, &env).await;
-
-    // A few thousand events from concurrent writers while both consumers run.
-    let c = write.clients().await;
-    let users = 8;
-    let reviews_per_user = 300;
-    let mut tasks = Vec::new();
-    for u in 0..users {
-        let mut c = c.clone();
-        tasks.push(tokio::spawn(async move {
-            let user = c.user(&format!("user{u}")).await;
-            for i in 0..reviews_per_user {
-                let movie = reelay_harness::movie_ref(&format!("Film {}", i % 50), 2000 + (i % 20));
-                c.reviews
-                    .log_review(v1::LogReviewRequest {
-                        actor_user_id: user.clone(),
-                        movie,
-                        rating: 7,
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap();
-            }
-        }));
-    }
-    for task in tasks {
-        task.await.unwrap();
-    }
-    let ids = event_ids(&db).await;
-    assert!(ids.len() >= 2_000, "{} events", ids.len());
-    let mut c = c;
-    eventually("every event is handled by both probes", Duration::from_secs(120), || {
-        let (effects_db, expected) = (effects_db.clone(), ids.len() * 2);
-        async move { effects(&effects_db).await.0.len() == expected }
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a,probe-b")
+        .env("REELAY_CONSUMER_BATCH", "16")
+        // The killed replica's claims come back after 3 s without renewal.
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .handlers(&[("REELAY_HANDLERS", "probe-a")])
+        .handlers(&[("REELAY_HANDLERS", "probe-b")])
+        .handlers(&[("REELAY_HANDLERS", "probe-b"), ("REELAY_PROBE_DELAY_MS", "probe-b=200")])
+        .start(dir.path())
+        .await;
+    let c = cluster.write.clients().await;
+    let killed_pid = cluster.handlers[2].pid().to_string();
+    let writers: Vec<_> = (0..6)
+        .map(|u| {
+            let mut c = c.clone();
+            tokio::spawn(async move {
+                let user = c.user(&format!("user{u}")).await;
+                for i in 0..150 {
+                    let movie = reelay_harness::movie_ref(&format!("Film {}", i % 40), 2000 + (i % 10));
+                    c.review(&user, movie, 7).await;
+                }
+            })
+        })
+        .collect();
+    // Kill the slow replica while it works.
+    let effects_file = cluster.effects.clone();
+    let killed = killed_pid.clone();
+    eventually("the slow replica is working", Duration::from_secs(30), || {
+        let (effects_file, killed) = (effects_file.clone(), killed.clone());
+        async move { probe_records(&effects_file, "attempts").await.1.contains(&killed) }
     })
     .await;
-    eventually("the outbox is drained", Duration::from_secs(30), || {
-        let mut c = c.clone();
-        async move {
-            let s = stats(&mut c).await;
-            s.pending == 0 && s.processing == 0
-        }
+    cluster.handlers[2].kill();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let ids = event_ids(&cluster.db).await;
+    assert!(ids.len() >= 900, "{} events", ids.len());
+    eventually("every event reaches both handlers", Duration::from_secs(120), || {
+        let (effects_file, expected) = (cluster.effects.clone(), ids.len() * 2);
+        async move { effects(&effects_file).await.len() == expected }
     })
     .await;
-    let (counts, pids) = effects(&effects_db).await;
-    let duplicated: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(duplicated.is_empty(), "effects applied more than once: {duplicated:?}");
+    eventually("nothing is left in flight", Duration::from_secs(30), || {
+        let mut c = c.clone();
+        async move { settled(&mut c).await }
+    })
+    .await;
+    let counts = effects(&cluster.effects).await;
+    let rerun_by: HashMap<(String, String), HashSet<String>> = {
+        let rows = query_strings(&cluster.effects, "SELECT event_id, handler, CAST(pid AS TEXT) FROM effects").await;
+        rows.into_iter().fold(HashMap::new(), |mut m, r| {
+            m.entry((r[0].clone(), r[1].clone())).or_default().insert(r[2].clone());
+            m
+        })
+    };
     for id in &ids {
-        for probe in ["probe-a", "probe-b"] {
-            assert_eq!(counts.get(&(id.clone(), probe.to_owned())), Some(&1), "{probe} on {id}");
+        assert_eq!(counts.get(&(id.clone(), "probe-a".to_owned())), Some(&1), "probe-a on {id}");
+        let b = (id.clone(), "probe-b".to_owned());
+        match counts.get(&b) {
+            Some(1) => {}
+            Some(_) => assert!(rerun_by[&b].contains(&killed_pid), "{id} ran twice, not because of the kill"),
+            None => panic!("probe-b never handled {id}"),
         }
     }
-    assert_eq!(pids.len(), 2, "both handler processes took part");
-    let s = stats(&mut c).await;
-    assert_eq!((s.done as usize, s.dead_lettered), (ids.len(), 0));
-    let spent = query_strings(&db, "SELECT CAST(SUM(attempts) AS TEXT) FROM event_queue").await;
+    let (_, pids) = probe_records(&cluster.effects, "effects").await;
+    for live in &cluster.handlers[..2] {
+        assert!(pids.contains(&live.pid().to_string()), "process {} took part: {pids:?}", live.pid());
+    }
+    let spent =
+        query_strings(&cluster.db, "SELECT CAST(COALESCE(SUM(attempts), 0) AS TEXT) FROM processed_events").await;
     assert_eq!(spent[0][0], "0", "no attempt was spent");
-    one.stop().await;
-    two.stop().await;
-    write.stop().await;
+    cluster.handlers.truncate(2);
+    cluster.stop().await;
 }
 
+/// A consumer dies inside the handler; another takes the delivery over once its lease runs out
+/// (it is no longer renewed), under a newer token; the dead owner's late settle changes nothing.
 #[tokio::test]
-async fn a_killed_handler_process_is_taken_over_and_its_late_complete_rejected() {
+async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused() {
     let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let effects_db = dir.path().join("effects.db");
-    let leases = [("REELAY_OUTBOX_LEASE_MS", "1500"), ("REELAY_LEDGER_LEASE_MS", "1500")];
-    let mut write = Reelay::start_write(BIN, &db, &leases).await;
-    let mut c = write.clients().await;
-
-    // The first consumer claims the event, then hangs inside the handler until it is killed.
-    let mut env = probe_env(effects_db.to_str().unwrap(), "probe-a");
-    env.push(("REELAY_PROBE_DELAY_MS", "600000"));
-    let mut doomed = Reelay::start_handlers(BIN, &write, &dir.path().join("doomed"), &env).await;
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "1500")
+        .handlers(&[("REELAY_PROBE_DELAY_MS", "600000")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
     c.user("ana").await;
-    let event_id = event_ids(&db).await.remove(0);
-    let claim_sql =
-        format!("SELECT status, CAST(started_at AS TEXT) FROM processed_events WHERE event_id = '{event_id}'");
-    eventually("the first consumer holds the ledger claim", Duration::from_secs(20), || {
-        let (db, sql) = (db.clone(), claim_sql.clone());
-        async move { !query_strings(&db, &sql).await.is_empty() }
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    let claim_sql = format!(
+        "SELECT status, CAST(started_at AS TEXT) FROM processed_events WHERE event_id = '{event_id}' AND handler = 'probe-a'"
+    );
+    eventually("the first consumer holds the delivery", Duration::from_secs(20), || {
+        let (db, sql) = (cluster.db.clone(), claim_sql.clone());
+        async move { query_strings(&db, &sql).await.first().is_some_and(|r| r[0] == "in_progress") }
     })
     .await;
-    let stale_token: i64 = query_strings(&db, &claim_sql).await[0][1].parse().unwrap();
-    doomed.kill();
+    let stale_token: i64 = query_strings(&cluster.db, &claim_sql).await[0][1].parse().unwrap();
+    // Renewed while it lives: still its own after twice the lease.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(query_strings(&cluster.db, &claim_sql).await[0][1].parse::<i64>().unwrap(), stale_token);
+    cluster.handlers[0].kill();
 
-    // A second consumer takes over the row and the claim once the leases run out.
-    let survivor = Reelay::start_handlers(
+    let mut survivor = Reelay::start_handlers(
         BIN,
-        &write,
+        &cluster.write,
         &dir.path().join("survivor"),
-        &probe_env(effects_db.to_str().unwrap(), "probe-a"),
+        &[("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
     )
     .await;
     eventually("the survivor handles the event", Duration::from_secs(30), || {
-        let db = db.clone();
-        let id = event_id.clone();
-        async move { row(&db, &id).await.0 == "done" }
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
     })
     .await;
-    let (counts, _) = effects(&effects_db).await;
-    assert_eq!(counts.get(&(event_id.clone(), "probe-a".to_owned())), Some(&1));
-    assert_eq!(counts.len(), 1);
-    let ledger = query_strings(&db, &claim_sql).await;
-    assert_eq!(ledger[0][0], "done");
-    assert!(ledger[0][1].parse::<i64>().unwrap() > stale_token, "the take-over got a newer token");
-    assert!(survivor.log_text().contains("taking over") || write.log_text().contains("taking over"));
+    assert_eq!(effects(&cluster.effects).await.get(&(event_id.clone(), "probe-a".to_owned())), Some(&1));
+    let taken: i64 = query_strings(&cluster.db, &claim_sql).await[0][1].parse().unwrap();
+    assert!(taken > stale_token, "the take-over got a newer token");
+    assert!(cluster.write.log_text().contains("taking over a delivery"), "the take-over is logged");
+    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 0, "no attempt spent");
 
-    // The killed owner's late Complete (and Release) change nothing.
-    let late = v1::OwnedKey {
-        key: Some(v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }),
-        token: stale_token,
-    };
-    let reply = c.ledger.complete(v1::LedgerSettleRequest { keys: vec![late.clone()] }).await.unwrap().into_inner();
-    assert_eq!(reply.owned, vec![false], "claim lost");
-    let reply = c.ledger.release(v1::LedgerSettleRequest { keys: vec![late] }).await.unwrap().into_inner();
-    assert_eq!(reply.owned, vec![false]);
-    assert_eq!(query_strings(&db, &claim_sql).await[0][0], "done");
-    write.stop().await;
+    // The dead owner's late settle and renewal are refused and change nothing.
+    let claim = v1::DeliveryClaim { key: event_id.clone(), token: stale_token };
+    let late = c
+        .outbox
+        .settle_deliveries(v1::SettleDeliveriesRequest {
+            handler: "probe-a".into(),
+            settlements: vec![v1::DeliverySettlement {
+                claim: Some(claim.clone()),
+                outcome: Some(v1::delivery_settlement::Outcome::Failed(v1::DeliveryFailure {
+                    error: "late".into(),
+                    terminal: true,
+                })),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(late.lost, vec![event_id.clone()]);
+    let renewed = c
+        .outbox
+        .renew_deliveries(v1::RenewDeliveriesRequest { handler: "probe-a".into(), claims: vec![claim] })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(renewed.lost, vec![event_id.clone()]);
+    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().0, "done");
+    survivor.stop().await;
+    cluster.handlers.clear();
+    cluster.stop().await;
 }
 
+/// Someone else holds (event, probe-a) and stops renewing it: the consumer waits for the lease
+/// to run out, then runs the handler, without spending an attempt.
 #[tokio::test]
-async fn a_claim_held_elsewhere_defers_without_spending_an_attempt() {
+async fn a_claim_held_elsewhere_waits_out_its_lease_without_spending_an_attempt() {
     let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let effects_db = dir.path().join("effects.db");
-    let mut write = Reelay::start_write(BIN, &db, &[("REELAY_LEDGER_LEASE_MS", "120000")]).await;
-    let mut c = write.clients().await;
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
     c.user("ana").await;
-    let event_id = event_ids(&db).await.remove(0);
-    // Someone else holds (event, probe-a).
-    let claim =
-        v1::LedgerClaimRequest { keys: vec![v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }] };
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    let claim = v1::LedgerClaimRequest {
+        keys: vec![v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }],
+        owner: "elsewhere#1".into(),
+    };
     let reply = c.ledger.claim(claim.clone()).await.unwrap().into_inner();
     let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.claims[0].outcome else { panic!("{reply:?}") };
     let again = c.ledger.claim(claim).await.unwrap().into_inner();
-    assert_eq!(again.claims[0].outcome, Some(v1::ledger_claim::Outcome::HeldUntilMs(token + 120_000)));
+    assert_eq!(again.claims[0].outcome, Some(v1::ledger_claim::Outcome::HeldUntilMs(token + 3_000)));
 
-    let handlers =
-        Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &probe_env(effects_db.to_str().unwrap(), "probe-a"))
-            .await;
-    eventually("the delivery is deferred to the lease expiry", Duration::from_secs(20), || {
-        let (db, id) = (db.clone(), event_id.clone());
-        async move { row(&db, &id).await == ("pending".to_owned(), 0, token + 120_000) }
+    let started = now_ms();
+    let mut handlers = Reelay::start_handlers(
+        BIN,
+        &cluster.write,
+        &dir.path().join("h"),
+        &[("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
+    )
+    .await;
+    eventually("the delivery runs once the other claim lapses", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
     })
     .await;
-    assert!(effects(&effects_db).await.0.is_empty(), "the handler did not run");
-    drop(handlers);
-    write.stop().await;
+    let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
+    let attempt_at: i64 =
+        query_strings(&cluster.effects, "SELECT CAST(MIN(at) AS TEXT) FROM attempts").await[0][0].parse().unwrap();
+    assert!(attempt_at >= token + 3_000, "not before the lease ran out ({} ms after start)", attempt_at - started);
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 0, "no attempt spent");
+    handlers.stop().await;
+    cluster.stop().await;
 }
 
 #[tokio::test]
 async fn a_failing_handler_retries_on_the_backoff_schedule_and_dead_letters() {
-    let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let effects_db = dir.path().join("effects.db");
-    let mut env = probe_env(effects_db.to_str().unwrap(), "probe-a");
-    env.push(("REELAY_PROBE_FAIL", "1"));
-
     // With 3 attempts allowed, the first failure schedules the next delivery 5 s later.
-    let mut write = Reelay::start_write(BIN, &db, &[("EVENT_QUEUE_MAX_ATTEMPTS", "3")]).await;
-    let mut c = write.clients().await;
-    let mut handlers = Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &env).await;
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_PROBE_FAIL", "1")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "3")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
     let before = now_ms();
     c.user("ana").await;
-    let event_id = event_ids(&db).await.remove(0);
+    let event_id = event_ids(&cluster.db).await.remove(0);
     eventually("the first delivery fails", Duration::from_secs(20), || {
-        let (db, id) = (db.clone(), event_id.clone());
-        async move { row(&db, &id).await.1 == 1 }
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.1 == 1) }
     })
     .await;
     let after = now_ms();
-    let (status, attempts, available_at) = row(&db, &event_id).await;
-    assert_eq!((status.as_str(), attempts), ("pending", 1));
+    let (status, _, available_at) = delivery(&cluster.db, &event_id, "probe-a").await.unwrap();
+    assert_eq!(status, "retry");
     assert!(
         (before + 5_000..=after + 5_000).contains(&available_at),
         "next try 5 s after the failure: {available_at} in [{before}+5s, {after}+5s]"
     );
-    let error = query_strings(&db, &format!("SELECT last_error FROM event_queue WHERE event_id = '{event_id}'")).await;
+    let error =
+        query_strings(&cluster.db, &format!("SELECT last_error FROM processed_events WHERE event_id = '{event_id}'"))
+            .await;
     assert!(error[0][0].contains("fails on purpose"), "{error:?}");
-    // The ledger claim was released, so the retry can claim at once.
-    let ledger =
-        query_strings(&db, &format!("SELECT COUNT(*) || '' FROM processed_events WHERE event_id = '{event_id}'")).await;
-    assert_eq!(ledger[0][0], "0");
-    handlers.stop().await;
-    write.stop().await;
+    cluster.stop().await;
 
-    // With one attempt allowed, the first failure dead-letters the row.
+    // With one attempt allowed, the first failure dead-letters it for that handler.
     let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let mut write = Reelay::start_write(BIN, &db, &[("EVENT_QUEUE_MAX_ATTEMPTS", "1")]).await;
-    let mut c = write.clients().await;
-    let mut handlers = Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &env).await;
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_PROBE_FAIL", "1")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "1")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
     c.user("ana").await;
-    let event_id = event_ids(&db).await.remove(0);
-    eventually("the row is dead-lettered", Duration::from_secs(20), || {
-        let (db, id) = (db.clone(), event_id.clone());
-        async move { row(&db, &id).await.0 == "dead_lettered" }
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("the delivery is dead-lettered", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "dead_lettered") }
     })
     .await;
-    assert_eq!(stats(&mut c).await.dead_lettered, 1);
-    assert!(write.log_text().contains("outbox row dead-lettered"));
-    handlers.stop().await;
-    write.stop().await;
+    let stats = c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    let probe = stats.handlers.iter().find(|h| h.handler == "probe-a").unwrap();
+    assert_eq!(probe.dead_lettered, 1);
+    assert!(cluster.write.log_text().contains("delivery dead-lettered for this handler"));
+    cluster.stop().await;
 }
 
 #[tokio::test]
 async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
     let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let effects_db = dir.path().join("effects.db");
-    // A claim the write service committed just before it was killed never reaches its claimer;
-    // the row (or ledger key) comes back when the lease runs out. Leases shorter than the
-    // defaults keep that wait inside the test's patience, and longer than the 4 s outage, so a
-    // live claim is never taken over (which would legitimately run a handler twice).
-    let leases = [("REELAY_OUTBOX_LEASE_MS", "12000"), ("REELAY_LEDGER_LEASE_MS", "12000")];
-    let mut write = Reelay::start_write(BIN, &db, &leases).await;
-    let mut c = write.clients().await;
-    let mut env = probe_env(effects_db.to_str().unwrap(), "probe-a");
-    // Long enough for the write service to go down while the handler runs.
-    env.push(("REELAY_PROBE_DELAY_MS", "1000"));
-    let mut handlers = Reelay::start_handlers(BIN, &write, &dir.path().join("h"), &env).await;
+    // Leases longer than the 4 s outage: a live claim is never taken over.
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "12000")
+        .handlers(&[("REELAY_PROBE_DELAY_MS", "1000")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
     for i in 0..6 {
         c.user(&format!("user{i}")).await;
     }
-    let ids = event_ids(&db).await;
-    eventually("the consumer is inside the handlers", Duration::from_secs(20), || {
-        let db = db.clone();
+    let ids = event_ids(&cluster.db).await;
+    eventually("the consumer is inside the handler", Duration::from_secs(20), || {
+        let db = cluster.db.clone();
         async move { !query_strings(&db, "SELECT 1 FROM processed_events WHERE status = 'in_progress'").await.is_empty() }
     })
     .await;
-    // The ledger and the outbox go away while handlers run and consumers poll.
-    write.kill();
+    cluster.write.kill();
     tokio::time::sleep(Duration::from_secs(4)).await;
-    write.restart().await;
-    let mut c = write.clients().await;
+    cluster.write.restart().await;
+    let mut c = cluster.write.clients().await;
     eventually("everything is delivered after the outage", Duration::from_secs(60), || {
         let mut c = c.clone();
-        async move {
-            let s = stats(&mut c).await;
-            s.pending == 0 && s.processing == 0
-        }
+        async move { settled(&mut c).await }
     })
     .await;
-    let s = stats(&mut c).await;
-    assert_eq!((s.done as usize, s.dead_lettered), (ids.len(), 0));
-    let spent = query_strings(&db, "SELECT CAST(SUM(attempts) AS TEXT) FROM event_queue").await;
-    assert_eq!(spent[0][0], "0", "the outage spent no attempt");
-    let (counts, _) = effects(&effects_db).await;
+    let counts = effects(&cluster.effects).await;
     for id in &ids {
         assert_eq!(counts.get(&(id.clone(), "probe-a".to_owned())), Some(&1), "{id}");
+        assert_eq!(delivery(&cluster.db, id, "probe-a").await.unwrap().0, "done");
     }
-    assert!(handlers.log_text().contains("pausing consumption"), "the consumer paused");
-    handlers.stop().await;
-    write.stop().await;
+    let spent = query_strings(&cluster.db, "SELECT CAST(SUM(attempts) AS TEXT) FROM processed_events").await;
+    assert_eq!(spent[0][0], "0", "the outage spent no attempt");
+    let stats = c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!(stats.handlers.iter().map(|h| h.dead_lettered).sum::<u64>(), 0);
+    assert!(cluster.handlers[0].log_text().contains("pausing consumption"), "the consumer paused");
+    cluster.stop().await;
 }
 
 #[tokio::test]
 async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
     let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let effects_db = dir.path().join("effects.db");
-    let mut write = Reelay::start_write(BIN, &db, &[]).await;
-    let mut c = write.clients().await;
+    let cluster = Cluster::builder(BIN, Backend::Db).probes("probe-a,probe-b").start(dir.path()).await;
+    let mut c = cluster.write.clients().await;
     c.user("ana").await;
-    let event_id = event_ids(&db).await.remove(0);
-    // probe-a already finished this event (an earlier delivery); probe-b has not.
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    // probe-a already finished this event (through the ledger); probe-b has not.
     let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
-    let reply = c.ledger.claim(v1::LedgerClaimRequest { keys: vec![key.clone()] }).await.unwrap().into_inner();
-    let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.claims[0].outcome else { panic!("{reply:?}") };
-    let done = c
-        .ledger
-        .complete(v1::LedgerSettleRequest { keys: vec![v1::OwnedKey { key: Some(key), token }] })
-        .await
-        .unwrap();
-    assert_eq!(done.into_inner().owned, vec![true]);
+    let reply =
+        c.ledger.claim(v1::LedgerClaimRequest { keys: vec![key.clone()], owner: "test#1".into() }).await.unwrap();
+    let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.into_inner().claims[0].outcome else { panic!() };
+    let done = c.ledger.complete(v1::LedgerSettleRequest { keys: vec![v1::OwnedKey { key: Some(key), token }] }).await;
+    assert_eq!(done.unwrap().into_inner().owned, vec![true]);
 
     let mut handlers = Reelay::start_handlers(
         BIN,
-        &write,
+        &cluster.write,
         &dir.path().join("h"),
-        &probe_env(effects_db.to_str().unwrap(), "probe-a,probe-b"),
+        &[("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
     )
     .await;
-    eventually("the redelivery completes", Duration::from_secs(20), || {
-        let (db, id) = (db.clone(), event_id.clone());
-        async move { row(&db, &id).await.0 == "done" }
+    eventually("probe-b runs", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-b").await.is_some_and(|d| d.0 == "done") }
     })
     .await;
-    let (counts, _) = effects(&effects_db).await;
+    eventually("nothing is left", Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { settled(&mut c).await }
+    })
+    .await;
+    let counts = effects(&cluster.effects).await;
     assert_eq!(counts.get(&(event_id.clone(), "probe-a".to_owned())), None, "the done handler was skipped");
     assert_eq!(counts.get(&(event_id.clone(), "probe-b".to_owned())), Some(&1), "its sibling ran");
     handlers.stop().await;
-    write.stop().await;
+    cluster.stop().await;
+}
+
+/// A database at the previous schema (migration 0102), its outbox holding rows in every
+/// status and a ledger with some work done: after the upgrade, pending and processing work is
+/// delivered to every handler once, done work is not redone, dead letters stay dead.
+#[tokio::test]
+async fn an_upgraded_database_delivers_its_pending_work_to_every_handler_once() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let out =
+        std::process::Command::new(BIN).args(["migrate", "--to", "102"]).env("REELAY_DATABASE", &db).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut rows = Vec::new(); // (event id, status)
+    {
+        use sqlx::{ConnectOptions, Connection};
+        let mut conn = sqlx::sqlite::SqliteConnectOptions::new().filename(&db).connect().await.unwrap();
+        for i in 0..40 {
+            let status = ["pending", "processing", "done", "dead_lettered"][i % 4];
+            let event_id = uuid_v4(i);
+            let event = v1::Event {
+                event_id: event_id.clone(),
+                event_type: "MovieDeleted".into(),
+                aggregate_id: format!("m{i}"),
+                occurred_at_ms: 1,
+                traceparent: String::new(),
+                payload: Some(v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: format!("m{i}") })),
+            };
+            sqlx::query(
+                "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, available_at, created_at, claimed_at) \
+                 VALUES (?, 'MovieDeleted', ?, ?, ?, 0, 0, 0, ?)",
+            )
+            .bind(&event_id)
+            .bind(format!("m{i}"))
+            .bind(event.encode_to_vec())
+            .bind(status)
+            .bind((status == "processing").then_some(1i64))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+            rows.push((event_id, status));
+        }
+        // probe-a already finished the first pending row under the old model.
+        sqlx::query("INSERT INTO processed_events (event_id, handler, status, started_at, processed_at) VALUES (?, 'probe-a', 'done', 1, 2)")
+            .bind(&rows[0].0)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+    }
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .database(&db)
+        .probes("probe-a,probe-b")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let open: Vec<&(String, &str)> = rows.iter().filter(|(_, s)| matches!(*s, "pending" | "processing")).collect();
+    eventually("the pending work reaches both handlers", Duration::from_secs(30), || {
+        let (effects_file, expected) = (cluster.effects.clone(), open.len() * 2 - 1);
+        async move { effects(&effects_file).await.len() == expected }
+    })
+    .await;
+    let c = cluster.write.clients().await;
+    eventually("nothing is left", Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { settled(&mut c).await }
+    })
+    .await;
+    let counts = effects(&cluster.effects).await;
+    for (event_id, status) in &rows {
+        for handler in ["probe-a", "probe-b"] {
+            let n = counts.get(&(event_id.clone(), handler.to_owned())).copied().unwrap_or(0);
+            let expected = match *status {
+                "pending" | "processing" if event_id == &rows[0].0 && handler == "probe-a" => 0,
+                "pending" | "processing" => 1,
+                _ => 0,
+            };
+            assert_eq!(n, expected, "{handler} on a {status} row");
+        }
+    }
+    cluster.stop().await;
+}
+
+fn uuid_v4(i: usize) -> String {
+    format!("{:08x}-0000-4000-8000-{:012x}", 0x1000 + i, i)
+}
+
+/// `reelay run` with default settings is SIGKILLed during steady writes and restarted at once:
+/// every acknowledged review is searchable within seconds of the restart, each once. The
+/// restarted process recognises its dead predecessor's claims and takes them back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_all(BIN, &db, &[]).await;
+    let mut c = reelay.clients().await;
+    let user = c.user("ana").await;
+    let movie = c.review(&user, reelay_harness::movie_ref("Heat", 1995), 8).await.movie_id;
+    let writer = {
+        let c = c.clone();
+        let (user, movie) = (user.clone(), movie.clone());
+        tokio::spawn(async move {
+            let mut acknowledged = Vec::new();
+            for i in 0.. {
+                let marker = format!("crashmark{i:04}");
+                let request = v1::LogReviewRequest {
+                    actor_user_id: user.clone(),
+                    movie: reelay_harness::movie_id_ref(&movie),
+                    rating: 6,
+                    body: format!("{marker} steady"),
+                    ..Default::default()
+                };
+                match c.clone().reviews.log_review(request).await {
+                    Ok(_) => acknowledged.push(marker),
+                    Err(_) => return acknowledged,
+                }
+            }
+            acknowledged
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    reelay.kill();
+    let acknowledged = writer.await.unwrap();
+    assert!(acknowledged.len() > 20, "{} reviews before the crash", acknowledged.len());
+    reelay.restart().await;
+    let restarted = std::time::Instant::now();
+    let search = SearchClient::new(reelay.handlers_channel().await);
+    for marker in &acknowledged {
+        eventually(&format!("{marker} is searchable"), Duration::from_secs(15), || {
+            let (mut search, marker) = (search.clone(), marker.clone());
+            async move {
+                let hits = search
+                    .search_reviews(v1::SearchReviewsRequest { query: marker.clone(), ..Default::default() })
+                    .await
+                    .map(|r| r.into_inner().hits)
+                    .unwrap_or_default();
+                hits.len() == 1
+            }
+        })
+        .await;
+    }
+    let took = restarted.elapsed();
+    eprintln!("{} acknowledged reviews searchable {took:?} after the restart", acknowledged.len());
+    assert!(took < Duration::from_secs(15), "recovery took {took:?}");
+    reelay.stop().await;
 }

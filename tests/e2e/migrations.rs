@@ -72,7 +72,7 @@ async fn upgrading_a_pre_outbox_database_backfills_a_distinct_event_id_per_row()
 
     let ledger = query_strings(&db, "SELECT name FROM pragma_table_info('processed_events') ORDER BY cid").await;
     let ledger: Vec<&str> = ledger.iter().map(|r| r[0].as_str()).collect();
-    assert_eq!(ledger, ["event_id", "handler", "status", "started_at", "processed_at"]);
+    assert_eq!(&ledger[..5], ["event_id", "handler", "status", "started_at", "processed_at"], "0101's ledger");
 
     // A foreign writer may still insert without an id; a repeated id is refused.
     let mut conn = sqlite(&db).await;

@@ -556,7 +556,13 @@ pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
                 let keys: Vec<v1::LedgerKey> = (0..batch)
                     .map(|_| v1::LedgerKey { event_id: uuid::Uuid::new_v4().to_string(), handler: "bench".into() })
                     .collect();
-                let claims = c.ledger.claim(v1::LedgerClaimRequest { keys }).await.expect("claim").into_inner().claims;
+                let claims = c
+                    .ledger
+                    .claim(v1::LedgerClaimRequest { keys, owner: "bench#1".into() })
+                    .await
+                    .expect("claim")
+                    .into_inner()
+                    .claims;
                 let owned = claims
                     .into_iter()
                     .map(|claim| match claim.outcome {

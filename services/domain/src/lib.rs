@@ -1,7 +1,7 @@
 //! Reelay's domain: identifiers, validation rules, the event catalogue and the retry policy.
 //!
-//! Nothing here does I/O or awaits; storage and transport live in `reelay-outbox`,
-//! `reelay-runtime` and the services.
+//! Nothing here does I/O or awaits; storage and transport live in `reelay-outbox`, `reelay-kit`,
+//! `reelay-delivery` and the services.
 
 pub mod events;
 pub mod ids;

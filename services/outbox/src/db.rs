@@ -67,7 +67,7 @@ impl DbConfig {
         // Switching a fresh file to WAL needs a moment alone with it; another process migrating
         // the same file can hold it, and that lock does not wait on the busy timeout.
         let options = self.options().create_if_missing(true);
-        let mut backoff = crate::migrate::StartupRetry::default();
+        let mut backoff = crate::migrate::startup_retry();
         let mut conn = loop {
             match options.connect().await {
                 Err(error) if is_busy(&error) && backoff.wait("opening the database", &error).await => {}

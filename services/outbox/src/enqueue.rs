@@ -48,7 +48,7 @@ pub(crate) struct OutboxInsert {
 /// delivered.
 pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<EnqueuedEvent>, EnqueueError> {
     // Benchmark builds only: measure what the write path costs without its events.
-    if crate::failpoint_armed("skip_events") {
+    if reelay_kit::failpoint_armed("skip_events") {
         return Ok(Vec::new());
     }
     let at = tx.now_ms();

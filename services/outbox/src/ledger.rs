@@ -2,8 +2,13 @@
 //!
 //! A claim inserts `in_progress` with the claim's millisecond start time, which is the owner's
 //! token; completing (`done`) and releasing (delete) are conditioned on it, so a worker whose
-//! claim was taken over after the lease cannot clobber the newer claim. Every function takes a
+//! claim was taken over cannot clobber the newer claim. The owner renews its claim while the
+//! handler runs (`renewed_at`); a claim not renewed for the lease may be taken over, so a dead
+//! worker's claims come back in seconds while a live one keeps its own. Every function takes a
 //! batch and runs inside one writer job; the clock is an argument so tests can inject time.
+//!
+//! On the db backend the same rows also carry each handler's delivery state (see
+//! [`crate::deliveries`]): `retry` rows are free to claim, `dead_lettered` ones count as settled.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -14,7 +19,7 @@ use crate::WriteTx;
 
 #[derive(Debug, Clone, Copy)]
 pub struct LedgerPolicy {
-    /// A claim older than this may be taken over (its worker is presumed dead).
+    /// A claim not renewed for this long may be taken over (its worker is presumed dead).
     pub lease: Duration,
     /// Done rows older than this are purged.
     pub retention: Duration,
@@ -22,7 +27,7 @@ pub struct LedgerPolicy {
 
 impl Default for LedgerPolicy {
     fn default() -> Self {
-        Self { lease: Duration::from_secs(1800), retention: Duration::from_secs(30 * 24 * 3600) }
+        Self { lease: Duration::from_secs(30), retention: Duration::from_secs(30 * 24 * 3600) }
     }
 }
 
@@ -49,11 +54,12 @@ fn tuples(n: usize, arity: usize) -> String {
     vec![one.as_str(); n].join(", ")
 }
 
-/// Claims each key, in order: acquire a free key, take over a claim older than the lease, or
-/// report it done / held.
+/// Claims each key for `owner` (`<instance>#<incarnation>`), in order: acquire a free key, take
+/// over a claim not renewed for the lease, or report it done / held.
 pub async fn claim(
     tx: &mut WriteTx,
     keys: &[LedgerKey],
+    owner: &str,
     now: i64,
     policy: LedgerPolicy,
 ) -> Result<Vec<ClaimOutcome>, sqlx::Error> {
@@ -62,13 +68,13 @@ pub async fn claim(
     for chunk in keys.chunks(CHUNK) {
         // Fresh keys: one insert for the chunk; RETURNING names the ones that were free.
         let sql = format!(
-            "INSERT INTO processed_events (event_id, handler, status, started_at) VALUES {} \
+            "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner) VALUES {} \
              ON CONFLICT DO NOTHING RETURNING event_id, handler",
-            vec!["(?, ?, 'in_progress', ?)"; chunk.len()].join(", ")
+            vec!["(?, ?, 'in_progress', ?, ?, ?)"; chunk.len()].join(", ")
         );
         let mut insert = sqlx::query(AssertSqlSafe(sql));
         for key in chunk {
-            insert = insert.bind(key.event_id.clone()).bind(key.handler.clone()).bind(now);
+            insert = insert.bind(key.event_id.clone()).bind(key.handler.clone()).bind(now).bind(now).bind(owner);
         }
         let inserted: Vec<(String, String)> =
             insert.fetch_all(tx.conn()).await?.into_iter().map(|r| (r.get(0), r.get(1))).collect();
@@ -83,34 +89,46 @@ pub async fn claim(
             continue;
         }
         let mut select = sqlx::query(AssertSqlSafe(format!(
-            "SELECT event_id, handler, status, started_at FROM processed_events WHERE (event_id, handler) IN (VALUES {})",
+            "SELECT event_id, handler, status, started_at, COALESCE(renewed_at, started_at) FROM processed_events \
+             WHERE (event_id, handler) IN (VALUES {})",
             tuples(taken.len(), 2)
         )));
         for key in &taken {
             select = select.bind(key.event_id.clone()).bind(key.handler.clone());
         }
-        let existing: HashMap<(String, String), (String, i64)> = select
+        let existing: HashMap<(String, String), (String, i64, i64)> = select
             .fetch_all(tx.conn())
             .await?
             .into_iter()
-            .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3))))
+            .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3), r.get(4))))
             .collect();
         for key in taken {
             let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
             let outcome = match state {
-                Some((status, _)) if status == "done" => ClaimOutcome::Done,
-                Some((_, started)) if *started > now - lease => ClaimOutcome::HeldUntil(started + lease),
-                Some((_, started)) => {
-                    // Take over; the new token is always newer than the one it replaces.
+                Some((status, ..)) if status == "done" || status == "dead_lettered" => ClaimOutcome::Done,
+                Some((status, _, renewed)) if status == "in_progress" && *renewed > now - lease => {
+                    ClaimOutcome::HeldUntil(renewed + lease)
+                }
+                Some((status, started, _)) => {
+                    // Free (`retry`) or abandoned: take it; the new token is always newer than
+                    // the one it replaces.
                     let token = now.max(started + 1);
-                    sqlx::query("UPDATE processed_events SET started_at = ? WHERE event_id = ? AND handler = ? AND started_at = ?")
-                        .bind(token)
-                        .bind(key.event_id.clone())
-                        .bind(key.handler.clone())
-                        .bind(*started)
-                        .execute(tx.conn())
-                        .await?;
-                    tracing::warn!(event_id = %key.event_id, handler = %key.handler, stale_token = started, "taking over an expired ledger claim");
+                    sqlx::query(
+                        "UPDATE processed_events SET status = 'in_progress', started_at = ?, renewed_at = ?, owner = ? \
+                         WHERE event_id = ? AND handler = ? AND started_at = ?",
+                    )
+                    .bind(token)
+                    .bind(now)
+                    .bind(owner)
+                    .bind(key.event_id.clone())
+                    .bind(key.handler.clone())
+                    .bind(*started)
+                    .execute(tx.conn())
+                    .await?;
+                    if status == "in_progress" {
+                        tracing::warn!(event_id = %key.event_id, handler = %key.handler, stale_token = started,
+                            "taking over a ledger claim whose owner stopped renewing it");
+                    }
                     ClaimOutcome::Acquired(token)
                 }
                 // Released between the insert and the select cannot happen inside one job;
@@ -159,7 +177,12 @@ async fn settle(
 /// Marks claims done. `false` for a key means "claim lost": a newer claim owns it now and
 /// nothing changed.
 pub async fn complete(tx: &mut WriteTx, keys: &[OwnedKey], now: i64) -> Result<Vec<bool>, sqlx::Error> {
-    settle(tx, keys, "UPDATE processed_events SET status = 'done', processed_at = ?", Some(now)).await
+    settle(tx, keys, "UPDATE processed_events SET status = 'done', processed_at = ?, owner = NULL", Some(now)).await
+}
+
+/// The owner is still working on these claims: pushes their leases out. `false` means lost.
+pub async fn renew(tx: &mut WriteTx, keys: &[OwnedKey], now: i64) -> Result<Vec<bool>, sqlx::Error> {
+    settle(tx, keys, "UPDATE processed_events SET renewed_at = ?", Some(now)).await
 }
 
 /// Gives claims up so a retry can claim at once. `false` means the claim was lost.

@@ -5,6 +5,7 @@
 //! knows nothing of gRPC or of any broker.
 
 mod db;
+pub mod deliveries;
 mod enqueue;
 pub mod ledger;
 mod migrate;
@@ -14,9 +15,4 @@ mod writer;
 pub use db::{DEFAULT_MAX_EVENT_BYTES, Database, DbConfig, Synchronous};
 pub use enqueue::{EnqueueError, EnqueuedEvent, enqueue_events};
 pub use migrate::{MIGRATOR, migrate, migrate_to};
-pub use writer::{CommitError, TRACEPARENT, WriteTx, Writer, failpoint_armed, sqlite_primary_code};
-
-/// Milliseconds since the Unix epoch: the unit of every timestamp column.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
-}
+pub use writer::{CommitError, WriteTx, Writer, sqlite_primary_code};

@@ -7,14 +7,17 @@
 
 use std::time::Duration;
 
+use reelay_kit::Backoff;
 use sqlx::SqliteConnection;
 use sqlx::migrate::{MigrateError, Migrator};
 
 pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
 
-const FIRST_RETRY_DELAY: Duration = Duration::from_millis(100);
-const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
-const MAX_RETRIES: u32 = 5;
+/// The bounded retry of start-up work that races other processes on one file: up to 5 retries,
+/// 100 ms doubling to 1 s.
+pub(crate) fn startup_retry() -> Backoff {
+    Backoff::bounded(Duration::from_millis(100), Duration::from_secs(1), 5)
+}
 
 /// Applies every pending migration, retrying a failure up to 5 times (100 ms doubling to 1 s).
 pub async fn migrate(conn: &mut SqliteConnection) -> Result<(), MigrateError> {
@@ -28,7 +31,7 @@ pub async fn migrate_to(conn: &mut SqliteConnection, version: i64) -> Result<(),
 }
 
 async fn run_with_retry(conn: &mut SqliteConnection, target: Option<i64>) -> Result<(), MigrateError> {
-    let mut backoff = StartupRetry::default();
+    let mut backoff = startup_retry();
     loop {
         let result = match target {
             Some(version) => MIGRATOR.run_to(version, &mut *conn).await,
@@ -38,34 +41,6 @@ async fn run_with_retry(conn: &mut SqliteConnection, target: Option<i64>) -> Res
             Err(error) if is_retryable(&error) && backoff.wait("migration", &error).await => {}
             result => return result,
         }
-    }
-}
-
-/// The bounded retry of start-up work that races other processes on one file: up to 5 retries,
-/// 100 ms doubling to 1 s.
-#[derive(Debug)]
-pub(crate) struct StartupRetry {
-    delay: Duration,
-    retries: u32,
-}
-
-impl Default for StartupRetry {
-    fn default() -> Self {
-        Self { delay: FIRST_RETRY_DELAY, retries: 0 }
-    }
-}
-
-impl StartupRetry {
-    /// Logs the failure and sleeps before the next try; false when the retries are spent.
-    pub(crate) async fn wait(&mut self, what: &str, error: &dyn std::fmt::Display) -> bool {
-        if self.retries == MAX_RETRIES {
-            return false;
-        }
-        self.retries += 1;
-        tracing::warn!(%error, retry = self.retries, delay_ms = self.delay.as_millis() as u64, "{what} failed; retrying");
-        tokio::time::sleep(self.delay).await;
-        self.delay = (self.delay * 2).min(MAX_RETRY_DELAY);
-        true
     }
 }
 

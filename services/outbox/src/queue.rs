@@ -25,7 +25,7 @@ pub struct QueuePolicy {
 
 impl Default for QueuePolicy {
     fn default() -> Self {
-        Self { lease: Duration::from_secs(600), max_attempts: 8, retry: RetryPolicy::default() }
+        Self { lease: Duration::from_secs(30), max_attempts: 8, retry: RetryPolicy::default() }
     }
 }
 
@@ -66,8 +66,11 @@ fn claims_sql(head: &str, n: usize, tail: &str) -> AssertSqlSafe<String> {
 }
 
 /// What one claim may hand out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimLimits {
+    /// Who claims (`<instance>#<incarnation>`): a restarted instance takes back its dead
+    /// predecessor's rows at once (see [`crate::deliveries::release_instance`]).
+    pub owner: String,
     pub max_rows: u32,
     /// The largest answer the claimer can read: rows are claimed until the next would not fit.
     pub max_bytes: usize,
@@ -84,7 +87,7 @@ pub async fn claim_due(
     tx: &mut WriteTx,
     now: i64,
     policy: QueuePolicy,
-    limits: ClaimLimits,
+    limits: &ClaimLimits,
 ) -> Result<Vec<ClaimedRow>, sqlx::Error> {
     let stale_before = now - policy.lease.as_millis() as i64;
     let reclaimed =
@@ -125,12 +128,13 @@ pub async fn claim_due(
     // Nothing fits: every candidate was oversized (and is dead-lettered now), or none was due.
     let Some(last) = last else { return Ok(Vec::new()) };
     let rows = sqlx::query(
-        "UPDATE event_queue SET status = 'processing', claimed_at = ?1 \
+        "UPDATE event_queue SET status = 'processing', claimed_at = ?1, claimed_by = ?3 \
          WHERE status = 'pending' AND available_at <= ?1 AND id <= ?2 \
          RETURNING id, event_id, event_type, aggregate_id, payload, attempts, claimed_at",
     )
     .bind(now)
     .bind(last)
+    .bind(&limits.owner)
     .fetch_all(tx.conn())
     .await?;
     let mut claimed: Vec<ClaimedRow> = rows

@@ -27,6 +27,8 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
+use reelay_kit::failpoint_armed;
+use reelay_kit::telemetry::TRACEPARENT;
 use sqlx::{Connection, Executor, SqliteConnection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -38,11 +40,6 @@ const QUEUE_DEPTH: usize = 4096;
 /// How soon, and at most how rarely, the writer tries to reopen a connection it stopped trusting.
 const REOPEN_FIRST_DELAY: Duration = Duration::from_millis(100);
 const REOPEN_MAX_DELAY: Duration = Duration::from_secs(5);
-
-tokio::task_local! {
-    /// The W3C `traceparent` of the request being served; stamped on every event it enqueues.
-    pub static TRACEPARENT: String;
-}
 
 /// Why a write did not commit, for reasons outside the job itself.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -158,7 +155,7 @@ impl WriteTx {
     fn begin_job(&mut self, traceparent: String) {
         self.traceparent = traceparent;
         self.job_rows.clear();
-        self.now_ms = crate::now_ms();
+        self.now_ms = reelay_kit::now_ms();
     }
 }
 
@@ -202,7 +199,7 @@ where
 
     fn needs_savepoint(&self) -> bool {
         // An armed failpoint fails the job after its statements ran: they must be undone.
-        self.savepoint || failpoint_armed(self.name) || failpoint_armed("*")
+        self.savepoint || failpoint_fires(self.name)
     }
 
     fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool> {
@@ -484,6 +481,12 @@ async fn commit_batch(connection: &mut OpenConn, batch: &mut Vec<Box<dyn Job>>) 
     outcome
 }
 
+/// Whether a test failpoint fails the write job `name`: armed by name, or by `*` for every job
+/// but the start-up ones (`startup_*`), without which the service could not start at all.
+fn failpoint_fires(name: &str) -> bool {
+    failpoint_armed(name) || (!name.starts_with("startup_") && failpoint_armed("*"))
+}
+
 async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
     let OpenConn { tx, hooks } = connection;
     // Any whole-transaction rollback from here on that the writer did not issue means SQLite
@@ -509,7 +512,7 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
         });
         still_open()?;
         // `*` arms every write job (not the other, named hooks).
-        if ok && (failpoint_armed(job.name()) || failpoint_armed("*")) {
+        if ok && failpoint_fires(job.name()) {
             job.abort(CommitError::Failpoint(job.name()));
             ok = false;
         }
@@ -557,53 +560,6 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
         // A write that ran out of space wrote no commit record: the transaction is not on disk.
         Err(error) if sqlite_primary_code(&error) == Some(SQLITE_FULL) => Err(CommitError::storage(error)),
         Err(error) => Err(CommitError::OutcomeUnknown(Arc::new(error))),
-    }
-}
-
-/// True when the test-only failpoint `name` is armed in `REELAY_FAILPOINTS`. Always false unless
-/// built with the `failpoints` feature, which release builds never enable. Services use it to
-/// simulate a crash at a precise point (e.g. the relay between PubAck and mark-done).
-pub fn failpoint_armed(name: &str) -> bool {
-    static ARMED: std::sync::OnceLock<Failpoints> = std::sync::OnceLock::new();
-    ARMED.get_or_init(Failpoints::from_env).fires(name)
-}
-
-/// Test-only fault injection: `REELAY_FAILPOINTS=log_review,edit_review` (or `*`) makes those
-/// write jobs fail after all their statements ran and before the commit. Compiled only with the
-/// `failpoints` feature, which release builds never enable.
-struct Failpoints {
-    #[cfg(feature = "failpoints")]
-    names: Vec<String>,
-}
-
-impl Failpoints {
-    #[cfg(feature = "failpoints")]
-    fn from_env() -> Self {
-        let names: Vec<String> = std::env::var("REELAY_FAILPOINTS")
-            .unwrap_or_default()
-            .split(',')
-            .map(|s| s.trim().to_owned())
-            .filter(|s| !s.is_empty())
-            .collect();
-        if !names.is_empty() {
-            tracing::warn!(?names, "failpoints armed");
-        }
-        Self { names }
-    }
-
-    #[cfg(not(feature = "failpoints"))]
-    fn from_env() -> Self {
-        Self {}
-    }
-
-    #[cfg(feature = "failpoints")]
-    fn fires(&self, job: &str) -> bool {
-        self.names.iter().any(|n| n == job)
-    }
-
-    #[cfg(not(feature = "failpoints"))]
-    fn fires(&self, _job: &str) -> bool {
-        false
     }
 }
 

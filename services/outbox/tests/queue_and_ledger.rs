@@ -39,7 +39,13 @@ where
         .expect("test job")
 }
 
-const LIMITS: ClaimLimits = ClaimLimits { max_rows: 10, max_bytes: 4 * 1024 * 1024 };
+fn limits() -> ClaimLimits {
+    ClaimLimits { owner: "test#1".into(), max_rows: 10, max_bytes: 4 * 1024 * 1024 }
+}
+
+async fn claim(db: &Database, now: i64, policy: QueuePolicy) -> Vec<queue::ClaimedRow> {
+    job(db, move |tx| Box::pin(async move { queue::claim_due(tx, now, policy, &limits()).await })).await
+}
 
 async fn open() -> (tempfile::TempDir, Database) {
     let dir = tempfile::tempdir().unwrap();
@@ -80,7 +86,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
     let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 5, ..QueuePolicy::default() };
     let mut now = T0;
     for attempt in 1..=5u32 {
-        let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, now, policy, LIMITS))).await;
+        let claimed = claim(&db, now, policy).await;
         assert_eq!(claimed.len(), 1, "attempt {attempt} is due at {now}");
         assert_eq!(claimed[0].attempts, attempt - 1);
         let row = RowClaim { id: claimed[0].id, claimed_at: claimed[0].claimed_at };
@@ -93,7 +99,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
             let wait = retry_backoff(attempt).as_millis() as i64;
             assert_eq!(available_at, now + wait, "attempt {attempt} waits {wait} ms");
             // Not a millisecond early.
-            let early = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + wait - 1, policy, LIMITS))).await;
+            let early = claim(&db, now + wait - 1, policy).await;
             assert!(early.is_empty());
             now += wait;
         } else {
@@ -101,7 +107,7 @@ async fn failures_follow_the_backoff_schedule_then_dead_letter() {
             assert_eq!(settled.dead_lettered, vec![row.id]);
         }
     }
-    let later = job(&db, move |tx| Box::pin(queue::claim_due(tx, now + 3_600_000, policy, LIMITS))).await;
+    let later = claim(&db, now + 3_600_000, policy).await;
     assert!(later.is_empty(), "a dead-lettered row is never claimed again");
     let waits: Vec<u64> = (1..5).map(|a| retry_backoff(a).as_secs()).collect();
     assert_eq!(waits, [5, 10, 20, 40]);
@@ -112,7 +118,7 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let (_dir, db) = open().await;
     enqueue(&db, 3).await;
     let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 3, ..QueuePolicy::default() };
-    let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, LIMITS))).await;
+    let claimed = claim(&db, T0, policy).await;
     assert_eq!(claimed.len(), 3);
     let claims: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
 
@@ -120,11 +126,11 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let first = claims[0];
     job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[first], T0 + 60_000).await })).await;
     assert_eq!(row_state(&db, first.id).await, ("pending".into(), 0, T0 + 60_000));
-    assert!(job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 59_999, policy, LIMITS))).await.is_empty());
+    assert!(claim(&db, T0 + 59_999, policy).await.is_empty());
 
     // The second claimer dies; after the lease its row is claimed again under a new token.
     let second = claims[1];
-    let reclaimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0 + 600_001, policy, LIMITS))).await;
+    let reclaimed = claim(&db, T0 + 600_001, policy).await;
     let ids: Vec<i64> = reclaimed.iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![first.id, second.id, claims[2].id], "the deferred row is due, the stale ones reclaimed");
     // The dead claimer's late settle is refused and changes nothing.
@@ -155,12 +161,13 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
     let keys = vec![key("e1", "search"), key("e1", "posters"), key("e2", "search")];
 
     let k = keys.clone();
-    let first = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, T0, policy).await })).await;
+    let first = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, "w1#a", T0, policy).await })).await;
     assert_eq!(first, vec![ClaimOutcome::Acquired(T0); 3]);
 
     // A second worker a minute later: held until the lease ends.
     let k = keys.clone();
-    let second = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, T0 + 60_000, policy).await })).await;
+    let second =
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, "w2#a", T0 + 60_000, policy).await })).await;
     assert_eq!(second, vec![ClaimOutcome::HeldUntil(T0 + 1_800_000); 3]);
 
     // The owner completes one and releases another; a wrong token is "claim lost".
@@ -173,7 +180,7 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
     // Now: done is skipped, released is free again, the stale one is taken over after the lease.
     let k = keys.clone();
     let later = T0 + 1_800_001;
-    let third = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, later, policy).await })).await;
+    let third = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, "w3#a", later, policy).await })).await;
     assert_eq!(third, vec![ClaimOutcome::Done, ClaimOutcome::Acquired(later), ClaimOutcome::Acquired(later)]);
 
     // The first owner of e2 wakes up late: its complete and release are refused.
@@ -203,16 +210,17 @@ async fn purge_removes_only_rows_older_than_the_retention() {
         let claim_key = vec![owned[0].key.clone()];
         job(&db, move |tx| {
             Box::pin(async move {
-                ledger::claim(tx, &claim_key, started, policy).await?;
+                ledger::claim(tx, &claim_key, "w#a", started, policy).await?;
                 ledger::complete(tx, &owned, started).await
             })
         })
         .await;
     }
     let abandoned = vec![key("old", "search")];
-    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &abandoned, T0 - 31 * day, policy).await })).await;
+    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &abandoned, "w#a", T0 - 31 * day, policy).await }))
+        .await;
     let fresh = vec![key("new", "search")];
-    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, T0, policy).await })).await;
+    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, "w#a", T0, policy).await })).await;
 
     let mut total = 0;
     loop {
@@ -261,10 +269,12 @@ async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
         })
     })
     .await;
-    let limits = ClaimLimits { max_rows: 100, max_bytes: 200_000 };
+    let limits = ClaimLimits { owner: "test#1".into(), max_rows: 100, max_bytes: 200_000 };
     let mut batches = Vec::new();
     loop {
-        let claimed = job(&db, move |tx| Box::pin(queue::claim_due(tx, T0, policy, limits))).await;
+        let request = limits.clone();
+        let claimed =
+            job(&db, move |tx| Box::pin(async move { queue::claim_due(tx, T0, policy, &request).await })).await;
         if claimed.is_empty() {
             break;
         }

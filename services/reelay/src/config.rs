@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use reelay_kit::Service;
 use reelay_outbox::Synchronous;
-use reelay_runtime::Service;
 
 #[derive(Debug, Parser)]
 #[command(name = "reelay", version, about = "Reelay: a film diary backend whose events are never lost.")]
@@ -96,6 +96,12 @@ pub struct RunArgs {
     #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000)]
     pub grpc_timeout_ms: u64,
 
+    /// This process's name among Reelay's processes; it must be unique among live ones (a pod
+    /// name). A process starting under a name takes back, at once, the claims an earlier run of
+    /// the same name still held when it died. Defaults to `<hostname>:<data dir>`.
+    #[arg(long, env = "REELAY_INSTANCE")]
+    pub instance: Option<String>,
+
     #[command(flatten)]
     pub delivery: DeliveryArgs,
 
@@ -120,12 +126,15 @@ pub struct DeliveryArgs {
     #[arg(long, env = "EVENT_QUEUE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub max_attempts: u32,
 
-    /// A claimed outbox row whose claimer has not settled it after this long is claimable again.
-    #[arg(long, env = "REELAY_OUTBOX_LEASE_MS", default_value_t = 600_000)]
+    /// A relay's claim on an outbox row not settled after this long is claimable again (a
+    /// republish is dropped by the broker's dedup).
+    #[arg(long, env = "REELAY_OUTBOX_LEASE_MS", default_value_t = 30_000)]
     pub outbox_lease_ms: u64,
 
-    /// A ledger claim older than this may be taken over by another worker.
-    #[arg(long, env = "REELAY_LEDGER_LEASE_MS", default_value_t = 1_800_000)]
+    /// A handler's claim on an event (a ledger claim, or a db-backend delivery) not renewed for
+    /// this long may be taken over: its worker is presumed dead. Workers renew their claims
+    /// every third of it while the handler runs.
+    #[arg(long, env = "REELAY_LEDGER_LEASE_MS", default_value_t = 30_000)]
     pub ledger_lease_ms: u64,
 
     /// How long finished ledger rows are kept.
@@ -216,8 +225,9 @@ pub struct HandlerArgs {
     #[arg(long, env = "EVENT_BUS_BACKEND", value_enum, default_value = "db")]
     pub backend: Backend,
 
-    /// A handler to host (repeat, or comma-separate in the variable); none means all. Only the
-    /// nats backend can host a subset.
+    /// A handler to host (repeat, or comma-separate in the variable); none means every handler
+    /// this build has. On the write service: the handlers it delivers to (each gets a delivery
+    /// cursor before any write is taken).
     #[arg(long = "handler", value_name = "NAME", env = "REELAY_HANDLERS", value_delimiter = ',')]
     pub handlers: Vec<String>,
 
@@ -230,9 +240,9 @@ pub struct HandlerArgs {
     #[arg(long, env = "REELAY_WRITE_URL")]
     pub write_url: Option<String>,
 
-    /// The search handler's index directory; defaults to `<data-dir>/search`.
-    #[arg(long, env = "REELAY_SEARCH_DIR")]
-    pub search_dir: Option<PathBuf>,
+    /// Each handler's own settings.
+    #[command(flatten)]
+    pub settings: reelay_handlers::HandlerSettings,
 
     /// Events fetched and dispatched together.
     #[arg(long, env = "REELAY_CONSUMER_BATCH", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=1000))]

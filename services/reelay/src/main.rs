@@ -13,8 +13,8 @@ use crate::config::{Cli, Command};
 fn main() -> ExitCode {
     limit_malloc_arenas();
     let cli = Cli::parse();
-    reelay_runtime::telemetry::init(cli.log_json());
-    reelay_runtime::telemetry::install_panic_hook();
+    reelay_kit::telemetry::init(cli.log_json());
+    reelay_kit::telemetry::install_panic_hook();
     // Blocking threads run index commits and searches; a small pool keeps memory bounded.
     let runtime = match tokio::runtime::Builder::new_multi_thread().max_blocking_threads(8).enable_all().build() {
         Ok(runtime) => runtime,

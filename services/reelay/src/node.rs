@@ -2,24 +2,25 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures_util::FutureExt;
+use reelay_contracts::v1::{self, outbox_client::OutboxClient};
+use reelay_delivery::consumer::run_consumer;
+use reelay_delivery::core_source::CoreSource;
+use reelay_delivery::db_source::{DeliverySource, DeliverySourceConfig};
+use reelay_delivery::dispatch::{DispatchConfig, Dispatcher};
+use reelay_delivery::jetstream::{self, JetStreamConfig};
+use reelay_delivery::nats_source::JetStreamSource;
+use reelay_delivery::{BuiltHandler, HandlerContext};
+use reelay_kit::client::{ServiceChannel, connect_lazy};
+use reelay_kit::{Backoff, GrpcConfig, GrpcServer, Service, Shutdown};
+use reelay_outbox::deliveries::HandlerPolicy;
 use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 use reelay_outbox::{Database, DbConfig};
 use reelay_relay as relay;
-use reelay_runtime::client::connect_lazy;
-use reelay_runtime::consumer::run_consumer;
-use reelay_runtime::core_source::CoreSource;
-use reelay_runtime::db_source::OutboxSource;
-use reelay_runtime::dispatch::Dispatcher;
-use reelay_runtime::jetstream::{self, JetStreamConfig};
-use reelay_runtime::nats_source::JetStreamSource;
-use reelay_runtime::{GrpcConfig, GrpcServer, Handler, Service, Shutdown};
-use reelay_search::{SearchHandler, SearchIndex};
 use reelay_write::DeliveryPolicy;
 use sqlx::Connection;
 use tokio::net::TcpListener;
@@ -61,27 +62,56 @@ fn service_token(args: &RunArgs) -> anyhow::Result<Option<String>> {
     }
 }
 
-/// The handlers this process hosts: those named by `--handler`, or all this build has. The
-/// search index is opened only when the search handler is hosted.
-async fn hosted_handlers(args: &RunArgs) -> anyhow::Result<(Vec<Arc<dyn Handler>>, Option<SearchIndex>)> {
-    let wanted = |name: &str| args.handlers.handlers.is_empty() || args.handlers.handlers.iter().any(|h| h == name);
-    let probes = reelay_runtime::probe::probes().await.map_err(anyhow::Error::msg)?;
-    let mut known: Vec<&str> = vec!["search"];
-    known.extend(probes.iter().map(|p| p.name()));
-    if let Some(unknown) = args.handlers.handlers.iter().find(|h| !known.contains(&h.as_str())) {
-        bail!("unknown handler {unknown:?}; this build has: {}", known.join(", "));
+/// Who this process is to the write service: `<instance>#<incarnation>`. The instance name is
+/// stable across restarts (so a restarted process can take back its predecessor's claims); the
+/// incarnation is new for every run.
+struct Identity {
+    instance: String,
+    incarnation: String,
+}
+
+impl Identity {
+    fn new(args: &RunArgs) -> Self {
+        let instance = args.instance.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_else(|_| "localhost".into());
+            let dir = std::fs::canonicalize(&args.database.data_dir).unwrap_or_else(|_| args.database.data_dir.clone());
+            format!("{host}:{}", dir.display())
+        });
+        let incarnation = format!("{}-{}", std::process::id(), reelay_kit::now_ms());
+        Self { instance: instance.replace('#', "_"), incarnation }
     }
-    let mut handlers: Vec<Arc<dyn Handler>> = Vec::new();
-    let mut index = None;
-    if wanted("search") {
-        let dir = args.handlers.search_dir.clone().unwrap_or_else(|| args.database.data_dir.join("search"));
-        let opened =
-            SearchIndex::open(&dir).with_context(|| format!("cannot open the search index in {}", dir.display()))?;
-        handlers.push(Arc::new(SearchHandler::new(opened.clone())));
-        index = Some(opened);
+
+    fn owner(&self) -> String {
+        format!("{}#{}", self.instance, self.incarnation)
     }
-    handlers.extend(probes.into_iter().filter(|p| wanted(p.name())));
-    Ok((handlers, index))
+}
+
+/// Takes back the claims an earlier run of this instance held when it died (it could not settle
+/// them), instead of waiting out their leases. Retried until the write service answers.
+async fn release_predecessor(write: ServiceChannel, identity: &Identity, shutdown: Shutdown) {
+    let mut outbox = OutboxClient::new(write);
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    while !shutdown.is_requested() {
+        let request = v1::ReleaseInstanceRequest {
+            instance: identity.instance.clone(),
+            incarnation: identity.incarnation.clone(),
+        };
+        match outbox.release_instance(request).await {
+            Ok(reply) => {
+                let released = reply.into_inner().released;
+                if released > 0 {
+                    tracing::info!(instance = %identity.instance, claims = released,
+                        "took back the claims this instance's previous run left behind");
+                }
+                return;
+            }
+            Err(status) => {
+                backoff.wait("taking back the previous run's claims", status.message()).await;
+            }
+        }
+    }
 }
 
 fn jetstream_config(args: &RunArgs) -> JetStreamConfig {
@@ -150,12 +180,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if services.contains(&Service::Relay) && !nats {
         bail!("the relay publishes the outbox to NATS; set EVENT_BUS_BACKEND=nats (and NATS_URL) to run it");
     }
-    if services.contains(&Service::Handlers) && !nats && !args.handlers.handlers.is_empty() {
-        bail!(
-            "--handler/REELAY_HANDLERS picks a subset of handlers, which only the nats backend supports: on the db \
-             backend one outbox row carries its event to every handler, so a handlers process hosts all of them"
-        );
+    let known = reelay_handlers::names(&args.handlers.settings);
+    if let Some(unknown) = args.handlers.handlers.iter().find(|h| !known.contains(&h.as_str())) {
+        bail!("unknown handler {unknown:?}; this build has: {}", known.join(", "));
     }
+    let identity = Identity::new(&args);
     let grpc = GrpcConfig {
         service_token: service_token(&args)?,
         max_message_bytes: args.grpc_max_message_bytes,
@@ -195,55 +224,77 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             batch: args.nats.relay_batch,
             long_poll: CLAIM_LONG_POLL,
             max_message_bytes: args.grpc_max_message_bytes,
+            owner: identity.owner(),
         };
-        tracing::info!(%write_url, nats = %js_config.url, ?mode, "relay service starting");
+        tracing::info!(%write_url, nats = %js_config.url, ?mode, owner = %config.owner, "relay service starting");
         let stop = shutdown.clone();
         clients.spawn(relay::Relay::new(write_channel.clone(), client, config).run(stop));
     }
 
+    if services.contains(&Service::Relay) || services.contains(&Service::Handlers) {
+        let (write, stop) = (write_channel.clone(), shutdown.clone());
+        let identity = Identity { instance: identity.instance.clone(), incarnation: identity.incarnation.clone() };
+        tasks.spawn(async move {
+            release_predecessor(write, &identity, stop).await;
+            Ok(())
+        });
+    }
+
     if let Some(listener) = handlers_listener {
-        let (handlers, index) = hosted_handlers(&args).await?;
-        let timeout = Duration::from_millis(args.handlers.handler_timeout_ms);
-        let batch = args.handlers.batch as usize;
-        let in_flight = args.handlers.in_flight as usize;
-        let names: Vec<&str> = handlers.iter().map(|h| h.name()).collect();
-        tracing::info!(backend = ?args.handlers.backend, %write_url, handlers = ?names, "handlers service starting");
-        let dispatcher = |hosted: Vec<Arc<dyn Handler>>| {
-            Dispatcher::new(hosted, write_channel.clone(), timeout, args.delivery.retry(), shutdown.clone())
-        };
-        match (&nats_client, args.nats.nats_mode) {
-            (None, _) => {
-                let source = OutboxSource::new(
-                    write_channel.clone(),
-                    format!("handlers-{}", std::process::id()),
-                    CLAIM_LONG_POLL,
-                    args.grpc_max_message_bytes,
-                );
-                clients.spawn(run_consumer(source, dispatcher(handlers), batch, in_flight, shutdown.clone()));
+        let context = HandlerContext { data_dir: args.database.data_dir.clone(), write: write_channel.clone() };
+        let built = reelay_handlers::build(&args.handlers.handlers, &args.handlers.settings, &context).await?;
+        let names: Vec<&str> = built.iter().map(|b| b.handler.name()).collect();
+        tracing::info!(backend = ?args.handlers.backend, %write_url, handlers = ?names, owner = %identity.owner(),
+            "handlers service starting");
+        let mut server = GrpcServer::new(grpc.clone());
+        for BuiltHandler { handler, grpc } in built {
+            if let Some(mount) = grpc {
+                server = mount(server);
             }
-            (Some(client), NatsMode::Jetstream) => {
-                let js = async_nats::jetstream::new(client.clone());
-                for handler in handlers {
+            let dispatcher = Dispatcher::new(
+                vec![handler.clone()],
+                write_channel.clone(),
+                DispatchConfig {
+                    handler_timeout: Duration::from_millis(args.handlers.handler_timeout_ms),
+                    retry_policy: args.delivery.retry(),
+                    owner: identity.owner(),
+                    ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
+                },
+                shutdown.clone(),
+            );
+            let (batch, in_flight) = (args.handlers.batch as usize, args.handlers.in_flight as usize);
+            // One consumer per handler on every backend: each handler progresses on its own.
+            match (&nats_client, args.nats.nats_mode) {
+                (None, _) => {
+                    let source = DeliverySource::new(
+                        write_channel.clone(),
+                        DeliverySourceConfig {
+                            handler: handler.name(),
+                            event_types: handler.event_types().iter().map(|t| t.to_string()).collect(),
+                            owner: identity.owner(),
+                            long_poll: CLAIM_LONG_POLL,
+                            max_message_bytes: args.grpc_max_message_bytes,
+                            lease: Duration::from_millis(args.delivery.ledger_lease_ms),
+                        },
+                    );
+                    clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
+                }
+                (Some(client), NatsMode::Jetstream) => {
+                    let js = async_nats::jetstream::new(client.clone());
                     let consumer =
                         jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
                     let name = JetStreamConfig::consumer_name(handler.name());
                     let source =
                         JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
-                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, in_flight, shutdown.clone()));
+                    clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                 }
-            }
-            (Some(client), NatsMode::Core) => {
-                for handler in handlers {
+                (Some(client), NatsMode::Core) => {
                     let source = CoreSource::subscribe(client, &js_config.subject_prefix, handler.name())
                         .await
                         .map_err(anyhow::Error::from)?;
-                    clients.spawn(run_consumer(source, dispatcher(vec![handler]), batch, in_flight, shutdown.clone()));
+                    clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                 }
             }
-        }
-        let mut server = GrpcServer::new(grpc.clone());
-        if let Some(index) = index {
-            server = reelay_search::mount(server, index);
         }
         let stop = shutdown.clone();
         tasks.spawn(async move {
@@ -268,6 +319,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let database =
             Database::open(&config).await.with_context(|| format!("cannot open the database {}", path.display()))?;
         tracing::info!(database = %path.display(), synchronous = ?args.database.sqlite_synchronous, "database ready");
+        // Every handler this deployment delivers to gets its cursor before the first write, so
+        // none misses an event.
+        let delivered: Vec<String> = if args.handlers.handlers.is_empty() {
+            known.iter().map(|h| h.to_string()).collect()
+        } else {
+            args.handlers.handlers.clone()
+        };
+        let added = reelay_write::register_handlers(&database, delivered.clone())
+            .await
+            .context("cannot register the handlers' delivery cursors")?;
+        tracing::info!(handlers = ?delivered, new = ?added, "delivering to handlers");
         let policy = delivery_policy(&args);
         let server = reelay_write::mount(GrpcServer::new(grpc), reelay_write::Store::new(database.clone()));
         let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
@@ -322,6 +384,11 @@ fn delivery_policy(args: &RunArgs) -> DeliveryPolicy {
         ledger: LedgerPolicy {
             lease: Duration::from_millis(d.ledger_lease_ms),
             retention: Duration::from_secs(d.ledger_retention_days * 24 * 3600),
+        },
+        deliveries: HandlerPolicy {
+            lease: Duration::from_millis(d.ledger_lease_ms),
+            max_attempts: d.max_attempts,
+            retry: d.retry(),
         },
     }
 }

@@ -13,8 +13,8 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::context::PublishErrorKind;
 use futures_util::future::join_all;
 use reelay_contracts::v1::{self, outbox_client::OutboxClient};
-use reelay_runtime::Shutdown;
-use reelay_runtime::client::{ServiceChannel, is_transport_failure};
+use reelay_kit::client::{ServiceChannel, is_transport_failure};
+use reelay_kit::{Backoff, Shutdown};
 
 /// How the relay publishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,10 +34,15 @@ pub struct RelayConfig {
     pub long_poll: Duration,
     /// The largest gRPC message this relay reads: it bounds the claim answers it asks for.
     pub max_message_bytes: usize,
+    /// `<instance>#<incarnation>`: whose claims these are (a restarted instance takes back its
+    /// dead predecessor's at once).
+    pub owner: String,
 }
 
-const FIRST_BACKOFF: Duration = Duration::from_millis(200);
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How the relay backs off while the broker or the write service is unreachable.
+fn relay_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(200), Duration::from_secs(30))
+}
 /// Published batches whose PubAcks and mark-done are still under way while the next is sent.
 const MAX_SETTLING: usize = 3;
 
@@ -63,18 +68,18 @@ struct Published {
 impl Relay {
     pub fn new(outbox: ServiceChannel, nats: async_nats::Client, config: RelayConfig) -> Self {
         let jetstream = async_nats::jetstream::new(nats.clone());
-        let crash_after_puback = reelay_outbox::failpoint_armed("relay_after_puback");
+        let crash_after_puback = reelay_kit::failpoint_armed("relay_after_puback");
         let outbox = OutboxClient::new(outbox).max_decoding_message_size(config.max_message_bytes);
         Self { outbox, nats, jetstream, config, crash_after_puback }
     }
 
     pub async fn run(mut self, shutdown: Shutdown) {
         tracing::info!(mode = ?self.config.mode, prefix = %self.config.subject_prefix, batch = self.config.batch, "relay started");
-        let mut backoff = FIRST_BACKOFF;
+        let mut backoff = relay_backoff();
         let mut settling = tokio::task::JoinSet::new();
         while !shutdown.is_requested() {
             let mut request = tonic::Request::new(v1::ClaimRequest {
-                consumer: format!("relay-{}", std::process::id()),
+                consumer: self.config.owner.clone(),
                 max_rows: self.config.batch,
                 wait_ms: self.config.long_poll.as_millis() as u32,
                 max_bytes: self.config.max_message_bytes as u32,
@@ -85,8 +90,7 @@ impl Relay {
                 Err(status) => {
                     let transport = is_transport_failure(&status);
                     tracing::warn!(code = ?status.code(), error = status.message(), transport, "cannot claim outbox rows; pausing");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    backoff.sleep().await;
                     continue;
                 }
             };
@@ -103,7 +107,7 @@ impl Relay {
             while settling.len() >= MAX_SETTLING {
                 paused |= matches!(settling.join_next().await, Some(Ok(true)));
             }
-            let (outbox, crash) = (self.outbox.clone(), self.crash_after_puback);
+            let (outbox, crash, delay) = (self.outbox.clone(), self.crash_after_puback, backoff.delay());
             settling.spawn(async move {
                 let published = match acks {
                     Acks::JetStream(sent) => await_acks(&rows, sent).await,
@@ -114,18 +118,17 @@ impl Relay {
                     std::process::abort();
                 }
                 let unreachable = !published.retry.is_empty();
-                settle(outbox, published, backoff).await;
+                settle(outbox, published, delay).await;
                 unreachable
             });
             while let Some(finished) = settling.try_join_next() {
                 paused |= matches!(finished, Ok(true));
             }
             if paused {
-                tracing::warn!(delay = ?backoff, "the broker is unreachable; deferring rows without spending attempts and pausing");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                tracing::warn!(delay = ?backoff.delay(), "the broker is unreachable; deferring rows without spending attempts and pausing");
+                backoff.sleep().await;
             } else {
-                backoff = FIRST_BACKOFF;
+                backoff.reset();
             }
         }
         while settling.join_next().await.is_some() {}
@@ -139,7 +142,7 @@ impl Relay {
             headers.insert("Nats-Msg-Id", row.event_id.as_str());
         }
         let traceparent =
-            reelay_runtime::consumer::decode_envelope(&row.payload, &row.event_id, &row.event_type, &row.aggregate_id)
+            reelay_delivery::consumer::decode_envelope(&row.payload, &row.event_id, &row.event_type, &row.aggregate_id)
                 .traceparent;
         if !traceparent.is_empty() {
             headers.insert("traceparent", traceparent.as_str());
@@ -239,14 +242,15 @@ async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
 
 /// Marks published rows done, defers the ones that could not be sent, fails the refused.
 /// Retried until the write service answers, so a PubAck is never forgotten by a live relay.
-async fn settle(outbox: OutboxClient<ServiceChannel>, published: Published, backoff: Duration) {
+/// Deferred rows come back after `delay`.
+async fn settle(outbox: OutboxClient<ServiceChannel>, published: Published, delay: Duration) {
     if published.duplicates > 0 {
         tracing::info!(
             duplicates = published.duplicates,
             "the broker already had some events (duplicate PubAck): treated as published"
         );
     }
-    let until_ms = reelay_outbox::now_ms() + backoff.as_millis() as i64;
+    let until_ms = reelay_kit::now_ms() + delay.as_millis() as i64;
     for chunk in published.done.chunks(1000) {
         call_until_answered(&outbox, "complete", |mut outbox| {
             let rows = chunk.to_vec();
@@ -275,14 +279,13 @@ where
     F: FnMut(OutboxClient<ServiceChannel>) -> Fut,
     Fut: Future<Output = Result<(), tonic::Status>>,
 {
-    let mut delay = FIRST_BACKOFF;
+    let mut backoff = relay_backoff();
     loop {
         match call(outbox.clone()).await {
             Ok(()) => return,
             Err(status) if is_transport_failure(&status) => {
                 tracing::warn!(what, error = status.message(), "the write service is unreachable; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(MAX_BACKOFF);
+                backoff.sleep().await;
             }
             Err(status) => {
                 // The rows stay claimed and come back after the lease; nothing is lost.

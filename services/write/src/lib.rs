@@ -5,15 +5,18 @@
 //! that runs each command as one writer job, writing the change and the events it causes in the
 //! same transaction through `reelay_outbox::enqueue_events`. Handlers of the API never open
 //! transactions. `request_ids` makes writes that carry a client `request_id` happen at most
-//! once.
+//! once. `error` says what each failure (a refusal, a SQLite fault, a failed commit) tells the
+//! caller.
 
 mod api;
 mod convert;
+mod error;
 mod request_ids;
 mod retention;
 mod store;
 
 pub use api::mount;
-pub use api::{DeliveryPolicy, mount_internal};
+pub use api::{DeliveryPolicy, mount_internal, register_handlers};
+pub use error::WriteError;
 pub use retention::{Retention, purge_expired};
 pub use store::Store;

@@ -8,9 +8,11 @@
 //! and purged in small batches.
 
 use prost::Message;
+use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 use sqlx::Row;
+
+use crate::WriteError;
 
 /// The longest `request_id` accepted.
 const MAX_LEN: usize = 128;
@@ -56,7 +58,7 @@ impl RequestKey {
 
     /// The answer recorded for this key, if the call was made before. Runs inside the write job,
     /// so a concurrent retry waits for the first call's transaction and then sees its answer.
-    pub async fn recorded<R: Message + Default>(&self, tx: &mut WriteTx) -> Result<Option<R>, ServiceError> {
+    pub async fn recorded<R: Message + Default>(&self, tx: &mut WriteTx) -> Result<Option<R>, WriteError> {
         let row = sqlx::query("SELECT fingerprint, response FROM request_ids WHERE method = ? AND request_id = ?")
             .bind(self.method)
             .bind(&self.request_id)
@@ -67,7 +69,8 @@ impl RequestKey {
             return Err(ServiceError::invalid(
                 "request_id",
                 format!("{:?} was already used for a different {} request", self.request_id, self.method),
-            ));
+            )
+            .into());
         }
         let response = R::decode(row.get::<Vec<u8>, _>(1).as_slice()).map_err(|e| {
             ServiceError::internal(format!("the answer recorded for a request_id does not decode: {e}"))
@@ -77,7 +80,7 @@ impl RequestKey {
     }
 
     /// Records the answer of the call that just wrote, in its transaction.
-    pub async fn record<R: Message>(&self, tx: &mut WriteTx, response: &R) -> Result<(), ServiceError> {
+    pub async fn record<R: Message>(&self, tx: &mut WriteTx, response: &R) -> Result<(), WriteError> {
         sqlx::query(
             "INSERT INTO request_ids (method, request_id, fingerprint, response, created_at) VALUES (?, ?, ?, ?, ?)",
         )

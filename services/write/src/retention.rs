@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use reelay_kit::{Shutdown, now_ms};
 use reelay_outbox::ledger::{self, LedgerPolicy};
-use reelay_outbox::{Database, WriteTx, now_ms};
-use reelay_runtime::{ServiceError, Shutdown};
+use reelay_outbox::{Database, WriteTx};
 
-use crate::request_ids;
+use crate::{WriteError, request_ids};
 
 /// Rows deleted per write job.
 const BATCH: u32 = 500;
@@ -52,7 +52,7 @@ where
         let batch = batch.clone();
         let purged = db
             .writer
-            .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| Box::pin(async move { Ok(batch(tx).await?) }))
+            .transact::<_, WriteError, _>(job, move |tx: &mut WriteTx| Box::pin(async move { Ok(batch(tx).await?) }))
             .await;
         match purged {
             Ok(0) => break,

@@ -187,3 +187,49 @@ pub async fn insert_foreign_event(path: &Path, event_type: &str, payload: &[u8])
     .expect("insert a foreign outbox row");
     conn.close().await.unwrap();
 }
+
+/// What is not yet settled for `handlers`: on the db backend, rows a handler's cursor has not
+/// passed and its deliveries in flight or waiting to be retried; on nats, outbox rows the relay
+/// has not published. Empty when everything is settled.
+pub async fn unsettled(path: &Path, nats: bool, handlers: &[&str]) -> Vec<String> {
+    if nats {
+        return query_strings(
+            path,
+            "SELECT 'outbox row ' || id || ' is ' || status FROM event_queue WHERE status IN ('pending', 'processing')",
+        )
+        .await
+        .into_iter()
+        .map(|r| r[0].clone())
+        .collect();
+    }
+    let mut open = Vec::new();
+    for handler in handlers {
+        let rows = query_strings(
+            path,
+            &format!(
+                "SELECT (SELECT COUNT(*) FROM event_queue WHERE id > c.position) || '', \
+                    (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status IN ('in_progress', 'retry')) || '' \
+                 FROM handler_cursors c WHERE c.handler = '{handler}'"
+            ),
+        )
+        .await;
+        match rows.first() {
+            None => open.push(format!("{handler} has no cursor")),
+            Some(r) if r[0] != "0" || r[1] != "0" => {
+                open.push(format!("{handler}: {} rows not looked at, {} deliveries open", r[0], r[1]))
+            }
+            Some(_) => {}
+        }
+    }
+    open
+}
+
+/// Dead letters: per (event, handler) on the db backend, per outbox row on nats.
+pub async fn dead_letters(path: &Path, nats: bool) -> usize {
+    let sql = if nats {
+        "SELECT COUNT(*) || '' FROM event_queue WHERE status = 'dead_lettered'"
+    } else {
+        "SELECT COUNT(*) || '' FROM processed_events WHERE status = 'dead_lettered'"
+    };
+    query_strings(path, sql).await[0][0].parse().unwrap()
+}

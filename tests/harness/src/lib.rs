@@ -6,6 +6,7 @@
 //! its temp dir and printed when a test fails; set `REELAY_KEEP_TEST_DIRS=1` to keep the dirs.
 //! It also reads the SQLite file directly, to check what a call really committed.
 
+mod cluster;
 mod db;
 mod faults;
 mod nats;
@@ -25,9 +26,10 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
+pub use cluster::{Backend, Cluster, ClusterBuilder};
 pub use db::{
-    OutboxRow, ReviewLedger, Snapshot, event_ids, insert_foreign_event, outbox_rows, probe_records, query_strings,
-    table_snapshot,
+    OutboxRow, ReviewLedger, Snapshot, dead_letters, event_ids, insert_foreign_event, outbox_rows, probe_records,
+    query_strings, table_snapshot, unsettled,
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};

@@ -2,7 +2,7 @@
 
 use reelay_contracts::v1;
 use reelay_domain::letterboxd;
-use reelay_runtime::ServiceError;
+use reelay_kit::ServiceError;
 use tonic::{Code, Request, Status, Streaming};
 
 use super::{Reply, WriteApi, ok};

@@ -5,27 +5,47 @@
 //! `outbox` and `ledger` implement them; this file mounts both and holds what they share.
 
 use reelay_contracts::v1::{ledger_server::LedgerServer, outbox_server::OutboxServer};
+use reelay_kit::{GrpcServer, ServiceError, Shutdown};
 use reelay_outbox::Database;
+use reelay_outbox::deliveries::HandlerPolicy;
 use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
-use reelay_runtime::{GrpcServer, Shutdown};
 
 use super::ledger::LedgerApi;
 use super::outbox::OutboxApi;
 
 pub(super) const MAX_BATCH_KEYS: usize = 1000;
 
+/// A handler's name as ledger keys and cursors use it.
+pub(super) fn handler_name(field: &str, name: &str) -> Result<String, ServiceError> {
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !valid {
+        return Err(ServiceError::invalid(field, format!("must be 1-64 of a-z, 0-9, '-', got {name:?}")));
+    }
+    Ok(name.to_owned())
+}
+
 /// The outbox and ledger settings the write service enforces.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DeliveryPolicy {
     pub queue: QueuePolicy,
     pub ledger: LedgerPolicy,
+    /// Per-handler delivery on the db backend.
+    pub deliveries: HandlerPolicy,
 }
 
 /// Mounts Outbox and Ledger on `server`.
 pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, shutdown: Shutdown) -> GrpcServer {
     let limit = server.config().max_message_bytes;
-    let outbox = OutboxApi { db: db.clone(), policy: policy.queue, shutdown, max_message_bytes: limit };
+    let outbox = OutboxApi {
+        db: db.clone(),
+        policy: policy.queue,
+        deliveries: policy.deliveries,
+        shutdown,
+        max_message_bytes: limit,
+    };
     let ledger = LedgerApi { db, policy: policy.ledger };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))

@@ -2,12 +2,13 @@
 
 use reelay_contracts::v1;
 use reelay_domain::EventId;
+use reelay_kit::ServiceError;
 use reelay_outbox::ledger::{self, ClaimOutcome, LedgerKey, LedgerPolicy, OwnedKey};
 use reelay_outbox::{Database, WriteTx};
-use reelay_runtime::ServiceError;
 use tonic::{Request, Response, Status};
 
-use super::internal::MAX_BATCH_KEYS;
+use super::internal::{MAX_BATCH_KEYS, handler_name};
+use crate::WriteError;
 
 #[derive(Clone)]
 pub(super) struct LedgerApi {
@@ -18,16 +19,8 @@ pub(super) struct LedgerApi {
 fn ledger_key(field: &str, key: Option<v1::LedgerKey>) -> Result<LedgerKey, ServiceError> {
     let key = key.ok_or_else(|| ServiceError::invalid(field, "is required"))?;
     EventId::parse(&format!("{field}.event_id"), &key.event_id)?;
-    let valid_name = !key.handler.is_empty()
-        && key.handler.len() <= 64
-        && key.handler.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if !valid_name {
-        return Err(ServiceError::invalid(
-            &format!("{field}.handler"),
-            format!("must be 1-64 of a-z, 0-9, '-', got {:?}", key.handler),
-        ));
-    }
-    Ok(LedgerKey { event_id: key.event_id, handler: key.handler })
+    let handler = handler_name(&format!("{field}.handler"), &key.handler)?;
+    Ok(LedgerKey { event_id: key.event_id, handler })
 }
 
 fn owned_keys(keys: Vec<v1::OwnedKey>) -> Result<Vec<OwnedKey>, ServiceError> {
@@ -43,7 +36,8 @@ impl v1::ledger_server::Ledger for LedgerApi {
         &self,
         request: Request<v1::LedgerClaimRequest>,
     ) -> Result<Response<v1::LedgerClaimResponse>, Status> {
-        let keys = request.into_inner().keys;
+        let request = request.into_inner();
+        let (keys, owner) = (request.keys, request.owner);
         if keys.is_empty() || keys.len() > MAX_BATCH_KEYS {
             return Err(ServiceError::invalid(
                 "keys",
@@ -57,8 +51,8 @@ impl v1::ledger_server::Ledger for LedgerApi {
         let outcomes = self
             .db
             .writer
-            .transact::<_, ServiceError, _>("ledger_claim", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(ledger::claim(tx, &claims, tx.now_ms(), policy).await?) })
+            .transact::<_, WriteError, _>("ledger_claim", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(ledger::claim(tx, &claims, &owner, tx.now_ms(), policy).await?) })
             })
             .await?;
         let claims = keys
@@ -89,17 +83,25 @@ impl v1::ledger_server::Ledger for LedgerApi {
     ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
         self.settle(request.into_inner(), Settle::Release).await
     }
+
+    async fn renew(
+        &self,
+        request: Request<v1::LedgerSettleRequest>,
+    ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
+        self.settle(request.into_inner(), Settle::Renew).await
+    }
 }
 
 #[derive(Clone, Copy)]
 enum Settle {
     Complete,
     Release,
+    Renew,
 }
 
 impl LedgerApi {
-    /// Completes or releases owned claims in one write job; `owned` says, per key, whether the
-    /// caller still owned it.
+    /// Completes, releases or renews owned claims in one write job; `owned` says, per key,
+    /// whether the caller still owned it.
     async fn settle(
         &self,
         request: v1::LedgerSettleRequest,
@@ -109,15 +111,17 @@ impl LedgerApi {
         let job = match how {
             Settle::Complete => "ledger_complete",
             Settle::Release => "ledger_release",
+            Settle::Renew => "ledger_renew",
         };
         let owned = self
             .db
             .writer
-            .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
+            .transact::<_, WriteError, _>(job, move |tx: &mut WriteTx| {
                 Box::pin(async move {
                     Ok(match how {
                         Settle::Complete => ledger::complete(tx, &keys, tx.now_ms()).await?,
                         Settle::Release => ledger::release(tx, &keys).await?,
+                        Settle::Renew => ledger::renew(tx, &keys, tx.now_ms()).await?,
                     })
                 })
             })

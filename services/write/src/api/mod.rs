@@ -6,12 +6,13 @@ use reelay_contracts::v1::{
     reviews_server::ReviewsServer, social_server::SocialServer, users_server::UsersServer,
     watchlist_server::WatchlistServer, wrap_ups_server::WrapUpsServer,
 };
-use reelay_runtime::{GrpcServer, ServiceError};
+use reelay_kit::{GrpcServer, ServiceError};
 use tonic::{Response, Status};
 
 use crate::request_ids::RequestKey;
 use crate::store::Store;
 
+mod deliveries;
 mod federation;
 mod integrations;
 mod internal;
@@ -24,6 +25,7 @@ mod users;
 mod watchlist;
 mod wrap_ups;
 
+pub use deliveries::register_handlers;
 pub use internal::{DeliveryPolicy, mount_internal};
 
 type Reply<T> = Result<Response<T>, Status>;

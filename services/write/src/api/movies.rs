@@ -2,7 +2,7 @@
 
 use reelay_contracts::v1;
 use reelay_domain::MovieId;
-use reelay_runtime::ServiceError;
+use reelay_kit::ServiceError;
 use tonic::Request;
 
 use super::{Reply, WriteApi, ok, request_key};

@@ -3,24 +3,27 @@
 use std::time::Duration;
 
 use reelay_contracts::v1;
+use reelay_kit::{ServiceError, Shutdown, now_ms};
+use reelay_outbox::deliveries::{self, HandlerPolicy};
 use reelay_outbox::queue::{self, ClaimLimits, FailedRow, QueuePolicy, RowClaim, Settled};
-use reelay_outbox::{Database, WriteTx, now_ms};
-use reelay_runtime::{ServiceError, Shutdown};
+use reelay_outbox::{Database, WriteTx};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::internal::MAX_BATCH_KEYS;
+use crate::WriteError;
 
 /// How long an idle claimer sleeps at most before looking again, even without a commit: rows
 /// also become due when a retry delay or a claim lease runs out.
-const FALLBACK_POLL: Duration = Duration::from_secs(1);
-const MAX_CLAIM_ROWS: u32 = 1000;
-const MAX_CLAIM_WAIT_MS: u32 = 60_000;
+pub(super) const FALLBACK_POLL: Duration = Duration::from_secs(1);
+pub(super) const MAX_CLAIM_ROWS: u32 = 1000;
+pub(super) const MAX_CLAIM_WAIT_MS: u32 = 60_000;
 
 #[derive(Clone)]
 pub(super) struct OutboxApi {
     pub(super) db: Database,
     pub(super) policy: QueuePolicy,
+    pub(super) deliveries: HandlerPolicy,
     pub(super) shutdown: Shutdown,
     /// The largest message this server sends: no claim answer may be larger.
     pub(super) max_message_bytes: usize,
@@ -38,19 +41,29 @@ fn settle_response(settled: Settled) -> v1::SettleResponse {
 }
 
 impl OutboxApi {
-    async fn claim_now(&self, limits: ClaimLimits) -> Result<Vec<queue::ClaimedRow>, ServiceError> {
+    /// The most bytes an answer may carry: what the claimer can read (0: no preference) and
+    /// this server's limit, less room for the answer's own framing.
+    pub(super) fn answer_bytes(&self, asked: u32) -> usize {
+        let max = match asked as usize {
+            0 => self.max_message_bytes,
+            asked => asked.min(self.max_message_bytes),
+        };
+        max.saturating_sub(1024)
+    }
+
+    async fn claim_now(&self, limits: ClaimLimits) -> Result<Vec<queue::ClaimedRow>, WriteError> {
         let policy = self.policy;
         self.db
             .writer
-            .transact::<_, ServiceError, _>("outbox_claim", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(queue::claim_due(tx, tx.now_ms(), policy, limits).await?) })
+            .transact::<_, WriteError, _>("outbox_claim", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(queue::claim_due(tx, tx.now_ms(), policy, &limits).await?) })
             })
             .await
     }
 
     /// Whether anything is claimable now, and when to look again if not: the next row's due
     /// time, bounded by the fallback poll and the deadline.
-    async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), ServiceError> {
+    async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), WriteError> {
         let mut conn = self.db.reads.acquire().await?;
         let now = now_ms();
         let (due, next_due) = queue::peek(&mut conn, now, self.policy).await?;
@@ -76,13 +89,8 @@ impl v1::outbox_server::Outbox for OutboxApi {
             )
             .into());
         }
-        // The answer must fit both the claimer's limit and this server's; a little is kept for
-        // the answer's own framing.
-        let max_bytes = match r.max_bytes as usize {
-            0 => self.max_message_bytes,
-            asked => asked.min(self.max_message_bytes),
-        };
-        let limits = ClaimLimits { max_rows: r.max_rows, max_bytes: max_bytes.saturating_sub(1024) };
+        let limits =
+            ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
         let mut commits = self.db.writer.subscribe_commits();
         let rows = loop {
@@ -90,7 +98,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
             commits.borrow_and_update();
             // Look before claiming: an empty claim would still cost a write job.
             let (due, wake) = self.peek(deadline).await?;
-            let rows = if due { self.claim_now(limits).await? } else { Vec::new() };
+            let rows = if due { self.claim_now(limits.clone()).await? } else { Vec::new() };
             if !rows.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
                 break rows;
             }
@@ -127,7 +135,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
         let settled = self
             .db
             .writer
-            .transact::<_, ServiceError, _>("outbox_complete", move |tx: &mut WriteTx| {
+            .transact::<_, WriteError, _>("outbox_complete", move |tx: &mut WriteTx| {
                 Box::pin(async move { Ok(queue::complete(tx, &rows).await?) })
             })
             .await?;
@@ -154,7 +162,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
         let settled = self
             .db
             .writer
-            .transact::<_, ServiceError, _>("outbox_fail", move |tx: &mut WriteTx| {
+            .transact::<_, WriteError, _>("outbox_fail", move |tx: &mut WriteTx| {
                 Box::pin(async move { Ok(queue::fail(tx, &rows, tx.now_ms(), policy).await?) })
             })
             .await?;
@@ -170,7 +178,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
         let settled = self
             .db
             .writer
-            .transact::<_, ServiceError, _>("outbox_defer", move |tx: &mut WriteTx| {
+            .transact::<_, WriteError, _>("outbox_defer", move |tx: &mut WriteTx| {
                 Box::pin(async move { Ok(queue::defer(tx, &rows, r.until_ms).await?) })
             })
             .await?;
@@ -178,14 +186,55 @@ impl v1::outbox_server::Outbox for OutboxApi {
     }
 
     async fn stats(&self, _request: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
-        let mut conn = self.db.reads.acquire().await.map_err(ServiceError::from)?;
-        let s = queue::stats(&mut conn, now_ms()).await.map_err(ServiceError::from)?;
+        let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
+        let s = queue::stats(&mut conn, now_ms()).await.map_err(WriteError::from)?;
+        let handlers = deliveries::stats(&mut conn)
+            .await
+            .map_err(WriteError::from)?
+            .into_iter()
+            .map(|h| v1::HandlerStats {
+                handler: h.handler,
+                behind: h.behind,
+                in_progress: h.in_progress,
+                retrying: h.retrying,
+                dead_lettered: h.dead_lettered,
+            })
+            .collect();
         Ok(Response::new(v1::StatsResponse {
             pending: s.pending,
             processing: s.processing,
             done: s.done,
             dead_lettered: s.dead_lettered,
             oldest_due_age_ms: s.oldest_due_age_ms,
+            handlers,
         }))
+    }
+
+    async fn claim_deliveries(
+        &self,
+        request: Request<v1::ClaimDeliveriesRequest>,
+    ) -> Result<Response<v1::ClaimDeliveriesResponse>, Status> {
+        Ok(Response::new(OutboxApi::claim_deliveries(self, request.into_inner()).await?))
+    }
+
+    async fn settle_deliveries(
+        &self,
+        request: Request<v1::SettleDeliveriesRequest>,
+    ) -> Result<Response<v1::SettleDeliveriesResponse>, Status> {
+        Ok(Response::new(OutboxApi::settle_deliveries(self, request.into_inner()).await?))
+    }
+
+    async fn renew_deliveries(
+        &self,
+        request: Request<v1::RenewDeliveriesRequest>,
+    ) -> Result<Response<v1::RenewDeliveriesResponse>, Status> {
+        Ok(Response::new(OutboxApi::renew_deliveries(self, request.into_inner()).await?))
+    }
+
+    async fn release_instance(
+        &self,
+        request: Request<v1::ReleaseInstanceRequest>,
+    ) -> Result<Response<v1::ReleaseInstanceResponse>, Status> {
+        Ok(Response::new(OutboxApi::release_instance(self, request.into_inner()).await?))
     }
 }

@@ -2,8 +2,8 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, ReviewId, UserId};
+use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 use sqlx::Row;
 
 use super::{
@@ -30,7 +30,7 @@ impl Store {
                         return Err(ServiceError::permission_denied(format!(
                             "object_uri {} belongs to another actor",
                             review.object_uri
-                        )));
+                        )).into());
                     }
                     let unchanged = row.get::<String, _>("movie_id") == movie.id
                         && row.get::<i64, _>("rating") == i64::from(review.rating)
@@ -94,7 +94,7 @@ impl Store {
         write_job!(self, "receive_follow", |tx| {
             ensure_user(tx.conn(), user).await?;
             if is_blocked(tx.conn(), &user.to_string(), &Target::Actor(actor_uri.clone()).key()).await? {
-                return Err(ServiceError::failed_precondition(format!("actor_uri: {actor_uri} is blocked by user {user}")));
+                return Err(ServiceError::failed_precondition(format!("actor_uri: {actor_uri} is blocked by user {user}")).into());
             }
             let inserted =
                 sqlx::query("INSERT OR IGNORE INTO remote_followers (user_id, actor_uri, activity_uri, created_at) VALUES (?, ?, ?, ?)")

@@ -4,7 +4,6 @@ use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::letterboxd::DiaryRow;
 use reelay_domain::{NewEvent, ReviewId, UserId};
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 
 use super::{
     ImportSummary, MovieSpec, Result, ReviewRow, Store, commit_events, ensure_user, insert_review, resolve_movie,

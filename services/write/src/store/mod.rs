@@ -6,9 +6,11 @@
 
 use reelay_contracts::v1::{self, account, event::Payload};
 use reelay_domain::{EventId, MovieId, NewEvent, UserId, validate};
+use reelay_kit::ServiceError;
 use reelay_outbox::{Database, WriteTx, enqueue_events};
-use reelay_runtime::ServiceError;
 use sqlx::{Row, SqliteConnection};
+
+use crate::WriteError;
 
 mod federation;
 mod integrations;
@@ -19,7 +21,7 @@ mod users;
 mod watchlist;
 mod wrap_ups;
 
-type Result<T> = std::result::Result<T, ServiceError>;
+type Result<T> = std::result::Result<T, WriteError>;
 
 // ---------------------------------------------------------------------------------------------
 // Commands and rows
@@ -167,7 +169,7 @@ pub(crate) use select_reviews;
 
 async fn ensure_user(conn: &mut SqliteConnection, id: UserId) -> Result<()> {
     let found = sqlx::query("SELECT 1 FROM users WHERE id = ?").bind(id.to_string()).fetch_optional(conn).await?;
-    found.map(|_| ()).ok_or_else(|| ServiceError::not_found(format_args!("user {id}")))
+    found.map(|_| ()).ok_or_else(|| ServiceError::not_found(format_args!("user {id}")).into())
 }
 
 /// The hot path of a write that names a movie by id: checks the actor and loads the movie in one
@@ -182,10 +184,10 @@ async fn actor_and_movie(conn: &mut SqliteConnection, actor: UserId, movie: Movi
     .fetch_one(conn)
     .await?;
     if !row.get::<bool, _>(0) {
-        return Err(ServiceError::not_found(format_args!("user {actor}")));
+        return Err(ServiceError::not_found(format_args!("user {actor}")).into());
     }
     let Some(id) = row.get::<Option<String>, _>(1) else {
-        return Err(ServiceError::not_found(format_args!("movie {movie}")));
+        return Err(ServiceError::not_found(format_args!("movie {movie}")).into());
     };
     Ok(MovieRow { id, title: row.get(2), year: row.get(3), external_id: row.get(4), created_at: row.get(5) })
 }
@@ -225,11 +227,11 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
         MovieSpec::Id(id) => movie_by_id(tx.conn(), &id.to_string())
             .await?
             .map(|m| (m, false))
-            .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}"))),
+            .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}")).into()),
         MovieSpec::ExternalId(external_id) => movie_by_external_id(tx.conn(), external_id)
             .await?
             .map(|m| (m, false))
-            .ok_or_else(|| ServiceError::not_found(format_args!("movie with external_id {external_id:?}"))),
+            .ok_or_else(|| ServiceError::not_found(format_args!("movie with external_id {external_id:?}")).into()),
         MovieSpec::TitleYear { title, year, external_id } => {
             if let Some(ext) = external_id
                 && let Some(movie) = movie_by_external_id(tx.conn(), ext).await?
@@ -342,13 +344,13 @@ pub struct Store {
 /// Runs a write job; the closure body is an async block over `tx`.
 macro_rules! write_job {
     ($store:expr, $name:literal, |$tx:ident| $body:block) => {
-        $store.db.writer.transact::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
+        $store.db.writer.transact::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
     };
     ($store:expr, single_statement $name:literal, |$tx:ident| $body:block) => {
         $store
             .db
             .writer
-            .transact_single_statement::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
+            .transact_single_statement::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
     };
 }
 pub(crate) use write_job;
@@ -373,14 +375,14 @@ macro_rules! keyed_job {
     }};
     (@job $store:expr, $submit:ident, $name:literal, $key:expr, |$tx:ident| $body:block) => {{
         let key: Option<$crate::request_ids::RequestKey> = $key;
-        $store.db.writer.$submit::<_, ServiceError, _>($name, move |$tx: &mut WriteTx| {
+        $store.db.writer.$submit::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| {
             Box::pin(async move {
                 if let Some(key) = &key {
                     if let Some(answer) = key.recorded($tx).await? {
                         return Ok(answer);
                     }
                 }
-                let answer: std::result::Result<_, ServiceError> = async { $body }.await;
+                let answer: std::result::Result<_, $crate::WriteError> = async { $body }.await;
                 let answer = answer?;
                 if let Some(key) = &key {
                     key.record($tx, &answer).await?;

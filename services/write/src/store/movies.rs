@@ -2,8 +2,8 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, UserId};
+use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 
 use super::{
     MovieRow, MovieSpec, Result, Store, actor_and_resolved_movie, commit_events, ensure_user, keyed_job, movie_by_id,
@@ -56,6 +56,6 @@ impl Store {
             .bind(id.to_string())
             .fetch_optional(&self.db.reads)
             .await?
-            .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}")))
+            .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}")).into())
     }
 }

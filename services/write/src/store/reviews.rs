@@ -3,8 +3,8 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, ReviewId, UserId};
-use reelay_outbox::{WriteTx, now_ms};
-use reelay_runtime::ServiceError;
+use reelay_kit::{ServiceError, now_ms};
+use reelay_outbox::WriteTx;
 use sqlx::{Row, SqliteConnection};
 
 use super::{
@@ -24,7 +24,7 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
         .await?
         .ok_or_else(|| ServiceError::not_found(format_args!("review {id}")))?;
     if review.user_id != actor.to_string() {
-        return Err(ServiceError::permission_denied(format!("review {id} belongs to another user")));
+        return Err(ServiceError::permission_denied(format!("review {id} belongs to another user")).into());
     }
     Ok(review)
 }
@@ -58,7 +58,7 @@ async fn insert_review_of_known_movie(
     let Some(row) = inserted else {
         // Nothing was written; find out what was missing.
         actor_and_movie(conn, actor, movie).await?;
-        return Err(ServiceError::internal("the review was not inserted though its user and movie exist"));
+        return Err(ServiceError::internal("the review was not inserted though its user and movie exist").into());
     };
     review.movie_id = movie.to_string();
     Ok(MovieRow {
@@ -213,7 +213,7 @@ impl Store {
             .bind(id.to_string())
             .fetch_optional(&self.db.reads)
             .await?
-            .ok_or_else(|| ServiceError::not_found(format_args!("review {id}")))
+            .ok_or_else(|| ServiceError::not_found(format_args!("review {id}")).into())
     }
 
     /// Newest first. `after` is the last review id of the previous page.

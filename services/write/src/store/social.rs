@@ -3,18 +3,19 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, UserId};
+use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 use sqlx::{Row, SqliteConnection};
 
 use super::{Result, Store, Target, commit_events, ensure_user, is_blocked, keyed_job};
+use crate::WriteError;
 use crate::request_ids::RequestKey;
 
 /// Validates the other side of a social command: a local user must exist and not be the actor.
 async fn check_target(conn: &mut SqliteConnection, actor: UserId, target: &Target) -> Result<()> {
     if let Target::User(id) = target {
         if *id == actor {
-            return Err(ServiceError::invalid("target", "must be another account than actor_user_id"));
+            return Err(ServiceError::invalid("target", "must be another account than actor_user_id").into());
         }
         ensure_user(conn, *id).await?;
     }
@@ -32,7 +33,7 @@ impl Store {
                 Target::Actor(_) => false,
             };
             if blocked_by_target || is_blocked(tx.conn(), &actor.to_string(), &target.key()).await? {
-                return Err(ServiceError::failed_precondition("target: a block exists between these accounts"));
+                return Err(ServiceError::failed_precondition("target: a block exists between these accounts").into());
             }
             let inserted =
                 sqlx::query("INSERT OR IGNORE INTO follows (follower_id, target, created_at) VALUES (?, ?, ?)")
@@ -78,7 +79,7 @@ impl Store {
     ) -> Result<bool> {
         self.db
             .writer
-            .transact::<_, ServiceError, _>(job, move |tx: &mut WriteTx| {
+            .transact::<_, WriteError, _>(job, move |tx: &mut WriteTx| {
                 Box::pin(async move {
                     ensure_user(tx.conn(), owner).await?;
                     let removed =

@@ -2,8 +2,8 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, UserId};
+use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 
 use super::{Result, Store, UserRow, commit_events, keyed_job};
 use crate::convert;
@@ -17,7 +17,7 @@ impl Store {
                 .fetch_optional(tx.conn())
                 .await?;
             if taken.is_some() {
-                return Err(ServiceError::already_exists(format!("handle: @{handle} is taken")));
+                return Err(ServiceError::already_exists(format!("handle: @{handle} is taken")).into());
             }
             let user = UserRow { id: UserId::new().to_string(), handle, display_name, created_at: tx.now_ms() };
             sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES (?, ?, ?, ?)")
@@ -46,6 +46,6 @@ impl Store {
             .bind(id.to_string())
             .fetch_optional(&self.db.reads)
             .await?
-            .ok_or_else(|| ServiceError::not_found(format_args!("user {id}")))
+            .ok_or_else(|| ServiceError::not_found(format_args!("user {id}")).into())
     }
 }

@@ -3,7 +3,6 @@
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, UserId};
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 
 use super::{MovieSpec, Result, Store, WatchlistRow, actor_and_resolved_movie, commit_events, keyed_job};
 use crate::convert;

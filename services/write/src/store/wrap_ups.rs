@@ -2,8 +2,8 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, UserId, WrapUpId};
+use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use reelay_runtime::ServiceError;
 
 use super::{Result, Store, WrapUpRow, commit_events, ensure_user, keyed_job};
 use crate::convert;
@@ -63,6 +63,6 @@ impl Store {
         .bind(id.to_string())
         .fetch_optional(&self.db.reads)
         .await?
-        .ok_or_else(|| ServiceError::not_found(format_args!("wrap-up {id}")))
+        .ok_or_else(|| ServiceError::not_found(format_args!("wrap-up {id}")).into())
     }
 }

@@ -1,0 +1,186 @@
+//! The consumer loop every handler service runs: fetch a batch, dispatch it through the
+//! ledger, settle it, repeat. An unreachable event source or ledger pauses the loop (nothing
+//! is settled, so no attempt is spent); shutdown lets the batch in hand finish first.
+
+use std::sync::Arc;
+
+use prost::Message;
+use reelay_kit::Shutdown;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::dispatch::{Dispatched, Dispatcher, Verdict};
+use crate::pause::Pause;
+use crate::source::{Delivery, EventSource, Settlement, Settler, SourceError};
+
+pub async fn run_consumer<S: EventSource>(
+    mut source: S,
+    dispatcher: Dispatcher,
+    batch_size: usize,
+    in_flight: usize,
+    shutdown: Shutdown,
+) {
+    tracing::info!(handlers = ?dispatcher.handler_names(), batch_size, in_flight, "consumer started");
+    // Up to `in_flight` batches are worked on while the next is fetched, so one slow handler
+    // call (an index commit) does not hold back the start of the next event.
+    let permits = Arc::new(Semaphore::new(in_flight.max(1)));
+    let mut batches = JoinSet::new();
+    let mut source_pause = Pause::new("event source");
+    while !shutdown.is_requested() {
+        let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
+        while batches.try_join_next().is_some() {}
+        // The fetch is not raced against shutdown: dropping a claim in flight could strand rows
+        // until their lease ends. Fetches wait only briefly, so shutdown is still prompt.
+        let deliveries = match source.fetch(batch_size).await {
+            Ok(deliveries) => {
+                source_pause.resumed();
+                deliveries
+            }
+            Err(SourceError::Unavailable(error)) => {
+                source_pause.wait(&error).await;
+                continue;
+            }
+            Err(SourceError::Rejected(error)) => {
+                tracing::error!(%error, "fetching events failed");
+                source_pause.wait(&error).await;
+                continue;
+            }
+        };
+        if deliveries.is_empty() {
+            continue;
+        }
+        let (settler, dispatcher, shutdown) = (source.settler(), dispatcher.clone(), shutdown.clone());
+        batches.spawn(async move {
+            process_batch(deliveries, dispatcher, settler, shutdown).await;
+            drop(permit);
+        });
+    }
+    while batches.join_next().await.is_some() {}
+    tracing::info!("consumer stopped");
+}
+
+/// Dispatches one batch through the ledger and settles it.
+async fn process_batch<T, X>(
+    deliveries: Vec<Delivery<T>>,
+    mut dispatcher: Dispatcher,
+    mut settler: X,
+    shutdown: Shutdown,
+) where
+    T: Send + Sync + 'static,
+    X: Settler<T>,
+{
+    let mut ledger_pause = Pause::new("ledger");
+    let dispatched = loop {
+        let dispatched = with_progress(&mut settler, &deliveries, dispatcher.dispatch(&deliveries)).await;
+        match dispatched {
+            Ok(dispatched) => {
+                ledger_pause.resumed();
+                break Some(dispatched);
+            }
+            Err(_) if shutdown.is_requested() => break None,
+            Err(unavailable) => {
+                // Hold on to the deliveries (reporting progress) rather than failing them:
+                // an outage of any length must not use up their attempts.
+                with_progress(&mut settler, &deliveries, ledger_pause.wait(&unavailable.0)).await;
+            }
+        }
+    };
+    let (settlements, ledger): (Vec<Settlement<T>>, _) = match dispatched {
+        Some(Dispatched { verdicts, ledger }) => {
+            (deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(), ledger)
+        }
+        // Stopping while the ledger is down: hand the deliveries back for someone else now.
+        None => (deliveries.into_iter().map(|d| d.ack.defer(reelay_kit::now_ms())).collect(), Default::default()),
+    };
+    // The ledger and the deliveries are settled at the same time, so the write service can
+    // commit both in one transaction; either order is safe (a redelivery meets a done ledger
+    // row, or an idempotent handler).
+    tokio::join!(dispatcher.settle_ledger(ledger), settle(&mut settler, &settlements, &shutdown));
+}
+
+/// Settles deliveries, pausing while the source is unreachable.
+async fn settle<T, X>(settler: &mut X, settlements: &[Settlement<T>], shutdown: &Shutdown)
+where
+    T: Send + Sync + 'static,
+    X: Settler<T>,
+{
+    let mut settle_pause = Pause::new("event source");
+    loop {
+        match settler.settle(settlements).await {
+            Ok(()) => {
+                settle_pause.resumed();
+                break;
+            }
+            Err(SourceError::Unavailable(error)) if !shutdown.is_requested() => settle_pause.wait(&error).await,
+            Err(error) => {
+                // The claims expire and the events come back; the ledger skips what finished.
+                tracing::error!(%error, deliveries = settlements.len(), "could not settle deliveries; they will be redelivered");
+                break;
+            }
+        }
+    }
+}
+
+/// Runs `work` while telling the source, as often as it needs, that `deliveries` are in hand.
+async fn with_progress<T, X, F>(source: &mut X, deliveries: &[Delivery<T>], work: F) -> F::Output
+where
+    T: Send + Sync + 'static,
+    X: Settler<T>,
+    F: Future,
+{
+    let Some(interval) = source.progress_interval() else { return work.await };
+    tokio::pin!(work);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    loop {
+        tokio::select! {
+            output = &mut work => return output,
+            _ = ticks.tick() => {
+                if let Err(error) = source.in_progress(deliveries).await {
+                    tracing::warn!(%error, "could not report deliveries in progress");
+                }
+            }
+        }
+    }
+}
+
+fn settlement<T>(delivery: Delivery<T>, verdict: Verdict) -> Settlement<T> {
+    match verdict {
+        Verdict::Ack => delivery.ack.ack(),
+        Verdict::Nak { delay, error } => delivery.ack.nak(delay, error),
+        Verdict::Defer { until_ms } => delivery.ack.defer(until_ms),
+        Verdict::Term { reason } => {
+            tracing::error!(event_id = delivery.event_id.as_deref().unwrap_or(""), %reason, "handler gave up on the event for good");
+            delivery.ack.term(reason)
+        }
+    }
+}
+
+/// Decodes an envelope; a payload that is not one (a foreign writer's row) becomes an event
+/// with the row's metadata and no payload, which handlers treat as nothing to do.
+pub fn decode_envelope(
+    payload: &[u8],
+    event_id: &str,
+    event_type: &str,
+    aggregate_id: &str,
+) -> reelay_contracts::v1::Event {
+    match reelay_contracts::v1::Event::decode(payload) {
+        Ok(event) if event.event_type == event_type => event,
+        _ => reelay_contracts::v1::Event {
+            event_id: event_id.to_owned(),
+            event_type: event_type.to_owned(),
+            aggregate_id: aggregate_id.to_owned(),
+            ..Default::default()
+        },
+    }
+}
+
+/// The event a NATS message carries, and its dedup id (the `Nats-Msg-Id` header, or the
+/// envelope's id when a publisher set no header). The event type is the subject's last token.
+pub fn event_from_nats(message: &async_nats::Message) -> (reelay_contracts::v1::Event, Option<String>) {
+    let header_id =
+        message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.as_str().to_owned()).unwrap_or_default();
+    let event_type = message.subject.rsplit('.').next().unwrap_or_default();
+    let event = decode_envelope(&message.payload, &header_id, event_type, "");
+    let event_id = if header_id.is_empty() { event.event_id.clone() } else { header_id };
+    (event, (!event_id.is_empty()).then_some(event_id))
+}

@@ -1,0 +1,82 @@
+//! What a handler is: a named, idempotent reaction to some event types.
+//!
+//! The runtime delivers each event at least once to each handler that subscribes to its type,
+//! guarded by the ledger so no two deliveries run one handler for one event at the same time.
+//! Handlers must therefore be idempotent: running one twice on the same event must leave the
+//! same effect as running it once (the crash between the effect and the ledger mark is the one
+//! duplicate the ledger cannot remove).
+
+use std::fmt;
+
+use reelay_contracts::v1;
+
+/// Why a handler did not finish.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandlerError {
+    /// Worth retrying later (a dependency was down, a timeout): retried on the backoff schedule
+    /// until the attempts run out.
+    #[error("{0}")]
+    Retryable(String),
+    /// Retrying cannot help (the event cannot be understood): the delivery is terminated.
+    #[error("{0}")]
+    Permanent(String),
+}
+
+impl HandlerError {
+    pub fn retryable(message: impl fmt::Display) -> Self {
+        Self::Retryable(message.to_string())
+    }
+
+    pub fn permanent(message: impl fmt::Display) -> Self {
+        Self::Permanent(message.to_string())
+    }
+}
+
+#[async_trait::async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// Stable name: the ledger key, the JetStream consumer (`handler-<name>`), the `--handler`
+    /// flag value. Lowercase, `a-z0-9-`.
+    fn name(&self) -> &'static str;
+
+    /// The event types (`Event.event_type`) this handler takes.
+    fn event_types(&self) -> &'static [&'static str];
+
+    fn subscribes_to(&self, event_type: &str) -> bool {
+        self.event_types().contains(&event_type)
+    }
+
+    /// Applies one event. Must be idempotent.
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError>;
+
+    /// Applies several events, returning one result per event in order. The runtime calls this
+    /// with every event of a fetched batch it holds a ledger claim for; a handler whose effect
+    /// has a per-call fixed cost (an index commit, a flush) overrides it to pay that cost once.
+    async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+        use tracing::Instrument;
+        let mut results = Vec::with_capacity(events.len());
+        for event in events {
+            // What the handler logs about this event joins the trace of the write that raised it.
+            results.push(self.handle(event).instrument(crate::dispatch::event_span(event, self.name())).await);
+        }
+        results
+    }
+}
+
+/// What the process hosting a handler gives it.
+#[derive(Clone)]
+pub struct HandlerContext {
+    /// The process's data directory (a handler keeps its local state under it).
+    pub data_dir: std::path::PathBuf,
+    /// The write service, for follow-up writes through the domain API (authenticated, lazily
+    /// connected, with a deadline on every call).
+    pub write: reelay_kit::client::ServiceChannel,
+}
+
+/// Mounts a handler's own gRPC services on the handlers server.
+pub type MountGrpc = Box<dyn FnOnce(reelay_kit::GrpcServer) -> reelay_kit::GrpcServer + Send>;
+
+/// A handler ready to run, with the gRPC services it serves besides (the Search API, say).
+pub struct BuiltHandler {
+    pub handler: std::sync::Arc<dyn Handler>,
+    pub grpc: Option<MountGrpc>,
+}

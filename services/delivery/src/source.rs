@@ -1,0 +1,121 @@
+//! Where events come from, and how a consumer says what became of each delivery.
+//!
+//! A backend (the outbox via the Outbox API, or JetStream) implements [`EventSource`]. Each
+//! [`Delivery`] carries an [`AckHandle`] whose four verbs turn it into a [`Settlement`]:
+//! `ack` (done), `nak` (failed; retry after a delay, spending an attempt), `defer` (try again at
+//! a time without spending an attempt, where the backend can), `term` (never retry). The source
+//! applies settlements in batches. Handlers never see any of this.
+
+use std::time::Duration;
+
+use reelay_contracts::v1;
+
+/// One event delivered to this consumer.
+#[derive(Debug)]
+pub struct Delivery<T> {
+    pub event: v1::Event,
+    /// The dedup key; `None` for rows from foreign writers (delivered without ledger dedup).
+    pub event_id: Option<String>,
+    /// 1 for the first delivery.
+    pub attempt: u32,
+    /// The token of the (event, handler) ledger claim the source already holds for the
+    /// consumer's one handler (the db backend's per-handler deliveries): the dispatcher then
+    /// claims and settles nothing in the ledger itself; settling the delivery settles the claim.
+    pub claimed: Option<i64>,
+    pub ack: AckHandle<T>,
+}
+
+/// The backend's handle on one delivery (a row claim, a JetStream message).
+#[derive(Debug, Clone)]
+pub struct AckHandle<T> {
+    token: T,
+}
+
+impl<T> AckHandle<T> {
+    pub fn new(token: T) -> Self {
+        Self { token }
+    }
+
+    pub fn token(&self) -> &T {
+        &self.token
+    }
+
+    pub fn into_token(self) -> T {
+        self.token
+    }
+
+    /// Delivered: every handler is done or skipped.
+    pub fn ack(self) -> Settlement<T> {
+        Settlement { ack: self, kind: SettleKind::Ack }
+    }
+
+    /// Failed: deliver again after `delay`, spending an attempt.
+    pub fn nak(self, delay: Duration, error: impl Into<String>) -> Settlement<T> {
+        Settlement { ack: self, kind: SettleKind::Nak { delay, error: error.into() } }
+    }
+
+    /// Not now: deliver again at `until_ms` without spending an attempt (where the backend can).
+    pub fn defer(self, until_ms: i64) -> Settlement<T> {
+        Settlement { ack: self, kind: SettleKind::Defer { until_ms } }
+    }
+
+    /// Never deliver again.
+    pub fn term(self, reason: impl Into<String>) -> Settlement<T> {
+        Settlement { ack: self, kind: SettleKind::Term { reason: reason.into() } }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleKind {
+    Ack,
+    Nak { delay: Duration, error: String },
+    Defer { until_ms: i64 },
+    Term { reason: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct Settlement<T> {
+    pub ack: AckHandle<T>,
+    pub kind: SettleKind,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SourceError {
+    /// The backend cannot be reached; pause and try again (spends nothing).
+    #[error("event source unavailable: {0}")]
+    Unavailable(String),
+    /// The backend answered with an error that waiting will not fix.
+    #[error("event source refused the request: {0}")]
+    Rejected(String),
+}
+
+#[async_trait::async_trait]
+pub trait EventSource: Send {
+    type Token: Send + Sync + std::fmt::Debug + 'static;
+    type Settler: Settler<Self::Token>;
+
+    /// Up to `max` deliveries; may wait for some to arrive, and may return none.
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<Self::Token>>, SourceError>;
+
+    /// A handle that settles this source's deliveries, so batches can be worked on while the
+    /// next one is fetched.
+    fn settler(&self) -> Self::Settler;
+}
+
+/// Settles deliveries of one source. Cheap to clone: one clone per batch in flight.
+#[async_trait::async_trait]
+pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
+    /// Applies settlements. On `Unavailable` the caller retries the same settlements.
+    async fn settle(&mut self, settlements: &[Settlement<T>]) -> Result<(), SourceError>;
+
+    /// How often deliveries in hand must be reported as still in progress so the backend does
+    /// not redeliver them (a long handler, a paused consumer). `None`: no need.
+    fn progress_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Reports deliveries in hand as still being worked on.
+    async fn in_progress(&mut self, _deliveries: &[Delivery<T>]) -> Result<(), SourceError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,258 @@
+//! Test-only probe handlers. Always compiled, but constructible only with the feature
+//! `test-handlers`, which release builds never enable; without it, asking for a probe is a
+//! start-up error, and the crate links no database.
+//!
+//! A probe records every execution as one row in its own SQLite table (not the write service's
+//! database), so an end-to-end test can count attempts and effects per (event, handler).
+//! Settings (environment, hidden from `--help`):
+//! - `REELAY_PROBE_HANDLERS=probe-a,probe-b` — which probes exist in this process (none when
+//!   unset); `probe-a`, `probe-b` and `probe-c` take every event type.
+//! - `REELAY_PROBE_DB` — the effects file.
+//! - `REELAY_PROBE_FAIL` — `1`: every execution fails (retryable) after recording its attempt;
+//!   or per probe, `probe-a=permanent:<text>` (a permanent failure for events whose encoded
+//!   payload contains `<text>`) and `probe-b=times:<n>` (each event fails its first `n`
+//!   attempts, then succeeds), comma-separated.
+//! - `REELAY_PROBE_DELAY_MS` — `500`: every probe sleeps that long before its effect (to be
+//!   killed there); or per probe, `probe-c=2000`.
+
+use reelay_delivery::{BuiltHandler, HandlerContext};
+
+/// The probe names a build may have.
+pub const PROBES: &[&str] = &["probe-a", "probe-b", "probe-c"];
+
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ProbeSettings {
+    #[arg(
+        id = "probe_handlers",
+        long = "probe-handlers",
+        env = "REELAY_PROBE_HANDLERS",
+        hide = true,
+        value_delimiter = ','
+    )]
+    pub handlers: Vec<String>,
+    #[arg(id = "probe_db", long = "probe-db", env = "REELAY_PROBE_DB", hide = true)]
+    pub db: Option<std::path::PathBuf>,
+    #[arg(id = "probe_fail", long = "probe-fail", env = "REELAY_PROBE_FAIL", hide = true, default_value = "")]
+    pub fail: String,
+    #[arg(
+        id = "probe_delay_ms",
+        long = "probe-delay-ms",
+        env = "REELAY_PROBE_DELAY_MS",
+        hide = true,
+        default_value = ""
+    )]
+    pub delay_ms: String,
+}
+
+impl ProbeSettings {
+    /// The probes these settings ask for.
+    pub fn names(&self) -> Vec<&'static str> {
+        PROBES.iter().copied().filter(|p| self.handlers.iter().any(|h| h.trim() == *p)).collect()
+    }
+
+    /// The value of a per-probe setting (`probe-a=...,probe-b=...`) for `probe`, or the setting
+    /// itself when it names no probe.
+    #[cfg_attr(not(feature = "test-handlers"), allow(dead_code, reason = "only probes read their settings"))]
+    fn for_probe<'s>(setting: &'s str, probe: &str) -> Option<&'s str> {
+        if setting.is_empty() {
+            return None;
+        }
+        if !setting.contains('=') {
+            return Some(setting);
+        }
+        setting
+            .split(',')
+            .filter_map(|part| part.trim().split_once('='))
+            .find(|(name, _)| *name == probe)
+            .map(|(_, v)| v)
+    }
+}
+
+/// Builds probe `name` with `settings`.
+pub async fn build(
+    name: &'static str,
+    settings: &ProbeSettings,
+    _context: &HandlerContext,
+) -> anyhow::Result<BuiltHandler> {
+    #[cfg(feature = "test-handlers")]
+    return enabled::build(name, settings).await;
+    #[cfg(not(feature = "test-handlers"))]
+    {
+        let _ = settings;
+        anyhow::bail!(
+            "REELAY_PROBE_HANDLERS asks for {name}, but this build has no probe handlers (they exist only in test builds)"
+        )
+    }
+}
+
+#[cfg(feature = "test-handlers")]
+mod enabled {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use anyhow::{Context, bail};
+    use prost::Message;
+    use reelay_contracts::v1;
+    use reelay_delivery::{BuiltHandler, Handler, HandlerError};
+    use reelay_domain::EVENT_TYPES;
+    use sqlx::Row;
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+    use tokio::sync::OnceCell;
+
+    use super::ProbeSettings;
+
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Failure {
+        None,
+        Always,
+        /// Permanent for events whose encoded payload contains this text.
+        PermanentIf(String),
+        /// Each event fails its first n attempts.
+        Times(u32),
+    }
+
+    struct Probe {
+        name: &'static str,
+        effects: SqlitePool,
+        failure: Failure,
+        delay: Duration,
+    }
+
+    /// One effects file per process, shared by its probes.
+    static EFFECTS: OnceCell<SqlitePool> = OnceCell::const_new();
+
+    async fn effects(settings: &ProbeSettings) -> anyhow::Result<SqlitePool> {
+        let path = settings.db.clone().context("REELAY_PROBE_DB must name the probes' effects file")?;
+        let pool = EFFECTS
+            .get_or_try_init(|| async {
+                let options = SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(true)
+                    .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                    // Test bookkeeping, not the system under test: no fsync.
+                    .synchronous(sqlx::sqlite::SqliteSynchronous::Off)
+                    .busy_timeout(Duration::from_secs(30));
+                let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
+                for table in ["effects", "attempts"] {
+                    let sql = format!(
+                        "CREATE TABLE IF NOT EXISTS {table} (event_id TEXT NOT NULL, handler TEXT NOT NULL, \
+                         pid INTEGER NOT NULL, at INTEGER NOT NULL, at_us INTEGER NOT NULL)"
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await?;
+                }
+                Ok::<_, sqlx::Error>(pool)
+            })
+            .await?;
+        Ok(pool.clone())
+    }
+
+    pub(super) async fn build(name: &'static str, settings: &ProbeSettings) -> anyhow::Result<BuiltHandler> {
+        let failure = match ProbeSettings::for_probe(&settings.fail, name) {
+            None | Some("") | Some("0") => Failure::None,
+            Some("1") => Failure::Always,
+            Some(rule) => match rule.split_once(':') {
+                Some(("permanent", text)) => Failure::PermanentIf(text.to_owned()),
+                Some(("times", n)) => {
+                    Failure::Times(n.parse().with_context(|| format!("REELAY_PROBE_FAIL: {rule:?}"))?)
+                }
+                _ => bail!("REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text> or times:<n>"),
+            },
+        };
+        let delay = match ProbeSettings::for_probe(&settings.delay_ms, name) {
+            None => Duration::ZERO,
+            Some(ms) => Duration::from_millis(ms.parse().with_context(|| format!("REELAY_PROBE_DELAY_MS: {ms:?}"))?),
+        };
+        let effects = effects(settings).await?;
+        tracing::warn!(probe = name, ?failure, ?delay, "test probe handler enabled");
+        Ok(BuiltHandler { handler: Arc::new(Probe { name, effects, failure, delay }), grpc: None })
+    }
+
+    impl Probe {
+        /// One row per event and call: `attempts` for every run, `effects` for every effect.
+        /// One transaction per batch, so the probe is never what limits a benchmark.
+        async fn record(&self, table: &str, events: &[&v1::Event]) -> Result<(), HandlerError> {
+            if events.is_empty() {
+                return Ok(());
+            }
+            let failed = |e: sqlx::Error| HandlerError::retryable(format!("probe could not record into {table}: {e}"));
+            let now_us =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64);
+            let mut tx = self.effects.begin().await.map_err(failed)?;
+            for event in events {
+                let sql = format!("INSERT INTO {table} (event_id, handler, pid, at, at_us) VALUES (?, ?, ?, ?, ?)");
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(event.event_id.clone())
+                    .bind(self.name)
+                    .bind(i64::from(std::process::id()))
+                    .bind(now_us / 1000)
+                    .bind(now_us)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(failed)?;
+            }
+            tx.commit().await.map_err(failed)
+        }
+
+        /// How this probe's failure rule treats `event`, now that its attempt is recorded.
+        async fn verdict(&self, event: &v1::Event) -> Result<(), HandlerError> {
+            match &self.failure {
+                Failure::None => Ok(()),
+                Failure::Always => Err(HandlerError::retryable(format!("probe {} fails on purpose", self.name))),
+                Failure::PermanentIf(text) => {
+                    let payload = event.encode_to_vec();
+                    if payload.windows(text.len()).any(|w| w == text.as_bytes()) {
+                        Err(HandlerError::permanent(format!("probe {} refuses events with {text:?}", self.name)))
+                    } else {
+                        Ok(())
+                    }
+                }
+                Failure::Times(n) => {
+                    let attempts: i64 = sqlx::query("SELECT COUNT(*) FROM attempts WHERE event_id = ? AND handler = ?")
+                        .bind(event.event_id.clone())
+                        .bind(self.name)
+                        .fetch_one(&self.effects)
+                        .await
+                        .map(|r| r.get(0))
+                        .map_err(|e| HandlerError::retryable(e.to_string()))?;
+                    if attempts <= i64::from(*n) {
+                        Err(HandlerError::retryable(format!("probe {} fails attempt {attempts} of {n}", self.name)))
+                    } else {
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Handler for Probe {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn event_types(&self) -> &'static [&'static str] {
+            EVENT_TYPES
+        }
+
+        async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+            self.handle_batch(&[event]).await.pop().unwrap_or(Ok(()))
+        }
+
+        async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+            if let Err(error) = self.record("attempts", events).await {
+                return vec![Err(error); events.len()];
+            }
+            tokio::time::sleep(self.delay).await;
+            let mut verdicts = Vec::with_capacity(events.len());
+            for event in events {
+                verdicts.push(self.verdict(event).await);
+            }
+            let succeeded: Vec<&v1::Event> =
+                events.iter().zip(&verdicts).filter(|(_, v)| v.is_ok()).map(|(e, _)| *e).collect();
+            if let Err(error) = self.record("effects", &succeeded).await {
+                return vec![Err(error); events.len()];
+            }
+            verdicts
+        }
+    }
+}

@@ -1,0 +1,799 @@
+//! The search index: one tantivy index in a local directory, holding one document per movie,
+//! local review and remote review, each under a key (`movie:<id>`, `review:<id>`, `remote:<id>`).
+//!
+//! Events arrive at least once and in any order, so every document carries the `version` of the
+//! event that wrote it (its `occurred_at_ms`) and a `deleted` flag. An event older than the
+//! indexed document is a no-op, and a delete leaves a tombstone rather than nothing, so a
+//! redelivered `ReviewLogged` cannot bring back a review deleted after it. A change writes only
+//! when it is newer than the indexed document; at equal versions a tombstone beats an upsert, and
+//! an equal change (a redelivery) writes nothing, so it does not even shift relevance scores.
+//!
+//! Only this module touches tantivy; all of its blocking work runs on the blocking pool.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use reelay_contracts::v1::{self, event::Payload};
+use reelay_delivery::HandlerError;
+use tantivy::collector::{Count, TopDocs};
+use tantivy::directory::MmapDirectory;
+use tantivy::indexer::IndexWriterOptions;
+use tantivy::query::{BooleanQuery, ConstScoreQuery, Occur, Query, TermQuery};
+use tantivy::schema::{Field, INDEXED, IndexRecordOption, STORED, STRING, Schema, TEXT, Value};
+use tantivy::tokenizer::TokenStream;
+use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Score, Searcher, TantivyDocument, Term};
+
+/// Tantivy's minimum per indexing thread; with one thread it keeps the writer's buffer, and so
+/// the service, well under its 64 MB memory budget.
+const WRITER_MEMORY_BYTES: usize = 15_000_000;
+
+const KIND_MOVIE: &str = "movie";
+const KIND_REVIEW: &str = "review";
+
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error("failed to open the search index at {path}: {source}")]
+    Open { path: PathBuf, source: tantivy::TantivyError },
+    #[error("search index operation failed: {0}")]
+    Tantivy(#[from] tantivy::TantivyError),
+    #[error("search index task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// One page of hits and the number of hits over all pages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SearchPage<T> {
+    pub hits: Vec<T>,
+    pub total_hits: u64,
+}
+
+/// A handle on the index; clones share one reader and one writer.
+#[derive(Clone)]
+pub struct SearchIndex {
+    inner: Arc<Inner>,
+}
+
+/// How long a batch waits for others to share its commit.
+const COMMIT_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
+
+struct Inner {
+    index: Index,
+    reader: IndexReader,
+    /// Tantivy allows one writer per index; the mutex also makes each batch's read-check-write
+    /// of versions atomic with respect to other batches.
+    writer: Mutex<IndexWriter>,
+    /// Batches waiting for a commit. Whoever holds the writer commits every batch queued by then
+    /// in one commit (a commit fsyncs several files, so it is the cost worth sharing).
+    queue: Mutex<Vec<Queued>>,
+    fields: Fields,
+}
+
+/// A batch's changes and where to report its commit's outcome.
+struct Queued {
+    changes: Vec<Change>,
+    done: tokio::sync::oneshot::Sender<Result<(), String>>,
+}
+
+#[derive(Clone, Copy)]
+struct Fields {
+    key: Field,
+    kind: Field,
+    version: Field,
+    deleted: Field,
+    movie_id: Field,
+    title: Field,
+    year: Field,
+    review_id: Field,
+    user_id: Field,
+    actor_uri: Field,
+    rating: Field,
+    body: Field,
+    remote: Field,
+}
+
+fn schema() -> Schema {
+    let mut builder = Schema::builder();
+    builder.add_text_field("key", STRING | STORED);
+    builder.add_text_field("kind", STRING);
+    builder.add_i64_field("version", STORED);
+    builder.add_bool_field("deleted", INDEXED | STORED);
+    builder.add_text_field("movie_id", STORED);
+    // A review's movie title goes here too, so searching "heat" finds reviews of Heat.
+    builder.add_text_field("title", TEXT | STORED);
+    builder.add_i64_field("year", STORED);
+    builder.add_text_field("review_id", STORED);
+    builder.add_text_field("user_id", STORED);
+    builder.add_text_field("actor_uri", STORED);
+    builder.add_u64_field("rating", STORED);
+    builder.add_text_field("body", TEXT | STORED);
+    builder.add_bool_field("remote", STORED);
+    builder.build()
+}
+
+impl Fields {
+    fn of(schema: &Schema) -> tantivy::Result<Self> {
+        let field = |name| schema.get_field(name);
+        Ok(Self {
+            key: field("key")?,
+            kind: field("kind")?,
+            version: field("version")?,
+            deleted: field("deleted")?,
+            movie_id: field("movie_id")?,
+            title: field("title")?,
+            year: field("year")?,
+            review_id: field("review_id")?,
+            user_id: field("user_id")?,
+            actor_uri: field("actor_uri")?,
+            rating: field("rating")?,
+            body: field("body")?,
+            remote: field("remote")?,
+        })
+    }
+}
+
+/// What one event does to the index.
+struct Change {
+    key: String,
+    version: i64,
+    /// `None` writes a tombstone.
+    entry: Option<Entry>,
+}
+
+enum Entry {
+    Movie(v1::MovieHit),
+    Review(v1::ReviewHit),
+}
+
+/// Orders the writes to one key: a newer version wins, and at the same version a tombstone wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Stamp {
+    version: i64,
+    deleted: bool,
+}
+
+impl Change {
+    fn stamp(&self) -> Stamp {
+        Stamp { version: self.version, deleted: self.entry.is_none() }
+    }
+
+    /// `None` for events the index does not care about.
+    fn from_event(event: &v1::Event) -> Result<Option<Self>, HandlerError> {
+        let Some(payload) = &event.payload else { return Ok(None) };
+        let version = event.occurred_at_ms;
+        let require = |field: &str, value: &str| {
+            if value.is_empty() {
+                Err(HandlerError::permanent(format!(
+                    "{} event {} has an empty {field}",
+                    event.event_type, event.event_id
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        let change = match payload {
+            // Both carry the whole review, so an edit replaces the document as a log creates it.
+            Payload::ReviewLogged(v1::ReviewLogged {
+                review_id,
+                user_id,
+                movie_id,
+                rating,
+                body,
+                movie_title,
+                movie_year,
+                ..
+            })
+            | Payload::ReviewEdited(v1::ReviewEdited {
+                review_id,
+                user_id,
+                movie_id,
+                rating,
+                body,
+                movie_title,
+                movie_year,
+                ..
+            }) => {
+                require("review_id", review_id)?;
+                Self {
+                    key: format!("review:{review_id}"),
+                    version,
+                    entry: Some(Entry::Review(v1::ReviewHit {
+                        review_id: review_id.clone(),
+                        user_id: user_id.clone(),
+                        actor_uri: String::new(),
+                        movie_id: movie_id.clone(),
+                        movie_title: movie_title.clone(),
+                        movie_year: *movie_year,
+                        rating: *rating,
+                        body: body.clone(),
+                        remote: false,
+                        score: 0.0,
+                    })),
+                }
+            }
+            Payload::ReviewDeleted(r) => {
+                require("review_id", &r.review_id)?;
+                Self { key: format!("review:{}", r.review_id), version, entry: None }
+            }
+            Payload::RemoteReviewSaved(r) => {
+                require("remote_review_id", &r.remote_review_id)?;
+                Self {
+                    key: format!("remote:{}", r.remote_review_id),
+                    version,
+                    entry: Some(Entry::Review(v1::ReviewHit {
+                        review_id: r.remote_review_id.clone(),
+                        user_id: String::new(),
+                        actor_uri: r.actor_uri.clone(),
+                        movie_id: r.movie_id.clone(),
+                        movie_title: r.movie_title.clone(),
+                        movie_year: r.movie_year,
+                        rating: r.rating,
+                        body: r.body.clone(),
+                        remote: true,
+                        score: 0.0,
+                    })),
+                }
+            }
+            Payload::MovieDiscovered(m) => {
+                require("movie_id", &m.movie_id)?;
+                Self {
+                    key: format!("movie:{}", m.movie_id),
+                    version,
+                    entry: Some(Entry::Movie(v1::MovieHit {
+                        movie_id: m.movie_id.clone(),
+                        title: m.title.clone(),
+                        year: m.year,
+                        score: 0.0,
+                    })),
+                }
+            }
+            Payload::MovieDeleted(m) => {
+                require("movie_id", &m.movie_id)?;
+                Self { key: format!("movie:{}", m.movie_id), version, entry: None }
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(change))
+    }
+}
+
+impl SearchIndex {
+    /// Opens the index in `dir`, creating the directory and an empty index if needed. Fails if
+    /// another process holds the index's writer lock.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, IndexError> {
+        let path = dir.as_ref();
+        let open = || -> tantivy::Result<Self> {
+            std::fs::create_dir_all(path)?;
+            let index = Index::open_or_create(MmapDirectory::open(path)?, schema())?;
+            Self::from_index(index)
+        };
+        let index = open().map_err(|source| IndexError::Open { path: path.to_owned(), source })?;
+        tracing::info!(path = %path.display(), docs = index.num_docs(), "search index open");
+        Ok(index)
+    }
+
+    fn from_index(index: Index) -> tantivy::Result<Self> {
+        let fields = Fields::of(&index.schema())?;
+        let writer = index.writer_with_options(
+            IndexWriterOptions::builder()
+                .memory_budget_per_thread(WRITER_MEMORY_BYTES)
+                .num_worker_threads(1)
+                .num_merge_threads(1)
+                .build(),
+        )?;
+        // Only our own commits change the index, and each one reloads explicitly.
+        let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
+        Ok(Self {
+            inner: Arc::new(Inner { index, reader, writer: Mutex::new(writer), queue: Mutex::new(Vec::new()), fields }),
+        })
+    }
+
+    /// Documents in the index, tombstones included.
+    pub fn num_docs(&self) -> u64 {
+        self.inner.reader.searcher().num_docs()
+    }
+
+    /// Applies the events of one batch with a single commit, returning one result per event in
+    /// order. Events the index does not index are `Ok` no-ops; an event missing its id is a
+    /// permanent error; a failed commit is a retryable error for every event it would have
+    /// written. Searches see the batch once this returns.
+    pub async fn apply(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+        let mut results = Vec::with_capacity(events.len());
+        let mut changes = Vec::new();
+        let mut changed = Vec::new();
+        for (position, event) in events.iter().enumerate() {
+            match Change::from_event(event) {
+                Ok(Some(change)) => {
+                    changes.push(change);
+                    changed.push(position);
+                    results.push(Ok(()));
+                }
+                Ok(None) => results.push(Ok(())),
+                Err(error) => {
+                    tracing::warn!(event_id = %event.event_id, event_type = %event.event_type, %error, "event cannot be indexed");
+                    results.push(Err(error));
+                }
+            }
+        }
+        if changes.is_empty() {
+            return results;
+        }
+        let (done, committed) = tokio::sync::oneshot::channel();
+        self.inner.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Queued { changes, done });
+        // Let batches arriving meanwhile join this commit: each commit fsyncs several files,
+        // and at a steady trickle of events those fsyncs would crowd the disk that SQLite's
+        // commits (and so every other handler's delivery) wait on.
+        tokio::time::sleep(COMMIT_LINGER).await;
+        let inner = Arc::clone(&self.inner);
+        let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
+        let written = match drained {
+            Ok(()) => committed.await.unwrap_or_else(|_| Err("the index writer stopped".to_owned())),
+            Err(error) => Err(IndexError::from(error).to_string()),
+        };
+        if let Err(error) = written {
+            tracing::warn!(events = changed.len(), %error, "search index batch failed");
+            for position in changed {
+                results[position] = Err(HandlerError::retryable(&error));
+            }
+        }
+        results
+    }
+
+    /// Movies whose title holds every word of `query`, best first.
+    pub async fn search_movies(
+        &self,
+        query: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<SearchPage<v1::MovieHit>, IndexError> {
+        let inner = Arc::clone(&self.inner);
+        let query = query.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let fields = inner.fields;
+            inner.search(KIND_MOVIE, &[fields.title], &query, offset, limit, |score, doc| v1::MovieHit {
+                movie_id: text(doc, fields.movie_id),
+                title: text(doc, fields.title),
+                year: int(doc, fields.year),
+                score,
+            })
+        })
+        .await?
+    }
+
+    /// Local and remote reviews whose body or movie title holds every word of `query`, best first.
+    pub async fn search_reviews(
+        &self,
+        query: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<SearchPage<v1::ReviewHit>, IndexError> {
+        let inner = Arc::clone(&self.inner);
+        let query = query.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let fields = inner.fields;
+            inner.search(KIND_REVIEW, &[fields.title, fields.body], &query, offset, limit, |score, doc| v1::ReviewHit {
+                review_id: text(doc, fields.review_id),
+                user_id: text(doc, fields.user_id),
+                actor_uri: text(doc, fields.actor_uri),
+                movie_id: text(doc, fields.movie_id),
+                movie_title: text(doc, fields.title),
+                movie_year: int(doc, fields.year),
+                rating: doc.get_first(fields.rating).and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+                body: text(doc, fields.body),
+                remote: doc.get_first(fields.remote).and_then(|v| v.as_bool()).unwrap_or(false),
+                score,
+            })
+        })
+        .await?
+    }
+}
+
+fn text(doc: &TantivyDocument, field: Field) -> String {
+    doc.get_first(field).and_then(|v| v.as_str()).unwrap_or_default().to_owned()
+}
+
+fn int(doc: &TantivyDocument, field: Field) -> i32 {
+    doc.get_first(field).and_then(|v| v.as_i64()).unwrap_or(0) as i32
+}
+
+impl Inner {
+    /// Takes the writer, then commits every queued batch at once and tells each the outcome.
+    /// A batch that another caller's commit already took finds the queue empty.
+    fn commit_queued(&self) {
+        let mut writer = match self.writer.lock() {
+            Ok(writer) => writer,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let queued = std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if queued.is_empty() {
+            return;
+        }
+        let (changes, waiters): (Vec<Vec<Change>>, Vec<_>) = queued.into_iter().map(|q| (q.changes, q.done)).unzip();
+        let outcome = self.write(&mut writer, changes.into_iter().flatten().collect()).map_err(|e| e.to_string());
+        for waiter in waiters {
+            let _ = waiter.send(outcome.clone());
+        }
+    }
+
+    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), IndexError> {
+        if self.writer.is_poisoned() {
+            // A batch panicked half-staged: drop what it staged before staging anew.
+            writer.rollback()?;
+            self.writer.clear_poison();
+        }
+        let staged = self.stage(writer, changes);
+        let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
+        if let Err(error) = committed {
+            if let Err(rollback) = writer.rollback() {
+                tracing::error!(%rollback, "search index rollback failed after a failed batch");
+            }
+            return Err(error.into());
+        }
+        // Still under the lock, so the next batch checks versions against this one.
+        self.reader.reload()?;
+        Ok(())
+    }
+
+    /// Stages the changes newer than what is indexed; returns how many it staged.
+    fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<usize> {
+        let searcher = self.reader.searcher();
+        // Changes staged by this batch are not visible to the searcher yet.
+        let mut staged: HashMap<String, Stamp> = HashMap::new();
+        for change in changes {
+            let current = match staged.get(&change.key) {
+                Some(stamp) => Some(*stamp),
+                None => self.indexed_stamp(&searcher, &change.key)?,
+            };
+            let stamp = change.stamp();
+            if let Some(current) = current.filter(|current| stamp <= *current) {
+                tracing::debug!(key = %change.key, version = stamp.version, indexed_version = current.version, indexed_deleted = current.deleted, "skipped a change not newer than the indexed document");
+                continue;
+            }
+            writer.delete_term(Term::from_field_text(self.fields.key, &change.key));
+            writer.add_document(self.document(&change))?;
+            staged.insert(change.key, stamp);
+        }
+        tracing::debug!(staged = staged.len(), "staged search index changes");
+        Ok(staged.len())
+    }
+
+    fn indexed_stamp(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<Stamp>> {
+        let query = TermQuery::new(Term::from_field_text(self.fields.key, key), IndexRecordOption::Basic);
+        let Some((_, address)) = searcher.search(&query, &TopDocs::with_limit(1).order_by_score())?.pop() else {
+            return Ok(None);
+        };
+        let doc: TantivyDocument = searcher.doc(address)?;
+        Ok(Some(Stamp {
+            version: doc.get_first(self.fields.version).and_then(|v| v.as_i64()).unwrap_or(i64::MIN),
+            deleted: doc.get_first(self.fields.deleted).and_then(|v| v.as_bool()).unwrap_or(false),
+        }))
+    }
+
+    fn document(&self, change: &Change) -> TantivyDocument {
+        let f = &self.fields;
+        let mut doc = TantivyDocument::new();
+        doc.add_text(f.key, &change.key);
+        doc.add_i64(f.version, change.version);
+        doc.add_bool(f.deleted, change.entry.is_none());
+        match &change.entry {
+            None => {}
+            Some(Entry::Movie(movie)) => {
+                doc.add_text(f.kind, KIND_MOVIE);
+                doc.add_text(f.movie_id, &movie.movie_id);
+                doc.add_text(f.title, &movie.title);
+                doc.add_i64(f.year, movie.year.into());
+            }
+            Some(Entry::Review(review)) => {
+                doc.add_text(f.kind, KIND_REVIEW);
+                doc.add_text(f.review_id, &review.review_id);
+                doc.add_text(f.user_id, &review.user_id);
+                doc.add_text(f.actor_uri, &review.actor_uri);
+                doc.add_text(f.movie_id, &review.movie_id);
+                doc.add_text(f.title, &review.movie_title);
+                doc.add_i64(f.year, review.movie_year.into());
+                doc.add_u64(f.rating, review.rating.into());
+                doc.add_text(f.body, &review.body);
+                doc.add_bool(f.remote, review.remote);
+            }
+        }
+        doc
+    }
+
+    /// Documents of `kind` with every word of `text` in one of `fields`, best first, tombstones
+    /// excluded. Query syntax is not interpreted: the words are the default tokenizer's tokens.
+    fn search<T>(
+        &self,
+        kind: &str,
+        fields: &[Field],
+        text: &str,
+        offset: usize,
+        limit: usize,
+        hit: impl Fn(Score, &TantivyDocument) -> T,
+    ) -> Result<SearchPage<T>, IndexError> {
+        let words = self.words(text)?;
+        if words.is_empty() {
+            return Ok(SearchPage { hits: Vec::new(), total_hits: 0 });
+        }
+        let filter = |term| -> (Occur, Box<dyn Query>) {
+            // Filters must not shift the relevance score.
+            (Occur::Must, Box::new(ConstScoreQuery::new(Box::new(TermQuery::new(term, IndexRecordOption::Basic)), 0.0)))
+        };
+        let mut clauses = vec![
+            filter(Term::from_field_text(self.fields.kind, kind)),
+            filter(Term::from_field_bool(self.fields.deleted, false)),
+        ];
+        for word in &words {
+            let any_field = fields
+                .iter()
+                .map(|field| -> Box<dyn Query> {
+                    Box::new(TermQuery::new(Term::from_field_text(*field, word), IndexRecordOption::WithFreqs))
+                })
+                .collect();
+            clauses.push((Occur::Must, Box::new(BooleanQuery::union(any_field))));
+        }
+        let query = BooleanQuery::new(clauses);
+        let searcher = self.reader.searcher();
+        // TopDocs panics on a zero limit.
+        let top = TopDocs::with_limit(limit.max(1)).and_offset(offset).order_by_score();
+        let (top, total_hits) = searcher.search(&query, &(top, Count))?;
+        let hits = top
+            .into_iter()
+            .take(limit)
+            .map(|(score, address)| Ok(hit(score, &searcher.doc(address)?)))
+            .collect::<tantivy::Result<_>>()?;
+        Ok(SearchPage { hits, total_hits: total_hits as u64 })
+    }
+
+    /// The distinct tokens of `text`, as the indexed text fields were tokenized.
+    fn words(&self, text: &str) -> tantivy::Result<Vec<String>> {
+        let mut analyzer = self.index.tokenizer_for_field(self.fields.title)?;
+        let mut stream = analyzer.token_stream(text);
+        let mut words = Vec::new();
+        while stream.advance() {
+            let word = &stream.token().text;
+            if !words.contains(word) {
+                words.push(word.clone());
+            }
+        }
+        Ok(words)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::*;
+
+    fn open(dir: &tempfile::TempDir) -> SearchIndex {
+        SearchIndex::open(dir.path().join("search")).expect("open the search index")
+    }
+
+    async fn apply_ok(index: &SearchIndex, events: &[&v1::Event]) {
+        for result in index.apply(events).await {
+            result.expect("event applied");
+        }
+    }
+
+    async fn review_ids(index: &SearchIndex, query: &str) -> Vec<String> {
+        let page = index.search_reviews(query, 0, 100).await.expect("search reviews");
+        assert_eq!(page.total_hits, page.hits.len() as u64);
+        page.hits.into_iter().map(|hit| hit.review_id).collect()
+    }
+
+    async fn movie_ids(index: &SearchIndex, query: &str) -> Vec<String> {
+        let page = index.search_movies(query, 0, 100).await.expect("search movies");
+        page.hits.into_iter().map(|hit| hit.movie_id).collect()
+    }
+
+    /// Batches applied at the same time share commits, and each learns its own outcome.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_batches_share_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let tasks: Vec<_> = (0..24)
+            .map(|i| {
+                let index = index.clone();
+                tokio::spawn(async move {
+                    let event = review_logged(&format!("r{i}"), 10, "Heat", &format!("word{i} tension"));
+                    index.apply(&[&event]).await
+                })
+            })
+            .collect();
+        for task in tasks {
+            assert_eq!(task.await.unwrap(), [Ok(())]);
+        }
+        assert_eq!(index.search_reviews("tension", 0, 100).await.unwrap().total_hits, 24);
+        assert_eq!(index.search_reviews("word7", 0, 10).await.unwrap().total_hits, 1);
+    }
+
+    #[tokio::test]
+    async fn the_same_event_twice_is_indexed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+        apply_ok(&index, &[&logged]).await;
+        let first = index.search_reviews("diner", 0, 10).await.unwrap();
+        let docs = index.num_docs();
+
+        apply_ok(&index, &[&logged]).await;
+        apply_ok(&index, &[&logged, &logged]).await;
+        assert_eq!(index.search_reviews("diner", 0, 10).await.unwrap(), first);
+        assert_eq!(index.num_docs(), docs);
+        assert_eq!(first.total_hits, 1);
+    }
+
+    #[tokio::test]
+    async fn a_logged_review_is_found_by_its_body_and_its_movie_title() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Heat", "The diner scene is unbearable tension.")]).await;
+
+        assert_eq!(review_ids(&index, "TENSION").await, ["r1"]);
+        assert_eq!(review_ids(&index, "heat").await, ["r1"]);
+        assert_eq!(review_ids(&index, "heat diner").await, ["r1"], "words may match different fields");
+        assert!(review_ids(&index, "heat heist").await.is_empty(), "every word must match");
+        assert!(review_ids(&index, "!!!").await.is_empty(), "a query without words finds nothing");
+        assert!(movie_ids(&index, "heat").await.is_empty(), "a review is not a movie");
+
+        let hit = index.search_reviews("diner", 0, 1).await.unwrap().hits.remove(0);
+        assert_eq!(
+            (hit.user_id.as_str(), hit.movie_id.as_str(), hit.movie_title.as_str(), hit.movie_year, hit.rating),
+            ("user-ana", "movie-heat", "Heat", 1995, 8)
+        );
+        assert_eq!((hit.actor_uri.as_str(), hit.remote), ("", false));
+        assert!(hit.score > 0.0);
+    }
+
+    #[tokio::test]
+    async fn an_edit_replaces_the_body_and_an_older_edit_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Heat", "the diner scene")]).await;
+        apply_ok(&index, &[&review_edited("r1", 300, "Heat", "the heist holds up")]).await;
+        assert_eq!(review_ids(&index, "heist").await, ["r1"]);
+        assert!(review_ids(&index, "diner").await.is_empty());
+
+        // Delivered late: an edit made before the one already indexed.
+        apply_ok(&index, &[&review_edited("r1", 200, "Heat", "the diner again")]).await;
+        assert_eq!(review_ids(&index, "heist").await, ["r1"]);
+        assert!(review_ids(&index, "diner").await.is_empty());
+        let hit = index.search_reviews("heist", 0, 1).await.unwrap().hits.remove(0);
+        assert_eq!(hit.rating, 10);
+    }
+
+    #[tokio::test]
+    async fn a_deleted_review_stays_deleted_whatever_arrives_late() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+        apply_ok(&index, &[&logged]).await;
+        apply_ok(&index, &[&review_deleted("r1", 300)]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+        assert!(review_ids(&index, "heat").await.is_empty());
+
+        apply_ok(&index, &[&logged, &review_edited("r1", 200, "Heat", "the diner again")]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+        // A log and a delete in the same millisecond: the delete wins in either order.
+        apply_ok(&index, &[&review_deleted("r2", 400), &review_logged("r2", 400, "Heat", "the diner")]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_delete_delivered_before_the_log_hides_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_deleted("r1", 300), &review_logged("r1", 100, "Heat", "the diner scene")]).await;
+        assert!(review_ids(&index, "diner").await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn movies_are_found_by_title_until_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let discovered = movie_discovered("m1", 100, "Heat", 1995);
+        apply_ok(&index, &[&discovered, &movie_discovered("m2", 100, "The Thing", 1982)]).await;
+        assert_eq!(movie_ids(&index, "heat").await, ["m1"]);
+        assert_eq!(movie_ids(&index, "thing").await, ["m2"]);
+        assert!(review_ids(&index, "heat").await.is_empty(), "a movie is not a review");
+        let hit = index.search_movies("heat", 0, 1).await.unwrap().hits.remove(0);
+        assert_eq!((hit.title.as_str(), hit.year), ("Heat", 1995));
+
+        let docs = index.num_docs();
+        apply_ok(&index, &[&discovered]).await;
+        assert_eq!(index.num_docs(), docs);
+
+        apply_ok(&index, &[&movie_deleted("m1", 200)]).await;
+        assert!(movie_ids(&index, "heat").await.is_empty());
+        apply_ok(&index, &[&discovered]).await;
+        assert!(movie_ids(&index, "heat").await.is_empty(), "a redelivered discovery must not resurrect it");
+        assert_eq!(movie_ids(&index, "thing").await, ["m2"]);
+    }
+
+    #[tokio::test]
+    async fn a_remote_review_is_found_and_marked_remote() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let saved = remote_review_saved("rr1", 100, "Alien", "in space no one can hear you scream");
+        apply_ok(&index, &[&saved, &review_logged("r1", 100, "Alien", "scream queen")]).await;
+
+        let page = index.search_reviews("scream", 0, 10).await.unwrap();
+        assert_eq!(page.total_hits, 2);
+        let remote = page.hits.iter().find(|hit| hit.remote).expect("the remote review");
+        assert_eq!(
+            (remote.review_id.as_str(), remote.user_id.as_str(), remote.actor_uri.as_str()),
+            ("rr1", "", "https://example.social/users/bo")
+        );
+        assert_eq!((remote.movie_title.as_str(), remote.movie_year, remote.rating), ("Alien", 1979, 6));
+        assert!(page.hits.iter().any(|hit| hit.review_id == "r1" && !hit.remote));
+
+        let docs = index.num_docs();
+        apply_ok(&index, &[&saved]).await;
+        assert_eq!(index.num_docs(), docs);
+    }
+
+    #[tokio::test]
+    async fn offsets_page_through_every_hit_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let events: Vec<_> =
+            (0..25).map(|n| movie_discovered(&format!("m{n}"), 100, &format!("Alien {n}"), 1979)).collect();
+        apply_ok(&index, &events.iter().collect::<Vec<_>>()).await;
+
+        let mut seen = Vec::new();
+        for offset in (0..25).step_by(10) {
+            let page = index.search_movies("alien", offset, 10).await.unwrap();
+            assert_eq!(page.total_hits, 25);
+            seen.extend(page.hits.into_iter().map(|hit| hit.movie_id));
+        }
+        let mut unique = seen.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!((seen.len(), unique.len()), (25, 25));
+        assert!(index.search_movies("alien", 25, 10).await.unwrap().hits.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_reopened_index_keeps_its_documents_and_tombstones() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Heat", "the diner scene"), &review_deleted("r2", 300)]).await;
+        let docs = index.num_docs();
+        drop(index);
+
+        let index = open(&dir);
+        assert_eq!(index.num_docs(), docs);
+        assert_eq!(review_ids(&index, "diner").await, ["r1"]);
+        apply_ok(&index, &[&review_logged("r2", 100, "Heat", "the diner again")]).await;
+        assert_eq!(review_ids(&index, "diner").await, ["r1"], "the tombstone survived the reopen");
+    }
+
+    #[tokio::test]
+    async fn a_batch_answers_per_event() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let without_id = review_logged("", 100, "Heat", "the diner scene");
+        let movie_without_id = event("m1", 100, Payload::MovieDeleted(v1::MovieDeleted::default()));
+        let mut no_payload = review_logged("r9", 100, "Heat", "the diner scene");
+        no_payload.payload = None;
+        let watchlist = event(
+            "u1",
+            100,
+            Payload::WatchlistItemAdded(v1::WatchlistItemAdded { user_id: "u1".into(), movie_id: "m1".into() }),
+        );
+        let logged = review_logged("r1", 100, "Heat", "the diner scene");
+
+        let results = index.apply(&[&without_id, &no_payload, &watchlist, &logged, &movie_without_id]).await;
+        assert!(matches!(&results[0], Err(HandlerError::Permanent(m)) if m.contains("review_id")), "{results:?}");
+        assert_eq!(results[1..4], [Ok(()), Ok(()), Ok(())]);
+        assert!(matches!(&results[4], Err(HandlerError::Permanent(m)) if m.contains("movie_id")), "{results:?}");
+        assert_eq!(review_ids(&index, "diner").await, ["r1"]);
+    }
+
+    #[tokio::test]
+    async fn a_second_index_on_the_same_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let _index = open(&dir);
+        let error = SearchIndex::open(dir.path().join("search")).err().expect("the writer lock is held");
+        assert!(error.to_string().starts_with("failed to open the search index at "), "{error}");
+    }
+}

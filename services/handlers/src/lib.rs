@@ -1,0 +1,54 @@
+//! The handler registry: the one list of the handlers this build has. Each handler lives in its
+//! own crate beside this one (`search/`, `probe/`) and declares its name, the event types it
+//! takes (its `Handler`), its settings (a clap args block, environment names prefixed by the
+//! handler: `REELAY_SEARCH_*`) and how it is built.
+//!
+//! `reelay run --handler X` picks from this list; the write service registers a delivery cursor
+//! for each handler listed, so none misses an event written meanwhile; the Kubernetes manifests
+//! run one Deployment per name. Adding a handler means adding its crate and one line below.
+
+use anyhow::bail;
+use reelay_delivery::{BuiltHandler, HandlerContext};
+
+/// Every handler's settings, each in its own block.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct HandlerSettings {
+    #[command(flatten)]
+    pub search: reelay_search::SearchSettings,
+    #[command(flatten)]
+    pub probe: reelay_probe::ProbeSettings,
+}
+
+/// The handlers this build has and these settings enable, in registry order. Test builds add
+/// the probe handlers named in `REELAY_PROBE_HANDLERS`.
+pub fn names(settings: &HandlerSettings) -> Vec<&'static str> {
+    let mut names = vec!["search"];
+    names.extend(settings.probe.names());
+    names
+}
+
+/// Builds the handlers named in `selected` (all of [`names`] when empty).
+pub async fn build(
+    selected: &[String],
+    settings: &HandlerSettings,
+    context: &HandlerContext,
+) -> anyhow::Result<Vec<BuiltHandler>> {
+    let known = names(settings);
+    if let Some(unknown) = selected.iter().find(|s| !known.contains(&s.as_str())) {
+        bail!("unknown handler {unknown:?}; this build has: {}", known.join(", "));
+    }
+    let mut built = Vec::new();
+    for name in known {
+        if !selected.is_empty() && !selected.iter().any(|s| s == name) {
+            continue;
+        }
+        built.push(match name {
+            "search" => reelay_search::build(&settings.search, context)?,
+            probe => {
+                let probe = reelay_probe::PROBES.iter().copied().find(|p| *p == probe).expect("names() lists it");
+                reelay_probe::build(probe, &settings.probe, context).await?
+            }
+        });
+    }
+    Ok(built)
+}

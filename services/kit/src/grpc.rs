@@ -1,0 +1,300 @@
+//! The one gRPC server builder every Reelay service uses.
+//!
+//! Every server gets, composed once: grpc.health.v1 (each mounted service marked serving, all
+//! marked not serving when shutdown starts), reflection, a service-token check on every call
+//! except health checks, a per-call deadline, a per-connection concurrency limit, panic catching
+//! (a panicking handler answers INTERNAL instead of dropping the connection), a tracing span per
+//! call, and the caller's W3C trace context made available to the write path so every event a
+//! call raises carries it.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use tokio::net::TcpListener;
+use tonic::Status;
+use tonic::body::Body;
+use tonic::codegen::http;
+use tonic::server::NamedService;
+use tonic::service::RoutesBuilder;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+use tower::{Layer, Service};
+use tracing::Instrument;
+
+use crate::telemetry::TRACEPARENT;
+
+#[derive(Debug, Clone)]
+pub struct GrpcConfig {
+    /// The shared secret callers present as `authorization: Bearer <token>`. `None` only in dev
+    /// mode, where calls are not authenticated.
+    pub service_token: Option<String>,
+    /// Largest request or response message, in bytes.
+    pub max_message_bytes: usize,
+    /// Deadline for a call that does not send a shorter `grpc-timeout`.
+    pub call_timeout: Duration,
+    pub max_concurrent_calls_per_connection: usize,
+    /// After shutdown starts, how long in-flight calls get before the server stops anyway.
+    pub drain_timeout: Duration,
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        Self {
+            service_token: None,
+            max_message_bytes: 4 * 1024 * 1024,
+            call_timeout: Duration::from_secs(30),
+            max_concurrent_calls_per_connection: 256,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Health checks must work without the token (Kubernetes probes have none).
+const UNAUTHENTICATED_PREFIXES: &[&str] = &["/grpc.health.v1.Health/"];
+
+/// Collects the services of one server, then serves them on a pre-bound listener.
+pub struct GrpcServer {
+    config: GrpcConfig,
+    routes: RoutesBuilder,
+    names: Vec<&'static str>,
+}
+
+impl GrpcServer {
+    pub fn new(config: GrpcConfig) -> Self {
+        Self { config, routes: RoutesBuilder::default(), names: Vec::new() }
+    }
+
+    pub fn config(&self) -> &GrpcConfig {
+        &self.config
+    }
+
+    /// Mounts a generated tonic service.
+    pub fn add_service<S>(mut self, service: S) -> Self
+    where
+        S: Service<http::Request<Body>, Error = Infallible, Response = http::Response<Body>>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.names.push(S::NAME);
+        self.routes.add_service(service);
+        self
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting calls and lets in-flight calls
+    /// finish.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), tonic::transport::Error> {
+        let Self { config, mut routes, names } = self;
+        let (health, health_service) = tonic_health::server::health_reporter();
+        for name in &names {
+            health.set_service_status(*name, ServingStatus::Serving).await;
+        }
+        health.set_service_status("", ServingStatus::Serving).await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(reelay_contracts::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .expect("the embedded descriptor sets are valid");
+        routes.add_service(health_service);
+        routes.add_service(reflection);
+
+        let addr: Option<SocketAddr> = listener.local_addr().ok();
+        tracing::info!(?addr, services = ?names, auth = config.service_token.is_some(), "grpc server listening");
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let (draining_tx, draining) = tokio::sync::oneshot::channel::<()>();
+        let signal = async move {
+            shutdown.await;
+            let _ = draining_tx.send(());
+            for name in &names {
+                health.set_service_status(*name, ServingStatus::NotServing).await;
+            }
+            health.set_service_status("", ServingStatus::NotServing).await;
+            tracing::info!(?addr, "grpc server draining");
+        };
+        let serving = tonic::transport::Server::builder()
+            .timeout(config.call_timeout)
+            .concurrency_limit_per_connection(config.max_concurrent_calls_per_connection)
+            .layer(CallContextLayer { token: config.service_token.map(Arc::from) })
+            .add_routes(routes.routes())
+            .serve_with_incoming_shutdown(incoming, signal);
+        let drain_deadline = async move {
+            if draining.await.is_ok() {
+                tokio::time::sleep(config.drain_timeout).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            served = serving => served,
+            () = drain_deadline => {
+                tracing::warn!(?addr, timeout = ?config.drain_timeout, "calls still open after the drain timeout; closing them");
+                Ok(())
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct CallContextLayer {
+    token: Option<Arc<str>>,
+}
+
+impl<S> Layer<S> for CallContextLayer {
+    type Service = CallContext<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        CallContext { inner, token: self.token.clone() }
+    }
+}
+
+#[derive(Clone)]
+struct CallContext<S> {
+    inner: S,
+    token: Option<Arc<str>>,
+}
+
+impl<S> CallContext<S> {
+    fn authorized(&self, request: &http::Request<Body>) -> bool {
+        let Some(token) = &self.token else { return true };
+        if UNAUTHENTICATED_PREFIXES.iter().any(|p| request.uri().path().starts_with(p)) {
+            return true;
+        }
+        let presented = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes()))
+    }
+}
+
+impl<S> Service<http::Request<Body>> for CallContext<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let method = request.uri().path().to_owned();
+        if !self.authorized(&request) {
+            tracing::warn!(%method, "rejected call without a valid service token");
+            let status =
+                Status::unauthenticated("missing or invalid service token (send `authorization: Bearer <token>`)");
+            return Box::pin(async move { Ok(status.into_http()) });
+        }
+        let traceparent = request
+            .headers()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| is_valid_traceparent(v))
+            .map_or_else(new_traceparent, str::to_owned);
+        let span = tracing::info_span!("grpc", %method, trace_id = %&traceparent[3..35]);
+        // Take the service that was driven to readiness; leave a fresh clone for the next call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let call = inner.call(request);
+        Box::pin(
+            TRACEPARENT
+                .scope(traceparent, async move {
+                    match AssertUnwindSafe(call).catch_unwind().await {
+                        Ok(Ok(mut response)) => {
+                            blame_the_request(&mut response);
+                            // The status of a call that streams its answer is only in its
+                            // trailers; "0" here means the headers carried none.
+                            let code =
+                                response.headers().get("grpc-status").and_then(|v| v.to_str().ok()).unwrap_or("0");
+                            tracing::debug!(code, "call answered");
+                            Ok(response)
+                        }
+                        Ok(Err(error)) => Err(error),
+                        Err(_) => {
+                            tracing::error!("handler panicked");
+                            Ok(Status::internal("the server failed unexpectedly (see its log)").into_http())
+                        }
+                    }
+                })
+                .instrument(span),
+        )
+    }
+}
+
+/// tonic answers a request it could not read with codes that blame the server: OUT_OF_RANGE for
+/// a message over the size limit and INTERNAL for one that does not decode. Both are the
+/// caller's doing, so they become RESOURCE_EXHAUSTED (gRPC's own code for a message over the
+/// limit) and INVALID_ARGUMENT. Such answers carry their status in the response headers.
+fn blame_the_request(response: &mut http::Response<Body>) {
+    let Some(status) = Status::from_header_map(response.headers()) else { return };
+    let code = match status.code() {
+        tonic::Code::OutOfRange if status.message().contains("decoded message length too large") => {
+            tonic::Code::ResourceExhausted
+        }
+        tonic::Code::Internal if status.message().starts_with("failed to decode") => tonic::Code::InvalidArgument,
+        _ => return,
+    };
+    let message = format!("the request could not be read: {}", status.message());
+    let _ = Status::new(code, message).add_header(response.headers_mut());
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`.
+fn is_valid_traceparent(value: &str) -> bool {
+    let parts: Vec<&str> = value.split('-').collect();
+    let hex = |s: &str, len: usize| s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit());
+    parts.len() == 4
+        && parts[0] == "00"
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
+        && parts[1] != "0".repeat(32)
+}
+
+/// A new root trace context for a call that did not bring one.
+pub fn new_traceparent() -> String {
+    let trace = uuid::Uuid::new_v4().simple().to_string();
+    let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    format!("00-{trace}-{span}-01")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparents() {
+        let generated = new_traceparent();
+        assert!(is_valid_traceparent(&generated), "{generated}");
+        assert!(!is_valid_traceparent("00-abc-def-01"));
+        assert!(!is_valid_traceparent(&format!("00-{}-0000000000000001-01", "0".repeat(32))));
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+    }
+}

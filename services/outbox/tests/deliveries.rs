@@ -1,0 +1,289 @@
+//! Per-handler delivery on a real SQLite file, with the clock injected: each handler's own
+//! cursor, attempts, schedule and fate; leases, take-over and a restarted instance's claims.
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use reelay_contracts::v1;
+use reelay_domain::{NewEvent, RetryPolicy};
+use reelay_outbox::deliveries::{
+    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
+};
+use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
+use sqlx::Row;
+
+#[derive(Debug)]
+#[allow(dead_code, reason = "shown by Debug when a test fails")]
+enum Error {
+    Commit(CommitError),
+    Sql(sqlx::Error),
+    Claim(ClaimError),
+}
+
+impl From<CommitError> for Error {
+    fn from(e: CommitError) -> Self {
+        Self::Commit(e)
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Sql(e)
+    }
+}
+
+impl From<ClaimError> for Error {
+    fn from(e: ClaimError) -> Self {
+        Self::Claim(e)
+    }
+}
+
+async fn job<T, F>(db: &Database, work: F) -> Result<T, Error>
+where
+    T: Send + 'static,
+    F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, Error>> + Send + 'static,
+{
+    db.writer.transact::<T, Error, _>("test", work).await
+}
+
+const T0: i64 = 1_800_000_000_000;
+const POLICY: HandlerPolicy = HandlerPolicy {
+    lease: Duration::from_secs(30),
+    max_attempts: 3,
+    retry: RetryPolicy { base: Duration::from_secs(5), cap: Duration::from_secs(300) },
+};
+
+async fn open() -> (tempfile::TempDir, Database) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Database::open(&DbConfig::new(dir.path().join("d.db"))).await.unwrap();
+    (dir, db)
+}
+
+/// Enqueues `n` events: even ones `MovieDeleted`, odd ones `UserRegistered`.
+async fn enqueue(db: &Database, n: usize) {
+    job(db, move |tx| {
+        Box::pin(async move {
+            let events = (0..n)
+                .map(|i| {
+                    let payload = if i % 2 == 0 {
+                        v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: i.to_string() })
+                    } else {
+                        v1::event::Payload::UserRegistered(v1::UserRegistered {
+                            user_id: i.to_string(),
+                            ..Default::default()
+                        })
+                    };
+                    NewEvent::new(i, payload)
+                })
+                .collect();
+            enqueue_events(tx, events).await.expect("small events fit");
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+}
+
+async fn register(db: &Database, handlers: &[&str], now: i64) -> Vec<String> {
+    let handlers: Vec<String> = handlers.iter().map(|h| h.to_string()).collect();
+    job(db, move |tx| Box::pin(async move { Ok(deliveries::register(tx, &handlers, now).await?) })).await.unwrap()
+}
+
+fn request(handler: &str, types: &[&str], owner: &str) -> HandlerClaim {
+    HandlerClaim {
+        handler: handler.into(),
+        event_types: types.iter().map(|t| t.to_string()).collect(),
+        owner: owner.into(),
+        max_rows: 100,
+        max_bytes: 4 * 1024 * 1024,
+    }
+}
+
+async fn claim(db: &Database, request: &HandlerClaim, now: i64) -> Result<Vec<ClaimedDelivery>, Error> {
+    let request = request.clone();
+    job(db, move |tx| Box::pin(async move { Ok(deliveries::claim(tx, now, POLICY, &request).await?) })).await
+}
+
+async fn settle(db: &Database, handler: &str, settlements: Vec<Settlement>, now: i64) -> deliveries::Settled {
+    let handler = handler.to_owned();
+    job(db, move |tx| Box::pin(async move { Ok(deliveries::settle(tx, &handler, &settlements, now, POLICY).await?) }))
+        .await
+        .unwrap()
+}
+
+fn outcome(delivery: &ClaimedDelivery, outcome: DeliveryOutcome) -> Settlement {
+    Settlement { key: delivery.key.clone(), token: delivery.token, outcome }
+}
+
+async fn state(db: &Database, key: &str, handler: &str) -> (String, i64) {
+    let r = sqlx::query("SELECT status, attempts FROM processed_events WHERE event_id = ? AND handler = ?")
+        .bind(key)
+        .bind(handler)
+        .fetch_one(&db.reads)
+        .await
+        .unwrap();
+    (r.get(0), r.get(1))
+}
+
+#[tokio::test]
+async fn each_handler_gets_its_own_events_attempts_and_fate() {
+    let (_dir, db) = open().await;
+    register(&db, &["a", "b"], T0).await;
+    enqueue(&db, 6).await;
+    let a = request("a", &["MovieDeleted", "UserRegistered"], "p1#x");
+    let b = request("b", &["MovieDeleted"], "p2#x");
+    let for_a = claim(&db, &a, T0).await.unwrap();
+    let for_b = claim(&db, &b, T0).await.unwrap();
+    assert_eq!(for_a.len(), 6, "a takes both types");
+    assert_eq!(for_b.len(), 3, "b only MovieDeleted");
+    assert!(for_b.iter().all(|d| d.event_type == "MovieDeleted" && d.attempt == 1));
+    assert!(claim(&db, &a, T0).await.unwrap().is_empty(), "nothing is handed out twice");
+
+    // a gives up on its second event for good and finishes the rest; b fails its first event
+    // (which a finished) and is retried.
+    let settlements = for_a
+        .iter()
+        .enumerate()
+        .map(|(i, d)| match i {
+            1 => outcome(d, DeliveryOutcome::Failed { error: "cannot parse".into(), terminal: true }),
+            _ => outcome(d, DeliveryOutcome::Done),
+        })
+        .collect();
+    let settled = settle(&db, "a", settlements, T0 + 10).await;
+    assert_eq!(settled.dead_lettered, vec![for_a[1].key.clone()]);
+    let mut settlements = vec![outcome(&for_b[0], DeliveryOutcome::Failed { error: "busy".into(), terminal: false })];
+    settlements.extend(for_b[1..].iter().map(|d| outcome(d, DeliveryOutcome::Done)));
+    settle(&db, "b", settlements, T0 + 10).await;
+    assert_eq!(state(&db, &for_a[1].key, "a").await, ("dead_lettered".into(), 1));
+    assert_eq!(state(&db, &for_b[0].key, "b").await, ("retry".into(), 1), "b's fate is its own");
+
+    // b's retry is due 5 s later, not a millisecond sooner; a is not involved.
+    assert!(claim(&db, &b, T0 + 5_009).await.unwrap().is_empty());
+    let retry = claim(&db, &b, T0 + 5_010).await.unwrap();
+    assert_eq!((retry.len(), retry[0].key.clone(), retry[0].attempt), (1, for_b[0].key.clone(), 2));
+    assert!(retry[0].token > for_b[0].token, "a new claim, a newer token");
+    // Fails again, then the third failure dead-letters it (max 3 attempts), with its error.
+    settle(
+        &db,
+        "b",
+        vec![outcome(&retry[0], DeliveryOutcome::Failed { error: "busy 2".into(), terminal: false })],
+        T0 + 5_020,
+    )
+    .await;
+    let third = claim(&db, &b, T0 + 5_020 + 10_000).await.unwrap();
+    assert_eq!(third[0].attempt, 3);
+    settle(
+        &db,
+        "b",
+        vec![outcome(&third[0], DeliveryOutcome::Failed { error: "busy 3".into(), terminal: false })],
+        T0 + 20_000,
+    )
+    .await;
+    let row =
+        sqlx::query("SELECT status, attempts, last_error FROM processed_events WHERE event_id = ? AND handler = 'b'")
+            .bind(&for_b[0].key)
+            .fetch_one(&db.reads)
+            .await
+            .unwrap();
+    assert_eq!(
+        (row.get::<String, _>(0), row.get::<i64, _>(1), row.get::<String, _>(2)),
+        ("dead_lettered".into(), 3, "busy 3".into())
+    );
+    assert_eq!(state(&db, &for_b[0].key, "a").await, ("done".into(), 0), "a finished that event regardless");
+}
+
+#[tokio::test]
+async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 2).await;
+    let a = request("a", &["MovieDeleted", "UserRegistered"], "p1#x");
+    let held = claim(&db, &a, T0).await.unwrap();
+    assert_eq!(held.len(), 2);
+    // The owner renews the first at 25 s; at 31 s only the second is taken over.
+    let keys = vec![(held[0].key.clone(), held[0].token)];
+    let lost = job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, T0 + 25_000).await?) }))
+        .await
+        .unwrap();
+    assert!(lost.is_empty());
+    let other = request("a", &["MovieDeleted", "UserRegistered"], "p2#y");
+    let taken = claim(&db, &other, T0 + 31_000).await.unwrap();
+    assert_eq!(taken.iter().map(|d| d.key.clone()).collect::<Vec<_>>(), vec![held[1].key.clone()]);
+    assert_eq!(taken[0].attempt, 1, "a take-over spends no attempt");
+    // The old owner of the second is late: its settle and renewal change nothing.
+    let late = settle(&db, "a", vec![outcome(&held[1], DeliveryOutcome::Done)], T0 + 32_000).await;
+    assert_eq!(late.lost, vec![held[1].key.clone()]);
+    let keys = vec![(held[1].key.clone(), held[1].token)];
+    let lost = job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, T0 + 32_000).await?) }))
+        .await
+        .unwrap();
+    assert_eq!(lost, vec![held[1].key.clone()]);
+    assert_eq!(settle(&db, "a", vec![outcome(&taken[0], DeliveryOutcome::Done)], T0 + 33_000).await.settled, 1);
+}
+
+#[tokio::test]
+async fn a_restarted_instance_takes_back_its_predecessors_claims_at_once() {
+    let (_dir, db) = open().await;
+    register(&db, &["a", "b"], T0).await;
+    enqueue(&db, 3).await;
+    let types = ["MovieDeleted", "UserRegistered"];
+    let dead = claim(&db, &request("a", &types, "host:/data#1111"), T0).await.unwrap();
+    let other = claim(&db, &request("b", &types, "otherhost:/data#2222"), T0).await.unwrap();
+    assert_eq!((dead.len(), other.len()), (3, 3));
+    let released = job(&db, |tx| {
+        Box::pin(
+            async move { Ok(deliveries::release_instance(tx, "host:/data", "host:/data#3333", T0 + 1_000).await?) },
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(released, 3, "only the predecessor's claims");
+    let again = claim(&db, &request("a", &types, "host:/data#3333"), T0 + 1_000).await.unwrap();
+    assert_eq!(again.len(), 3, "well before the 30 s lease");
+    assert!(again.iter().all(|d| d.attempt == 1), "no attempt spent");
+    assert!(
+        claim(&db, &request("b", &types, "host:/data#3333"), T0 + 1_000).await.unwrap().is_empty(),
+        "another instance's live claims are untouched"
+    );
+}
+
+#[tokio::test]
+async fn cursors_start_at_the_floor_then_at_the_newest_row_and_unknown_handlers_are_refused() {
+    let (_dir, db) = open().await;
+    enqueue(&db, 4).await;
+    // The first handlers of a fresh database get everything from the start.
+    assert_eq!(register(&db, &["a"], T0).await, vec!["a".to_owned()]);
+    assert!(register(&db, &["a"], T0).await.is_empty(), "registering again changes nothing");
+    let types = ["MovieDeleted", "UserRegistered"];
+    assert_eq!(claim(&db, &request("a", &types, "p#1"), T0).await.unwrap().len(), 4);
+    // A handler added later gets the events written from then on.
+    register(&db, &["a", "late"], T0).await;
+    enqueue(&db, 2).await;
+    assert_eq!(claim(&db, &request("late", &types, "p#1"), T0).await.unwrap().len(), 2);
+    let unknown = claim(&db, &request("stranger", &types, "p#1"), T0).await.unwrap_err();
+    assert!(matches!(unknown, Error::Claim(ClaimError::UnknownHandler(_))), "{unknown:?}");
+}
+
+#[tokio::test]
+async fn claims_stay_within_the_answer_size() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 50).await;
+    let mut small = request("a", &["MovieDeleted", "UserRegistered"], "p#1");
+    small.max_bytes = 10 * (deliveries_overhead() + 64);
+    let mut total = 0;
+    loop {
+        let claimed = claim(&db, &small, T0).await.unwrap();
+        if claimed.is_empty() {
+            break;
+        }
+        let bytes: usize = claimed.iter().map(|d| d.payload.len() + deliveries_overhead()).sum();
+        assert!(bytes <= small.max_bytes, "{bytes} > {}", small.max_bytes);
+        total += claimed.len();
+    }
+    assert_eq!(total, 50);
+}
+
+fn deliveries_overhead() -> usize {
+    reelay_outbox::queue::CLAIM_ROW_OVERHEAD
+}

@@ -1,0 +1,148 @@
+//! Handlers are delivered independently, on both backends: each (event, handler) has its own
+//! attempts, retry schedule and fate, so a handler that fails for good, one that fails and
+//! recovers, and a slow one never hold back, retry or dead-letter each other. The same
+//! scenarios run unchanged on the db backend and on JetStream.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use reelay_harness::{Backend, Cluster, eventually, outbox_rows, probe_records, query_strings, temp_dir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+
+/// probe-a fails for good on the events of users whose handle has `fail_a` in it; probe-b fails
+/// every event twice, then succeeds. probe-b's effects all happen exactly once; probe-a's
+/// failures are dead-lettered for probe-a alone, with their error.
+async fn failures_stay_with_their_handler(backend: Backend) {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, backend)
+        .probes("probe-a,probe-b")
+        .env("REELAY_PROBE_FAIL", "probe-a=permanent:fail_a,probe-b=times:2")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "5")
+        .env("REELAY_RETRY_BASE_MS", "200")
+        .env("REELAY_RETRY_CAP_MS", "1000")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let mut refused = Vec::new();
+    for i in 0..12 {
+        let handle = if i % 4 == 0 { format!("fail_a_{i}") } else { format!("fine_{i}") };
+        let user = c.user(&handle).await;
+        if i % 4 == 0 {
+            refused.push(user);
+        }
+    }
+    let events: Vec<(String, String)> =
+        outbox_rows(&cluster.db).await.into_iter().map(|r| (r.event_id.unwrap(), r.aggregate_id)).collect();
+    assert_eq!(events.len(), 12);
+    eventually("probe-b handles every event after two failures each", Duration::from_secs(60), || {
+        let effects = cluster.effects.clone();
+        async move { probe_records(&effects, "effects").await.0.keys().filter(|(_, h)| h == "probe-b").count() == 12 }
+    })
+    .await;
+    eventually("probe-a is done with the rest", Duration::from_secs(30), || {
+        let effects = cluster.effects.clone();
+        async move { probe_records(&effects, "effects").await.0.keys().filter(|(_, h)| h == "probe-a").count() == 9 }
+    })
+    .await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
+    for (event_id, user) in &events {
+        let b = (event_id.clone(), "probe-b".to_owned());
+        assert_eq!(effects.get(&b), Some(&1), "probe-b's effect on {event_id} exactly once");
+        assert_eq!(attempts.get(&b), Some(&3), "two failures, then the success");
+        let a = (event_id.clone(), "probe-a".to_owned());
+        if refused.contains(user) {
+            assert_eq!(effects.get(&a), None, "probe-a refused {event_id}");
+            assert_eq!(attempts.get(&a), Some(&1), "a permanent failure is not retried");
+        } else {
+            assert_eq!(effects.get(&a), Some(&1), "probe-a's effect on {event_id} exactly once");
+        }
+    }
+    // The refusals are dead-lettered for probe-a alone, each with its error.
+    let refused_events: Vec<&String> = events.iter().filter(|(_, u)| refused.contains(u)).map(|(e, _)| e).collect();
+    match backend {
+        Backend::Db => {
+            let dead = query_strings(
+                &cluster.db,
+                "SELECT event_id, handler, last_error FROM processed_events WHERE status = 'dead_lettered' ORDER BY event_id",
+            )
+            .await;
+            assert_eq!(dead.len(), refused_events.len(), "{dead:?}");
+            for row in &dead {
+                assert!(refused_events.contains(&&row[0]) && row[1] == "probe-a", "{row:?}");
+                assert!(row[2].contains("refuses events"), "the error is kept: {row:?}");
+            }
+            let done =
+                query_strings(&cluster.db, "SELECT COUNT(*) || '' FROM processed_events WHERE status = 'done'").await;
+            assert_eq!(done[0][0], "21", "9 done for probe-a, 12 for probe-b");
+        }
+        Backend::Nats => {
+            let log = cluster.handlers[0].log_text();
+            for event_id in &refused_events {
+                assert!(
+                    log.lines()
+                        .any(|l| l.contains("handler gave up on the event for good") && l.contains(event_id.as_str())),
+                    "probe-a's consumer terminated {event_id} with its reason"
+                );
+            }
+        }
+    }
+    cluster.stop().await;
+}
+
+/// probe-c sleeps 3 s per batch; probe-a, on the same events, is done long before.
+async fn a_slow_handler_holds_back_no_other(backend: Backend) {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, backend)
+        .probes("probe-a,probe-c")
+        .env("REELAY_PROBE_DELAY_MS", "probe-c=3000")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    for i in 0..20 {
+        c.user(&format!("user{i}")).await;
+    }
+    eventually("probe-a handles all 20 events", Duration::from_secs(20), || {
+        let effects = cluster.effects.clone();
+        async move { probe_records(&effects, "effects").await.0.keys().filter(|(_, h)| h == "probe-a").count() == 20 }
+    })
+    .await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    let slow_done = effects.keys().filter(|(_, h)| h == "probe-c").count();
+    assert!(slow_done < 20, "probe-a finished while probe-c was still sleeping ({slow_done} of 20 done)");
+    eventually("probe-c catches up", Duration::from_secs(60), || {
+        let effects = cluster.effects.clone();
+        async move { probe_records(&effects, "effects").await.0.keys().filter(|(_, h)| h == "probe-c").count() == 20 }
+    })
+    .await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    let counts: HashMap<&str, usize> = effects.iter().fold(HashMap::new(), |mut m, ((_, h), n)| {
+        *m.entry(h.as_str()).or_default() += n;
+        m
+    });
+    assert_eq!((counts["probe-a"], counts["probe-c"]), (20, 20), "each effect once");
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn failures_stay_with_their_handler_on_the_db_backend() {
+    failures_stay_with_their_handler(Backend::Db).await;
+}
+
+#[tokio::test]
+async fn failures_stay_with_their_handler_on_the_nats_backend() {
+    failures_stay_with_their_handler(Backend::Nats).await;
+}
+
+#[tokio::test]
+async fn a_slow_handler_holds_back_no_other_on_the_db_backend() {
+    a_slow_handler_holds_back_no_other(Backend::Db).await;
+}
+
+#[tokio::test]
+async fn a_slow_handler_holds_back_no_other_on_the_nats_backend() {
+    a_slow_handler_holds_back_no_other(Backend::Nats).await;
+}
