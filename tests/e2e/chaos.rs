@@ -262,20 +262,7 @@ async fn run(backend: Backend) {
     let mut cluster = Cluster::start(backend, dir.path()).await;
     let mut c = cluster.write.clients().await;
     let user = c.user("chaos").await;
-    let movie = c
-        .movies
-        .discover_movie(v1::DiscoverMovieRequest {
-            actor_user_id: user.clone(),
-            title: "Chaos".into(),
-            year: 2001,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .movie
-        .unwrap()
-        .movie_id;
+    let movie = c.movie(&user, "Chaos", 2001).await;
 
     let seconds: u64 = std::env::var("REELAY_CHAOS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let seed: u64 = std::env::var("REELAY_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);

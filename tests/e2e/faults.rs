@@ -87,20 +87,7 @@ async fn storage_faults_during_group_commits_never_split_a_write_from_its_events
     let mut write = Reelay::start_write(BIN, &db, &[]).await;
     let mut c = write.clients().await;
     let user = c.user("ana").await;
-    let movie = c
-        .movies
-        .discover_movie(v1::DiscoverMovieRequest {
-            actor_user_id: user.clone(),
-            title: "Heat".into(),
-            year: 1995,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .movie
-        .unwrap()
-        .movie_id;
+    let movie = c.movie(&user, "Heat", 1995).await;
 
     // (system calls, errno, which calls fail, counted per thread). SQLite writes its WAL with
     // pwrite64 (two calls per page; a burst is about 5,000) and syncs it with fdatasync or fsync;
@@ -286,11 +273,7 @@ async fn large_event_backlog(nats: bool) {
         spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));
         consumers.push(Reelay::start(spec).await);
     }
-    let expected: Vec<String> = reelay_harness::outbox_rows(&db)
-        .await
-        .into_iter()
-        .filter_map(|r| r.event_id)
-        .collect();
+    let expected: Vec<String> = reelay_harness::outbox_rows(&db).await.into_iter().filter_map(|r| r.event_id).collect();
     assert!(expected.len() >= 133);
     eventually("every event of the backlog is delivered", Duration::from_secs(60), || {
         let (effects, expected) = (effects.clone(), expected.clone());

@@ -378,6 +378,23 @@ impl Clients {
             .user_id
     }
 
+    /// Finds or creates a movie by title and year; returns its id.
+    pub async fn movie(&mut self, actor: &str, title: &str, year: i32) -> String {
+        self.movies
+            .discover_movie(v1::DiscoverMovieRequest {
+                actor_user_id: actor.to_owned(),
+                title: title.into(),
+                year,
+                ..Default::default()
+            })
+            .await
+            .expect("discover a movie")
+            .into_inner()
+            .movie
+            .expect("the response carries the movie")
+            .movie_id
+    }
+
     /// Logs a review (no text, no date) and returns it.
     pub async fn review(&mut self, actor: &str, movie: Option<v1::MovieRef>, rating: u32) -> v1::Review {
         self.reviews

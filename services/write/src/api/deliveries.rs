@@ -75,24 +75,19 @@ impl OutboxApi {
             max_bytes: self.answer_bytes(r.max_bytes),
         };
         let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
-        let mut commits = self.db.writer.subscribe_commits();
-        let claimed = loop {
-            commits.borrow_and_update();
-            let (due, wake) = self.peek_deliveries(&request.handler, deadline).await?;
-            let claimed = if due { self.claim_deliveries_now(request.clone()).await? } else { Vec::new() };
-            if !claimed.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
-                break claimed;
-            }
-            tokio::select! {
-                changed = commits.changed() => {
-                    if changed.is_err() {
-                        break Vec::new();
-                    }
-                }
-                () = tokio::time::sleep_until(wake) => {}
-                () = self.shutdown.requested() => break Vec::new(),
-            }
-        };
+        let claimed = self
+            .long_poll(
+                deadline,
+                || {
+                    let (this, handler) = (self.clone(), request.handler.clone());
+                    async move { this.peek_deliveries(&handler, deadline).await }
+                },
+                || {
+                    let (this, request) = (self.clone(), request.clone());
+                    async move { this.claim_deliveries_now(request).await }
+                },
+            )
+            .await?;
         let deliveries = claimed
             .into_iter()
             .map(|d: ClaimedDelivery| v1::Delivery {

@@ -41,6 +41,41 @@ fn settle_response(settled: Settled) -> v1::SettleResponse {
 }
 
 impl OutboxApi {
+    /// Claims with `claim` as soon as there is something to claim, waiting up to `deadline`:
+    /// it looks first (`peek` answers whether anything is due, and when to look again), since an
+    /// empty claim would still cost a write job, and wakes on every commit that adds events, at
+    /// the next due time, or at shutdown.
+    pub(super) async fn long_poll<T, P, C>(
+        &self,
+        deadline: Instant,
+        peek: impl Fn() -> P,
+        claim: impl Fn() -> C,
+    ) -> Result<Vec<T>, WriteError>
+    where
+        P: Future<Output = Result<(bool, Instant), WriteError>>,
+        C: Future<Output = Result<Vec<T>, WriteError>>,
+    {
+        let mut commits = self.db.writer.subscribe_commits();
+        loop {
+            // Mark the commits seen before looking, so one landing after the look wakes us.
+            commits.borrow_and_update();
+            let (due, wake) = peek().await?;
+            let claimed = if due { claim().await? } else { Vec::new() };
+            if !claimed.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
+                return Ok(claimed);
+            }
+            tokio::select! {
+                changed = commits.changed() => {
+                    if changed.is_err() {
+                        return Ok(Vec::new());
+                    }
+                }
+                () = tokio::time::sleep_until(wake) => {}
+                () = self.shutdown.requested() => return Ok(Vec::new()),
+            }
+        }
+    }
+
     /// The most bytes an answer may carry: what the claimer can read (0: no preference) and
     /// this server's limit, less room for the answer's own framing.
     pub(super) fn answer_bytes(&self, asked: u32) -> usize {
@@ -92,26 +127,19 @@ impl v1::outbox_server::Outbox for OutboxApi {
         let limits =
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
-        let mut commits = self.db.writer.subscribe_commits();
-        let rows = loop {
-            // Mark the commits seen before looking, so one landing after the look wakes us.
-            commits.borrow_and_update();
-            // Look before claiming: an empty claim would still cost a write job.
-            let (due, wake) = self.peek(deadline).await?;
-            let rows = if due { self.claim_now(limits.clone()).await? } else { Vec::new() };
-            if !rows.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
-                break rows;
-            }
-            tokio::select! {
-                changed = commits.changed() => {
-                    if changed.is_err() {
-                        break Vec::new();
-                    }
-                }
-                () = tokio::time::sleep_until(wake) => {}
-                () = self.shutdown.requested() => break Vec::new(),
-            }
-        };
+        let rows = self
+            .long_poll(
+                deadline,
+                || {
+                    let this = self.clone();
+                    async move { this.peek(deadline).await }
+                },
+                || {
+                    let (this, limits) = (self.clone(), limits.clone());
+                    async move { this.claim_now(limits).await }
+                },
+            )
+            .await?;
         if !rows.is_empty() {
             tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
         }
