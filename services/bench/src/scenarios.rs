@@ -451,8 +451,10 @@ async fn paced(b: &Bench, c: &Clients, users: &[String], movie: &str, rate: usiz
     (sent, total as f64 / elapsed)
 }
 
-/// Where the time goes, per event (medians, ms): from the write job's start to the outbox
-/// claim (relay or db consumer), from there to the ledger claim, and from that to the handler.
+/// Where the time goes, per event (medians, ms). On nats: from the write job's start to the
+/// relay's outbox claim, from there to the handler's ledger claim, and from that to the handler.
+/// On db there is no outbox claim: the handler's delivery claim (its cursor moving past the row
+/// and its ledger row created, one write job) follows the write directly.
 async fn stages(db: &Path, effects: &Path, sent: &HashMap<String, i64>) -> Vec<(&'static str, f64)> {
     let rows = query_strings(
         db,
@@ -467,17 +469,26 @@ async fn stages(db: &Path, effects: &Path, sent: &HashMap<String, i64>) -> Vec<(
             .into_iter()
             .filter_map(|r| Some((r[0].clone(), r[1].parse().ok()?)))
             .collect();
-    let mut spans: [Vec<f64>; 3] = Default::default();
+    let mut spans: [Vec<f64>; 4] = Default::default();
     for r in rows.iter().filter(|r| sent.contains_key(&r[1])) {
-        let (created, claimed, ledger) = (r[2].parse::<f64>(), r[3].parse::<f64>(), r[4].parse::<f64>());
-        let (Ok(created), Ok(claimed), Ok(ledger), Some(start)) = (created, claimed, ledger, starts.get(&r[0])) else {
+        let (Ok(created), Ok(ledger), Some(start)) = (r[2].parse::<f64>(), r[4].parse::<f64>(), starts.get(&r[0])) else {
             continue;
         };
-        spans[0].push(claimed - created);
-        spans[1].push(ledger - claimed);
-        spans[2].push(*start as f64 / 1000.0 - ledger);
+        match r[3].parse::<f64>() {
+            Ok(claimed) => {
+                spans[0].push(claimed - created);
+                spans[1].push(ledger - claimed);
+            }
+            Err(_) => spans[2].push(ledger - created),
+        }
+        spans[3].push(*start as f64 / 1000.0 - ledger);
     }
-    let names = ["write start to outbox claim", "outbox claim to ledger claim", "ledger claim to handler start"];
+    let names = [
+        "write start to outbox claim",
+        "outbox claim to ledger claim",
+        "write start to delivery claim",
+        "ledger claim to handler start",
+    ];
     names
         .into_iter()
         .zip(spans)
