@@ -5,6 +5,7 @@ mod bad_input;
 mod chaos;
 mod delivery_db;
 mod delivery_nats;
+mod enrichment;
 mod faults;
 mod handlers;
 mod import;

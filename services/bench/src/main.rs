@@ -5,6 +5,7 @@
 //! absolute numbers move, ratios hold. Run it with `scripts/bench` (release build); it prints one
 //! table and writes `bench-results.json`.
 
+mod enrichment;
 mod report;
 mod scenarios;
 
@@ -63,6 +64,9 @@ fn main() -> anyhow::Result<()> {
         }
         if wanted("e2e") {
             scenarios::sustained(&bench, &mut report).await?;
+        }
+        if wanted("enrichment") {
+            enrichment::enrichment_and_wrap_up(&bench, &mut report).await?;
         }
         anyhow::Ok(report)
     })?;

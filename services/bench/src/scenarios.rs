@@ -38,7 +38,7 @@ async fn start(b: &Bench, db: &Path, services: &[&'static str], env: &Env) -> Re
 }
 
 /// A temp dir for one scenario; `REELAY_BENCH_KEEP=1` keeps it (logs, databases) for a look.
-fn scratch() -> std::io::Result<tempfile::TempDir> {
+pub(crate) fn scratch() -> std::io::Result<tempfile::TempDir> {
     let mut dir = tempfile::Builder::new().prefix("reelay-bench-").tempdir()?;
     if std::env::var_os("REELAY_BENCH_KEEP").is_some() {
         eprintln!("keeping {}", dir.path().display());
@@ -471,7 +471,8 @@ async fn stages(db: &Path, effects: &Path, sent: &HashMap<String, i64>) -> Vec<(
             .collect();
     let mut spans: [Vec<f64>; 4] = Default::default();
     for r in rows.iter().filter(|r| sent.contains_key(&r[1])) {
-        let (Ok(created), Ok(ledger), Some(start)) = (r[2].parse::<f64>(), r[4].parse::<f64>(), starts.get(&r[0])) else {
+        let (Ok(created), Ok(ledger), Some(start)) = (r[2].parse::<f64>(), r[4].parse::<f64>(), starts.get(&r[0]))
+        else {
             continue;
         };
         match r[3].parse::<f64>() {
@@ -603,6 +604,13 @@ pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         .ratio_at_least(5.0);
     write.stop().await;
     Ok(())
+}
+
+/// A process that logs warnings only, with `env` added.
+pub(crate) async fn start_quiet(b: &Bench, db: &Path, services: &[&'static str], env: &[(String, String)]) -> Reelay {
+    let mut all: Env = vec![("RUST_LOG".into(), "warn".into())];
+    all.extend_from_slice(env);
+    start(b, db, services, &all).await
 }
 
 async fn start_quiet_write(b: &Bench, dir: &Path) -> Reelay {

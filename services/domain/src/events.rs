@@ -44,6 +44,8 @@ pub fn event_type(payload: &Payload) -> &'static str {
         Payload::RemoteFollowReceived(_) => "RemoteFollowReceived",
         Payload::RemoteFollowUndone(_) => "RemoteFollowUndone",
         Payload::DiaryImported(_) => "DiaryImported",
+        Payload::MovieEnriched(_) => "MovieEnriched",
+        Payload::WrapUpCompleted(_) => "WrapUpCompleted",
     }
 }
 
@@ -67,6 +69,8 @@ pub const EVENT_TYPES: &[&str] = &[
     "RemoteFollowReceived",
     "RemoteFollowUndone",
     "DiaryImported",
+    "MovieEnriched",
+    "WrapUpCompleted",
 ];
 
 /// First retry delay; doubles per failed attempt.
@@ -146,6 +150,8 @@ mod tests {
             Payload::RemoteFollowReceived(v1::RemoteFollowReceived::default()),
             Payload::RemoteFollowUndone(v1::RemoteFollowUndone::default()),
             Payload::DiaryImported(v1::DiaryImported::default()),
+            Payload::MovieEnriched(v1::MovieEnriched::default()),
+            Payload::WrapUpCompleted(v1::WrapUpCompleted::default()),
         ];
         let names: Vec<&str> = samples.iter().map(event_type).collect();
         assert_eq!(names, EVENT_TYPES);

@@ -173,6 +173,35 @@ pub fn uri(field: &str, value: &str) -> Result<String, ValidationError> {
     Ok(value.to_owned())
 }
 
+/// A key in object storage: a relative path of `A-Z a-z 0-9 / . _ -`, at most 500 bytes, with no
+/// empty, `.` or `..` segment.
+pub fn object_key(field: &str, value: &str) -> Result<String, ValidationError> {
+    let charset = value.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'/' | b'.' | b'_' | b'-'));
+    let segments = value.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..");
+    if value.is_empty() || value.len() > 500 || !charset || !segments {
+        return Err(ValidationError::new(
+            field,
+            format!("must be a relative object key such as wrapups/<id>/card.svg, got {value:?}"),
+        ));
+    }
+    Ok(value.to_owned())
+}
+
+/// The UTC calendar date (`YYYY-MM-DD`) of a millisecond timestamp.
+pub fn date_of_ms(ms: i64) -> String {
+    // Howard Hinnant's civil-from-days.
+    let z = ms.div_euclid(86_400_000) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
 /// 0 means the default page size; more than the maximum is an error rather than a silent clamp.
 pub fn page_size(value: u32) -> Result<u32, ValidationError> {
     match value {
@@ -194,6 +223,17 @@ mod tests {
         assert!(required_text("title", "a\u{0}b", 10).is_err());
         assert!(body("body", "line one\nline two").is_ok());
         assert!(body("body", &"x".repeat(MAX_BODY_CHARS + 1)).is_err());
+    }
+
+    #[test]
+    fn dates_and_keys() {
+        assert_eq!(date_of_ms(0), "1970-01-01");
+        assert_eq!(date_of_ms(1_709_251_199_999), "2024-02-29");
+        assert_eq!(date_of_ms(1_735_689_600_000), "2025-01-01");
+        assert!(object_key("k", "wrapups/abc/card.svg").is_ok());
+        for bad in ["", "/abs", "a//b", "a/../b", "a b", "x/."] {
+            assert!(object_key("k", bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -301,36 +301,47 @@ async fn claim_new(
     request: &HandlerClaim,
     budget: &mut Budget,
 ) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
-    // Look at more rows than can be claimed: most may be of types this handler does not take.
+    // Look at more rows than can be claimed: most may be of types this handler does not take. A
+    // window with nothing for this handler moves the cursor and looks at the next one at once
+    // (a few per claim), so a handler far behind on rows it does not take catches up in one call.
     let scan = (budget.rows * 4).max(512) as i64;
-    let candidates: Vec<Candidate> = sqlx::query(
-        "SELECT id, event_id, event_type, status, length(payload) FROM event_queue WHERE id > ? ORDER BY id LIMIT ?",
-    )
-    .bind(position)
-    .bind(scan)
-    .fetch_all(tx.conn())
-    .await?
-    .into_iter()
-    .map(|r| Candidate { id: r.get(0), event_id: r.get(1), event_type: r.get(2), status: r.get(3), length: r.get(4) })
-    .collect();
     let mut moved_to = position;
-    let mut handed = Vec::new();
-    let mut oversized = Vec::new();
-    for candidate in &candidates {
-        // Settled before per-handler delivery (upgraded databases), or not this handler's.
-        let passed = matches!(candidate.status.as_str(), "done" | "dead_lettered")
-            || !request.event_types.contains(&candidate.event_type);
-        if !passed {
-            let cost = candidate.length as usize + CLAIM_ROW_OVERHEAD;
-            if cost > request.max_bytes {
-                oversized.push(candidate);
-            } else if !budget.take(candidate.length, request.max_bytes, handed.is_empty()) {
-                break;
-            } else {
-                handed.push(candidate);
+    let mut handed: Vec<Candidate> = Vec::new();
+    let mut oversized: Vec<Candidate> = Vec::new();
+    for _ in 0..SCAN_WINDOWS {
+        let candidates: Vec<Candidate> = sqlx::query(
+            "SELECT id, event_id, event_type, status, length(payload) FROM event_queue WHERE id > ? ORDER BY id LIMIT ?",
+        )
+        .bind(moved_to)
+        .bind(scan)
+        .fetch_all(tx.conn())
+        .await?
+        .into_iter()
+        .map(|r| Candidate { id: r.get(0), event_id: r.get(1), event_type: r.get(2), status: r.get(3), length: r.get(4) })
+        .collect();
+        let full = candidates.len() as i64 == scan;
+        let mut budget_spent = false;
+        for candidate in candidates {
+            // Settled before per-handler delivery (upgraded databases), or not this handler's.
+            let passed = matches!(candidate.status.as_str(), "done" | "dead_lettered")
+                || !request.event_types.contains(&candidate.event_type);
+            let id = candidate.id;
+            if !passed {
+                let cost = candidate.length as usize + CLAIM_ROW_OVERHEAD;
+                if cost > request.max_bytes {
+                    oversized.push(candidate);
+                } else if !budget.take(candidate.length, request.max_bytes, handed.is_empty()) {
+                    budget_spent = true;
+                    break;
+                } else {
+                    handed.push(candidate);
+                }
             }
+            moved_to = id;
         }
-        moved_to = candidate.id;
+        if budget_spent || !full || !handed.is_empty() || !oversized.is_empty() {
+            break;
+        }
     }
     for candidate in oversized {
         let reason = format!(
@@ -389,6 +400,9 @@ async fn claim_new(
     }
     load(tx, taken).await
 }
+
+/// Windows of rows one claim looks through while it finds nothing for the handler.
+const SCAN_WINDOWS: usize = 16;
 
 /// Reads the claimed rows' contents, in outbox order.
 async fn load(tx: &mut WriteTx, taken: Vec<(i64, String, u32, i64)>) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {

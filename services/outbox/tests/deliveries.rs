@@ -287,3 +287,26 @@ async fn claims_stay_within_the_answer_size() {
 fn deliveries_overhead() -> usize {
     reelay_outbox::queue::CLAIM_ROW_OVERHEAD
 }
+
+/// A handler far behind on rows it does not take reaches its own in one claim, not one scan
+/// window per call (each empty answer would cost the claimer a long-poll).
+#[tokio::test]
+async fn a_cursor_behind_thousands_of_other_rows_catches_up_in_one_claim() {
+    let (_dir, db) = open().await;
+    register(&db, &["wrap"], T0).await;
+    enqueue(&db, 3000).await;
+    job(&db, |tx| {
+        Box::pin(async move {
+            let payload = v1::event::Payload::WrapUpRequested(v1::WrapUpRequested {
+                wrap_up_id: "w1".into(),
+                ..Default::default()
+            });
+            enqueue_events(tx, vec![NewEvent::new(1, payload)]).await.expect("a small event fits");
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let claimed = claim(&db, &request("wrap", &["WrapUpRequested"], "p#1"), T0).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the one WrapUpRequested behind 3,000 other rows");
+}

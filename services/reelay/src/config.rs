@@ -235,6 +235,16 @@ pub struct HandlerArgs {
     #[arg(long, env = "REELAY_HANDLERS_ADDR", default_value = "127.0.0.1:50052")]
     pub handlers_addr: SocketAddr,
 
+    /// Where the handlers service serves stored media over HTTP (`GET /media/<key>`: wrap-up
+    /// cards, posters).
+    #[arg(long, env = "REELAY_MEDIA_ADDR", default_value = "127.0.0.1:50053")]
+    pub media_addr: SocketAddr,
+
+    /// The public base URL of the media route, for the links the API returns (a wrap-up's
+    /// `card_url`); defaults to `http://<REELAY_MEDIA_ADDR>/media`.
+    #[arg(long, env = "REELAY_MEDIA_URL")]
+    pub media_url: Option<String>,
+
     /// How the handlers and relay services reach the write service; defaults to
     /// `http://<REELAY_WRITE_ADDR>`.
     #[arg(long, env = "REELAY_WRITE_URL")]

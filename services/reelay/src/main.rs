@@ -15,6 +15,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     reelay_kit::telemetry::init(cli.log_json());
     reelay_kit::telemetry::install_panic_hook();
+    // HTTPS (S3, TMDB) through rustls on ring, Reelay's one crypto library.
+    reelay_objects::install_tls_provider();
     // Blocking threads run index commits and searches; a small pool keeps memory bounded.
     let runtime = match tokio::runtime::Builder::new_multi_thread().max_blocking_threads(8).enable_all().build() {
         Ok(runtime) => runtime,

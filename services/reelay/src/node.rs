@@ -198,6 +198,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let write_listener = if services.contains(&Service::Write) { Some(bind(args.write_addr).await?) } else { None };
     let handlers_listener =
         if services.contains(&Service::Handlers) { Some(bind(args.handlers.handlers_addr).await?) } else { None };
+    let media_listener =
+        if services.contains(&Service::Handlers) { Some(bind(args.handlers.media_addr).await?) } else { None };
 
     let shutdown = Shutdown::new();
     shutdown.listen_for_signals();
@@ -303,6 +305,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .await
                 .context("the handlers gRPC server failed")
         });
+        if let Some(listener) = media_listener {
+            let objects = reelay_handlers::objects(&args.handlers.settings, &args.database.data_dir)?;
+            tracing::info!(addr = %args.handlers.media_addr, objects = objects.describe(), "media route listening");
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                axum::serve(listener, reelay_objects::media_router(objects))
+                    .with_graceful_shutdown(async move { stop.requested().await })
+                    .await
+                    .context("the media route failed")
+            });
+        }
     }
     let done = clients_done.clone();
     tasks.spawn(async move {
@@ -331,7 +344,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             .context("cannot register the handlers' delivery cursors")?;
         tracing::info!(handlers = ?delivered, new = ?added, "delivering to handlers");
         let policy = delivery_policy(&args);
-        let server = reelay_write::mount(GrpcServer::new(grpc), reelay_write::Store::new(database.clone()));
+        let media_url =
+            args.handlers.media_url.clone().unwrap_or_else(|| format!("http://{}/media", args.handlers.media_addr));
+        let server =
+            reelay_write::mount(GrpcServer::new(grpc), reelay_write::Store::new(database.clone()), Some(media_url));
         let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
         let retention = reelay_write::Retention {
             ledger: policy.ledger,

@@ -1,6 +1,7 @@
 //! The one place wire types and store types meet: requests become validated commands, rows
 //! become responses.
 
+use prost::Message;
 use reelay_contracts::v1::{self, account, movie_ref};
 use reelay_domain::{MovieId, UserId, ValidationError, validate};
 
@@ -67,12 +68,21 @@ pub fn user(row: UserRow) -> v1::User {
 }
 
 pub fn movie(row: MovieRow) -> v1::Movie {
+    let enrichment = match row.enrichment.as_str() {
+        "enriched" => v1::EnrichmentStatus::Enriched,
+        "not_found" => v1::EnrichmentStatus::NotFound,
+        _ => v1::EnrichmentStatus::Pending,
+    };
     v1::Movie {
         movie_id: row.id,
         title: row.title,
         year: row.year as i32,
         external_id: row.external_id.unwrap_or_default(),
         created_at_ms: row.created_at,
+        enrichment: enrichment as i32,
+        // Written by this service from a valid message; an unreadable one reads as absent.
+        profile: row.profile.and_then(|p| v1::MovieProfile::decode(p.as_slice()).ok()),
+        enriched_at_ms: row.enriched_at.unwrap_or_default(),
     }
 }
 
@@ -112,5 +122,9 @@ pub fn wrap_up(row: WrapUpRow) -> v1::WrapUp {
         requested_at_ms: row.requested_at,
         completed_at_ms: row.completed_at.unwrap_or_default(),
         summary_json: row.summary_json,
+        summary: row.summary.and_then(|s| v1::WrapUpSummary::decode(s.as_slice()).ok()),
+        card_key: row.card_key.unwrap_or_default(),
+        card_content_type: row.card_content_type.unwrap_or_default(),
+        card_url: String::new(),
     }
 }

@@ -10,6 +10,8 @@ mod cluster;
 mod db;
 mod faults;
 mod nats;
+mod s3;
+mod tmdb;
 
 use reelay_contracts::v1;
 
@@ -33,6 +35,12 @@ pub use db::{
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
+pub use s3::{MotoServer, http, http_get};
+pub use tmdb::{TMDB_API_KEY, TMDB_TOKEN, TmdbFilm, TmdbPerson, TmdbServer};
+pub mod films {
+    //! The films the TMDB test server knows.
+    pub use crate::tmdb::{collateral, heat, people};
+}
 
 /// The token test processes are started with.
 pub const TEST_TOKEN: &str = "test-service-token-0123456789";
@@ -78,6 +86,8 @@ pub struct Reelay {
     pub addr: SocketAddr,
     /// The handlers service's gRPC address (the Search API).
     pub handlers_addr: SocketAddr,
+    /// The handlers service's HTTP address for stored media (`GET /media/<key>`).
+    pub media_addr: SocketAddr,
     pub database: PathBuf,
     pub log: PathBuf,
     spec: ProcessSpec,
@@ -126,7 +136,7 @@ impl Reelay {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::launch(spec.clone(), local_addr(), local_addr()).await {
+            match Self::launch(spec.clone(), local_addr(), local_addr(), local_addr()).await {
                 Ok(process) => return process,
                 Err((error, log)) => {
                     last_error = error;
@@ -146,13 +156,18 @@ impl Reelay {
     /// pointed at it find it again).
     pub async fn restart(&mut self) {
         self.kill();
-        let fresh = Self::launch(self.spec.clone(), self.addr, self.handlers_addr)
+        let fresh = Self::launch(self.spec.clone(), self.addr, self.handlers_addr, self.media_addr)
             .await
             .unwrap_or_else(|(error, log)| panic!("reelay did not restart: {error}\n{log}"));
         *self = fresh;
     }
 
-    async fn launch(spec: ProcessSpec, addr: SocketAddr, handlers_addr: SocketAddr) -> Result<Self, (String, String)> {
+    async fn launch(
+        spec: ProcessSpec,
+        addr: SocketAddr,
+        handlers_addr: SocketAddr,
+        media_addr: SocketAddr,
+    ) -> Result<Self, (String, String)> {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
         let mut command = Command::new(&spec.binary);
         command.arg("run");
@@ -164,6 +179,7 @@ impl Reelay {
             .env("REELAY_DATA_DIR", &spec.data_dir)
             .env("REELAY_WRITE_ADDR", addr.to_string())
             .env("REELAY_HANDLERS_ADDR", handlers_addr.to_string())
+            .env("REELAY_MEDIA_ADDR", media_addr.to_string())
             .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
@@ -177,6 +193,7 @@ impl Reelay {
             child: Some(child),
             addr,
             handlers_addr,
+            media_addr,
             database: spec.database.clone(),
             log: spec.log.clone(),
             spec,

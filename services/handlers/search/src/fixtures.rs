@@ -78,3 +78,33 @@ pub fn remote_review_saved(remote_review_id: &str, at: i64, movie_title: &str, b
     });
     event(remote_review_id, at, payload)
 }
+
+pub fn movie_enriched(
+    movie_id: &str,
+    at: i64,
+    title: &str,
+    year: i32,
+    directors: &[&str],
+    genres: &[&str],
+) -> v1::Event {
+    let credit = |name: &&str| v1::PersonCredit {
+        person_id: format!("catalog:{name}"),
+        name: name.to_string(),
+        role: String::new(),
+    };
+    let payload = Payload::MovieEnriched(v1::MovieEnriched {
+        movie_id: movie_id.to_owned(),
+        profile: Some(v1::MovieProfile {
+            provider: "catalog".into(),
+            provider_id: "wikidata:Q1".into(),
+            title: title.to_owned(),
+            year,
+            directors: directors.iter().map(credit).collect(),
+            genres: genres.iter().map(|g| g.to_string()).collect(),
+            ..Default::default()
+        }),
+        title: title.to_owned(),
+        year,
+    });
+    event(movie_id, at, payload)
+}

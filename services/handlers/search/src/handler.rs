@@ -5,8 +5,15 @@ use reelay_delivery::{Handler, HandlerError};
 
 use crate::SearchIndex;
 
-const EVENT_TYPES: &[&str] =
-    &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteReviewSaved", "MovieDiscovered", "MovieDeleted"];
+const EVENT_TYPES: &[&str] = &[
+    "ReviewLogged",
+    "ReviewEdited",
+    "ReviewDeleted",
+    "RemoteReviewSaved",
+    "MovieDiscovered",
+    "MovieEnriched",
+    "MovieDeleted",
+];
 
 pub struct SearchHandler {
     index: SearchIndex,
@@ -70,6 +77,7 @@ mod tests {
             review_deleted("r", 1),
             remote_review_saved("r", 1, "Heat", "x"),
             movie_discovered("m", 1, "Heat", 1995),
+            movie_enriched("m", 1, "Heat", 1995, &["Michael Mann"], &["Crime"]),
             movie_deleted("m", 1),
         ];
         let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();

@@ -153,6 +153,11 @@ struct Stamp {
 }
 
 impl Change {
+    /// A movie's document (keyed by the movie, so enrichment replaces what discovery indexed).
+    fn movie(version: i64, hit: v1::MovieHit) -> Self {
+        Self { key: format!("movie:{}", hit.movie_id), version, entry: Some(Entry::Movie(hit)) }
+    }
+
     fn stamp(&self) -> Stamp {
         Stamp { version: self.version, deleted: self.entry.is_none() }
     }
@@ -236,16 +241,32 @@ impl Change {
             }
             Payload::MovieDiscovered(m) => {
                 require("movie_id", &m.movie_id)?;
-                Self {
-                    key: format!("movie:{}", m.movie_id),
+                Self::movie(
                     version,
-                    entry: Some(Entry::Movie(v1::MovieHit {
+                    v1::MovieHit {
                         movie_id: m.movie_id.clone(),
                         title: m.title.clone(),
                         year: m.year,
+                        ..Default::default()
+                    },
+                )
+            }
+            // The same document, now with who made it and what it is: a director's name or a
+            // genre finds the film.
+            Payload::MovieEnriched(m) => {
+                require("movie_id", &m.movie_id)?;
+                let profile = m.profile.clone().unwrap_or_default();
+                Self::movie(
+                    version,
+                    v1::MovieHit {
+                        movie_id: m.movie_id.clone(),
+                        title: m.title.clone(),
+                        year: m.year,
+                        directors: profile.directors.into_iter().map(|d| d.name).collect(),
+                        genres: profile.genres,
                         score: 0.0,
-                    })),
-                }
+                    },
+                )
             }
             Payload::MovieDeleted(m) => {
                 require("movie_id", &m.movie_id)?;
@@ -339,7 +360,7 @@ impl SearchIndex {
         results
     }
 
-    /// Movies whose title holds every word of `query`, best first.
+    /// Movies whose title, directors or genres hold every word of `query`, best first.
     pub async fn search_movies(
         &self,
         query: &str,
@@ -350,11 +371,16 @@ impl SearchIndex {
         let query = query.to_owned();
         tokio::task::spawn_blocking(move || {
             let fields = inner.fields;
-            inner.search(KIND_MOVIE, &[fields.title], &query, offset, limit, |score, doc| v1::MovieHit {
-                movie_id: text(doc, fields.movie_id),
-                title: text(doc, fields.title),
-                year: int(doc, fields.year),
-                score,
+            inner.search(KIND_MOVIE, &[fields.title, fields.body], &query, offset, limit, |score, doc| {
+                let (directors, genres) = movie_credits(&text(doc, fields.body));
+                v1::MovieHit {
+                    movie_id: text(doc, fields.movie_id),
+                    title: text(doc, fields.title),
+                    year: int(doc, fields.year),
+                    score,
+                    directors,
+                    genres,
+                }
             })
         })
         .await?
@@ -386,6 +412,18 @@ impl SearchIndex {
         })
         .await?
     }
+}
+
+/// A movie document keeps its directors and genres in `body` (a movie has no text of its own):
+/// `<director>|<director>\t<genre>|<genre>`, which the tokenizer splits into words.
+fn movie_body(movie: &v1::MovieHit) -> String {
+    format!("{}\t{}", movie.directors.join("|"), movie.genres.join("|"))
+}
+
+fn movie_credits(body: &str) -> (Vec<String>, Vec<String>) {
+    let split = |s: &str| s.split('|').filter(|p| !p.is_empty()).map(str::to_owned).collect();
+    let (directors, genres) = body.split_once('\t').unwrap_or((body, ""));
+    (split(directors), split(genres))
 }
 
 fn text(doc: &TantivyDocument, field: Field) -> String {
@@ -482,6 +520,7 @@ impl Inner {
                 doc.add_text(f.movie_id, &movie.movie_id);
                 doc.add_text(f.title, &movie.title);
                 doc.add_i64(f.year, movie.year.into());
+                doc.add_text(f.body, movie_body(movie));
             }
             Some(Entry::Review(review)) => {
                 doc.add_text(f.kind, KIND_REVIEW);
@@ -795,5 +834,23 @@ mod tests {
         let _index = open(&dir);
         let error = SearchIndex::open(dir.path().join("search")).err().expect("the writer lock is held");
         assert!(error.to_string().starts_with("failed to open the search index at "), "{error}");
+    }
+
+    #[tokio::test]
+    async fn an_enriched_movie_is_found_by_its_director_and_genre() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let discovered = movie_discovered("m1", 100, "Heat", 1995);
+        let enriched = movie_enriched("m1", 200, "Heat", 1995, &["Michael Mann"], &["Crime", "Drama"]);
+        apply_ok(&index, &[&discovered]).await;
+        assert_eq!(index.search_movies("michael mann", 0, 10).await.unwrap().total_hits, 0);
+        // Out of order: the older discovery arriving again leaves the enriched document.
+        apply_ok(&index, &[&enriched, &discovered]).await;
+        let hits = index.search_movies("Michael Mann", 0, 10).await.unwrap();
+        assert_eq!(hits.total_hits, 1);
+        assert_eq!(hits.hits[0].directors, ["Michael Mann"]);
+        assert_eq!(hits.hits[0].genres, ["Crime", "Drama"]);
+        assert_eq!(index.search_movies("crime heat", 0, 10).await.unwrap().total_hits, 1);
+        assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().hits[0].title, "Heat");
     }
 }

@@ -46,8 +46,9 @@ fn request_key<M: prost::Message>(
 }
 
 /// Mounts every domain service on `server`, each with the server's message-size limit.
-pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
-    let api = WriteApi { store };
+/// `media_url` is where the media route serves stored objects (wrap-up cards), if anywhere.
+pub fn mount(server: GrpcServer, store: Store, media_url: Option<String>) -> GrpcServer {
+    let api = WriteApi { store, media_url };
     let limit = server.config().max_message_bytes;
     macro_rules! limited {
         ($server:ident) => {
@@ -68,4 +69,5 @@ pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
 #[derive(Clone)]
 struct WriteApi {
     store: Store,
+    media_url: Option<String>,
 }

@@ -1,12 +1,13 @@
 //! The Movies service: discovering movies, asking for enrichment, reading a movie.
 
-use reelay_contracts::v1;
-use reelay_domain::MovieId;
+use reelay_contracts::v1::{self, save_enrichment_request};
+use reelay_domain::{MovieId, validate};
 use reelay_kit::ServiceError;
 use tonic::Request;
 
 use super::{Reply, WriteApi, ok, request_key};
 use crate::convert;
+use crate::store::Enrichment;
 
 #[tonic::async_trait]
 impl v1::movies_server::Movies for WriteApi {
@@ -44,4 +45,79 @@ impl v1::movies_server::Movies for WriteApi {
         let id = MovieId::parse("movie_id", &request.into_inner().movie_id).map_err(ServiceError::from)?;
         ok(convert::movie(self.store.get_movie(id).await?))
     }
+
+    async fn get_person(&self, request: Request<v1::GetPersonRequest>) -> Reply<v1::Person> {
+        let id = request.into_inner().person_id;
+        person_id("person_id", &id)?;
+        ok(self.store.get_person(&id).await?)
+    }
+
+    async fn save_people(&self, request: Request<v1::SavePeopleRequest>) -> Reply<v1::SavePeopleResponse> {
+        let people = request.into_inner().people;
+        if people.is_empty() || people.len() > MAX_PEOPLE {
+            return Err(ServiceError::invalid(
+                "people",
+                format!("must hold 1..={MAX_PEOPLE} people, got {}", people.len()),
+            )
+            .into());
+        }
+        for person in &people {
+            person_id("people.person_id", &person.person_id)?;
+            validate::required_text("people.name", &person.name, 300).map_err(ServiceError::from)?;
+        }
+        ok(self.store.save_people(people).await?)
+    }
+
+    async fn save_enrichment(&self, request: Request<v1::SaveEnrichmentRequest>) -> Reply<v1::SaveEnrichmentResponse> {
+        let mut r = request.into_inner();
+        let key = request_key("SaveEnrichment", &mut r, |r| &mut r.request_id)?;
+        let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
+        let outcome = match r.outcome {
+            Some(save_enrichment_request::Outcome::Profile(profile)) => Enrichment::Profile(checked_profile(profile)?),
+            Some(save_enrichment_request::Outcome::NotFound(reason)) => Enrichment::NotFound(reason),
+            None => return Err(ServiceError::invalid("outcome", "is required (profile or not_found)").into()),
+        };
+        ok(self.store.save_enrichment(movie, outcome, key).await?)
+    }
+}
+
+/// Most people one SavePeople call takes.
+const MAX_PEOPLE: usize = 1000;
+
+fn person_id(field: &str, id: &str) -> Result<(), ServiceError> {
+    if id.is_empty() || id.len() > 200 || !id.contains(':') {
+        return Err(ServiceError::invalid(field, format!("must be <provider>:<id> (at most 200 bytes), got {id:?}")));
+    }
+    Ok(())
+}
+
+/// A provider's profile, checked field by field before it is stored.
+fn checked_profile(profile: v1::MovieProfile) -> Result<v1::MovieProfile, ServiceError> {
+    if profile.provider.is_empty() || profile.provider_id.is_empty() {
+        return Err(ServiceError::invalid("profile.provider", "provider and provider_id are required"));
+    }
+    if profile.runtime_minutes > 2_000 {
+        return Err(ServiceError::invalid(
+            "profile.runtime_minutes",
+            format!("{} is not a film's runtime", profile.runtime_minutes),
+        ));
+    }
+    for (field, list) in [("profile.directors", &profile.directors), ("profile.cast", &profile.cast)] {
+        if list.len() > 500 {
+            return Err(ServiceError::invalid(field, format!("at most 500 people, got {}", list.len())));
+        }
+        for credit in list {
+            person_id(&format!("{field}.person_id"), &credit.person_id)?;
+        }
+    }
+    if profile.genres.len() > 50 {
+        return Err(ServiceError::invalid("profile.genres", "at most 50 genres"));
+    }
+    if !profile.poster_url.is_empty() {
+        validate::uri("profile.poster_url", &profile.poster_url).map_err(ServiceError::from)?;
+    }
+    if profile.overview.chars().count() > 10_000 {
+        return Err(ServiceError::invalid("profile.overview", "at most 10000 characters"));
+    }
+    Ok(profile)
 }

@@ -7,6 +7,7 @@ use tonic::Request;
 
 use super::{Reply, WriteApi, ok, request_key};
 use crate::convert;
+use crate::store::{WrapUpCompletion, WrapUpRow};
 
 #[tonic::async_trait]
 impl v1::wrap_ups_server::WrapUps for WriteApi {
@@ -20,6 +21,87 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
 
     async fn get_wrap_up(&self, request: Request<v1::GetWrapUpRequest>) -> Reply<v1::WrapUp> {
         let id = WrapUpId::parse("wrap_up_id", &request.into_inner().wrap_up_id).map_err(ServiceError::from)?;
-        ok(convert::wrap_up(self.store.get_wrap_up(id).await?))
+        ok(self.wrap_up(self.store.get_wrap_up(id).await?))
     }
+
+    async fn get_wrap_up_inputs(&self, request: Request<v1::GetWrapUpInputsRequest>) -> Reply<v1::WrapUpInputs> {
+        let id = WrapUpId::parse("wrap_up_id", &request.into_inner().wrap_up_id).map_err(ServiceError::from)?;
+        let (wrap_up, entries) = self.store.wrap_up_inputs(id).await?;
+        let entries = entries
+            .into_iter()
+            .map(|(review, movie)| v1::WrapUpEntry {
+                watched_on: if review.watched_on.is_empty() {
+                    validate::date_of_ms(review.created_at)
+                } else {
+                    review.watched_on.clone()
+                },
+                review_id: review.id,
+                rating: review.rating as u32,
+                rewatch: review.rewatch,
+                movie: Some(convert::movie(movie)),
+            })
+            .collect();
+        ok(v1::WrapUpInputs { wrap_up: Some(self.wrap_up(wrap_up)), entries })
+    }
+
+    async fn complete_wrap_up(&self, request: Request<v1::CompleteWrapUpRequest>) -> Reply<v1::CompleteWrapUpResponse> {
+        let r = request.into_inner();
+        let id = WrapUpId::parse("wrap_up_id", &r.wrap_up_id).map_err(ServiceError::from)?;
+        let summary = r.summary.ok_or_else(|| ServiceError::invalid("summary", "is required"))?;
+        if summary.per_month.len() != 12 {
+            return Err(ServiceError::invalid(
+                "summary.per_month",
+                format!("must hold 12 months, got {}", summary.per_month.len()),
+            )
+            .into());
+        }
+        let card_key = validate::object_key("card_key", &r.card_key).map_err(ServiceError::from)?;
+        if r.card_content_type.is_empty() || r.card_content_type.len() > 100 {
+            return Err(ServiceError::invalid("card_content_type", "must be a media type such as image/svg+xml").into());
+        }
+        let completion = WrapUpCompletion {
+            summary_json: summary_json(&summary),
+            summary,
+            card_key,
+            card_content_type: r.card_content_type,
+        };
+        let (wrap_up, changed) = self.store.complete_wrap_up(id, completion).await?;
+        ok(v1::CompleteWrapUpResponse { changed, wrap_up: Some(self.wrap_up(wrap_up)) })
+    }
+}
+
+impl WriteApi {
+    /// A wrap-up as callers see it: with the URL its card is served at, when the media route
+    /// is configured.
+    fn wrap_up(&self, row: WrapUpRow) -> v1::WrapUp {
+        let mut wrap_up = convert::wrap_up(row);
+        if let Some(base) = &self.media_url
+            && !wrap_up.card_key.is_empty()
+        {
+            wrap_up.card_url = format!("{}/{}", base.trim_end_matches('/'), wrap_up.card_key);
+        }
+        wrap_up
+    }
+}
+
+/// The summary as JSON (`WrapUp.summary_json`), for clients that read no protobuf.
+fn summary_json(s: &v1::WrapUpSummary) -> String {
+    let counts = |list: &[v1::NameCount]| -> Vec<serde_json::Value> {
+        list.iter().map(|n| serde_json::json!({"name": n.name, "count": n.count})).collect()
+    };
+    serde_json::json!({
+        "films": s.films,
+        "entries": s.entries,
+        "rewatches": s.rewatches,
+        "minutes_watched": s.minutes_watched,
+        "rating_counts": s.rating_counts,
+        "mean_rating": s.mean_rating,
+        "top_genres": counts(&s.top_genres),
+        "top_directors": counts(&s.top_directors),
+        "per_month": s.per_month,
+        "highest_rated": s.highest_rated.iter().map(|f| serde_json::json!({
+            "movie_id": f.movie_id, "title": f.title, "year": f.year, "rating": f.rating,
+        })).collect::<Vec<_>>(),
+    })
+    .to_string()
 }

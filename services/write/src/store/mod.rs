@@ -21,6 +21,9 @@ mod users;
 mod watchlist;
 mod wrap_ups;
 
+pub use movies::Enrichment;
+pub use wrap_ups::WrapUpCompletion;
+
 type Result<T> = std::result::Result<T, WriteError>;
 
 // ---------------------------------------------------------------------------------------------
@@ -91,14 +94,30 @@ pub struct UserRow {
     pub created_at: i64,
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone, Default, sqlx::FromRow)]
 pub struct MovieRow {
     pub id: String,
     pub title: String,
     pub year: i64,
     pub external_id: Option<String>,
     pub created_at: i64,
+    /// pending | enriched | not_found
+    #[sqlx(default)]
+    pub enrichment: String,
+    /// The encoded `MovieProfile`, once enriched.
+    #[sqlx(default)]
+    pub profile: Option<Vec<u8>>,
+    #[sqlx(default)]
+    pub enriched_at: Option<i64>,
 }
+
+/// Every column of a `MovieRow`, for `SELECT {MOVIE_COLUMNS} FROM movies ...`.
+macro_rules! movie_columns {
+    () => {
+        "id, title, year, external_id, created_at, enrichment, profile, enriched_at"
+    };
+}
+pub(crate) use movie_columns;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct ReviewRow {
@@ -121,7 +140,7 @@ pub struct WatchlistRow {
     pub added_at: i64,
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone, Default, sqlx::FromRow)]
 pub struct WrapUpRow {
     pub id: String,
     pub user_id: String,
@@ -130,7 +149,22 @@ pub struct WrapUpRow {
     pub summary_json: String,
     pub requested_at: i64,
     pub completed_at: Option<i64>,
+    /// The encoded `WrapUpSummary`, once completed.
+    #[sqlx(default)]
+    pub summary: Option<Vec<u8>>,
+    #[sqlx(default)]
+    pub card_key: Option<String>,
+    #[sqlx(default)]
+    pub card_content_type: Option<String>,
 }
+
+/// Every column of a `WrapUpRow`.
+macro_rules! wrap_up_columns {
+    () => {
+        "id, user_id, year, status, summary_json, requested_at, completed_at, summary, card_key, card_content_type"
+    };
+}
+pub(crate) use wrap_up_columns;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ImportSummary {
@@ -176,7 +210,8 @@ async fn ensure_user(conn: &mut SqliteConnection, id: UserId) -> Result<()> {
 /// statement (each statement is a round trip to SQLite's thread, inside the single writer).
 async fn actor_and_movie(conn: &mut SqliteConnection, actor: UserId, movie: MovieId) -> Result<MovieRow> {
     let row = sqlx::query(
-        "SELECT EXISTS (SELECT 1 FROM users WHERE id = ?1), m.id, m.title, m.year, m.external_id, m.created_at \
+        "SELECT EXISTS (SELECT 1 FROM users WHERE id = ?1), m.id, m.title, m.year, m.external_id, m.created_at, \
+                m.enrichment, m.profile, m.enriched_at \
          FROM (SELECT 1) LEFT JOIN movies m ON m.id = ?2",
     )
     .bind(actor.to_string())
@@ -189,7 +224,16 @@ async fn actor_and_movie(conn: &mut SqliteConnection, actor: UserId, movie: Movi
     let Some(id) = row.get::<Option<String>, _>(1) else {
         return Err(ServiceError::not_found(format_args!("movie {movie}")).into());
     };
-    Ok(MovieRow { id, title: row.get(2), year: row.get(3), external_id: row.get(4), created_at: row.get(5) })
+    Ok(MovieRow {
+        id,
+        title: row.get(2),
+        year: row.get(3),
+        external_id: row.get(4),
+        created_at: row.get(5),
+        enrichment: row.get(6),
+        profile: row.get(7),
+        enriched_at: row.get(8),
+    })
 }
 
 /// Checks the actor, then finds or creates the movie the command names.
@@ -207,14 +251,14 @@ async fn actor_and_resolved_movie(
 }
 
 async fn movie_by_id(conn: &mut SqliteConnection, id: &str) -> Result<Option<MovieRow>> {
-    Ok(sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE id = ?")
+    Ok(sqlx::query_as(concat!("SELECT ", movie_columns!(), " FROM movies WHERE id = ?"))
         .bind(id.to_owned())
         .fetch_optional(conn)
         .await?)
 }
 
 async fn movie_by_external_id(conn: &mut SqliteConnection, external_id: &str) -> Result<Option<MovieRow>> {
-    Ok(sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE external_id = ?")
+    Ok(sqlx::query_as(concat!("SELECT ", movie_columns!(), " FROM movies WHERE external_id = ?"))
         .bind(external_id.to_owned())
         .fetch_optional(conn)
         .await?)
@@ -239,13 +283,12 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
                 return Ok((movie, false));
             }
             let key = validate::title_key(title);
-            let existing: Option<MovieRow> = sqlx::query_as(
-                "SELECT id, title, year, external_id, created_at FROM movies WHERE title_key = ? AND year = ?",
-            )
-            .bind(key.clone())
-            .bind(*year)
-            .fetch_optional(tx.conn())
-            .await?;
+            let existing: Option<MovieRow> =
+                sqlx::query_as(concat!("SELECT ", movie_columns!(), " FROM movies WHERE title_key = ? AND year = ?"))
+                    .bind(key.clone())
+                    .bind(*year)
+                    .fetch_optional(tx.conn())
+                    .await?;
             if let Some(movie) = existing {
                 return Ok((movie, false));
             }
@@ -255,6 +298,8 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
                 year: i64::from(*year),
                 external_id: external_id.clone(),
                 created_at: tx.now_ms(),
+                enrichment: "pending".into(),
+                ..MovieRow::default()
             };
             sqlx::query(
                 "INSERT INTO movies (id, title, title_key, year, external_id, created_at) VALUES (?, ?, ?, ?, ?, ?)",

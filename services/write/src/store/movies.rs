@@ -1,5 +1,6 @@
 //! Movies: discovering a movie, asking for its enrichment, and reading it back.
 
+use prost::Message;
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, UserId};
 use reelay_kit::ServiceError;
@@ -7,6 +8,7 @@ use reelay_outbox::WriteTx;
 
 use super::{
     MovieRow, MovieSpec, Result, Store, actor_and_resolved_movie, commit_events, ensure_user, keyed_job, movie_by_id,
+    movie_columns, write_job,
 };
 use crate::convert;
 use crate::request_ids::RequestKey;
@@ -52,10 +54,104 @@ impl Store {
     }
 
     pub async fn get_movie(&self, id: MovieId) -> Result<MovieRow> {
-        sqlx::query_as("SELECT id, title, year, external_id, created_at FROM movies WHERE id = ?")
+        sqlx::query_as(concat!("SELECT ", movie_columns!(), " FROM movies WHERE id = ?"))
             .bind(id.to_string())
             .fetch_optional(&self.db.reads)
             .await?
             .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}")).into())
     }
+
+    pub async fn get_person(&self, person_id: &str) -> Result<v1::Person> {
+        let profile: Option<Vec<u8>> = sqlx::query_scalar("SELECT profile FROM people WHERE person_id = ?")
+            .bind(person_id)
+            .fetch_optional(&self.db.reads)
+            .await?;
+        let profile = profile.ok_or_else(|| ServiceError::not_found(format_args!("person {person_id}")))?;
+        v1::Person::decode(profile.as_slice())
+            .map_err(|e| ServiceError::internal(format!("person {person_id} does not decode: {e}")).into())
+    }
+
+    /// Upserts people keyed by provider id. A stub (a name from a film's credits) never
+    /// replaces a profile; a profile replaces a stub or an older profile. Returns how many
+    /// rows changed.
+    pub async fn save_people(&self, people: Vec<v1::Person>) -> Result<v1::SavePeopleResponse> {
+        write_job!(self, "save_people", |tx| {
+            let mut changed = 0u32;
+            for person in &people {
+                let encoded = person.encode_to_vec();
+                let written = sqlx::query(
+                    "INSERT INTO people (person_id, name, profile, profiled, updated_at) VALUES (?1, ?2, ?3, ?4, ?5) \
+                     ON CONFLICT (person_id) DO UPDATE SET name = ?2, profile = ?3, profiled = ?4, updated_at = ?5 \
+                     WHERE profile != ?3 AND (?4 OR NOT people.profiled)",
+                )
+                .bind(&person.person_id)
+                .bind(&person.name)
+                .bind(encoded)
+                .bind(person.profiled)
+                .bind(tx.now_ms())
+                .execute(tx.conn())
+                .await?
+                .rows_affected();
+                changed += written as u32;
+            }
+            Ok(v1::SavePeopleResponse { changed })
+        })
+        .await
+    }
+
+    /// Writes a movie's profile (or that the provider does not know it), raising MovieEnriched
+    /// when the stored profile changes. A repeat of the same profile writes nothing.
+    pub async fn save_enrichment(
+        &self,
+        movie: MovieId,
+        outcome: Enrichment,
+        key: Option<RequestKey>,
+    ) -> Result<v1::SaveEnrichmentResponse> {
+        keyed_job!(self, "save_enrichment", key, |tx| {
+            let current = movie_by_id(tx.conn(), &movie.to_string())
+                .await?
+                .ok_or_else(|| ServiceError::not_found(format_args!("movie {movie}")))?;
+            let (status, profile) = match &outcome {
+                Enrichment::Profile(profile) => ("enriched", Some(profile.encode_to_vec())),
+                Enrichment::NotFound(_) => ("not_found", None),
+            };
+            if current.enrichment == status && current.profile == profile {
+                return Ok(v1::SaveEnrichmentResponse { changed: false, event_id: String::new() });
+            }
+            sqlx::query("UPDATE movies SET enrichment = ?, profile = ?, enriched_at = ? WHERE id = ?")
+                .bind(status)
+                .bind(profile)
+                .bind(tx.now_ms())
+                .bind(movie.to_string())
+                .execute(tx.conn())
+                .await?;
+            let event_id = match outcome {
+                Enrichment::Profile(profile) => {
+                    let event = NewEvent::new(
+                        movie,
+                        Payload::MovieEnriched(v1::MovieEnriched {
+                            movie_id: movie.to_string(),
+                            profile: Some(profile),
+                            title: current.title.clone(),
+                            year: current.year as i32,
+                        }),
+                    );
+                    commit_events(tx, vec![event]).await?[0].to_string()
+                }
+                Enrichment::NotFound(reason) => {
+                    tracing::info!(movie = %movie, %reason, "the metadata provider does not know this film");
+                    String::new()
+                }
+            };
+            Ok(v1::SaveEnrichmentResponse { changed: true, event_id })
+        })
+        .await
+    }
+}
+
+/// What enrichment found for a movie.
+#[derive(Debug, Clone)]
+pub enum Enrichment {
+    Profile(v1::MovieProfile),
+    NotFound(String),
 }

@@ -67,6 +67,7 @@ async fn insert_review_of_known_movie(
         year: row.get(1),
         external_id: row.get(2),
         created_at: row.get(3),
+        ..MovieRow::default()
     })
 }
 

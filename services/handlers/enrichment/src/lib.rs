@@ -1,0 +1,278 @@
+//! Enrichment: a film Reelay learns about gets its runtime, genres, directors and cast from a
+//! metadata provider, and the people credited get their profiles.
+//!
+//! - `movie-enrichment` (on `MovieDiscovered` and `EnrichmentRequested`) looks the film up (its
+//!   external id first, then title and year), upserts the people it credits, then writes the
+//!   movie's profile last through `Movies.SaveEnrichment`: the profile is the "done" marker, and
+//!   writing it raises `MovieEnriched`, once. A film the provider does not know is recorded as
+//!   such, not retried. The write carries a request id derived from the event, so a redelivery
+//!   replays the first answer; a crash between the people and the profile redoes both.
+//! - `person-enrichment` (on `MovieEnriched`) upserts the profiles of the film's directors and
+//!   leading cast, keyed by the provider's person id.
+//!
+//! Providers: the offline catalog shipped with Reelay (the default: no key, no network), or TMDB.
+//! Handlers reach the write service only through its gRPC API; they own no storage.
+
+mod catalog;
+mod provider;
+mod tmdb;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::bail;
+pub use catalog::Catalog;
+pub use provider::{MetadataProvider, MovieQuery, ProviderError};
+use reelay_contracts::v1::{self, event::Payload, movies_client::MoviesClient, save_enrichment_request::Outcome};
+use reelay_delivery::{BuiltHandler, Handler, HandlerContext, HandlerError};
+use reelay_kit::client::ServiceChannel;
+use tonic::Code;
+
+/// Cast members whose profiles person enrichment fetches per film (directors always).
+const LEADING_CAST: usize = 10;
+
+/// Which metadata provider enrichment asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ProviderKind {
+    /// The offline catalog shipped with Reelay: 17,472 films (1940–2014) from Wikidata, CC0.
+    #[default]
+    Catalog,
+    /// The Movie Database API v3 (needs an API key or a read access token).
+    Tmdb,
+}
+
+/// The enrichment handlers' settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EnrichmentSettings {
+    /// Where film and person metadata comes from.
+    #[arg(
+        id = "enrichment_provider",
+        long = "enrichment-provider",
+        env = "REELAY_ENRICHMENT_PROVIDER",
+        value_enum,
+        default_value = "catalog"
+    )]
+    pub provider: ProviderKind,
+    /// The TMDB API's base URL.
+    #[arg(
+        id = "enrichment_tmdb_url",
+        long = "enrichment-tmdb-url",
+        env = "REELAY_ENRICHMENT_TMDB_URL",
+        default_value = "https://api.themoviedb.org/3"
+    )]
+    pub tmdb_url: String,
+    /// A TMDB v3 API key (sent as `api_key`).
+    #[arg(
+        id = "enrichment_tmdb_api_key",
+        long = "enrichment-tmdb-api-key",
+        env = "REELAY_ENRICHMENT_TMDB_API_KEY",
+        hide_env_values = true
+    )]
+    pub tmdb_api_key: Option<String>,
+    /// A TMDB read access token (sent as `Authorization: Bearer`), instead of an API key.
+    #[arg(
+        id = "enrichment_tmdb_token",
+        long = "enrichment-tmdb-token",
+        env = "REELAY_ENRICHMENT_TMDB_TOKEN",
+        hide_env_values = true
+    )]
+    pub tmdb_token: Option<String>,
+    /// How long one provider request may take.
+    #[arg(
+        id = "enrichment_timeout_ms",
+        long = "enrichment-timeout-ms",
+        env = "REELAY_ENRICHMENT_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub timeout_ms: u64,
+}
+
+impl Default for EnrichmentSettings {
+    fn default() -> Self {
+        Self {
+            provider: ProviderKind::Catalog,
+            tmdb_url: "https://api.themoviedb.org/3".into(),
+            tmdb_api_key: None,
+            tmdb_token: None,
+            timeout_ms: 10_000,
+        }
+    }
+}
+
+/// The provider the settings name.
+pub fn provider(settings: &EnrichmentSettings) -> anyhow::Result<Arc<dyn MetadataProvider>> {
+    Ok(match settings.provider {
+        ProviderKind::Catalog => Catalog::shared(),
+        ProviderKind::Tmdb => {
+            let auth = match (&settings.tmdb_token, &settings.tmdb_api_key) {
+                (Some(token), _) => tmdb::Auth::Bearer(token.clone()),
+                (None, Some(key)) => tmdb::Auth::ApiKey(key.clone()),
+                (None, None) => bail!(
+                    "REELAY_ENRICHMENT_PROVIDER=tmdb needs REELAY_ENRICHMENT_TMDB_API_KEY or REELAY_ENRICHMENT_TMDB_TOKEN"
+                ),
+            };
+            Arc::new(
+                tmdb::Tmdb::new(&settings.tmdb_url, auth, Duration::from_millis(settings.timeout_ms))
+                    .map_err(anyhow::Error::msg)?,
+            )
+        }
+    })
+}
+
+/// Builds `movie-enrichment`.
+pub fn build_movie_enrichment(settings: &EnrichmentSettings, context: &HandlerContext) -> anyhow::Result<BuiltHandler> {
+    let handler = MovieEnrichment { provider: provider(settings)?, movies: MoviesClient::new(context.write.clone()) };
+    Ok(BuiltHandler { handler: Arc::new(handler), grpc: None })
+}
+
+/// Builds `person-enrichment`.
+pub fn build_person_enrichment(
+    settings: &EnrichmentSettings,
+    context: &HandlerContext,
+) -> anyhow::Result<BuiltHandler> {
+    let handler = PersonEnrichment { provider: provider(settings)?, movies: MoviesClient::new(context.write.clone()) };
+    Ok(BuiltHandler { handler: Arc::new(handler), grpc: None })
+}
+
+fn from_provider(error: ProviderError) -> HandlerError {
+    match error {
+        ProviderError::Retryable { message, .. } => HandlerError::Retryable(message),
+        ProviderError::Permanent(message) => HandlerError::Permanent(message),
+    }
+}
+
+/// A failed call to the write service: transient failures are retried, refusals are not.
+fn from_status(what: &str, status: tonic::Status) -> HandlerError {
+    let message = format!("{what}: {:?}: {}", status.code(), status.message());
+    match status.code() {
+        Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied => HandlerError::Permanent(message),
+        _ => HandlerError::Retryable(message),
+    }
+}
+
+pub struct MovieEnrichment {
+    provider: Arc<dyn MetadataProvider>,
+    movies: MoviesClient<ServiceChannel>,
+}
+
+impl MovieEnrichment {
+    /// The movie and what to look it up by; `None` when the movie no longer exists.
+    async fn query(&self, event: &v1::Event) -> Result<Option<(String, MovieQuery)>, HandlerError> {
+        let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
+        match &event.payload {
+            Some(Payload::MovieDiscovered(d)) => Ok(Some((
+                d.movie_id.clone(),
+                MovieQuery { external_id: nonempty(&d.external_id), title: d.title.clone(), year: d.year },
+            ))),
+            Some(Payload::EnrichmentRequested(r)) => {
+                let request = v1::GetMovieRequest { movie_id: r.movie_id.clone() };
+                match self.movies.clone().get_movie(request).await {
+                    Ok(movie) => {
+                        let m = movie.into_inner();
+                        let query = MovieQuery { external_id: nonempty(&m.external_id), title: m.title, year: m.year };
+                        Ok(Some((m.movie_id, query)))
+                    }
+                    Err(status) if status.code() == Code::NotFound => Ok(None),
+                    Err(status) => Err(from_status("GetMovie", status)),
+                }
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Handler for MovieEnrichment {
+    fn name(&self) -> &'static str {
+        "movie-enrichment"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        &["MovieDiscovered", "EnrichmentRequested"]
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let Some((movie_id, query)) = self.query(event).await? else { return Ok(()) };
+        let outcome = match self.provider.movie(&query).await.map_err(from_provider)? {
+            Some(profile) => {
+                // People first: the profile, written last, is what marks the film enriched.
+                let people: Vec<v1::Person> = profile
+                    .directors
+                    .iter()
+                    .chain(&profile.cast)
+                    .map(|c| v1::Person { person_id: c.person_id.clone(), name: c.name.clone(), ..Default::default() })
+                    .collect();
+                if !people.is_empty() {
+                    self.movies
+                        .clone()
+                        .save_people(v1::SavePeopleRequest { people })
+                        .await
+                        .map_err(|s| from_status("SavePeople", s))?;
+                }
+                if reelay_kit::failpoint_armed("enrichment_after_people") {
+                    tracing::error!("failpoint enrichment_after_people: aborting before the profile is written");
+                    std::process::abort();
+                }
+                Outcome::Profile(profile)
+            }
+            None => Outcome::NotFound(format!("{} does not know {}", self.provider.name(), query.describe())),
+        };
+        let request = v1::SaveEnrichmentRequest {
+            movie_id: movie_id.clone(),
+            outcome: Some(outcome),
+            request_id: format!("enrich:{}", event.event_id),
+        };
+        match self.movies.clone().save_enrichment(request).await {
+            Ok(saved) => {
+                let saved = saved.into_inner();
+                tracing::info!(movie_id = %movie_id, changed = saved.changed, movie_enriched = %saved.event_id, "movie enriched");
+                Ok(())
+            }
+            // Deleted since: nothing left to enrich.
+            Err(status) if status.code() == Code::NotFound => Ok(()),
+            Err(status) => Err(from_status("SaveEnrichment", status)),
+        }
+    }
+}
+
+pub struct PersonEnrichment {
+    provider: Arc<dyn MetadataProvider>,
+    movies: MoviesClient<ServiceChannel>,
+}
+
+#[async_trait::async_trait]
+impl Handler for PersonEnrichment {
+    fn name(&self) -> &'static str {
+        "person-enrichment"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        &["MovieEnriched"]
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let Some(Payload::MovieEnriched(enriched)) = &event.payload else { return Ok(()) };
+        let Some(profile) = &enriched.profile else { return Ok(()) };
+        let mut people = Vec::new();
+        for credit in profile.directors.iter().chain(profile.cast.iter().take(LEADING_CAST)) {
+            if people.iter().any(|p: &v1::Person| p.person_id == credit.person_id) {
+                continue;
+            }
+            if let Some(person) = self.provider.person(&credit.person_id).await.map_err(from_provider)? {
+                people.push(person);
+            }
+        }
+        if people.is_empty() {
+            return Ok(());
+        }
+        let saved = self
+            .movies
+            .clone()
+            .save_people(v1::SavePeopleRequest { people })
+            .await
+            .map_err(|s| from_status("SavePeople", s))?
+            .into_inner();
+        tracing::debug!(movie_id = %enriched.movie_id, changed = saved.changed, "people profiled");
+        Ok(())
+    }
+}

@@ -1,0 +1,328 @@
+//! The Movie Database (TMDB) API v3 over HTTP: `/movie/{id}?append_to_response=credits`,
+//! `/find/{imdb id}`, `/search/movie` by title and year, `/person/{id}`, and `/configuration`
+//! for where posters live. Directors are the crew whose job is "Director" (the Directing
+//! department also holds assistants). A 429 is retried after its `Retry-After`; 5xx and timeouts
+//! are retryable; a 404 means the provider does not know the film.
+
+use std::time::Duration;
+
+use reelay_contracts::v1;
+use reqwest::StatusCode;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::OnceCell;
+
+use crate::provider::{MetadataProvider, MovieQuery, ProviderError};
+
+/// Cast members kept per film (TMDB lists hundreds for some).
+const CAST_KEPT: usize = 30;
+/// How often one request waits out a 429 before giving up for now.
+const RATE_LIMIT_RETRIES: u32 = 3;
+const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
+
+pub struct Tmdb {
+    http: reqwest::Client,
+    base: String,
+    auth: Auth,
+    /// `<secure base url><size>` for posters, learnt once from `/configuration`.
+    poster_base: OnceCell<String>,
+}
+
+#[derive(Debug, Clone)]
+pub enum Auth {
+    /// A v3 API key, sent as the `api_key` query parameter.
+    ApiKey(String),
+    /// A read access token, sent as `Authorization: Bearer`.
+    Bearer(String),
+}
+
+#[derive(Deserialize)]
+struct MovieDetails {
+    id: u64,
+    #[serde(default)]
+    imdb_id: Option<String>,
+    title: String,
+    #[serde(default)]
+    release_date: String,
+    #[serde(default)]
+    runtime: Option<u32>,
+    #[serde(default)]
+    genres: Vec<Named>,
+    #[serde(default)]
+    poster_path: Option<String>,
+    #[serde(default)]
+    overview: String,
+    #[serde(default)]
+    credits: Credits,
+}
+
+#[derive(Deserialize)]
+struct Named {
+    name: String,
+}
+
+#[derive(Deserialize, Default)]
+struct Credits {
+    #[serde(default)]
+    cast: Vec<CastMember>,
+    #[serde(default)]
+    crew: Vec<CrewMember>,
+}
+
+#[derive(Deserialize)]
+struct CastMember {
+    id: u64,
+    name: String,
+    #[serde(default)]
+    character: String,
+    #[serde(default)]
+    order: u32,
+}
+
+#[derive(Deserialize)]
+struct CrewMember {
+    id: u64,
+    name: String,
+    #[serde(default)]
+    job: String,
+}
+
+#[derive(Deserialize)]
+struct SearchResults {
+    #[serde(default)]
+    results: Vec<SearchHit>,
+}
+
+#[derive(Deserialize)]
+struct SearchHit {
+    id: u64,
+    title: String,
+    #[serde(default)]
+    release_date: String,
+}
+
+#[derive(Deserialize)]
+struct FindResults {
+    #[serde(default)]
+    movie_results: Vec<SearchHit>,
+}
+
+#[derive(Deserialize)]
+struct PersonDetails {
+    id: u64,
+    name: String,
+    #[serde(default)]
+    biography: String,
+    #[serde(default)]
+    birthday: Option<String>,
+    #[serde(default)]
+    place_of_birth: Option<String>,
+    #[serde(default)]
+    movie_credits: PersonCredits,
+}
+
+#[derive(Deserialize, Default)]
+struct PersonCredits {
+    #[serde(default)]
+    cast: Vec<SearchHit>,
+    #[serde(default)]
+    crew: Vec<SearchHit>,
+}
+
+#[derive(Deserialize)]
+struct Configuration {
+    images: Images,
+}
+
+#[derive(Deserialize)]
+struct Images {
+    secure_base_url: String,
+    #[serde(default)]
+    poster_sizes: Vec<String>,
+}
+
+fn year_of(date: &str) -> Option<i32> {
+    date.get(..4).and_then(|y| y.parse().ok())
+}
+
+impl Tmdb {
+    pub fn new(base: &str, auth: Auth, timeout: Duration) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| format!("cannot build the TMDB client: {e}"))?;
+        Ok(Self { http, base: base.trim_end_matches('/').to_owned(), auth, poster_base: OnceCell::new() })
+    }
+
+    /// GETs `path` (with `query`), decoding a 2xx body; `None` on 404. A 429 is retried after
+    /// the wait its `Retry-After` asks for (a few times, up to a minute each); past that the
+    /// error is retryable and the delivery comes back later.
+    async fn get<T: DeserializeOwned>(&self, path: &str, query: &[(&str, &str)]) -> Result<Option<T>, ProviderError> {
+        let mut tries = 0;
+        loop {
+            match self.get_once(path, query).await {
+                Err(ProviderError::Retryable { after: Some(after), .. })
+                    if tries < RATE_LIMIT_RETRIES && after <= MAX_RATE_LIMIT_WAIT =>
+                {
+                    tries += 1;
+                    tracing::info!(path, wait_ms = after.as_millis() as u64, "TMDB asked to slow down (429); waiting");
+                    tokio::time::sleep(after).await;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn get_once<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, &str)],
+    ) -> Result<Option<T>, ProviderError> {
+        let mut request = self.http.get(format!("{}{path}", self.base)).query(query);
+        request = match &self.auth {
+            Auth::ApiKey(key) => request.query(&[("api_key", key.as_str())]),
+            Auth::Bearer(token) => request.bearer_auth(token),
+        };
+        let response = request.send().await.map_err(|e| ProviderError::retryable(format!("TMDB {path}: {e}")))?;
+        let status = response.status();
+        match status {
+            s if s.is_success() => {}
+            StatusCode::NOT_FOUND => return Ok(None),
+            StatusCode::TOO_MANY_REQUESTS => {
+                let after = response
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map(Duration::from_secs);
+                return Err(ProviderError::Retryable { message: format!("TMDB {path}: rate limited (429)"), after });
+            }
+            s if s.is_server_error() => return Err(ProviderError::retryable(format!("TMDB {path}: {s}"))),
+            StatusCode::UNAUTHORIZED => {
+                return Err(ProviderError::Permanent(format!(
+                    "TMDB {path}: 401: the API key or token was refused (REELAY_ENRICHMENT_TMDB_API_KEY / _TOKEN)"
+                )));
+            }
+            s => return Err(ProviderError::Permanent(format!("TMDB {path}: {s}"))),
+        }
+        let body = response.bytes().await.map_err(|e| ProviderError::retryable(format!("TMDB {path}: {e}")))?;
+        serde_json::from_slice(&body)
+            .map(Some)
+            .map_err(|e| ProviderError::Permanent(format!("TMDB {path}: an answer that does not decode: {e}")))
+    }
+
+    async fn poster_base(&self) -> Result<&str, ProviderError> {
+        self.poster_base
+            .get_or_try_init(|| async {
+                let config: Configuration = self
+                    .get("/configuration", &[])
+                    .await?
+                    .ok_or_else(|| ProviderError::Permanent("TMDB /configuration: 404".into()))?;
+                let size = if config.images.poster_sizes.iter().any(|s| s == "original") { "original" } else { "w500" };
+                Ok(format!("{}{size}", config.images.secure_base_url))
+            })
+            .await
+            .map(String::as_str)
+    }
+
+    /// The TMDB id of the film a query names.
+    async fn resolve(&self, query: &MovieQuery) -> Result<Option<u64>, ProviderError> {
+        match query.external_id.as_deref().and_then(|id| id.split_once(':')) {
+            Some(("tmdb", id)) => {
+                return id.parse().map(Some).map_err(|_| ProviderError::Permanent(format!("bad TMDB id {id:?}")));
+            }
+            Some(("imdb", imdb)) => {
+                let found: Option<FindResults> =
+                    self.get(&format!("/find/{imdb}"), &[("external_source", "imdb_id")]).await?;
+                if let Some(hit) = found.and_then(|f| f.movie_results.into_iter().next()) {
+                    return Ok(Some(hit.id));
+                }
+            }
+            _ => {}
+        }
+        let year = query.year.to_string();
+        let found: Option<SearchResults> =
+            self.get("/search/movie", &[("query", query.title.as_str()), ("year", year.as_str())]).await?;
+        let hits = found.map(|f| f.results).unwrap_or_default();
+        // The search ranks by relevance; prefer an exact title of the right year.
+        let exact = hits
+            .iter()
+            .find(|h| h.title.eq_ignore_ascii_case(query.title.trim()) && year_of(&h.release_date) == Some(query.year));
+        Ok(exact.or_else(|| hits.iter().find(|h| year_of(&h.release_date) == Some(query.year))).map(|h| h.id))
+    }
+}
+
+#[async_trait::async_trait]
+impl MetadataProvider for Tmdb {
+    fn name(&self) -> &'static str {
+        "tmdb"
+    }
+
+    async fn movie(&self, query: &MovieQuery) -> Result<Option<v1::MovieProfile>, ProviderError> {
+        let Some(id) = self.resolve(query).await? else { return Ok(None) };
+        let Some(details): Option<MovieDetails> =
+            self.get(&format!("/movie/{id}"), &[("append_to_response", "credits")]).await?
+        else {
+            return Ok(None);
+        };
+        let poster_url = match &details.poster_path {
+            Some(path) if !path.is_empty() => format!("{}{path}", self.poster_base().await?),
+            _ => String::new(),
+        };
+        let mut cast = details.credits.cast;
+        cast.sort_by_key(|c| c.order);
+        Ok(Some(v1::MovieProfile {
+            provider: "tmdb".into(),
+            provider_id: format!("tmdb:{}", details.id),
+            imdb_id: details.imdb_id.unwrap_or_default(),
+            year: year_of(&details.release_date).unwrap_or(query.year),
+            title: details.title,
+            runtime_minutes: details.runtime.unwrap_or(0),
+            genres: details.genres.into_iter().map(|g| g.name).collect(),
+            directors: details
+                .credits
+                .crew
+                .into_iter()
+                .filter(|c| c.job == "Director")
+                .map(|c| v1::PersonCredit { person_id: format!("tmdb:{}", c.id), name: c.name, role: String::new() })
+                .collect(),
+            cast: cast
+                .into_iter()
+                .take(CAST_KEPT)
+                .map(|c| v1::PersonCredit { person_id: format!("tmdb:{}", c.id), name: c.name, role: c.character })
+                .collect(),
+            poster_url,
+            overview: details.overview,
+        }))
+    }
+
+    async fn person(&self, person_id: &str) -> Result<Option<v1::Person>, ProviderError> {
+        let Some(id) = person_id.strip_prefix("tmdb:") else { return Ok(None) };
+        let Some(details): Option<PersonDetails> =
+            self.get(&format!("/person/{id}"), &[("append_to_response", "movie_credits")]).await?
+        else {
+            return Ok(None);
+        };
+        let mut films: Vec<SearchHit> =
+            details.movie_credits.crew.into_iter().chain(details.movie_credits.cast).collect();
+        films.sort_by(|a, b| a.release_date.cmp(&b.release_date));
+        films.dedup_by_key(|f| f.id);
+        Ok(Some(v1::Person {
+            person_id: format!("tmdb:{}", details.id),
+            name: details.name,
+            biography: details.biography,
+            birthday: details.birthday.unwrap_or_default(),
+            place_of_birth: details.place_of_birth.unwrap_or_default(),
+            known_for: films
+                .iter()
+                .take(20)
+                .map(|f| match year_of(&f.release_date) {
+                    Some(year) => format!("{} ({year})", f.title),
+                    None => f.title.clone(),
+                })
+                .collect(),
+            profiled: true,
+        }))
+    }
+}

@@ -1,0 +1,90 @@
+//! The wrap-up handler (on `WrapUpRequested`): resumes the `Generating` wrap-up, computes the
+//! user's year in film from the diary and the films' enrichment (films and hours watched,
+//! rewatches, ratings, top genres and directors, month by month, highest rated), draws it as a
+//! card stored in object storage, then completes the wrap-up through `WrapUps.CompleteWrapUp`,
+//! atomically, so `WrapUpCompleted` is raised once. A wrap-up already completed is left alone;
+//! the figures and the card are deterministic, so a redelivery redraws the same object.
+
+pub mod card;
+pub mod figures;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use reelay_contracts::v1::{self, event::Payload, wrap_ups_client::WrapUpsClient};
+use reelay_delivery::{BuiltHandler, Handler, HandlerContext, HandlerError};
+use reelay_kit::client::ServiceChannel;
+use reelay_objects::Objects;
+use tonic::Code;
+
+/// Builds `wrap-up`, storing cards in `objects`.
+pub fn build(context: &HandlerContext, objects: Objects) -> BuiltHandler {
+    let handler = WrapUp { wrap_ups: WrapUpsClient::new(context.write.clone()), objects };
+    BuiltHandler { handler: Arc::new(handler), grpc: None }
+}
+
+/// Where a wrap-up's card is stored.
+pub fn card_key(wrap_up_id: &str) -> String {
+    format!("wrapups/{wrap_up_id}/card.svg")
+}
+
+pub struct WrapUp {
+    wrap_ups: WrapUpsClient<ServiceChannel>,
+    objects: Objects,
+}
+
+fn from_status(what: &str, status: tonic::Status) -> HandlerError {
+    let message = format!("{what}: {:?}: {}", status.code(), status.message());
+    match status.code() {
+        Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied => HandlerError::Permanent(message),
+        _ => HandlerError::Retryable(message),
+    }
+}
+
+#[async_trait::async_trait]
+impl Handler for WrapUp {
+    fn name(&self) -> &'static str {
+        "wrap-up"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        &["WrapUpRequested"]
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let Some(Payload::WrapUpRequested(requested)) = &event.payload else { return Ok(()) };
+        let request = v1::GetWrapUpInputsRequest { wrap_up_id: requested.wrap_up_id.clone() };
+        let inputs = match self.wrap_ups.clone().get_wrap_up_inputs(request).await {
+            Ok(inputs) => inputs.into_inner(),
+            Err(status) if status.code() == Code::NotFound => return Ok(()),
+            Err(status) => return Err(from_status("GetWrapUpInputs", status)),
+        };
+        let wrap_up = inputs.wrap_up.unwrap_or_default();
+        if wrap_up.status == v1::WrapUpStatus::Completed as i32 {
+            return Ok(());
+        }
+        let summary = figures::summarize(&inputs.entries);
+        let key = card_key(&wrap_up.wrap_up_id);
+        let svg = card::render(wrap_up.year, &summary);
+        self.objects
+            .put(&key, Bytes::from(svg))
+            .await
+            .map_err(|e| HandlerError::retryable(format!("storing the card: {e}")))?;
+        let complete = v1::CompleteWrapUpRequest {
+            wrap_up_id: wrap_up.wrap_up_id.clone(),
+            summary: Some(summary),
+            card_key: key,
+            card_content_type: card::CONTENT_TYPE.into(),
+        };
+        let done = self
+            .wrap_ups
+            .clone()
+            .complete_wrap_up(complete)
+            .await
+            .map_err(|s| from_status("CompleteWrapUp", s))?
+            .into_inner();
+        tracing::info!(wrap_up_id = %wrap_up.wrap_up_id, year = wrap_up.year, entries = inputs.entries.len(),
+            changed = done.changed, "wrap-up completed");
+        Ok(())
+    }
+}

@@ -1,0 +1,234 @@
+//! Object storage for the handlers that store files (wrap-up cards, posters): one setting for
+//! all of them. By default the local filesystem under the data dir, so `reelay run` needs
+//! nothing else; or any S3-compatible store, by URL (`s3://bucket/prefix`) with an endpoint and
+//! credentials. Writes are atomic: an object is either wholly there or not at all.
+//!
+//! It also has the media route, which serves stored objects over HTTP with their content type
+//! and caching headers.
+
+use std::path::Path as FsPath;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use futures_util::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+mod media;
+
+pub use media::media_router;
+
+/// Where objects are stored.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ObjectsSettings {
+    /// Where handlers store files: a directory (`file:///srv/reelay/objects` or a plain path) or
+    /// an S3 bucket (`s3://bucket/prefix`). Defaults to `<data-dir>/objects`.
+    #[arg(id = "objects_url", long = "objects-url", env = "REELAY_OBJECTS_URL")]
+    pub url: Option<String>,
+    /// The endpoint of an S3-compatible server (`http://127.0.0.1:9000`); unset for AWS itself.
+    #[arg(id = "objects_s3_endpoint", long = "objects-s3-endpoint", env = "REELAY_OBJECTS_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    #[arg(
+        id = "objects_s3_region",
+        long = "objects-s3-region",
+        env = "REELAY_OBJECTS_S3_REGION",
+        default_value = "us-east-1"
+    )]
+    pub s3_region: String,
+    #[arg(
+        id = "objects_s3_access_key_id",
+        long = "objects-s3-access-key-id",
+        env = "REELAY_OBJECTS_S3_ACCESS_KEY_ID",
+        hide_env_values = true
+    )]
+    pub s3_access_key_id: Option<String>,
+    #[arg(
+        id = "objects_s3_secret_access_key",
+        long = "objects-s3-secret-access-key",
+        env = "REELAY_OBJECTS_S3_SECRET_ACCESS_KEY",
+        hide_env_values = true
+    )]
+    pub s3_secret_access_key: Option<String>,
+}
+
+/// Why an object operation failed.
+#[derive(Debug, thiserror::Error)]
+#[error("object storage ({store}): {source}")]
+pub struct ObjectsError {
+    store: String,
+    #[source]
+    source: object_store::Error,
+}
+
+/// A handle on the object store. Cheap to clone.
+#[derive(Clone)]
+pub struct Objects {
+    store: Arc<dyn ObjectStore>,
+    /// Where it is, for logs and errors.
+    describe: Arc<str>,
+}
+
+impl std::fmt::Debug for Objects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Objects").field("store", &self.describe).finish()
+    }
+}
+
+/// An object as read back.
+#[derive(Debug, Clone)]
+pub struct Object {
+    pub bytes: Bytes,
+    /// Seconds since the epoch of the last write (for `Last-Modified`).
+    pub modified_unix: i64,
+    /// The store's tag for this version (for `ETag`), when it has one.
+    pub e_tag: Option<String>,
+}
+
+impl Objects {
+    /// Opens the store the settings name (creating the local directory if needed).
+    pub fn open(settings: &ObjectsSettings, data_dir: &FsPath) -> anyhow::Result<Self> {
+        let url = settings.url.clone().unwrap_or_default();
+        if let Some(rest) = url.strip_prefix("s3://") {
+            install_tls_provider();
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                bail!("REELAY_OBJECTS_URL {url:?} names no bucket (s3://bucket/prefix)");
+            }
+            let mut builder =
+                object_store::aws::AmazonS3Builder::new().with_bucket_name(bucket).with_region(&settings.s3_region);
+            if let Some(endpoint) = &settings.s3_endpoint {
+                builder = builder.with_endpoint(endpoint).with_allow_http(endpoint.starts_with("http://"));
+            }
+            if let (Some(id), Some(secret)) = (&settings.s3_access_key_id, &settings.s3_secret_access_key) {
+                builder = builder.with_access_key_id(id).with_secret_access_key(secret);
+            }
+            let s3 = builder.build().with_context(|| format!("cannot use the S3 store {url:?}"))?;
+            let store: Arc<dyn ObjectStore> = if prefix.trim_matches('/').is_empty() {
+                Arc::new(s3)
+            } else {
+                Arc::new(object_store::prefix::PrefixStore::new(s3, prefix.trim_matches('/')))
+            };
+            return Ok(Self { store, describe: Arc::from(url.as_str()) });
+        }
+        let dir = match url.strip_prefix("file://") {
+            Some(path) => FsPath::new(path).to_owned(),
+            None if url.is_empty() => data_dir.join("objects"),
+            None if url.contains("://") => {
+                bail!("REELAY_OBJECTS_URL {url:?}: expected a directory or s3://bucket/prefix")
+            }
+            None => FsPath::new(&url).to_owned(),
+        };
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create the objects directory {}", dir.display()))?;
+        let local = object_store::local::LocalFileSystem::new_with_prefix(&dir)
+            .with_context(|| format!("cannot use the objects directory {}", dir.display()))?
+            .with_automatic_cleanup(true);
+        Ok(Self { store: Arc::new(local), describe: Arc::from(format!("file://{}", dir.display()).as_str()) })
+    }
+
+    fn error(&self, source: object_store::Error) -> ObjectsError {
+        ObjectsError { store: self.describe.to_string(), source }
+    }
+
+    fn path(key: &str) -> Result<Path, object_store::Error> {
+        Path::parse(key).map_err(|e| object_store::Error::Generic { store: "key", source: Box::new(e) })
+    }
+
+    /// Writes `bytes` under `key`, atomically (a reader sees the whole object or none).
+    pub async fn put(&self, key: &str, bytes: Bytes) -> Result<(), ObjectsError> {
+        let path = Self::path(key).map_err(|e| self.error(e))?;
+        self.store.put(&path, PutPayload::from(bytes)).await.map_err(|e| self.error(e))?;
+        Ok(())
+    }
+
+    /// The object under `key`, or `None` when there is none.
+    pub async fn get(&self, key: &str) -> Result<Option<Object>, ObjectsError> {
+        let path = Self::path(key).map_err(|e| self.error(e))?;
+        match self.store.get(&path).await {
+            Ok(result) => {
+                let meta = result.meta.clone();
+                let bytes = result.bytes().await.map_err(|e| self.error(e))?;
+                Ok(Some(Object { bytes, modified_unix: meta.last_modified.timestamp(), e_tag: meta.e_tag }))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(error) => Err(self.error(error)),
+        }
+    }
+
+    /// Whether an object exists under `key`.
+    pub async fn exists(&self, key: &str) -> Result<bool, ObjectsError> {
+        let path = Self::path(key).map_err(|e| self.error(e))?;
+        match self.store.head(&path).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(error) => Err(self.error(error)),
+        }
+    }
+
+    /// The keys under `prefix` (a folder: `posters/<movie id>`).
+    pub async fn list(&self, prefix: &str) -> Result<Vec<String>, ObjectsError> {
+        let path = Self::path(prefix).map_err(|e| self.error(e))?;
+        let metas: Vec<_> = self.store.list(Some(&path)).try_collect().await.map_err(|e| self.error(e))?;
+        Ok(metas.into_iter().map(|m| m.location.to_string()).collect())
+    }
+
+    /// Deletes every object under `prefix`; one already gone counts as deleted. Returns how many
+    /// were deleted.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, ObjectsError> {
+        let keys = self.list(prefix).await?;
+        for key in &keys {
+            let path = Self::path(key).map_err(|e| self.error(e))?;
+            match self.store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(error) => return Err(self.error(error)),
+            }
+        }
+        Ok(keys.len())
+    }
+
+    /// Where the store is, for logs.
+    pub fn describe(&self) -> &str {
+        &self.describe
+    }
+}
+
+/// rustls needs a crypto provider for HTTPS to S3; Reelay uses ring (already its crypto). A
+/// second installation (another caller got there first) changes nothing.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn local_store_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let objects = Objects::open(&ObjectsSettings::default(), dir.path()).unwrap();
+        objects.put("posters/m1/original", Bytes::from_static(b"one")).await.unwrap();
+        objects.put("posters/m1/w92.webp", Bytes::from_static(b"two")).await.unwrap();
+        objects.put("posters/m2/original", Bytes::from_static(b"three")).await.unwrap();
+        assert!(objects.exists("posters/m1/original").await.unwrap());
+        assert!(!objects.exists("posters/m3/original").await.unwrap());
+        assert_eq!(objects.get("posters/m2/original").await.unwrap().unwrap().bytes, Bytes::from_static(b"three"));
+        assert!(objects.get("nothing/here").await.unwrap().is_none());
+        let mut keys = objects.list("posters/m1").await.unwrap();
+        keys.sort();
+        assert_eq!(keys, ["posters/m1/original", "posters/m1/w92.webp"]);
+        assert_eq!(objects.delete_prefix("posters/m1").await.unwrap(), 2);
+        assert_eq!(objects.delete_prefix("posters/m1").await.unwrap(), 0, "deleting again is a no-op");
+        assert!(objects.exists("posters/m2/original").await.unwrap());
+        assert!(dir.path().join("objects/posters/m2/original").exists(), "under the data dir by default");
+    }
+
+    #[test]
+    fn bad_urls_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for url in ["s3://", "ftp://host/x"] {
+            let settings = ObjectsSettings { url: Some(url.into()), ..Default::default() };
+            assert!(Objects::open(&settings, dir.path()).is_err(), "{url}");
+        }
+    }
+}

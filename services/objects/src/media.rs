@@ -1,0 +1,98 @@
+//! The media route: `GET /media/<key>` serves a stored object with the content type its
+//! extension says, an `ETag` and `Last-Modified`, and long-lived caching (an object under a key
+//! never changes: a new version gets a new key). `If-None-Match` answers 304.
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+
+use crate::Objects;
+
+/// The router serving `objects` under `/media/`.
+pub fn media_router(objects: Objects) -> Router {
+    Router::new().route("/media/{*key}", get(serve)).with_state(objects)
+}
+
+/// The content type of a key, by its extension.
+fn content_type(key: &str) -> &'static str {
+    match key.rsplit_once('.').map(|(_, ext)| ext.to_ascii_lowercase()) {
+        Some(ext) => match ext.as_str() {
+            "svg" => "image/svg+xml",
+            "webp" => "image/webp",
+            "png" => "image/png",
+            "jpg" | "jpeg" => "image/jpeg",
+            "json" => "application/json",
+            _ => "application/octet-stream",
+        },
+        // `posters/<id>/original` keeps the downloaded bytes as they came; sniff the common ones.
+        None => "application/octet-stream",
+    }
+}
+
+fn sniff(bytes: &[u8]) -> Option<&'static str> {
+    match bytes {
+        [0xFF, 0xD8, 0xFF, ..] => Some("image/jpeg"),
+        [0x89, b'P', b'N', b'G', ..] => Some("image/png"),
+        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'E', b'B', b'P', ..] => Some("image/webp"),
+        _ => None,
+    }
+}
+
+async fn serve(State(objects): State<Objects>, Path(key): Path<String>, headers: HeaderMap) -> Response {
+    if reelay_key_is_bad(&key) {
+        return (StatusCode::BAD_REQUEST, "not an object key").into_response();
+    }
+    let object = match objects.get(&key).await {
+        Ok(Some(object)) => object,
+        Ok(None) => return (StatusCode::NOT_FOUND, "no such object").into_response(),
+        Err(error) => {
+            tracing::warn!(%error, %key, "cannot read an object for the media route");
+            return (StatusCode::SERVICE_UNAVAILABLE, "object storage unavailable").into_response();
+        }
+    };
+    let e_tag = format!(
+        "\"{}\"",
+        object
+            .e_tag
+            .clone()
+            .unwrap_or_else(|| format!("{:x}-{}", object.modified_unix, object.bytes.len()))
+            .trim_matches('"')
+    );
+    if headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) == Some(e_tag.as_str()) {
+        return StatusCode::NOT_MODIFIED.into_response();
+    }
+    let kind = match content_type(&key) {
+        "application/octet-stream" => sniff(&object.bytes).unwrap_or("application/octet-stream"),
+        kind => kind,
+    };
+    let mut response = object.bytes.into_response();
+    let out = response.headers_mut();
+    out.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    out.insert(header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable"));
+    if let Ok(value) = HeaderValue::from_str(&e_tag) {
+        out.insert(header::ETAG, value);
+    }
+    out.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    response
+}
+
+/// Keys never climb out of the store.
+fn reelay_key_is_bad(key: &str) -> bool {
+    key.is_empty() || key.split('/').any(|segment| segment.is_empty() || segment == "." || segment == "..")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_types() {
+        assert_eq!(content_type("wrapups/x/card.svg"), "image/svg+xml");
+        assert_eq!(content_type("posters/m/w92.webp"), "image/webp");
+        assert_eq!(content_type("posters/m/original"), "application/octet-stream");
+        assert_eq!(sniff(&[0xFF, 0xD8, 0xFF, 0xE0]), Some("image/jpeg"));
+        assert!(reelay_key_is_bad("a/../b") && reelay_key_is_bad("") && !reelay_key_is_bad("a/b.svg"));
+    }
+}
