@@ -298,6 +298,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 actor_uri: "https://films.example/u/c".into(),
                 user_id: x.a.clone(),
                 activity_uri: "follow-1".into(),
+                ..Default::default()
             }
         )),
         case!("remote follow of an unknown user", NotFound, "user", |c, x| c.federation.receive_follow(
@@ -305,6 +306,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 actor_uri: "https://films.example/u/c".into(),
                 user_id: x.nobody.clone(),
                 activity_uri: "https://films.example/a/1".into(),
+                ..Default::default()
             }
         )),
         case!("watchlist add of an unknown movie id", NotFound, "movie", |c, x| c.watchlist.add_to_watchlist(

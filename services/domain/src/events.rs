@@ -44,6 +44,9 @@ pub fn event_type(payload: &Payload) -> &'static str {
         Payload::RemoteFollowReceived(_) => "RemoteFollowReceived",
         Payload::RemoteFollowUndone(_) => "RemoteFollowUndone",
         Payload::DiaryImported(_) => "DiaryImported",
+        Payload::RemoteReviewDeleted(_) => "RemoteReviewDeleted",
+        Payload::RemoteFollowAccepted(_) => "RemoteFollowAccepted",
+        Payload::ActivityQueued(_) => "ActivityQueued",
     }
 }
 
@@ -67,6 +70,9 @@ pub const EVENT_TYPES: &[&str] = &[
     "RemoteFollowReceived",
     "RemoteFollowUndone",
     "DiaryImported",
+    "RemoteReviewDeleted",
+    "RemoteFollowAccepted",
+    "ActivityQueued",
 ];
 
 /// First retry delay; doubles per failed attempt.
@@ -146,6 +152,9 @@ mod tests {
             Payload::RemoteFollowReceived(v1::RemoteFollowReceived::default()),
             Payload::RemoteFollowUndone(v1::RemoteFollowUndone::default()),
             Payload::DiaryImported(v1::DiaryImported::default()),
+            Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted::default()),
+            Payload::RemoteFollowAccepted(v1::RemoteFollowAccepted::default()),
+            Payload::ActivityQueued(v1::ActivityQueued::default()),
         ];
         let names: Vec<&str> = samples.iter().map(event_type).collect();
         assert_eq!(names, EVENT_TYPES);

@@ -16,6 +16,8 @@ pub struct HandlerSettings {
     #[command(flatten)]
     pub search: reelay_search::SearchSettings,
     #[command(flatten)]
+    pub federation: reelay_federation::FederationSettings,
+    #[command(flatten)]
     pub probe: reelay_probe::ProbeSettings,
 }
 
@@ -23,6 +25,7 @@ pub struct HandlerSettings {
 /// the probe handlers named in `REELAY_PROBE_HANDLERS`.
 pub fn names(settings: &HandlerSettings) -> Vec<&'static str> {
     let mut names = vec!["search"];
+    names.extend(reelay_federation::NAMES);
     names.extend(settings.probe.names());
     names
 }
@@ -44,6 +47,9 @@ pub async fn build(
         }
         built.push(match name {
             "search" => reelay_search::build(&settings.search, context)?,
+            federation if reelay_federation::NAMES.contains(&federation) => {
+                reelay_federation::build(federation, &settings.federation, context)?
+            }
             probe => {
                 let probe = reelay_probe::PROBES.iter().copied().find(|p| *p == probe).expect("names() lists it");
                 reelay_probe::build(probe, &settings.probe, context).await?

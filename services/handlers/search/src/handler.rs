@@ -5,8 +5,15 @@ use reelay_delivery::{Handler, HandlerError};
 
 use crate::SearchIndex;
 
-const EVENT_TYPES: &[&str] =
-    &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteReviewSaved", "MovieDiscovered", "MovieDeleted"];
+const EVENT_TYPES: &[&str] = &[
+    "ReviewLogged",
+    "ReviewEdited",
+    "ReviewDeleted",
+    "RemoteReviewSaved",
+    "RemoteReviewDeleted",
+    "MovieDiscovered",
+    "MovieDeleted",
+];
 
 pub struct SearchHandler {
     index: SearchIndex,
@@ -69,6 +76,7 @@ mod tests {
             review_edited("r", 1, "Heat", "x"),
             review_deleted("r", 1),
             remote_review_saved("r", 1, "Heat", "x"),
+            remote_review_deleted("r", 1),
             movie_discovered("m", 1, "Heat", 1995),
             movie_deleted("m", 1),
         ];

@@ -9,6 +9,7 @@ use reelay_contracts::v1::{
 use reelay_kit::{GrpcServer, ServiceError};
 use tonic::{Response, Status};
 
+use crate::actor_keys::ActorKeys;
 use crate::request_ids::RequestKey;
 use crate::store::Store;
 
@@ -47,7 +48,7 @@ fn request_key<M: prost::Message>(
 
 /// Mounts every domain service on `server`, each with the server's message-size limit.
 pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
-    let api = WriteApi { store };
+    let api = WriteApi { keys: ActorKeys::new(store.clone()), store };
     let limit = server.config().max_message_bytes;
     macro_rules! limited {
         ($server:ident) => {
@@ -68,4 +69,5 @@ pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
 #[derive(Clone)]
 struct WriteApi {
     store: Store,
+    keys: ActorKeys,
 }
