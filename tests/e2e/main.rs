@@ -6,6 +6,7 @@ mod chaos;
 mod delivery_db;
 mod delivery_nats;
 mod faults;
+mod federation;
 mod handlers;
 mod import;
 mod logs;

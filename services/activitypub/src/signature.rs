@@ -221,6 +221,33 @@ mod tests {
     }
 
     #[test]
+    fn what_reelay_signs_verifies_as_a_receiver_rebuilds_it() {
+        let key = crate::keys::generate().unwrap();
+        let signer = crate::keys::SigningKey::from_pkcs8(&key.private_pkcs8_der).unwrap();
+        let (date, digest) = ("Tue, 07 Jun 2022 20:51:35 GMT", digest_header(b"{}"));
+        let string = outgoing_signing_string("POST", "/inbox", "m.example", date, Some(&digest));
+        let header = SignatureParams::format(
+            "https://r.example/users/u#main-key",
+            SIGNED_WITH_BODY,
+            &signer.sign(string.as_bytes()).unwrap(),
+        );
+        let params = SignatureParams::parse(&header).unwrap();
+        params.require_coverage(true).unwrap();
+        let rebuilt = params
+            .signing_string("POST", "/inbox", |h| match h {
+                "host" => Some("m.example".into()),
+                "date" => Some(date.into()),
+                "digest" => Some(digest.clone()),
+                _ => None,
+            })
+            .unwrap();
+        let public = crate::keys::PublicKey::from_pem(&key.public_key_pem).unwrap();
+        assert!(public.verify(rebuilt.as_bytes(), &params.signature));
+        let moved = params.signing_string("POST", "/users/u/inbox", |_| Some("m.example".into())).unwrap();
+        assert!(!public.verify(moved.as_bytes(), &params.signature));
+    }
+
+    #[test]
     fn digests_compare_exactly() {
         let header = digest_header(b"{}");
         assert_eq!(header, "SHA-256=RBNvo1WzZ4oRRq0W9+hknpT7T8If536DEMBg9hyq/4o=");

@@ -10,6 +10,7 @@ mod cluster;
 mod db;
 mod faults;
 mod nats;
+mod peer;
 
 use reelay_contracts::v1;
 
@@ -33,6 +34,7 @@ pub use db::{
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
+pub use peer::{MastodonPeer, Received, Spoil, get_json, http_request};
 
 /// The token test processes are started with.
 pub const TEST_TOKEN: &str = "test-service-token-0123456789";
@@ -78,6 +80,9 @@ pub struct Reelay {
     pub addr: SocketAddr,
     /// The handlers service's gRPC address (the Search API).
     pub handlers_addr: SocketAddr,
+    /// The gateway's HTTP address; its public URL is `http://<gateway_addr>` unless the spec
+    /// sets `REELAY_PUBLIC_URL`.
+    pub gateway_addr: SocketAddr,
     pub database: PathBuf,
     pub log: PathBuf,
     spec: ProcessSpec,
@@ -126,7 +131,7 @@ impl Reelay {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::launch(spec.clone(), local_addr(), local_addr()).await {
+            match Self::launch(spec.clone(), local_addr(), local_addr(), local_addr()).await {
                 Ok(process) => return process,
                 Err((error, log)) => {
                     last_error = error;
@@ -146,13 +151,18 @@ impl Reelay {
     /// pointed at it find it again).
     pub async fn restart(&mut self) {
         self.kill();
-        let fresh = Self::launch(self.spec.clone(), self.addr, self.handlers_addr)
+        let fresh = Self::launch(self.spec.clone(), self.addr, self.handlers_addr, self.gateway_addr)
             .await
             .unwrap_or_else(|(error, log)| panic!("reelay did not restart: {error}\n{log}"));
         *self = fresh;
     }
 
-    async fn launch(spec: ProcessSpec, addr: SocketAddr, handlers_addr: SocketAddr) -> Result<Self, (String, String)> {
+    async fn launch(
+        spec: ProcessSpec,
+        addr: SocketAddr,
+        handlers_addr: SocketAddr,
+        gateway_addr: SocketAddr,
+    ) -> Result<Self, (String, String)> {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
         let mut command = Command::new(&spec.binary);
         command.arg("run");
@@ -164,6 +174,8 @@ impl Reelay {
             .env("REELAY_DATA_DIR", &spec.data_dir)
             .env("REELAY_WRITE_ADDR", addr.to_string())
             .env("REELAY_HANDLERS_ADDR", handlers_addr.to_string())
+            .env("REELAY_GATEWAY_ADDR", gateway_addr.to_string())
+            .env("REELAY_PUBLIC_URL", format!("http://{gateway_addr}"))
             .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
@@ -177,6 +189,7 @@ impl Reelay {
             child: Some(child),
             addr,
             handlers_addr,
+            gateway_addr,
             database: spec.database.clone(),
             log: spec.log.clone(),
             spec,
@@ -186,6 +199,9 @@ impl Reelay {
             if ready.is_ok() && process.spec.runs(service) {
                 ready = process.wait_serving(addr, Duration::from_secs(30)).await;
             }
+        }
+        if ready.is_ok() && process.spec.runs("gateway") {
+            ready = process.wait_http(gateway_addr, Duration::from_secs(30)).await;
         }
         match ready {
             Ok(()) => Ok(process),
@@ -225,6 +241,42 @@ impl Reelay {
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
+    }
+
+    async fn wait_http(&mut self, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(format!("exited early with {status}"));
+            }
+            if tokio::net::TcpStream::connect(addr).await.is_ok() {
+                let url = format!("http://{addr}/healthz");
+                let health = tokio::time::timeout(Duration::from_secs(5), http_request("GET", &url, &[], b""));
+                if matches!(health.await, Ok((200, _, _))) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err("the gateway did not answer before the deadline".into());
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// The gateway's public origin.
+    pub fn public_url(&self) -> String {
+        self.spec
+            .env
+            .iter()
+            .find(|(k, _)| k == "REELAY_PUBLIC_URL")
+            .map_or_else(|| format!("http://{}", self.gateway_addr), |(_, v)| v.clone())
+    }
+
+    /// The ActivityPub id of a local user.
+    pub fn actor_url(&self, user_id: &str) -> String {
+        format!("{}/users/{user_id}", self.public_url())
     }
 
     /// An authenticated channel to the process.

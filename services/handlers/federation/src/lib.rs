@@ -39,15 +39,25 @@ pub const NAMES: [&str; 3] = ["federation", "federation-delivery", "federation-b
 pub struct FederationSettings {
     /// The public origin of this instance (`https://reelay.example`): every ActivityPub id is
     /// built on it. Defaults to `http://<REELAY_GATEWAY_ADDR>`.
-    #[arg(long = "public-url", env = "REELAY_PUBLIC_URL")]
+    #[arg(id = "public_url", long = "public-url", env = "REELAY_PUBLIC_URL")]
     pub public_url: Option<String>,
 
     /// Deadline of one outgoing request (a delivery, a fetch), in milliseconds.
-    #[arg(long = "federation-timeout-ms", env = "REELAY_FEDERATION_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(
+        id = "federation_timeout_ms",
+        long = "federation-timeout-ms",
+        env = "REELAY_FEDERATION_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
     pub timeout_ms: u64,
 
     /// The most outbox pages a backfill reads.
-    #[arg(long = "federation-backfill-pages", env = "REELAY_FEDERATION_BACKFILL_PAGES", default_value_t = 10)]
+    #[arg(
+        id = "federation_backfill_pages",
+        long = "federation-backfill-pages",
+        env = "REELAY_FEDERATION_BACKFILL_PAGES",
+        default_value_t = 10
+    )]
     pub backfill_pages: u32,
 }
 

@@ -344,6 +344,17 @@ impl Store {
         activity_json: String,
         audience: Audience,
     ) -> Result<Option<u32>> {
+        if matches!(audience, Audience::Followers) {
+            // Most reviews are by users nobody elsewhere follows: answer those from a read, with
+            // no write job (a follower arriving meanwhile is one arriving after the review).
+            let any = sqlx::query("SELECT 1 FROM remote_followers WHERE user_id = ? AND inbox IS NOT NULL LIMIT 1")
+                .bind(sender.to_string())
+                .fetch_optional(&self.db.reads)
+                .await?;
+            if any.is_none() {
+                return Ok(Some(0));
+            }
+        }
         write_job!(self, "queue_deliveries", |tx| {
             ensure_user(tx.conn(), sender).await?;
             let first = sqlx::query(
