@@ -71,15 +71,15 @@ fn accepted() -> Response {
 }
 
 impl Gateway {
-    /// Checks the signature of a request; the signer when it holds.
+    /// Checks the signature of a request: the signer when it holds, why not (a 401) otherwise.
     async fn verify(
         &self,
         method: &Method,
         uri: &Uri,
         headers: &HeaderMap,
         body: &[u8],
-    ) -> Result<RemoteActor, Response> {
-        let unauthorized = |reason: String| Err(refuse(StatusCode::UNAUTHORIZED, reason));
+    ) -> Result<RemoteActor, String> {
+        let unauthorized = |reason: String| Err(reason);
         let Some(header) = header_text(headers, "signature") else {
             return unauthorized("the request is not signed (no Signature header)".into());
         };
@@ -94,7 +94,7 @@ impl Gateway {
             let Some(age) = header_text(headers, "date").as_deref().and_then(http_date_age_secs) else {
                 return unauthorized("the Date header is missing or not an HTTP date".into());
             };
-            if age > MAX_AGE_SECS || age < -MAX_AHEAD_SECS {
+            if !(-MAX_AHEAD_SECS..=MAX_AGE_SECS).contains(&age) {
                 return unauthorized(format!("the request's date is outside the allowed window ({age} s old)"));
             }
         }
@@ -146,7 +146,7 @@ impl Gateway {
     ) -> Response {
         let signer = match self.verify(method, uri, headers, &body).await {
             Ok(signer) => signer,
-            Err(answer) => return answer,
+            Err(reason) => return refuse(StatusCode::UNAUTHORIZED, reason),
         };
         let activity: Value = match serde_json::from_slice(&body) {
             Ok(Value::Object(object)) => Value::Object(object),

@@ -34,11 +34,14 @@ pub enum KeyFetchError {
     Invalid(String),
 }
 
+/// Key id → when it was fetched, and its signer.
+type KeyCache = HashMap<String, (Instant, Arc<RemoteActor>)>;
+
 #[derive(Clone)]
 pub struct RemoteKeys {
     http: FederationClient,
     ttl: Duration,
-    cache: Arc<Mutex<HashMap<String, (Instant, Arc<RemoteActor>)>>>,
+    cache: Arc<Mutex<KeyCache>>,
 }
 
 impl RemoteKeys {
