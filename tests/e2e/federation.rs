@@ -34,19 +34,27 @@ async fn count(db: &Path, sql: &str) -> i64 {
 }
 
 async fn log(c: &mut Clients, user: &str, title: &str, year: i32, rating: u32, body: &str) -> v1::Review {
-    c.reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: user.into(),
-            movie: movie_ref(title, year),
-            rating,
-            body: body.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("log a review")
-        .into_inner()
-        .review
-        .unwrap()
+    c.review_with_text(user, movie_ref(title, year), rating, body).await
+}
+
+async fn edit(c: &mut Clients, user: &str, review: &v1::Review, rating: u32, body: &str) {
+    let request = v1::EditReviewRequest {
+        actor_user_id: user.into(),
+        review_id: review.review_id.clone(),
+        rating,
+        body: body.into(),
+        ..Default::default()
+    };
+    c.reviews.edit_review(request).await.expect("edit a review");
+}
+
+async fn delete(c: &mut Clients, user: &str, review: &v1::Review) {
+    let request = v1::DeleteReviewRequest {
+        actor_user_id: user.into(),
+        review_id: review.review_id.clone(),
+        ..Default::default()
+    };
+    c.reviews.delete_review(request).await.expect("delete a review");
 }
 
 async fn hits(reelay: &Reelay, query: &str) -> Vec<v1::ReviewHit> {
@@ -151,21 +159,9 @@ async fn two_instances_federate() {
         "bob's review reaches A's search",
         hits(&a, "diner").await.iter().any(|h| h.remote && h.rating == 9 && h.movie_title == "Heat")
     );
-    let edit = v1::EditReviewRequest {
-        actor_user_id: bob.clone(),
-        review_id: review.review_id.clone(),
-        rating: 10,
-        body: "The diner scene, again.".into(),
-        ..Default::default()
-    };
-    cb.reviews.edit_review(edit).await.unwrap();
+    edit(&mut cb, &bob, &review, 10, "The diner scene, again.").await;
     wait_until!("the edit reaches A", hits(&a, "again").await.iter().any(|h| h.remote && h.rating == 10));
-    let delete = v1::DeleteReviewRequest {
-        actor_user_id: bob.clone(),
-        review_id: review.review_id.clone(),
-        ..Default::default()
-    };
-    cb.reviews.delete_review(delete).await.unwrap();
+    delete(&mut cb, &bob, &review).await;
     wait_until!("the delete reaches A", hits(&a, "diner").await.is_empty());
     let object = format!("{}/reviews/{}", b.actor_url(&bob), review.review_id);
     assert_eq!(
@@ -205,6 +201,7 @@ async fn two_instances_federate() {
         .filter(|e| matches!(&e.payload, Some(v1::event::Payload::RemoteReviewSaved(s)) if s.object_uri == object))
         .collect();
     assert_eq!(saved.len(), 1, "the review was saved exactly once");
+    let saved_total = events_of(&b.database, "RemoteReviewSaved").await.len();
     let create = events_of(&a.database, "ActivityQueued").await;
     let create: Vec<_> = create
         .iter()
@@ -216,6 +213,20 @@ async fn two_instances_federate() {
         })
         .collect();
     assert_eq!(create.len(), 1, "one delivery queued for B's one follower");
+
+    // The delivery handler run twice more on that delivery: B takes it in once.
+    let queued = events_of(&a.database, "ActivityQueued").await;
+    let delivery_event = queued.iter().find(|e| e_activity_id(e) == json!(create[0])).unwrap();
+    let delivery = handler(&a, "federation-delivery");
+    delivery.handle(delivery_event).await.unwrap();
+    delivery.handle(delivery_event).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let saved_again = events_of(&b.database, "RemoteReviewSaved").await;
+    assert_eq!(saved_again.len(), saved_total, "a replayed delivery changes nothing at B");
+    assert_eq!(
+        count(&b.database, &format!("SELECT COUNT(*) FROM remote_reviews WHERE object_uri = '{object}'")).await,
+        1
+    );
     assert_eq!(
         count(&b.database, &format!("SELECT COUNT(*) FROM federation_inbox WHERE activity_id = '{}'", create[0])).await,
         1
@@ -265,14 +276,7 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
 
     let review = log(&mut c, &ana, "Heat", 1995, 9, "The diner scene.").await;
     wait_until!("the Create arrives", !peer.received_of("Create").is_empty());
-    let edit = v1::EditReviewRequest {
-        actor_user_id: ana.clone(),
-        review_id: review.review_id.clone(),
-        rating: 10,
-        body: "The diner scene, again.".into(),
-        ..Default::default()
-    };
-    c.reviews.edit_review(edit).await.unwrap();
+    edit(&mut c, &ana, &review, 10, "The diner scene, again.").await;
     wait_until!("the Update arrives", !peer.received_of("Update").is_empty());
 
     let (status, outbox) = get_json(&format!("{actor_url}/outbox")).await;
@@ -284,14 +288,7 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     let (status, note) = get_json(&note_id).await;
     assert_eq!((status, note["film"]["name"].as_str()), (200, Some("Heat")));
 
-    c.reviews
-        .delete_review(v1::DeleteReviewRequest {
-            actor_user_id: ana.clone(),
-            review_id: review.review_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    delete(&mut c, &ana, &review).await;
     wait_until!("the Delete arrives", !peer.received_of("Delete").is_empty());
     tokio::time::sleep(Duration::from_millis(500)).await;
 

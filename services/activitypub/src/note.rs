@@ -1,6 +1,7 @@
 //! Reading a remote review out of a `Note` (or `Article`/`Review`): the film it is about, its
 //! rating and its text. Notes that name no film are not reviews Reelay can keep.
 
+use reelay_contracts::v1;
 use serde_json::Value;
 
 use crate::documents::id_of;
@@ -29,6 +30,23 @@ pub enum NoteError {
     NotAReview(String),
     #[error("invalid review: {0}")]
     Invalid(String),
+}
+
+impl RemoteReviewNote {
+    /// The write service's request to save this review. `received` names the activity that
+    /// carried it (empty for a review read from an outbox).
+    pub fn into_save_request(self, received: &str) -> v1::SaveRemoteReviewRequest {
+        let title_year = v1::TitleYear { title: self.title, year: self.year, external_id: self.external_id };
+        v1::SaveRemoteReviewRequest {
+            object_uri: self.object_uri,
+            actor_uri: self.attributed_to,
+            movie: Some(v1::MovieRef { by: Some(v1::movie_ref::By::TitleYear(title_year)) }),
+            rating: self.rating,
+            body: self.body,
+            published_at_ms: self.published_ms,
+            received_activity_uri: received.to_owned(),
+        }
+    }
 }
 
 pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {

@@ -256,21 +256,7 @@ impl Gateway {
         if note.attributed_to != signer.actor_uri {
             return Err(tonic::Status::permission_denied("the review is attributed to another actor than the signer"));
         }
-        let request = v1::SaveRemoteReviewRequest {
-            object_uri: note.object_uri,
-            actor_uri: note.attributed_to,
-            movie: Some(v1::MovieRef {
-                by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
-                    title: note.title,
-                    year: note.year,
-                    external_id: note.external_id,
-                })),
-            }),
-            rating: note.rating,
-            body: note.body,
-            published_at_ms: note.published_ms,
-            received_activity_uri: id.to_owned(),
-        };
+        let request = note.into_save_request(id);
         Ok(self.federation.clone().save_remote_review(request).await?.into_inner().changed)
     }
 

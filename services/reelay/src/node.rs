@@ -353,8 +353,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         tracing::info!(handlers = ?delivered, new = ?added, "delivering to handlers");
         let policy = delivery_policy(&args);
         let store = reelay_write::Store::new(database.clone());
-        tasks.spawn(reelay_write::generate_missing_keys(store.clone(), shutdown.clone()).map(Ok));
-        let server = reelay_write::mount(GrpcServer::new(grpc), store);
+        let keys = reelay_write::ActorKeys::new(store.clone());
+        tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));
+        let server = reelay_write::mount(GrpcServer::new(grpc), store, keys);
         let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
         let retention = reelay_write::Retention {
             ledger: policy.ledger,

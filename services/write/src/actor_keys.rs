@@ -1,16 +1,20 @@
 //! Local users' key pairs: generated off the async threads and outside the single writer, and
 //! loaded once for signing. A private key leaves this module only as a signature.
 //!
-//! Every user gets a key pair when it is created. Users from before keys existed get theirs at
-//! start-up ([`generate_missing_keys`]), and any user still without one when it is first needed
-//! gets it then: one path, [`ActorKeys::ensure`].
+//! Every user gets a key pair right after it is created, from a background task that creating
+//! a user wakes ([`ActorKeys::generate_missing`]): a 2048-bit prime search takes a tenth of a
+//! second or more, which `CreateUser` should not wait for. The same task gives users from
+//! before keys existed theirs at start-up, and a user still without one when it is first needed
+//! (its actor fetched, a request signed) gets it then: one path, [`ActorKeys::ensure`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use reelay_activitypub::keys::{self, GeneratedKey, SigningKey};
 use reelay_domain::UserId;
 use reelay_kit::{ServiceError, Shutdown};
+use tokio::sync::Notify;
 
 use crate::WriteError;
 use crate::store::Store;
@@ -31,11 +35,17 @@ pub async fn generate() -> Result<GeneratedKey, ServiceError> {
 pub struct ActorKeys {
     store: Store,
     signers: Arc<Mutex<HashMap<UserId, Arc<SigningKey>>>>,
+    created: Arc<Notify>,
 }
 
 impl ActorKeys {
     pub fn new(store: Store) -> Self {
-        Self { store, signers: Arc::default() }
+        Self { store, signers: Arc::default(), created: Arc::default() }
+    }
+
+    /// A user was created: its key pair is due.
+    pub fn user_created(&self) {
+        self.created.notify_one();
     }
 
     /// Makes sure `user` has a key pair, generating it if it has none.
@@ -71,35 +81,36 @@ impl ActorKeys {
     }
 }
 
-/// Gives every user without a key pair one (users created before migration 0110), in the
-/// background after start-up.
-pub async fn generate_missing_keys(store: Store, shutdown: Shutdown) {
-    let keys = ActorKeys::new(store.clone());
-    let mut generated = 0usize;
-    while !shutdown.is_requested() {
-        let users = match store.users_without_key(100).await {
-            Ok(users) if users.is_empty() => break,
-            Ok(users) => users,
-            Err(error) => {
-                tracing::warn!(%error, "cannot list the users without a key pair; trying again later");
-                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
-                continue;
-            }
-        };
-        for user in users {
-            if shutdown.is_requested() {
-                break;
-            }
-            match keys.ensure(user).await {
-                Ok(()) => generated += 1,
+impl ActorKeys {
+    /// Gives every user without a key pair one, at start-up and whenever users were created,
+    /// until shutdown.
+    pub async fn generate_missing(self, shutdown: Shutdown) {
+        while !shutdown.is_requested() {
+            let users = match self.store.users_without_key(100).await {
+                Ok(users) => users,
                 Err(error) => {
+                    tracing::warn!(%error, "cannot list the users without a key pair; trying again later");
+                    Vec::new()
+                }
+            };
+            for user in &users {
+                if shutdown.is_requested() {
+                    return;
+                }
+                if let Err(error) = self.ensure(*user).await {
                     tracing::warn!(%error, user_id = %user, "cannot generate a key pair; trying again later");
-                    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                    break;
                 }
             }
+            if users.len() == 100 {
+                continue;
+            }
+            tokio::select! {
+                () = self.created.notified() => {}
+                () = shutdown.requested() => return,
+                // Failures above are retried at this pace.
+                () = tokio::time::sleep(Duration::from_secs(30)) => {}
+            }
         }
-    }
-    if generated > 0 {
-        tracing::info!(users = generated, "generated key pairs for users created before keys existed");
     }
 }

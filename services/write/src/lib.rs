@@ -16,7 +16,7 @@ mod request_ids;
 mod retention;
 mod store;
 
-pub use actor_keys::generate_missing_keys;
+pub use actor_keys::ActorKeys;
 pub use api::mount;
 pub use api::{DeliveryPolicy, mount_internal, register_handlers};
 pub use error::WriteError;

@@ -195,13 +195,10 @@ impl Reelay {
             spec,
         };
         let mut ready = Ok(());
-        for (service, addr) in [("write", addr), ("handlers", handlers_addr)] {
+        for (service, addr) in [("write", addr), ("handlers", handlers_addr), ("gateway", gateway_addr)] {
             if ready.is_ok() && process.spec.runs(service) {
-                ready = process.wait_serving(addr, Duration::from_secs(30)).await;
+                ready = process.wait_serving(service, addr, Duration::from_secs(30)).await;
             }
-        }
-        if ready.is_ok() && process.spec.runs("gateway") {
-            ready = process.wait_http(gateway_addr, Duration::from_secs(30)).await;
         }
         match ready {
             Ok(()) => Ok(process),
@@ -222,7 +219,9 @@ impl Reelay {
         self.child.as_ref().map(Child::id).expect("process is running")
     }
 
-    async fn wait_serving(&mut self, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    /// Waits until `service` at `addr` reports itself serving: grpc.health.v1, or the gateway's
+    /// `/healthz`.
+    async fn wait_serving(&mut self, service: &str, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(child) = self.child.as_mut()
@@ -230,39 +229,30 @@ impl Reelay {
             {
                 return Err(format!("exited early with {status}"));
             }
-            if let Ok(channel) = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await {
-                let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
-                if reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32) {
-                    return Ok(());
-                }
+            if Self::serving(service, addr).await {
+                return Ok(());
             }
             if Instant::now() > deadline {
-                return Err("not serving before the deadline".into());
+                return Err(format!("{service} not serving before the deadline"));
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
 
-    async fn wait_http(&mut self, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                return Err(format!("exited early with {status}"));
-            }
-            if tokio::net::TcpStream::connect(addr).await.is_ok() {
-                let url = format!("http://{addr}/healthz");
-                let health = tokio::time::timeout(Duration::from_secs(5), http_request("GET", &url, &[], b""));
-                if matches!(health.await, Ok((200, _, _))) {
-                    return Ok(());
-                }
-            }
-            if Instant::now() > deadline {
-                return Err("the gateway did not answer before the deadline".into());
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
+    async fn serving(service: &str, addr: SocketAddr) -> bool {
+        if service == "gateway" {
+            let url = format!("http://{addr}/healthz");
+            return tokio::net::TcpStream::connect(addr).await.is_ok()
+                && matches!(
+                    tokio::time::timeout(Duration::from_secs(5), http_request("GET", &url, &[], b"")).await,
+                    Ok((200, _, _))
+                );
         }
+        let Ok(channel) = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await else {
+            return false;
+        };
+        let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
+        reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
     }
 
     /// The gateway's public origin.
@@ -449,8 +439,25 @@ impl Clients {
 
     /// Logs a review (no text, no date) and returns it.
     pub async fn review(&mut self, actor: &str, movie: Option<v1::MovieRef>, rating: u32) -> v1::Review {
+        self.review_with_text(actor, movie, rating, "").await
+    }
+
+    /// Logs a review with its text and returns it.
+    pub async fn review_with_text(
+        &mut self,
+        actor: &str,
+        movie: Option<v1::MovieRef>,
+        rating: u32,
+        body: &str,
+    ) -> v1::Review {
         self.reviews
-            .log_review(v1::LogReviewRequest { actor_user_id: actor.to_owned(), movie, rating, ..Default::default() })
+            .log_review(v1::LogReviewRequest {
+                actor_user_id: actor.to_owned(),
+                movie,
+                rating,
+                body: body.to_owned(),
+                ..Default::default()
+            })
             .await
             .expect("log a review")
             .into_inner()

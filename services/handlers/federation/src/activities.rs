@@ -9,6 +9,25 @@ use crate::Remote;
 const EVENT_TYPES: &[&str] =
     &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteFollowReceived", "Followed", "Unfollowed"];
 
+/// The note of a logged or edited review: both events carry the whole review.
+macro_rules! review_note {
+    ($r:expr, $at:expr, $updated:expr) => {
+        Review {
+            user_id: &$r.user_id,
+            review_id: &$r.review_id,
+            movie_title: &$r.movie_title,
+            movie_year: $r.movie_year,
+            movie_external_id: "",
+            rating: $r.rating,
+            body: &$r.body,
+            watched_on: &$r.watched_on,
+            rewatch: $r.rewatch,
+            published_ms: $at,
+            updated_ms: $updated,
+        }
+    };
+}
+
 pub struct ActivitiesHandler {
     remote: Remote,
 }
@@ -51,37 +70,11 @@ impl Handler for ActivitiesHandler {
                 if r.source == v1::ReviewSource::Import as i32 {
                     return Ok(());
                 }
-                let review = Review {
-                    user_id: &r.user_id,
-                    review_id: &r.review_id,
-                    movie_title: &r.movie_title,
-                    movie_year: r.movie_year,
-                    movie_external_id: "",
-                    rating: r.rating,
-                    body: &r.body,
-                    watched_on: &r.watched_on,
-                    rewatch: r.rewatch,
-                    published_ms: at,
-                    updated_ms: None,
-                };
-                let activity = documents::create_or_update(urls, "Create", id, &review);
+                let activity = documents::create_or_update(urls, "Create", id, &review_note!(r, at, None));
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewEdited(r)) => {
-                let review = Review {
-                    user_id: &r.user_id,
-                    review_id: &r.review_id,
-                    movie_title: &r.movie_title,
-                    movie_year: r.movie_year,
-                    movie_external_id: "",
-                    rating: r.rating,
-                    body: &r.body,
-                    watched_on: &r.watched_on,
-                    rewatch: r.rewatch,
-                    published_ms: at,
-                    updated_ms: Some(at),
-                };
-                let activity = documents::create_or_update(urls, "Update", id, &review);
+                let activity = documents::create_or_update(urls, "Update", id, &review_note!(r, at, Some(at)));
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewDeleted(r)) => {

@@ -30,21 +30,7 @@ impl BackfillHandler {
             Ok(note) if note.attributed_to == actor => note,
             Ok(_) | Err(NoteError::NotAReview(_)) | Err(NoteError::Invalid(_)) => return Ok(false),
         };
-        let request = v1::SaveRemoteReviewRequest {
-            object_uri: note.object_uri,
-            actor_uri: note.attributed_to,
-            movie: Some(v1::MovieRef {
-                by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
-                    title: note.title,
-                    year: note.year,
-                    external_id: note.external_id,
-                })),
-            }),
-            rating: note.rating,
-            body: note.body,
-            published_at_ms: note.published_ms,
-            received_activity_uri: String::new(),
-        };
+        let request = note.into_save_request("");
         match self.remote.write().save_remote_review(request).await {
             Ok(_) => Ok(true),
             // Unfollowed meanwhile, or a review the write service will not take: skip it.

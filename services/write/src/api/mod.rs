@@ -46,9 +46,10 @@ fn request_key<M: prost::Message>(
     RequestKey::of(method, &id, request)
 }
 
-/// Mounts every domain service on `server`, each with the server's message-size limit.
-pub fn mount(server: GrpcServer, store: Store) -> GrpcServer {
-    let api = WriteApi { keys: ActorKeys::new(store.clone()), store };
+/// Mounts every domain service on `server`, each with the server's message-size limit. `keys`
+/// signs for the Federation service and hears of new users.
+pub fn mount(server: GrpcServer, store: Store, keys: ActorKeys) -> GrpcServer {
+    let api = WriteApi { keys, store };
     let limit = server.config().max_message_bytes;
     macro_rules! limited {
         ($server:ident) => {

@@ -8,12 +8,7 @@ use sqlx::{Row, SqliteConnection};
 
 use super::{Result, Store, write_job};
 
-pub(super) async fn insert_actor_key(
-    conn: &mut SqliteConnection,
-    user_id: &str,
-    key: &GeneratedKey,
-    at: i64,
-) -> Result<bool> {
+async fn insert_actor_key(conn: &mut SqliteConnection, user_id: &str, key: &GeneratedKey, at: i64) -> Result<bool> {
     let inserted = sqlx::query(
         "INSERT OR IGNORE INTO actor_keys (user_id, private_key, public_key_pem, created_at) \
          SELECT id, ?, ?, ? FROM users WHERE id = ?",

@@ -6,23 +6,13 @@ use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
 use sqlx::Row;
 
-use reelay_activitypub::keys::GeneratedKey;
-
-use super::keys::insert_actor_key;
 use super::{Result, Store, UserRow, commit_events, keyed_job};
 use crate::convert;
 use crate::request_ids::RequestKey;
 
 impl Store {
-    /// Registers a user with the key pair generated for it (before the job: a prime search has
-    /// no place in the single writer).
-    pub async fn create_user(
-        &self,
-        handle: String,
-        display_name: String,
-        actor_key: GeneratedKey,
-        key: Option<RequestKey>,
-    ) -> Result<v1::User> {
+    /// Registers a user (its key pair follows: see `actor_keys`).
+    pub async fn create_user(&self, handle: String, display_name: String, key: Option<RequestKey>) -> Result<v1::User> {
         keyed_job!(self, "create_user", key, |tx| {
             let taken = sqlx::query("SELECT 1 FROM users WHERE handle = ?")
                 .bind(handle.clone())
@@ -39,7 +29,6 @@ impl Store {
                 .bind(user.created_at)
                 .execute(tx.conn())
                 .await?;
-            insert_actor_key(tx.conn(), &user.id, &actor_key, user.created_at).await?;
             let event = NewEvent::new(
                 &user.id,
                 Payload::UserRegistered(v1::UserRegistered {
