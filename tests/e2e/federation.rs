@@ -117,6 +117,15 @@ fn follow_of(peer: &MastodonPeer, name: &str, n: u32, object: &str) -> Value {
     })
 }
 
+/// A Mastodon-shaped peer and an instance with one user, ana.
+async fn peer_and_ana(db: &Path) -> (MastodonPeer, Reelay, Clients, String) {
+    let peer = MastodonPeer::start().await;
+    let a = Reelay::start_all(BIN, db, FAST).await;
+    let mut c = a.clients().await;
+    let ana = c.user("ana").await;
+    (peer, a, c, ana)
+}
+
 /// ana@A follows bob@B; B accepts; bob's earlier review is backfilled, and his review's log, edit
 /// and delete reach A's store and search. Then bob follows ana, B is stopped while ana reviews,
 /// and the delivery arrives once B is back, exactly once.
@@ -239,10 +248,7 @@ async fn two_instances_federate() {
 #[tokio::test]
 async fn a_mastodon_peer_follows_and_receives_reviews() {
     let dir = temp_dir();
-    let peer = MastodonPeer::start().await;
-    let a = Reelay::start_all(BIN, &dir.path().join("reelay.db"), FAST).await;
-    let mut c = a.clients().await;
-    let ana = c.user("ana").await;
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
 
     let webfinger = format!("{}/.well-known/webfinger?resource=acct:ana@{}", a.public_url(), a.gateway_addr);
     let (status, jrd) = get_json(&webfinger).await;
@@ -316,10 +322,7 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
 #[tokio::test]
 async fn the_inbox_refuses_bad_input_before_writing() {
     let dir = temp_dir();
-    let peer = MastodonPeer::start().await;
-    let a = Reelay::start_all(BIN, &dir.path().join("reelay.db"), FAST).await;
-    let mut c = a.clients().await;
-    let ana = c.user("ana").await;
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
     let inbox = format!("{}/inbox", a.actor_url(&ana));
     // ana follows alice, so alice's reviews are worth keeping.
     follow(&mut c, &ana, &peer.actor("alice")).await;
@@ -381,10 +384,7 @@ async fn the_inbox_refuses_bad_input_before_writing() {
 #[tokio::test]
 async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
     let dir = temp_dir();
-    let peer = MastodonPeer::start().await;
-    let a = Reelay::start_all(BIN, &dir.path().join("reelay.db"), FAST).await;
-    let mut c = a.clients().await;
-    let ana = c.user("ana").await;
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
     let inbox = format!("{}/inbox", a.actor_url(&ana));
     assert_eq!(peer.send("alice", &inbox, &follow_of(&peer, "alice", 1, &a.actor_url(&ana))).await, 202);
     wait_until!("alice is accepted", !peer.received_of("Accept").is_empty());
@@ -411,6 +411,33 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
     assert!(creates.iter().all(|r| r.activity["id"] == create_id && r.verified.is_ok()), "a replay, never a new id");
     assert!(creates.iter().all(|r| r.activity == creates[0].activity), "the same bytes every time");
 
+    // 5xx is retried until the inbox takes it; another 4xx is given up at once.
+    peer.set_inbox_status(503);
+    log(&mut c, &ana, "Stalker", 1979, 9, "The zone.").await;
+    wait_until!(
+        "the failing inbox is retried",
+        count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' AND attempts >= 2")
+            .await
+            >= 1
+    );
+    peer.set_inbox_status(202);
+    wait_until!(
+        "the retried delivery is taken",
+        peer.received_of("Create").iter().any(|r| r.status == 202 && r.activity["object"]["film"]["name"] == "Stalker")
+    );
+    peer.set_inbox_status(403);
+    log(&mut c, &ana, "Solaris", 1972, 8, "The ocean.").await;
+    wait_until!(
+        "the refused delivery is dead-lettered without a retry",
+        count(
+            &a.database,
+            "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' AND status = 'dead_lettered' \
+             AND attempts <= 1 AND last_error LIKE '%403%'"
+        )
+        .await
+            == 1
+    );
+
     peer.set_inbox_status(410);
     log(&mut c, &ana, "Ran", 1985, 10, "Arrows.").await;
     wait_until!(
@@ -418,7 +445,7 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
         count(&a.database, "SELECT COUNT(*) FROM remote_followers").await == 0
     );
     assert_eq!(events_of(&a.database, "RemoteFollowUndone").await.len(), 1);
-    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE status = 'dead_lettered'").await, 0);
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE status = 'dead_lettered'").await, 1);
     peer.set_inbox_status(202);
     let received = peer.received().len();
     log(&mut c, &ana, "Alien", 1979, 8, "Chestburster.").await;
@@ -427,7 +454,7 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
         count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation' AND status != 'done'")
             .await
             == 0
-            && count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation'").await >= 4
+            && count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation'").await >= 6
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(peer.received().len(), received, "nothing more goes to a gone inbox");

@@ -36,6 +36,8 @@ pub struct Received {
     /// requires, and the digest matched the body.
     pub verified: Result<(), String>,
     pub key_id: String,
+    /// What the peer answered.
+    pub status: u16,
 }
 
 struct KeyPair {
@@ -265,8 +267,8 @@ async fn inbox_shared(State(peer): State<MastodonPeer>, uri: Uri, headers: Heade
 async fn receive(peer: MastodonPeer, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let (verified, key_id) = peer.verify("POST", uri.path(), &headers, &body).await;
     let activity = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    peer.inner.received.lock().unwrap().push(Received { path: uri.path().to_owned(), activity, verified, key_id });
     let status = *peer.inner.inbox_status.lock().unwrap();
+    peer.inner.received.lock().unwrap().push(Received { path: uri.path().to_owned(), activity, verified, key_id, status });
     StatusCode::from_u16(status).unwrap_or(StatusCode::ACCEPTED).into_response()
 }
 
