@@ -1,6 +1,8 @@
 //! Bad input over the real gRPC API: each case gets its status and a message naming the field,
 //! and leaves every table byte-for-byte as it was.
 
+use std::time::Duration;
+
 use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
 use reelay_harness::{Clients, Reelay, actor_account, movie_id_ref, movie_ref, table_snapshot, temp_dir, user_account};
@@ -298,6 +300,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 actor_uri: "https://films.example/u/c".into(),
                 user_id: x.a.clone(),
                 activity_uri: "follow-1".into(),
+                ..Default::default()
             }
         )),
         case!("remote follow of an unknown user", NotFound, "user", |c, x| c.federation.receive_follow(
@@ -305,6 +308,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 actor_uri: "https://films.example/u/c".into(),
                 user_id: x.nobody.clone(),
                 activity_uri: "https://films.example/a/1".into(),
+                ..Default::default()
             }
         )),
         case!("watchlist add of an unknown movie id", NotFound, "movie", |c, x| c.watchlist.add_to_watchlist(
@@ -329,6 +333,19 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         case!("a message that does not decode", InvalidArgument, "could not be read", |c, x| undecodable(&mut c, x)),
     ];
 
+    // Creating a user wakes a background task that makes its key pair; let it finish first.
+    reelay_harness::eventually("every user has a key pair", Duration::from_secs(60), || {
+        let db = db.clone();
+        async move {
+            let counts = reelay_harness::query_strings(
+                &db,
+                "SELECT (SELECT COUNT(*) FROM users) || '', (SELECT COUNT(*) FROM actor_keys) || ''",
+            )
+            .await;
+            counts[0][0] == counts[0][1]
+        }
+    })
+    .await;
     let baseline = table_snapshot(&db).await;
     let count = cases.len();
     for case in cases {

@@ -7,6 +7,7 @@ mod delivery_db;
 mod delivery_nats;
 mod enrichment;
 mod faults;
+mod federation;
 mod handlers;
 mod import;
 mod logs;

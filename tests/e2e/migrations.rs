@@ -91,6 +91,56 @@ async fn upgrading_a_pre_outbox_database_backfills_a_distinct_event_id_per_row()
     assert!(duplicate.is_err(), "event_id is unique when set");
 }
 
+/// Users from before 0110 get a key pair when the write service starts; a follow of a remote
+/// actor from before counts as accepted.
+#[tokio::test]
+async fn users_from_before_keys_get_a_key_pair_at_start() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let out = migrate(&db, Some(103));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut conn = sqlite(&db).await;
+    for (id, handle) in
+        [("0190b6a0-0000-7000-8000-000000000001", "old_ana"), ("0190b6a0-0000-7000-8000-000000000002", "old_bo")]
+    {
+        sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES (?, ?, ?, 1)")
+            .bind(id)
+            .bind(handle)
+            .bind(handle)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO follows (follower_id, target, created_at) VALUES (?, 'actor:https://films.example/u/c', 5)",
+    )
+    .bind("0190b6a0-0000-7000-8000-000000000001")
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    drop(conn);
+
+    let mut reelay = Reelay::start_write(BIN, &db, &[]).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while query_strings(&db, "SELECT user_id FROM actor_keys").await.len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "the old users got no key pairs");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut c = reelay.clients().await;
+    let actor = c
+        .federation
+        .get_local_actor(reelay_contracts::v1::GetLocalActorRequest {
+            by: Some(reelay_contracts::v1::get_local_actor_request::By::Handle("old_bo".into())),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(actor.public_key_pem.starts_with("-----BEGIN PUBLIC KEY-----"));
+    let accepted = query_strings(&db, "SELECT CAST(accepted_at AS TEXT) FROM follows").await;
+    assert_eq!(accepted, [["5".to_owned()]]);
+    reelay.stop().await;
+}
+
 async fn sqlite(path: &std::path::Path) -> sqlx::SqliteConnection {
     use sqlx::ConnectOptions;
     sqlx::sqlite::SqliteConnectOptions::new()

@@ -348,6 +348,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         actor_uri: remote.into(),
         user_id: ana.clone(),
         activity_uri: follow_activity.into(),
+        ..Default::default()
     };
     assert!(c.federation.receive_follow(receive.clone()).await.unwrap().into_inner().changed);
     outbox.expect(&["RemoteFollowReceived"]).await;
@@ -360,8 +361,12 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         .unwrap()
         .into_inner();
     assert_eq!(followers.accounts, vec![actor_account(remote).unwrap()]);
-    let undo =
-        v1::ReceiveUndoRequest { actor_uri: remote.into(), user_id: ana.clone(), activity_uri: follow_activity.into() };
+    let undo = v1::ReceiveUndoRequest {
+        actor_uri: remote.into(),
+        user_id: ana.clone(),
+        activity_uri: follow_activity.into(),
+        ..Default::default()
+    };
     assert!(c.federation.receive_undo(undo).await.unwrap().into_inner().changed);
     outbox.expect(&["RemoteFollowUndone"]).await;
 
@@ -372,6 +377,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         rating: 8,
         body: "Slow and enormous.".into(),
         published_at_ms: 1_700_000_000_000,
+        ..Default::default()
     };
     let saved = c.federation.save_remote_review(remote_review.clone()).await.unwrap().into_inner();
     assert!(saved.created && saved.changed);
@@ -448,7 +454,13 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
             actor_uri: remote.into(),
             user_id: ben.clone(),
             activity_uri: activity.into(),
+            ..Default::default()
         })
+        .await
+        .unwrap();
+    // Remote reviews are kept only from actors someone here follows.
+    c.social
+        .follow(v1::FollowRequest { actor_user_id: ana.clone(), target: actor_account(remote), ..Default::default() })
         .await
         .unwrap();
     setup.stop().await;
@@ -611,6 +623,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                     rating: 7,
                     body: "Dreams.".into(),
                     published_at_ms: 1,
+                    ..Default::default()
                 })
                 .await
                 .map(drop),
@@ -622,6 +635,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                     actor_uri: remote.into(),
                     user_id: ana.clone(),
                     activity_uri: activity.into(),
+                    ..Default::default()
                 })
                 .await
                 .map(drop),
@@ -633,6 +647,7 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
                     actor_uri: remote.into(),
                     user_id: ben.clone(),
                     activity_uri: activity.into(),
+                    ..Default::default()
                 })
                 .await
                 .map(drop),

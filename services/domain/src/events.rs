@@ -46,6 +46,9 @@ pub fn event_type(payload: &Payload) -> &'static str {
         Payload::DiaryImported(_) => "DiaryImported",
         Payload::MovieEnriched(_) => "MovieEnriched",
         Payload::WrapUpCompleted(_) => "WrapUpCompleted",
+        Payload::RemoteReviewDeleted(_) => "RemoteReviewDeleted",
+        Payload::RemoteFollowAccepted(_) => "RemoteFollowAccepted",
+        Payload::ActivityQueued(_) => "ActivityQueued",
     }
 }
 
@@ -71,6 +74,9 @@ pub const EVENT_TYPES: &[&str] = &[
     "DiaryImported",
     "MovieEnriched",
     "WrapUpCompleted",
+    "RemoteReviewDeleted",
+    "RemoteFollowAccepted",
+    "ActivityQueued",
 ];
 
 /// First retry delay; doubles per failed attempt.
@@ -152,6 +158,9 @@ mod tests {
             Payload::DiaryImported(v1::DiaryImported::default()),
             Payload::MovieEnriched(v1::MovieEnriched::default()),
             Payload::WrapUpCompleted(v1::WrapUpCompleted::default()),
+            Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted::default()),
+            Payload::RemoteFollowAccepted(v1::RemoteFollowAccepted::default()),
+            Payload::ActivityQueued(v1::ActivityQueued::default()),
         ];
         let names: Vec<&str> = samples.iter().map(event_type).collect();
         assert_eq!(names, EVENT_TYPES);

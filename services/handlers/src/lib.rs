@@ -1,5 +1,5 @@
 //! The handler registry: the one list of the handlers this build has. Each handler lives in its
-//! own crate beside this one (`search/`, `enrichment/`, `wrapup/`, `probe/`) and declares its
+//! own crate beside this one (`search/`, `enrichment/`, `wrapup/`, `federation/`, `probe/`) and declares its
 //! name, the event types it takes (its `Handler`), its settings (a clap args block, environment
 //! names prefixed by the handler: `REELAY_SEARCH_*`, `REELAY_ENRICHMENT_*`) and how it is built.
 //! Handlers that store files share one object storage setting (`REELAY_OBJECTS_*`).
@@ -27,6 +27,8 @@ pub struct HandlerSettings {
     #[command(flatten)]
     pub enrichment: reelay_enrichment::EnrichmentSettings,
     #[command(flatten)]
+    pub federation: reelay_federation::FederationSettings,
+    #[command(flatten)]
     pub probe: reelay_probe::ProbeSettings,
 }
 
@@ -34,6 +36,7 @@ pub struct HandlerSettings {
 /// the probe handlers named in `REELAY_PROBE_HANDLERS`.
 pub fn names(settings: &HandlerSettings) -> Vec<&'static str> {
     let mut names = HANDLERS.to_vec();
+    names.extend(reelay_federation::NAMES);
     names.extend(settings.probe.names());
     names
 }
@@ -63,6 +66,9 @@ pub async fn build(
             "movie-enrichment" => reelay_enrichment::build_movie_enrichment(&settings.enrichment, context)?,
             "person-enrichment" => reelay_enrichment::build_person_enrichment(&settings.enrichment, context)?,
             "wrap-up" => reelay_wrapup::build(context, objects(settings, &context.data_dir)?),
+            federation if reelay_federation::NAMES.contains(&federation) => {
+                reelay_federation::build(federation, &settings.federation, context)?
+            }
             probe => {
                 let probe = reelay_probe::PROBES.iter().copied().find(|p| *p == probe).expect("names() lists it");
                 reelay_probe::build(probe, &settings.probe, context).await?

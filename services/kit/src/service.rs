@@ -11,16 +11,19 @@ pub enum Service {
     Relay,
     /// Runs event handlers.
     Handlers,
+    /// The public ActivityPub HTTP side (WebFinger, actors, inboxes, outboxes).
+    Gateway,
 }
 
 impl Service {
-    pub const ALL: [Service; 3] = [Service::Write, Service::Relay, Service::Handlers];
+    pub const ALL: [Service; 4] = [Service::Write, Service::Relay, Service::Handlers, Service::Gateway];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Write => "write",
             Self::Relay => "relay",
             Self::Handlers => "handlers",
+            Self::Gateway => "gateway",
         }
     }
 }
@@ -38,6 +41,6 @@ impl FromStr for Service {
         Self::ALL
             .into_iter()
             .find(|service| service.as_str() == s)
-            .ok_or_else(|| format!("unknown service {s:?}; expected one of: write, relay, handlers"))
+            .ok_or_else(|| format!("unknown service {s:?}; expected one of: write, relay, handlers, gateway"))
     }
 }

@@ -774,7 +774,8 @@ mod tests {
         told_ok.sort_by_key(|id| id.parse::<i64>().unwrap());
         assert_eq!(users, told_ok, "exactly the jobs told OK wrote their rows");
         assert_eq!(events, told_ok, "and each of them its event");
-        assert!(told_ok.len() >= 200, "most jobs still commit: {}", told_ok.len());
+        // Only the saboteurs' batches fail (how many jobs share them depends on the machine's load).
+        assert!(told_ok.len() >= 40, "jobs outside the saboteurs' batches commit: {}", told_ok.len());
         // The writer reopened its connection and serves again.
         db.writer.transact("after", insert_user(10_000, "after".into())).await.unwrap();
         db.close().await;

@@ -110,6 +110,9 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub nats: NatsArgs,
+
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
 }
 
 impl RunArgs {
@@ -265,6 +268,23 @@ pub struct HandlerArgs {
     /// A handler call that takes longer fails (and is retried).
     #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000)]
     pub handler_timeout_ms: u64,
+}
+
+/// The ActivityPub gateway (its public origin is `REELAY_PUBLIC_URL`, shared with the
+/// federation handlers).
+#[derive(Debug, Clone, Args)]
+pub struct GatewayArgs {
+    /// Where the gateway serves HTTP.
+    #[arg(long, env = "REELAY_GATEWAY_ADDR", default_value = "127.0.0.1:8080")]
+    pub gateway_addr: SocketAddr,
+
+    /// Largest inbox request body accepted, in bytes (413 above it).
+    #[arg(long, env = "REELAY_GATEWAY_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    pub gateway_max_body_bytes: usize,
+
+    /// How long a remote signer's fetched key is trusted before it is fetched again, in seconds.
+    #[arg(long, env = "REELAY_GATEWAY_KEY_TTL_SECS", default_value_t = 24 * 3600)]
+    pub gateway_key_ttl_secs: u64,
 }
 
 #[derive(Debug, Args)]

@@ -161,10 +161,10 @@ async fn nats_setup(args: &RunArgs, js_config: &JetStreamConfig, relays: bool) -
     Ok(client)
 }
 
-pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let nats = args.handlers.backend == Backend::Nats;
     let services: BTreeSet<Service> = if args.services.is_empty() {
-        if nats { Service::ALL.into() } else { [Service::Write, Service::Handlers].into() }
+        if nats { Service::ALL.into() } else { [Service::Write, Service::Handlers, Service::Gateway].into() }
     } else {
         args.services.iter().copied().collect()
     };
@@ -184,6 +184,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(unknown) = args.handlers.handlers.iter().find(|h| !known.contains(&h.as_str())) {
         bail!("unknown handler {unknown:?}; this build has: {}", known.join(", "));
     }
+    // The gateway and the federation handlers name everything after the public origin.
+    let gateway_addr = args.gateway.gateway_addr;
+    let public_url =
+        args.handlers.settings.federation.public_url.get_or_insert_with(|| format!("http://{gateway_addr}")).clone();
+    let urls = reelay_activitypub::Urls::new(&public_url).map_err(anyhow::Error::msg)?;
     let identity = Identity::new(&args);
     let grpc = GrpcConfig {
         service_token: service_token(&args)?,
@@ -200,6 +205,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         if services.contains(&Service::Handlers) { Some(bind(args.handlers.handlers_addr).await?) } else { None };
     let media_listener =
         if services.contains(&Service::Handlers) { Some(bind(args.handlers.media_addr).await?) } else { None };
+    let gateway_listener = if services.contains(&Service::Gateway) { Some(bind(gateway_addr).await?) } else { None };
 
     let shutdown = Shutdown::new();
     shutdown.listen_for_signals();
@@ -317,6 +323,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             });
         }
     }
+    if let Some(listener) = gateway_listener {
+        let config = reelay_gateway::GatewayConfig {
+            urls,
+            max_body_bytes: args.gateway.gateway_max_body_bytes,
+            fetch_timeout: Duration::from_millis(args.handlers.settings.federation.timeout_ms),
+            key_ttl: Duration::from_secs(args.gateway.gateway_key_ttl_secs),
+        };
+        tracing::info!(%write_url, public_url = %public_url, "gateway service starting");
+        let (write, stop) = (write_channel.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            reelay_gateway::serve(listener, config, write, async move { stop.requested().await })
+                .await
+                .context("the gateway failed")
+        });
+    }
     let done = clients_done.clone();
     tasks.spawn(async move {
         while clients.join_next().await.is_some() {}
@@ -346,8 +367,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let policy = delivery_policy(&args);
         let media_url =
             args.handlers.media_url.clone().unwrap_or_else(|| format!("http://{}/media", args.handlers.media_addr));
-        let server =
-            reelay_write::mount(GrpcServer::new(grpc), reelay_write::Store::new(database.clone()), Some(media_url));
+        let store = reelay_write::Store::new(database.clone());
+        let keys = reelay_write::ActorKeys::new(store.clone());
+        tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));
+        let server = reelay_write::mount(GrpcServer::new(grpc), store, keys, Some(media_url));
         let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
         let retention = reelay_write::Retention {
             ledger: policy.ledger,

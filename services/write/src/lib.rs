@@ -8,6 +8,7 @@
 //! once. `error` says what each failure (a refusal, a SQLite fault, a failed commit) tells the
 //! caller.
 
+mod actor_keys;
 mod api;
 mod convert;
 mod error;
@@ -15,6 +16,7 @@ mod request_ids;
 mod retention;
 mod store;
 
+pub use actor_keys::ActorKeys;
 pub use api::mount;
 pub use api::{DeliveryPolicy, mount_internal, register_handlers};
 pub use error::WriteError;

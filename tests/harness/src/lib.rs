@@ -10,6 +10,7 @@ mod cluster;
 mod db;
 mod faults;
 mod nats;
+mod peer;
 mod s3;
 mod tmdb;
 
@@ -41,6 +42,7 @@ pub mod films {
     //! The films the TMDB test server knows.
     pub use crate::tmdb::{collateral, heat, people};
 }
+pub use peer::{MastodonPeer, Received, Spoil, get_json, http_request};
 
 /// The token test processes are started with.
 pub const TEST_TOKEN: &str = "test-service-token-0123456789";
@@ -88,6 +90,9 @@ pub struct Reelay {
     pub handlers_addr: SocketAddr,
     /// The handlers service's HTTP address for stored media (`GET /media/<key>`).
     pub media_addr: SocketAddr,
+    /// The gateway's HTTP address; its public URL is `http://<gateway_addr>` unless the spec
+    /// sets `REELAY_PUBLIC_URL`.
+    pub gateway_addr: SocketAddr,
     pub database: PathBuf,
     pub log: PathBuf,
     spec: ProcessSpec,
@@ -136,7 +141,7 @@ impl Reelay {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::launch(spec.clone(), local_addr(), local_addr(), local_addr()).await {
+            match Self::launch(spec.clone(), [local_addr(), local_addr(), local_addr(), local_addr()]).await {
                 Ok(process) => return process,
                 Err((error, log)) => {
                     last_error = error;
@@ -156,7 +161,8 @@ impl Reelay {
     /// pointed at it find it again).
     pub async fn restart(&mut self) {
         self.kill();
-        let fresh = Self::launch(self.spec.clone(), self.addr, self.handlers_addr, self.media_addr)
+        let addrs = [self.addr, self.handlers_addr, self.media_addr, self.gateway_addr];
+        let fresh = Self::launch(self.spec.clone(), addrs)
             .await
             .unwrap_or_else(|(error, log)| panic!("reelay did not restart: {error}\n{log}"));
         *self = fresh;
@@ -164,9 +170,7 @@ impl Reelay {
 
     async fn launch(
         spec: ProcessSpec,
-        addr: SocketAddr,
-        handlers_addr: SocketAddr,
-        media_addr: SocketAddr,
+        [addr, handlers_addr, media_addr, gateway_addr]: [SocketAddr; 4],
     ) -> Result<Self, (String, String)> {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
         let mut command = Command::new(&spec.binary);
@@ -180,6 +184,8 @@ impl Reelay {
             .env("REELAY_WRITE_ADDR", addr.to_string())
             .env("REELAY_HANDLERS_ADDR", handlers_addr.to_string())
             .env("REELAY_MEDIA_ADDR", media_addr.to_string())
+            .env("REELAY_GATEWAY_ADDR", gateway_addr.to_string())
+            .env("REELAY_PUBLIC_URL", format!("http://{gateway_addr}"))
             .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
@@ -194,14 +200,15 @@ impl Reelay {
             addr,
             handlers_addr,
             media_addr,
+            gateway_addr,
             database: spec.database.clone(),
             log: spec.log.clone(),
             spec,
         };
         let mut ready = Ok(());
-        for (service, addr) in [("write", addr), ("handlers", handlers_addr)] {
+        for (service, addr) in [("write", addr), ("handlers", handlers_addr), ("gateway", gateway_addr)] {
             if ready.is_ok() && process.spec.runs(service) {
-                ready = process.wait_serving(addr, Duration::from_secs(30)).await;
+                ready = process.wait_serving(service, addr, Duration::from_secs(30)).await;
             }
         }
         match ready {
@@ -223,7 +230,9 @@ impl Reelay {
         self.child.as_ref().map(Child::id).expect("process is running")
     }
 
-    async fn wait_serving(&mut self, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    /// Waits until `service` at `addr` reports itself serving: grpc.health.v1, or the gateway's
+    /// `/healthz`.
+    async fn wait_serving(&mut self, service: &str, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(child) = self.child.as_mut()
@@ -231,17 +240,44 @@ impl Reelay {
             {
                 return Err(format!("exited early with {status}"));
             }
-            if let Ok(channel) = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await {
-                let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
-                if reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32) {
-                    return Ok(());
-                }
+            if Self::serving(service, addr).await {
+                return Ok(());
             }
             if Instant::now() > deadline {
-                return Err("not serving before the deadline".into());
+                return Err(format!("{service} not serving before the deadline"));
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
+    }
+
+    async fn serving(service: &str, addr: SocketAddr) -> bool {
+        if service == "gateway" {
+            let url = format!("http://{addr}/healthz");
+            return tokio::net::TcpStream::connect(addr).await.is_ok()
+                && matches!(
+                    tokio::time::timeout(Duration::from_secs(5), http_request("GET", &url, &[], b"")).await,
+                    Ok((200, _, _))
+                );
+        }
+        let Ok(channel) = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await else {
+            return false;
+        };
+        let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
+        reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
+    }
+
+    /// The gateway's public origin.
+    pub fn public_url(&self) -> String {
+        self.spec
+            .env
+            .iter()
+            .find(|(k, _)| k == "REELAY_PUBLIC_URL")
+            .map_or_else(|| format!("http://{}", self.gateway_addr), |(_, v)| v.clone())
+    }
+
+    /// The ActivityPub id of a local user.
+    pub fn actor_url(&self, user_id: &str) -> String {
+        format!("{}/users/{user_id}", self.public_url())
     }
 
     /// An authenticated channel to the process.
@@ -414,8 +450,25 @@ impl Clients {
 
     /// Logs a review (no text, no date) and returns it.
     pub async fn review(&mut self, actor: &str, movie: Option<v1::MovieRef>, rating: u32) -> v1::Review {
+        self.review_with_text(actor, movie, rating, "").await
+    }
+
+    /// Logs a review with its text and returns it.
+    pub async fn review_with_text(
+        &mut self,
+        actor: &str,
+        movie: Option<v1::MovieRef>,
+        rating: u32,
+        body: &str,
+    ) -> v1::Review {
         self.reviews
-            .log_review(v1::LogReviewRequest { actor_user_id: actor.to_owned(), movie, rating, ..Default::default() })
+            .log_review(v1::LogReviewRequest {
+                actor_user_id: actor.to_owned(),
+                movie,
+                rating,
+                body: body.to_owned(),
+                ..Default::default()
+            })
             .await
             .expect("log a review")
             .into_inner()

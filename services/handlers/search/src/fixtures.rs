@@ -108,3 +108,13 @@ pub fn movie_enriched(
     });
     event(movie_id, at, payload)
 }
+
+pub fn remote_review_deleted(remote_review_id: &str, at: i64) -> v1::Event {
+    let payload = Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
+        remote_review_id: remote_review_id.to_owned(),
+        object_uri: format!("https://example.social/reviews/{remote_review_id}"),
+        actor_uri: "https://example.social/users/bo".to_owned(),
+        movie_id: "movie-heat".to_owned(),
+    });
+    event(remote_review_id, at, payload)
+}

@@ -220,6 +220,10 @@ impl Change {
                 require("review_id", &r.review_id)?;
                 Self { key: format!("review:{}", r.review_id), version, entry: None }
             }
+            Payload::RemoteReviewDeleted(r) => {
+                require("remote_review_id", &r.remote_review_id)?;
+                Self { key: format!("remote:{}", r.remote_review_id), version, entry: None }
+            }
             Payload::RemoteReviewSaved(r) => {
                 require("remote_review_id", &r.remote_review_id)?;
                 Self {

@@ -1,13 +1,40 @@
-//! The Federation service: what the federation handler hands over from ActivityPub.
+//! The Federation service: what the gateway hands over from ActivityPub inboxes, what the
+//! federation handlers need to deliver (queued deliveries, signatures), and local users as
+//! actors.
 
-use reelay_contracts::v1;
-use reelay_domain::{UserId, validate};
+use reelay_activitypub::signature::{SIGNED_WITH_BODY, SIGNED_WITHOUT_BODY, outgoing_signing_string};
+use reelay_contracts::v1::{self, get_local_actor_request, queue_deliveries_request};
+use reelay_domain::{ReviewId, UserId, ValidationError, validate};
 use reelay_kit::ServiceError;
 use tonic::Request;
 
 use super::{Reply, WriteApi, ok};
 use crate::convert;
-use crate::store::RemoteReview;
+use crate::store::{Audience, RemoteReview};
+
+/// An optional URI field: empty is `None`.
+fn optional_uri(field: &str, value: &str) -> Result<Option<String>, ServiceError> {
+    if value.is_empty() { Ok(None) } else { Ok(Some(validate::uri(field, value)?)) }
+}
+
+fn uri(field: &str, value: &str) -> Result<String, ServiceError> {
+    Ok(validate::uri(field, value)?)
+}
+
+fn user_id(field: &str, value: &str) -> Result<UserId, ServiceError> {
+    Ok(UserId::parse(field, value)?)
+}
+
+/// A header value to sign: printable ASCII, bounded.
+fn header_value(field: &str, value: &str, required: bool) -> Result<String, ValidationError> {
+    if required && value.is_empty() {
+        return Err(ValidationError::new(field, "is required"));
+    }
+    if value.len() > 2048 || !value.chars().all(|c| c == ' ' || c.is_ascii_graphic()) {
+        return Err(ValidationError::new(field, "must be at most 2048 printable ASCII characters"));
+    }
+    Ok(value.to_owned())
+}
 
 #[tonic::async_trait]
 impl v1::federation_server::Federation for WriteApi {
@@ -17,8 +44,8 @@ impl v1::federation_server::Federation for WriteApi {
     ) -> Reply<v1::SaveRemoteReviewResponse> {
         let r = request.into_inner();
         let review = RemoteReview {
-            object_uri: validate::uri("object_uri", &r.object_uri).map_err(ServiceError::from)?,
-            actor_uri: validate::uri("actor_uri", &r.actor_uri).map_err(ServiceError::from)?,
+            object_uri: uri("object_uri", &r.object_uri)?,
+            actor_uri: uri("actor_uri", &r.actor_uri)?,
             movie: convert::movie_spec("movie", r.movie).map_err(ServiceError::from)?,
             rating: validate::rating("rating", r.rating).map_err(ServiceError::from)?,
             body: validate::body("body", &r.body).map_err(ServiceError::from)?,
@@ -28,23 +55,164 @@ impl v1::federation_server::Federation for WriteApi {
                 r.published_at_ms
             },
         };
-        let saved = self.store.save_remote_review(review).await?;
+        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        let saved = self.store.save_remote_review(review, received).await?;
         ok(v1::SaveRemoteReviewResponse { remote_review_id: saved.id, created: saved.created, changed: saved.changed })
+    }
+
+    async fn delete_remote_review(
+        &self,
+        request: Request<v1::DeleteRemoteReviewRequest>,
+    ) -> Reply<v1::FederationResponse> {
+        let r = request.into_inner();
+        let object_uri = uri("object_uri", &r.object_uri)?;
+        let actor_uri = uri("actor_uri", &r.actor_uri)?;
+        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        ok(v1::FederationResponse { changed: self.store.delete_remote_review(object_uri, actor_uri, received).await? })
     }
 
     async fn receive_follow(&self, request: Request<v1::ReceiveFollowRequest>) -> Reply<v1::FederationResponse> {
         let r = request.into_inner();
-        let actor_uri = validate::uri("actor_uri", &r.actor_uri).map_err(ServiceError::from)?;
-        let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
-        let activity_uri = validate::uri("activity_uri", &r.activity_uri).map_err(ServiceError::from)?;
-        ok(v1::FederationResponse { changed: self.store.receive_follow(actor_uri, user, activity_uri).await? })
+        let actor_uri = uri("actor_uri", &r.actor_uri)?;
+        let user = user_id("user_id", &r.user_id)?;
+        let activity_uri = uri("activity_uri", &r.activity_uri)?;
+        let inbox = optional_uri("inbox", &r.inbox)?;
+        let shared_inbox = optional_uri("shared_inbox", &r.shared_inbox)?;
+        let changed = self.store.receive_follow(actor_uri, user, activity_uri, inbox, shared_inbox).await?;
+        ok(v1::FederationResponse { changed })
     }
 
     async fn receive_undo(&self, request: Request<v1::ReceiveUndoRequest>) -> Reply<v1::FederationResponse> {
         let r = request.into_inner();
-        let actor_uri = validate::uri("actor_uri", &r.actor_uri).map_err(ServiceError::from)?;
-        let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
-        let activity_uri = validate::uri("activity_uri", &r.activity_uri).map_err(ServiceError::from)?;
-        ok(v1::FederationResponse { changed: self.store.receive_undo(actor_uri, user, activity_uri).await? })
+        let actor_uri = uri("actor_uri", &r.actor_uri)?;
+        let user = if r.user_id.is_empty() { None } else { Some(user_id("user_id", &r.user_id)?) };
+        let activity_uri = uri("activity_uri", &r.activity_uri)?;
+        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        ok(v1::FederationResponse { changed: self.store.receive_undo(actor_uri, user, activity_uri, received).await? })
     }
+
+    async fn receive_accept(&self, request: Request<v1::ReceiveAcceptRequest>) -> Reply<v1::FederationResponse> {
+        let r = request.into_inner();
+        let actor_uri = uri("actor_uri", &r.actor_uri)?;
+        let follow_event_id = reelay_domain::EventId::parse("follow_event_id", &r.follow_event_id)
+            .map_err(ServiceError::from)?
+            .to_string();
+        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        let changed = self.store.receive_accept(actor_uri, follow_event_id, received).await?;
+        ok(v1::FederationResponse { changed })
+    }
+
+    async fn get_local_actor(&self, request: Request<v1::GetLocalActorRequest>) -> Reply<v1::LocalActor> {
+        let (handle, user) = match request.into_inner().by {
+            Some(get_local_actor_request::By::Handle(handle)) => (Some(handle), None),
+            Some(get_local_actor_request::By::UserId(id)) => (None, Some(user_id("user_id", &id)?)),
+            None => return Err(ServiceError::invalid("by", "is required (handle or user_id)").into()),
+        };
+        let mut actor = self.store.local_actor(handle.as_deref(), user).await?;
+        if actor.is_none() {
+            // A user created before keys existed gets its key pair now.
+            let user = match (user, &handle) {
+                (Some(user), _) => Some(user),
+                (None, Some(handle)) => self.store.user_by_handle(handle).await?,
+                (None, None) => None,
+            };
+            if let Some(user) = user {
+                self.keys.ensure(user).await?;
+                actor = self.store.local_actor(None, Some(user)).await?;
+            }
+        }
+        let actor = actor.ok_or_else(|| match (&handle, user) {
+            (Some(handle), _) => ServiceError::not_found(format_args!("user @{handle}")),
+            (None, user) => {
+                ServiceError::not_found(format_args!("user {}", user.map(|u| u.to_string()).unwrap_or_default()))
+            }
+        })?;
+        ok(v1::LocalActor {
+            user_id: actor.user.id,
+            handle: actor.user.handle,
+            display_name: actor.user.display_name,
+            created_at_ms: actor.user.created_at,
+            public_key_pem: actor.public_key_pem,
+            followers_count: actor.followers,
+            reviews_count: actor.reviews,
+        })
+    }
+
+    async fn list_outbox(&self, request: Request<v1::ListOutboxRequest>) -> Reply<v1::ListOutboxResponse> {
+        let r = request.into_inner();
+        let user = user_id("user_id", &r.user_id)?;
+        let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
+        let after =
+            convert::page_token(&r.page_token, |t| ReviewId::parse("page_token", t)).map_err(ServiceError::from)?;
+        let rows = self.store.list_outbox(user, size, after).await?;
+        let next_page_token = if rows.len() == size as usize {
+            rows.last().map(|row| row.review.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let reviews = rows
+            .into_iter()
+            .map(|row| v1::OutboxReview {
+                review: Some(convert::review(row.review)),
+                movie_title: row.movie_title,
+                movie_year: row.movie_year as i32,
+                movie_external_id: row.movie_external_id.unwrap_or_default(),
+            })
+            .collect();
+        ok(v1::ListOutboxResponse { reviews, next_page_token })
+    }
+
+    async fn queue_deliveries(
+        &self,
+        request: Request<v1::QueueDeliveriesRequest>,
+    ) -> Reply<v1::QueueDeliveriesResponse> {
+        let r = request.into_inner();
+        let activity_id = uri("activity_id", &r.activity_id)?;
+        let sender = user_id("sender_user_id", &r.sender_user_id)?;
+        if serde_json_is_object(&r.activity_json).is_none() {
+            return Err(ServiceError::invalid("activity_json", "must be a JSON object").into());
+        }
+        let audience = match r.audience {
+            Some(queue_deliveries_request::Audience::Followers(true)) => Audience::Followers,
+            Some(queue_deliveries_request::Audience::Inbox(inbox)) => Audience::Inbox(uri("inbox", &inbox)?),
+            _ => return Err(ServiceError::invalid("audience", "is required (followers or inbox)").into()),
+        };
+        let queued = self.store.queue_deliveries(activity_id, sender, r.activity_json, audience).await?;
+        ok(v1::QueueDeliveriesResponse { queued: queued.unwrap_or(0), duplicate: queued.is_none() })
+    }
+
+    async fn remove_followers_at(
+        &self,
+        request: Request<v1::RemoveFollowersAtRequest>,
+    ) -> Reply<v1::FederationResponse> {
+        let r = request.into_inner();
+        let user = user_id("user_id", &r.user_id)?;
+        let inbox = uri("inbox", &r.inbox)?;
+        ok(v1::FederationResponse { changed: self.store.remove_followers_at(user, inbox).await? })
+    }
+
+    async fn sign_http_request(
+        &self,
+        request: Request<v1::SignHttpRequestRequest>,
+    ) -> Reply<v1::SignHttpRequestResponse> {
+        let r = request.into_inner();
+        let user = user_id("user_id", &r.user_id)?;
+        let method = header_value("method", &r.method, true).map_err(ServiceError::from)?;
+        let path = header_value("path", &r.path, true).map_err(ServiceError::from)?;
+        if !path.starts_with('/') {
+            return Err(ServiceError::invalid("path", "must start with '/'").into());
+        }
+        let host = header_value("host", &r.host, true).map_err(ServiceError::from)?;
+        let date = header_value("date", &r.date, true).map_err(ServiceError::from)?;
+        let digest = header_value("digest", &r.digest, false).map_err(ServiceError::from)?;
+        let digest = (!digest.is_empty()).then_some(digest);
+        let headers = if digest.is_some() { SIGNED_WITH_BODY } else { SIGNED_WITHOUT_BODY };
+        let string = outgoing_signing_string(&method, &path, &host, &date, digest.as_deref());
+        let signature = self.keys.sign(user, string.as_bytes()).await?;
+        ok(v1::SignHttpRequestResponse { headers: headers.to_owned(), signature })
+    }
+}
+
+fn serde_json_is_object(text: &str) -> Option<()> {
+    serde_json::from_str::<serde_json::Value>(text).ok().filter(serde_json::Value::is_object).map(|_| ())
 }

@@ -9,6 +9,7 @@ use reelay_contracts::v1::{
 use reelay_kit::{GrpcServer, ServiceError};
 use tonic::{Response, Status};
 
+use crate::actor_keys::ActorKeys;
 use crate::request_ids::RequestKey;
 use crate::store::Store;
 
@@ -45,10 +46,11 @@ fn request_key<M: prost::Message>(
     RequestKey::of(method, &id, request)
 }
 
-/// Mounts every domain service on `server`, each with the server's message-size limit.
-/// `media_url` is where the media route serves stored objects (wrap-up cards), if anywhere.
-pub fn mount(server: GrpcServer, store: Store, media_url: Option<String>) -> GrpcServer {
-    let api = WriteApi { store, media_url };
+/// Mounts every domain service on `server`, each with the server's message-size limit. `keys`
+/// signs for the Federation service and hears of new users; `media_url` is where the media route
+/// serves stored objects (wrap-up cards), if anywhere.
+pub fn mount(server: GrpcServer, store: Store, keys: ActorKeys, media_url: Option<String>) -> GrpcServer {
+    let api = WriteApi { keys, store, media_url };
     let limit = server.config().max_message_bytes;
     macro_rules! limited {
         ($server:ident) => {
@@ -70,4 +72,5 @@ pub fn mount(server: GrpcServer, store: Store, media_url: Option<String>) -> Grp
 struct WriteApi {
     store: Store,
     media_url: Option<String>,
+    keys: ActorKeys,
 }

@@ -15,7 +15,9 @@ impl v1::users_server::Users for WriteApi {
         let key = request_key("CreateUser", &mut r, |r| &mut r.request_id)?;
         let handle = validate::handle(&r.handle).map_err(ServiceError::from)?;
         let display_name = validate::display_name(&r.display_name).map_err(ServiceError::from)?;
-        ok(self.store.create_user(handle, display_name, key).await?)
+        let user = self.store.create_user(handle, display_name, key).await?;
+        self.keys.user_created();
+        ok(user)
     }
 
     async fn get_user(&self, request: Request<v1::GetUserRequest>) -> Reply<v1::User> {

@@ -1,21 +1,87 @@
-//! Federation: what arrives over ActivityPub (remote reviews, follows and their undoing).
+//! Federation: what arrives over ActivityPub (remote reviews, follows, their undoing, accepts of
+//! our follows), the deliveries queued for remote inboxes, and local users as actors.
+//!
+//! Inbound writes that name the activity that carried them record it in `federation_inbox` in
+//! the same transaction: a repeat delivery of one activity changes nothing, whatever happened
+//! in between (a Follow redelivered after its Undo does not follow again).
 
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, ReviewId, UserId};
 use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
-use sqlx::Row;
+use sqlx::{FromRow, Row, SqliteConnection};
 
+use super::reviews::movie_is_orphan;
 use super::{
-    RemoteReview, RemoteReviewSaved, Result, Store, Target, commit_events, ensure_user, is_blocked, resolve_movie,
-    write_job,
+    RemoteReview, RemoteReviewSaved, Result, ReviewRow, Store, Target, UserRow, commit_events, ensure_user, is_blocked,
+    resolve_movie, write_job,
 };
+
+/// Records that the inbox took in `activity`; false when it had already (the caller then
+/// changes nothing). No activity id: always true.
+async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<bool> {
+    let Some(activity) = activity else { return Ok(true) };
+    let inserted = sqlx::query("INSERT OR IGNORE INTO federation_inbox (activity_id, received_at) VALUES (?, ?)")
+        .bind(activity.clone())
+        .bind(tx.now_ms())
+        .execute(tx.conn())
+        .await?
+        .rows_affected();
+    Ok(inserted > 0)
+}
+
+async fn followed_by_anyone(conn: &mut SqliteConnection, actor_uri: &str) -> Result<bool> {
+    Ok(sqlx::query("SELECT 1 FROM follows WHERE target = ? LIMIT 1")
+        .bind(Target::Actor(actor_uri.to_owned()).key())
+        .fetch_optional(conn)
+        .await?
+        .is_some())
+}
+
+/// Who receives one activity.
+pub enum Audience {
+    /// Every remote follower of the sender, one delivery per shared inbox (or inbox).
+    Followers,
+    Inbox(String),
+}
+
+/// A local user as an actor.
+pub struct LocalActorRow {
+    pub user: UserRow,
+    pub public_key_pem: String,
+    pub followers: u64,
+    pub reviews: u64,
+}
+
+/// A review in a user's outbox, with its movie.
+pub struct OutboxRow {
+    pub review: ReviewRow,
+    pub movie_title: String,
+    pub movie_year: i64,
+    pub movie_external_id: Option<String>,
+}
 
 impl Store {
     /// Saves a review that arrived over ActivityPub, keyed by its object id: a repeat delivery
-    /// with the same content changes nothing, an update rewrites it.
-    pub async fn save_remote_review(&self, review: RemoteReview) -> Result<RemoteReviewSaved> {
+    /// with the same content changes nothing, an update rewrites it. Only reviews of actors a
+    /// local user follows are kept.
+    pub async fn save_remote_review(
+        &self,
+        review: RemoteReview,
+        received: Option<String>,
+    ) -> Result<RemoteReviewSaved> {
         write_job!(self, "save_remote_review", |tx| {
+            if !followed_by_anyone(tx.conn(), &review.actor_uri).await? {
+                return Err(ServiceError::failed_precondition(format!(
+                    "actor_uri: nobody here follows {}",
+                    review.actor_uri
+                ))
+                .into());
+            }
+            let unchanged = RemoteReviewSaved { id: String::new(), created: false, changed: false };
+            if !first_delivery(tx, &received).await? {
+                return Ok(unchanged);
+            }
             let mut events = Vec::new();
             let (movie, _) = resolve_movie(tx, &review.movie, &mut events).await?;
             let existing = sqlx::query("SELECT id, actor_uri, movie_id, rating, body, published_at FROM remote_reviews WHERE object_uri = ?")
@@ -90,41 +156,334 @@ impl Store {
         .await
     }
 
-    pub async fn receive_follow(&self, actor_uri: String, user: UserId, activity_uri: String) -> Result<bool> {
-        write_job!(self, "receive_follow", |tx| {
-            ensure_user(tx.conn(), user).await?;
-            if is_blocked(tx.conn(), &user.to_string(), &Target::Actor(actor_uri.clone()).key()).await? {
-                return Err(ServiceError::failed_precondition(format!("actor_uri: {actor_uri} is blocked by user {user}")).into());
+    /// Removes a remote review its author deleted; the movie goes with its last reference.
+    pub async fn delete_remote_review(
+        &self,
+        object_uri: String,
+        actor_uri: String,
+        received: Option<String>,
+    ) -> Result<bool> {
+        write_job!(self, "delete_remote_review", |tx| {
+            if !first_delivery(tx, &received).await? {
+                return Ok(false);
             }
-            let inserted =
-                sqlx::query("INSERT OR IGNORE INTO remote_followers (user_id, actor_uri, activity_uri, created_at) VALUES (?, ?, ?, ?)")
-                    .bind(user.to_string())
-                    .bind(actor_uri.clone())
-                    .bind(activity_uri.clone())
-                    .bind(tx.now_ms())
-                    .execute(tx.conn())
-                    .await?
-                    .rows_affected()
-                    > 0;
-            if inserted {
-                let event = NewEvent::new(
-                    user,
-                    Payload::RemoteFollowReceived(v1::RemoteFollowReceived { actor_uri, user_id: user.to_string(), activity_uri }),
-                );
-                commit_events(tx, vec![event]).await?;
+            let Some(row) = sqlx::query("SELECT id, actor_uri, movie_id FROM remote_reviews WHERE object_uri = ?")
+                .bind(object_uri.clone())
+                .fetch_optional(tx.conn())
+                .await?
+            else {
+                return Ok(false);
+            };
+            let (id, movie_id): (String, String) = (row.get("id"), row.get("movie_id"));
+            if row.get::<String, _>("actor_uri") != actor_uri {
+                return Err(ServiceError::permission_denied(format!(
+                    "object_uri {object_uri} belongs to another actor"
+                ))
+                .into());
             }
-            Ok(inserted)
+            sqlx::query("DELETE FROM remote_reviews WHERE id = ?").bind(id.clone()).execute(tx.conn()).await?;
+            let mut events = vec![NewEvent::new(
+                &id,
+                Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
+                    remote_review_id: id.clone(),
+                    object_uri,
+                    actor_uri,
+                    movie_id: movie_id.clone(),
+                }),
+            )];
+            if movie_is_orphan(tx.conn(), &movie_id).await? {
+                sqlx::query("DELETE FROM movies WHERE id = ?").bind(movie_id.clone()).execute(tx.conn()).await?;
+                events.push(NewEvent::new(
+                    &movie_id,
+                    Payload::MovieDeleted(v1::MovieDeleted { movie_id: movie_id.clone() }),
+                ));
+            }
+            commit_events(tx, events).await?;
+            Ok(true)
         })
         .await
     }
 
-    pub async fn receive_undo(&self, actor_uri: String, user: UserId, activity_uri: String) -> Result<bool> {
-        let sql = "DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?";
-        let key = (user.to_string(), actor_uri.clone());
-        self.remove_pair("receive_undo", sql, user, key, move || {
-            let payload = v1::RemoteFollowUndone { actor_uri, user_id: user.to_string(), activity_uri };
-            NewEvent::new(user, Payload::RemoteFollowUndone(payload))
+    /// A remote actor follows a local user. A new Follow from an actor already following (it
+    /// lost track, say) becomes the Follow in force and is accepted again.
+    pub async fn receive_follow(
+        &self,
+        actor_uri: String,
+        user: UserId,
+        activity_uri: String,
+        inbox: Option<String>,
+        shared_inbox: Option<String>,
+    ) -> Result<bool> {
+        write_job!(self, "receive_follow", |tx| {
+            ensure_user(tx.conn(), user).await?;
+            if is_blocked(tx.conn(), &user.to_string(), &Target::Actor(actor_uri.clone()).key()).await? {
+                return Err(ServiceError::failed_precondition(format!(
+                    "actor_uri: {actor_uri} is blocked by user {user}"
+                ))
+                .into());
+            }
+            if !first_delivery(tx, &Some(activity_uri.clone())).await? {
+                return Ok(false);
+            }
+            sqlx::query(
+                "INSERT INTO remote_followers (user_id, actor_uri, activity_uri, created_at, inbox, shared_inbox) \
+                 VALUES (?, ?, ?, ?, ?, ?) \
+                 ON CONFLICT (user_id, actor_uri) DO UPDATE SET activity_uri = excluded.activity_uri, \
+                     inbox = excluded.inbox, shared_inbox = excluded.shared_inbox",
+            )
+            .bind(user.to_string())
+            .bind(actor_uri.clone())
+            .bind(activity_uri.clone())
+            .bind(tx.now_ms())
+            .bind(inbox.clone())
+            .bind(shared_inbox)
+            .execute(tx.conn())
+            .await?;
+            let event = NewEvent::new(
+                user,
+                Payload::RemoteFollowReceived(v1::RemoteFollowReceived {
+                    actor_uri,
+                    user_id: user.to_string(),
+                    activity_uri,
+                    inbox: inbox.unwrap_or_default(),
+                }),
+            );
+            commit_events(tx, vec![event]).await?;
+            Ok(true)
         })
         .await
+    }
+
+    /// An Undo of a remote actor's Follow: removes the follow only when the Undo names the
+    /// Follow in force (an Undo of an earlier Follow, or of one never seen, changes nothing).
+    /// `user` may be unknown when the Undo carries only the Follow's id.
+    pub async fn receive_undo(
+        &self,
+        actor_uri: String,
+        user: Option<UserId>,
+        activity_uri: String,
+        received: Option<String>,
+    ) -> Result<bool> {
+        write_job!(self, "receive_undo", |tx| {
+            if let Some(user) = user {
+                ensure_user(tx.conn(), user).await?;
+            }
+            if !first_delivery(tx, &received).await? {
+                return Ok(false);
+            }
+            let removed: Vec<String> = sqlx::query(
+                "DELETE FROM remote_followers WHERE actor_uri = ?1 AND activity_uri = ?2 AND (?3 IS NULL OR user_id = ?3) \
+                 RETURNING user_id",
+            )
+            .bind(actor_uri.clone())
+            .bind(activity_uri.clone())
+            .bind(user.map(|u| u.to_string()))
+            .fetch_all(tx.conn())
+            .await?
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect();
+            let events = removed
+                .iter()
+                .map(|user_id| {
+                    NewEvent::new(
+                        user_id,
+                        Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
+                            actor_uri: actor_uri.clone(),
+                            user_id: user_id.clone(),
+                            activity_uri: activity_uri.clone(),
+                        }),
+                    )
+                })
+                .collect::<Vec<_>>();
+            commit_events(tx, events).await?;
+            Ok(!removed.is_empty())
+        })
+        .await
+    }
+
+    /// A remote actor accepted the Follow a local user sent (named by the event its id derives
+    /// from): the follow is in force from now on.
+    pub async fn receive_accept(
+        &self,
+        actor_uri: String,
+        follow_event_id: String,
+        received: Option<String>,
+    ) -> Result<bool> {
+        write_job!(self, "receive_accept", |tx| {
+            if !first_delivery(tx, &received).await? {
+                return Ok(false);
+            }
+            let accepted: Option<String> = sqlx::query(
+                "UPDATE follows SET accepted_at = ? WHERE target = ? AND follow_event_id = ? AND accepted_at IS NULL \
+                 RETURNING follower_id",
+            )
+            .bind(tx.now_ms())
+            .bind(Target::Actor(actor_uri.clone()).key())
+            .bind(follow_event_id)
+            .fetch_optional(tx.conn())
+            .await?
+            .map(|row| row.get(0));
+            let Some(follower_id) = accepted else { return Ok(false) };
+            let event = NewEvent::new(
+                &follower_id,
+                Payload::RemoteFollowAccepted(v1::RemoteFollowAccepted { follower_id: follower_id.clone(), actor_uri }),
+            );
+            commit_events(tx, vec![event]).await?;
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Queues `activity` for delivery: one `ActivityQueued` per inbox, once per activity id.
+    /// Returns how many deliveries were queued, or `None` when the activity was queued before.
+    pub async fn queue_deliveries(
+        &self,
+        activity_id: String,
+        sender: UserId,
+        activity_json: String,
+        audience: Audience,
+    ) -> Result<Option<u32>> {
+        if matches!(audience, Audience::Followers) {
+            // Most reviews are by users nobody elsewhere follows: answer those from a read, with
+            // no write job (a follower arriving meanwhile is one arriving after the review).
+            let any = sqlx::query("SELECT 1 FROM remote_followers WHERE user_id = ? AND inbox IS NOT NULL LIMIT 1")
+                .bind(sender.to_string())
+                .fetch_optional(&self.db.reads)
+                .await?;
+            if any.is_none() {
+                return Ok(Some(0));
+            }
+        }
+        write_job!(self, "queue_deliveries", |tx| {
+            ensure_user(tx.conn(), sender).await?;
+            let first = sqlx::query(
+                "INSERT OR IGNORE INTO federation_outbox (activity_id, queued, created_at) VALUES (?, 0, ?)",
+            )
+            .bind(activity_id.clone())
+            .bind(tx.now_ms())
+            .execute(tx.conn())
+            .await?
+            .rows_affected()
+                > 0;
+            if !first {
+                return Ok(None);
+            }
+            let inboxes: Vec<String> = match audience {
+                Audience::Inbox(inbox) => vec![inbox],
+                Audience::Followers => sqlx::query(
+                    "SELECT DISTINCT COALESCE(shared_inbox, inbox) FROM remote_followers \
+                     WHERE user_id = ? AND inbox IS NOT NULL ORDER BY 1",
+                )
+                .bind(sender.to_string())
+                .fetch_all(tx.conn())
+                .await?
+                .into_iter()
+                .map(|row| row.get(0))
+                .collect(),
+            };
+            let events = inboxes
+                .into_iter()
+                .map(|inbox| {
+                    NewEvent::new(
+                        sender,
+                        Payload::ActivityQueued(v1::ActivityQueued {
+                            activity_id: activity_id.clone(),
+                            inbox,
+                            sender_user_id: sender.to_string(),
+                            activity_json: activity_json.clone(),
+                        }),
+                    )
+                })
+                .collect::<Vec<_>>();
+            let queued = events.len() as u32;
+            sqlx::query("UPDATE federation_outbox SET queued = ? WHERE activity_id = ?")
+                .bind(i64::from(queued))
+                .bind(activity_id)
+                .execute(tx.conn())
+                .await?;
+            commit_events(tx, events).await?;
+            Ok(Some(queued))
+        })
+        .await
+    }
+
+    /// Removes `user`'s remote followers who receive at `inbox` (it answered 410 Gone).
+    pub async fn remove_followers_at(&self, user: UserId, inbox: String) -> Result<bool> {
+        write_job!(self, "remove_followers_at", |tx| {
+            ensure_user(tx.conn(), user).await?;
+            let removed = sqlx::query(
+                "DELETE FROM remote_followers WHERE user_id = ?1 AND (inbox = ?2 OR shared_inbox = ?2) \
+                 RETURNING actor_uri, activity_uri",
+            )
+            .bind(user.to_string())
+            .bind(inbox)
+            .fetch_all(tx.conn())
+            .await?;
+            let events = removed
+                .iter()
+                .map(|row| {
+                    NewEvent::new(
+                        user,
+                        Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
+                            actor_uri: row.get(0),
+                            user_id: user.to_string(),
+                            activity_uri: row.get(1),
+                        }),
+                    )
+                })
+                .collect::<Vec<_>>();
+            commit_events(tx, events).await?;
+            Ok(!removed.is_empty())
+        })
+        .await
+    }
+
+    /// A local user as an actor, by handle or id; `None` when there is no such user or it has
+    /// no key yet.
+    pub async fn local_actor(&self, handle: Option<&str>, user: Option<UserId>) -> Result<Option<LocalActorRow>> {
+        let row = sqlx::query(
+            "SELECT u.id, u.handle, u.display_name, u.created_at, k.public_key_pem, \
+                    (SELECT COUNT(*) FROM remote_followers f WHERE f.user_id = u.id) \
+                  + (SELECT COUNT(*) FROM follows l WHERE l.target = 'user:' || u.id), \
+                    (SELECT COUNT(*) FROM reviews r WHERE r.user_id = u.id) \
+             FROM users u JOIN actor_keys k ON k.user_id = u.id \
+             WHERE (?1 IS NOT NULL AND u.handle = ?1) OR (?2 IS NOT NULL AND u.id = ?2)",
+        )
+        .bind(handle.map(str::to_owned))
+        .bind(user.map(|u| u.to_string()))
+        .fetch_optional(&self.db.reads)
+        .await?;
+        Ok(row.map(|row| LocalActorRow {
+            user: UserRow { id: row.get(0), handle: row.get(1), display_name: row.get(2), created_at: row.get(3) },
+            public_key_pem: row.get(4),
+            followers: row.get::<i64, _>(5) as u64,
+            reviews: row.get::<i64, _>(6) as u64,
+        }))
+    }
+
+    /// A user's reviews with their movies, newest first; `after` is the last review id seen.
+    pub async fn list_outbox(&self, user: UserId, limit: u32, after: Option<ReviewId>) -> Result<Vec<OutboxRow>> {
+        let rows = sqlx::query(
+            "SELECT r.id, r.user_id, r.movie_id, r.rating, r.body, r.watched_on, r.rewatch, r.source, r.created_at, \
+                    r.updated_at, m.title, m.year, m.external_id \
+             FROM reviews r JOIN movies m ON m.id = r.movie_id \
+             WHERE r.user_id = ?1 AND (?2 IS NULL OR r.id < ?2) ORDER BY r.id DESC LIMIT ?3",
+        )
+        .bind(user.to_string())
+        .bind(after.map(|id| id.to_string()))
+        .bind(i64::from(limit))
+        .fetch_all(&self.db.reads)
+        .await?;
+        let mut outbox = Vec::with_capacity(rows.len());
+        for row in rows {
+            outbox.push(OutboxRow {
+                review: ReviewRow::from_row(&row)?,
+                movie_title: row.get("title"),
+                movie_year: row.get("year"),
+                movie_external_id: row.get("external_id"),
+            });
+        }
+        Ok(outbox)
     }
 }

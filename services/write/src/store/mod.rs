@@ -14,6 +14,7 @@ use crate::WriteError;
 
 mod federation;
 mod integrations;
+mod keys;
 mod movies;
 mod reviews;
 mod social;
@@ -180,6 +181,8 @@ pub struct RemoteReviewSaved {
     pub created: bool,
     pub changed: bool,
 }
+
+pub use federation::Audience;
 
 pub struct RemoteReview {
     pub object_uri: String,

@@ -72,7 +72,7 @@ async fn insert_review_of_known_movie(
 }
 
 /// True when nothing references the movie any more.
-async fn movie_is_orphan(conn: &mut SqliteConnection, movie_id: &str) -> Result<bool> {
+pub(super) async fn movie_is_orphan(conn: &mut SqliteConnection, movie_id: &str) -> Result<bool> {
     let referenced = sqlx::query(
         "SELECT EXISTS (SELECT 1 FROM reviews WHERE movie_id = ?1) \
              OR EXISTS (SELECT 1 FROM watchlist WHERE movie_id = ?1) \

@@ -7,7 +7,7 @@ use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
 use sqlx::{Row, SqliteConnection};
 
-use super::{Result, Store, Target, commit_events, ensure_user, is_blocked, keyed_job};
+use super::{Result, Store, Target, commit_events, ensure_user, is_blocked, keyed_job, write_job};
 use crate::WriteError;
 use crate::request_ids::RequestKey;
 
@@ -20,6 +20,17 @@ async fn check_target(conn: &mut SqliteConnection, actor: UserId, target: &Targe
         ensure_user(conn, *id).await?;
     }
     Ok(())
+}
+
+/// Deletes `actor`'s follow of `target`; `Some` with the event id its Follow activity was named
+/// after (empty for local targets) when there was one.
+async fn delete_follow(conn: &mut SqliteConnection, actor: UserId, target: &Target) -> Result<Option<String>> {
+    Ok(sqlx::query("DELETE FROM follows WHERE follower_id = ? AND target = ? RETURNING follow_event_id")
+        .bind(actor.to_string())
+        .bind(target.key())
+        .fetch_optional(conn)
+        .await?
+        .map(|row| row.get::<Option<String>, _>(0).unwrap_or_default()))
 }
 
 impl Store {
@@ -49,7 +60,17 @@ impl Store {
                     actor,
                     Payload::Followed(v1::Followed { follower_id: actor.to_string(), target: Some(target.to_proto()) }),
                 );
-                commit_events(tx, vec![event]).await?;
+                let ids = commit_events(tx, vec![event]).await?;
+                if let (Target::Actor(_), Some(event_id)) = (&target, ids.first()) {
+                    // The Follow activity sent for it is named after this event; its Accept and
+                    // Undo name it back.
+                    sqlx::query("UPDATE follows SET follow_event_id = ? WHERE follower_id = ? AND target = ?")
+                        .bind(event_id.to_string())
+                        .bind(actor.to_string())
+                        .bind(target.key())
+                        .execute(tx.conn())
+                        .await?;
+                }
             }
             Ok(v1::SocialResponse { changed: inserted })
         })
@@ -57,18 +78,19 @@ impl Store {
     }
 
     pub async fn unfollow(&self, actor: UserId, target: Target) -> Result<bool> {
-        let sql = "DELETE FROM follows WHERE follower_id = ? AND target = ?";
-        let key = (actor.to_string(), target.key());
-        self.remove_pair("unfollow", sql, actor, key, move || {
-            let payload = v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()) };
-            NewEvent::new(actor, Payload::Unfollowed(payload))
+        write_job!(self, "unfollow", |tx| {
+            ensure_user(tx.conn(), actor).await?;
+            let Some(follow_event_id) = delete_follow(tx.conn(), actor, &target).await? else { return Ok(false) };
+            let payload =
+                v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()), follow_event_id };
+            commit_events(tx, vec![NewEvent::new(actor, Payload::Unfollowed(payload))]).await?;
+            Ok(true)
         })
         .await
     }
 
     /// Deletes the row `sql` names by (`first`, `second`) after checking that `owner` exists,
-    /// and raises `event` when there was a row: unfollow, unblock, watchlist removal, a remote
-    /// actor's undone follow.
+    /// and raises `event` when there was a row: unblock, watchlist removal.
     pub(super) async fn remove_pair(
         &self,
         job: &'static str,
@@ -114,18 +136,13 @@ impl Store {
                 actor,
                 Payload::Blocked(v1::Blocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) }),
             )];
-            let outgoing = sqlx::query("DELETE FROM follows WHERE follower_id = ? AND target = ?")
-                .bind(actor.to_string())
-                .bind(target.key())
-                .execute(tx.conn())
-                .await?
-                .rows_affected();
-            if outgoing > 0 {
+            if let Some(follow_event_id) = delete_follow(tx.conn(), actor, &target).await? {
                 events.push(NewEvent::new(
                     actor,
                     Payload::Unfollowed(v1::Unfollowed {
                         follower_id: actor.to_string(),
                         target: Some(target.to_proto()),
+                        follow_event_id,
                     }),
                 ));
             }
@@ -143,6 +160,7 @@ impl Store {
                             Payload::Unfollowed(v1::Unfollowed {
                                 follower_id: id.to_string(),
                                 target: Some(Target::User(actor).to_proto()),
+                                follow_event_id: String::new(),
                             }),
                         ));
                     }

@@ -4,12 +4,14 @@ use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, UserId};
 use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
+use sqlx::Row;
 
 use super::{Result, Store, UserRow, commit_events, keyed_job};
 use crate::convert;
 use crate::request_ids::RequestKey;
 
 impl Store {
+    /// Registers a user (its key pair follows: see `actor_keys`).
     pub async fn create_user(&self, handle: String, display_name: String, key: Option<RequestKey>) -> Result<v1::User> {
         keyed_job!(self, "create_user", key, |tx| {
             let taken = sqlx::query("SELECT 1 FROM users WHERE handle = ?")
@@ -47,5 +49,13 @@ impl Store {
             .fetch_optional(&self.db.reads)
             .await?
             .ok_or_else(|| ServiceError::not_found(format_args!("user {id}")).into())
+    }
+
+    pub async fn user_by_handle(&self, handle: &str) -> Result<Option<UserId>> {
+        let row = sqlx::query("SELECT id FROM users WHERE handle = ?")
+            .bind(handle.to_owned())
+            .fetch_optional(&self.db.reads)
+            .await?;
+        Ok(row.and_then(|row| UserId::parse("user_id", row.get::<&str, _>(0)).ok()))
     }
 }

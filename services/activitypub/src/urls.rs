@@ -1,0 +1,112 @@
+//! The ids of what this instance publishes, all under its public origin (`REELAY_PUBLIC_URL`).
+//!
+//! Actors are named by user id, which never changes (`/users/<uuid>`); WebFinger maps a handle
+//! to it. Every activity Reelay sends is `/activities/<event id>`: the event that caused it
+//! names it, so a redelivery of that event sends the same activity again, never a new one.
+
+use url::Url;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Urls {
+    /// The origin without a trailing slash, e.g. `https://reelay.example`.
+    base: String,
+    /// `host[:port]`, the domain of `acct:` handles.
+    host: String,
+}
+
+impl Urls {
+    pub fn new(public_url: &str) -> Result<Self, String> {
+        let url = Url::parse(public_url).map_err(|e| format!("REELAY_PUBLIC_URL {public_url:?} is not a URL: {e}"))?;
+        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+            return Err(format!("REELAY_PUBLIC_URL {public_url:?} must be an http(s) origin"));
+        }
+        if url.path() != "/" || url.query().is_some() {
+            return Err(format!("REELAY_PUBLIC_URL {public_url:?} must be an origin, without a path"));
+        }
+        let host = match url.port() {
+            Some(port) => format!("{}:{port}", url.host_str().unwrap_or_default()),
+            None => url.host_str().unwrap_or_default().to_owned(),
+        };
+        Ok(Self { base: public_url.trim_end_matches('/').to_owned(), host })
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    pub fn actor(&self, user_id: &str) -> String {
+        format!("{}/users/{user_id}", self.base)
+    }
+
+    pub fn key_id(&self, user_id: &str) -> String {
+        format!("{}#main-key", self.actor(user_id))
+    }
+
+    pub fn inbox(&self, user_id: &str) -> String {
+        format!("{}/inbox", self.actor(user_id))
+    }
+
+    pub fn outbox(&self, user_id: &str) -> String {
+        format!("{}/outbox", self.actor(user_id))
+    }
+
+    pub fn followers(&self, user_id: &str) -> String {
+        format!("{}/followers", self.actor(user_id))
+    }
+
+    pub fn shared_inbox(&self) -> String {
+        format!("{}/inbox", self.base)
+    }
+
+    /// The person's page, for people (`/@handle`).
+    pub fn profile(&self, handle: &str) -> String {
+        format!("{}/@{handle}", self.base)
+    }
+
+    pub fn note(&self, user_id: &str, review_id: &str) -> String {
+        format!("{}/reviews/{review_id}", self.actor(user_id))
+    }
+
+    /// The id of the activity the event `event_id` caused.
+    pub fn activity(&self, event_id: &str) -> String {
+        format!("{}/activities/{event_id}", self.base)
+    }
+
+    /// The event id an activity id of ours derives from.
+    pub fn event_of_activity<'a>(&self, activity: &'a str) -> Option<&'a str> {
+        activity.strip_prefix(&self.base)?.strip_prefix("/activities/").filter(|id| !id.contains('/'))
+    }
+
+    /// The user id of one of our actor ids.
+    pub fn user_of_actor<'a>(&self, actor: &'a str) -> Option<&'a str> {
+        actor.strip_prefix(&self.base)?.strip_prefix("/users/").filter(|id| !id.is_empty() && !id.contains('/'))
+    }
+
+    /// True when `uri` is on this instance.
+    pub fn is_local(&self, uri: &str) -> bool {
+        uri.strip_prefix(&self.base).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_derive_from_the_origin_and_parse_back() {
+        let urls = Urls::new("http://127.0.0.1:8080/").unwrap();
+        assert_eq!(urls.host(), "127.0.0.1:8080");
+        assert_eq!(urls.actor("u1"), "http://127.0.0.1:8080/users/u1");
+        assert_eq!(urls.key_id("u1"), "http://127.0.0.1:8080/users/u1#main-key");
+        assert_eq!(urls.user_of_actor("http://127.0.0.1:8080/users/u1"), Some("u1"));
+        assert_eq!(urls.user_of_actor("http://127.0.0.1:8080/users/u1/inbox"), None);
+        assert_eq!(urls.event_of_activity(&urls.activity("e1")), Some("e1"));
+        assert_eq!(urls.event_of_activity("http://elsewhere/activities/e1"), None);
+        assert!(Urls::new("http://reelay.example/app").is_err());
+        assert!(Urls::new("ftp://reelay.example").is_err());
+    }
+}

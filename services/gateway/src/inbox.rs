@@ -1,0 +1,276 @@
+//! The inboxes: per user (`/users/<id>/inbox`) and shared (`/inbox`).
+//!
+//! Checks, in order, each refusing before anything is written:
+//! 1. the body is at most `max_body_bytes` (413; the body limit layer);
+//! 2. a per-user inbox names a local user (404);
+//! 3. a `Signature` header parses, covers `(request-target) host date digest` (401);
+//! 4. the `Date` is within the allowed skew: 12 h old at most, 1 h ahead at most, as Mastodon
+//!    allows (401);
+//! 5. the `Digest` matches the body (401);
+//! 6. the signer's key (fetched and cached; fetched again once if the cached one fails) verifies
+//!    the signature (401);
+//! 7. the body is a JSON activity (400) whose `actor` is the signer (401).
+//!
+//! Then the activity goes to the write service, which records its id so a repeat changes
+//! nothing. Activities Reelay does not act on are accepted and ignored (202), as Mastodon does.
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use reelay_activitypub::documents::id_of;
+use reelay_activitypub::note::{NoteError, read_review};
+use reelay_activitypub::signature::{SignatureParams, digest_matches};
+use reelay_activitypub::time::{http_date_age_secs, now_ms};
+use reelay_contracts::v1::{self, get_local_actor_request};
+use serde_json::Value;
+
+use crate::remote_keys::RemoteActor;
+use crate::{Gateway, from_status, refuse};
+
+/// How old a signed request's date may be, and how far ahead of our clock.
+const MAX_AGE_SECS: i64 = 12 * 3600;
+const MAX_AHEAD_SECS: i64 = 3600;
+
+pub(crate) async fn user_inbox(
+    State(gw): State<Gateway>,
+    Path(id): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let valid = id.len() == 36 && id.chars().all(|c| c.is_ascii_hexdigit() || c == '-');
+    let request = v1::GetLocalActorRequest { by: Some(get_local_actor_request::By::UserId(id.clone())) };
+    if !valid {
+        return refuse(StatusCode::NOT_FOUND, "no such actor");
+    }
+    if let Err(status) = gw.federation.clone().get_local_actor(request).await {
+        return from_status(&status);
+    }
+    gw.take_in(Some(id), &method, &uri, &headers, body).await
+}
+
+pub(crate) async fn shared_inbox(
+    State(gw): State<Gateway>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    gw.take_in(None, &method, &uri, &headers, body).await
+}
+
+fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
+    let values: Vec<&str> = headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
+    (!values.is_empty()).then(|| values.join(", "))
+}
+
+fn accepted() -> Response {
+    StatusCode::ACCEPTED.into_response()
+}
+
+impl Gateway {
+    /// Checks the signature of a request: the signer when it holds, why not (a 401) otherwise.
+    async fn verify(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<RemoteActor, String> {
+        let unauthorized = |reason: String| Err(reason);
+        let Some(header) = header_text(headers, "signature") else {
+            return unauthorized("the request is not signed (no Signature header)".into());
+        };
+        let params = match SignatureParams::parse(&header) {
+            Ok(params) => params,
+            Err(error) => return unauthorized(error.to_string()),
+        };
+        if let Err(error) = params.require_coverage(true) {
+            return unauthorized(error.to_string());
+        }
+        if params.headers.iter().any(|h| h == "date") {
+            let Some(age) = header_text(headers, "date").as_deref().and_then(http_date_age_secs) else {
+                return unauthorized("the Date header is missing or not an HTTP date".into());
+            };
+            if !(-MAX_AHEAD_SECS..=MAX_AGE_SECS).contains(&age) {
+                return unauthorized(format!("the request's date is outside the allowed window ({age} s old)"));
+            }
+        }
+        if let Some(created) = params.created
+            && (now_ms() / 1000 - created > MAX_AGE_SECS || created - now_ms() / 1000 > MAX_AHEAD_SECS)
+        {
+            return unauthorized("the signature's created time is outside the allowed window".into());
+        }
+        if params.expires.is_some_and(|expires| expires < now_ms() / 1000) {
+            return unauthorized("the signature has expired".into());
+        }
+        match header_text(headers, "digest") {
+            Some(digest) if digest_matches(&digest, body) => {}
+            Some(_) => return unauthorized("the Digest does not match the body".into()),
+            None => return unauthorized("the Digest header is missing".into()),
+        }
+        let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+        let signing_string = match params.signing_string(method.as_str(), path, |h| header_text(headers, h)) {
+            Ok(string) => string,
+            Err(error) => return unauthorized(error.to_string()),
+        };
+        let was_cached = self.keys.is_cached(&params.key_id);
+        let mut signer = match self.keys.get(&params.key_id, false).await {
+            Ok(signer) => signer,
+            Err(error) => return unauthorized(error.to_string()),
+        };
+        if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
+            if !was_cached {
+                return unauthorized("the signature does not verify with the signer's key".into());
+            }
+            signer = match self.keys.get(&params.key_id, true).await {
+                Ok(signer) => signer,
+                Err(error) => return unauthorized(error.to_string()),
+            };
+            if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
+                return unauthorized("the signature does not verify with the signer's key".into());
+            }
+        }
+        Ok((*signer).clone())
+    }
+
+    async fn take_in(
+        &self,
+        user: Option<String>,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let signer = match self.verify(method, uri, headers, &body).await {
+            Ok(signer) => signer,
+            Err(reason) => return refuse(StatusCode::UNAUTHORIZED, reason),
+        };
+        let activity: Value = match serde_json::from_slice(&body) {
+            Ok(Value::Object(object)) => Value::Object(object),
+            Ok(_) => return refuse(StatusCode::BAD_REQUEST, "an activity must be a JSON object"),
+            Err(error) => return refuse(StatusCode::BAD_REQUEST, format!("the body is not JSON: {error}")),
+        };
+        let (Some(kind), Some(id)) = (activity.get("type").and_then(Value::as_str), id_of(&activity)) else {
+            return refuse(StatusCode::BAD_REQUEST, "an activity needs an id and a type");
+        };
+        if activity.get("actor").and_then(id_of) != Some(signer.actor_uri.as_str()) {
+            return refuse(StatusCode::UNAUTHORIZED, "the activity's actor is not its signer");
+        }
+        let outcome = match kind {
+            "Follow" => self.follow(&signer, user, id, &activity).await,
+            "Undo" => self.undo(&signer, user, id, &activity).await,
+            "Accept" => self.accept(&signer, id, &activity).await,
+            "Create" | "Update" => self.save_review(&signer, id, &activity).await,
+            "Delete" => self.delete_review(&signer, id, &activity).await,
+            _ => Ok(false),
+        };
+        match outcome {
+            Ok(changed) => {
+                tracing::info!(kind, activity = id, actor = %signer.actor_uri, changed, "activity received");
+                accepted()
+            }
+            // Nobody here follows the author: nothing to keep, nothing wrong.
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => accepted(),
+            Err(status) => from_status(&status),
+        }
+    }
+
+    /// The local user an object names: one of our actor ids, and it must be the inbox's user.
+    fn local_user(&self, user: &Option<String>, object: Option<&Value>) -> Result<String, tonic::Status> {
+        let named = object.and_then(id_of).and_then(|o| self.config.urls.user_of_actor(o));
+        match (named, user) {
+            (Some(named), Some(user)) if named != user => {
+                Err(tonic::Status::invalid_argument("the activity is for another user than this inbox's"))
+            }
+            (Some(named), _) => Ok(named.to_owned()),
+            (None, _) => Err(tonic::Status::not_found("the activity names no user of this instance")),
+        }
+    }
+
+    async fn follow(
+        &self,
+        signer: &RemoteActor,
+        user: Option<String>,
+        id: &str,
+        activity: &Value,
+    ) -> Result<bool, tonic::Status> {
+        let user_id = self.local_user(&user, activity.get("object"))?;
+        let request = v1::ReceiveFollowRequest {
+            actor_uri: signer.actor_uri.clone(),
+            user_id,
+            activity_uri: id.to_owned(),
+            inbox: signer.inbox.clone().unwrap_or_default(),
+            shared_inbox: signer.shared_inbox.clone().unwrap_or_default(),
+        };
+        Ok(self.federation.clone().receive_follow(request).await?.into_inner().changed)
+    }
+
+    async fn undo(
+        &self,
+        signer: &RemoteActor,
+        user: Option<String>,
+        id: &str,
+        activity: &Value,
+    ) -> Result<bool, tonic::Status> {
+        let Some(object) = activity.get("object") else { return Ok(false) };
+        // An embedded object says what it undoes; a bare id can only be a Follow of ours to undo.
+        if object.is_object() && object.get("type").and_then(Value::as_str) != Some("Follow") {
+            return Ok(false);
+        }
+        let Some(follow_id) = id_of(object) else { return Ok(false) };
+        let user_id = match self.local_user(&user, object.get("object")) {
+            Ok(user_id) => user_id,
+            Err(_) if object.get("object").is_none() => user.unwrap_or_default(),
+            Err(status) => return Err(status),
+        };
+        let request = v1::ReceiveUndoRequest {
+            actor_uri: signer.actor_uri.clone(),
+            user_id,
+            activity_uri: follow_id.to_owned(),
+            received_activity_uri: id.to_owned(),
+        };
+        Ok(self.federation.clone().receive_undo(request).await?.into_inner().changed)
+    }
+
+    async fn accept(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
+        let Some(follow_id) = activity.get("object").and_then(id_of) else { return Ok(false) };
+        let Some(event_id) = self.config.urls.event_of_activity(follow_id) else { return Ok(false) };
+        let request = v1::ReceiveAcceptRequest {
+            actor_uri: signer.actor_uri.clone(),
+            follow_event_id: event_id.to_owned(),
+            received_activity_uri: id.to_owned(),
+        };
+        Ok(self.federation.clone().receive_accept(request).await?.into_inner().changed)
+    }
+
+    async fn save_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
+        let Some(object) = activity.get("object").filter(|o| o.is_object()) else { return Ok(false) };
+        let note = match read_review(object) {
+            Ok(note) => note,
+            Err(NoteError::NotAReview(_)) => return Ok(false),
+            Err(NoteError::Invalid(reason)) => return Err(tonic::Status::invalid_argument(reason)),
+        };
+        if note.attributed_to != signer.actor_uri {
+            return Err(tonic::Status::permission_denied("the review is attributed to another actor than the signer"));
+        }
+        let request = note.into_save_request(id);
+        Ok(self.federation.clone().save_remote_review(request).await?.into_inner().changed)
+    }
+
+    async fn delete_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
+        let Some(object_uri) = activity.get("object").and_then(id_of) else { return Ok(false) };
+        if object_uri == signer.actor_uri {
+            // An account deleting itself: nothing of it is kept but its reviews, left as they are.
+            return Ok(false);
+        }
+        let request = v1::DeleteRemoteReviewRequest {
+            object_uri: object_uri.to_owned(),
+            actor_uri: signer.actor_uri.clone(),
+            received_activity_uri: id.to_owned(),
+        };
+        Ok(self.federation.clone().delete_remote_review(request).await?.into_inner().changed)
+    }
+}

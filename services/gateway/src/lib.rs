@@ -1,0 +1,120 @@
+//! The ActivityPub gateway: the public HTTP side of federation.
+//!
+//! It serves WebFinger, NodeInfo, each local user as a `Person` (with its public key), the
+//! user's outbox (its reviews as `Create` activities, in pages), its followers collection and
+//! its review notes; and it takes in activities at the per-user and shared inboxes. An inbox
+//! request is checked before anything is written: its size, its HTTP signature (fetching and
+//! caching the signer's key), its digest and date, then its JSON and what it claims; accepted
+//! activities go to the write service's `Federation` API.
+//!
+//! It owns nothing durable (a cache of remote keys in memory) and never holds a private key.
+
+mod inbox;
+mod public;
+mod remote_keys;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use reelay_activitypub::Urls;
+use reelay_activitypub::client::FederationClient;
+use reelay_contracts::v1::federation_client::FederationClient as WriteFederation;
+use reelay_contracts::v1::movies_client::MoviesClient;
+use reelay_contracts::v1::reviews_client::ReviewsClient;
+use reelay_kit::client::ServiceChannel;
+use tokio::net::TcpListener;
+
+use crate::remote_keys::RemoteKeys;
+
+/// How the gateway runs.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The public origin every id is built on.
+    pub urls: Urls,
+    /// Largest inbox body accepted (413 above it).
+    pub max_body_bytes: usize,
+    /// Deadline of a key fetch.
+    pub fetch_timeout: Duration,
+    /// How long a fetched key is trusted before it is fetched again.
+    pub key_ttl: Duration,
+}
+
+#[derive(Clone)]
+struct Gateway {
+    config: Arc<GatewayConfig>,
+    federation: WriteFederation<ServiceChannel>,
+    reviews: ReviewsClient<ServiceChannel>,
+    movies: MoviesClient<ServiceChannel>,
+    keys: RemoteKeys,
+}
+
+/// Serves the gateway on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    config: GatewayConfig,
+    write: ServiceChannel,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let http = FederationClient::new(config.fetch_timeout, 1024 * 1024).map_err(std::io::Error::other)?;
+    let gateway = Gateway {
+        keys: RemoteKeys::new(http, config.key_ttl),
+        federation: WriteFederation::new(write.clone()),
+        reviews: ReviewsClient::new(write.clone()),
+        movies: MoviesClient::new(write),
+        config: Arc::new(config.clone()),
+    };
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/.well-known/webfinger", get(public::webfinger))
+        .route("/.well-known/nodeinfo", get(public::nodeinfo_links))
+        .route("/nodeinfo/2.0", get(public::nodeinfo))
+        .route("/users/{id}", get(public::actor))
+        .route("/users/{id}/outbox", get(public::outbox))
+        .route("/users/{id}/followers", get(public::followers))
+        .route("/users/{id}/reviews/{review_id}", get(public::note))
+        .route("/users/{id}/inbox", post(inbox::user_inbox))
+        .route("/inbox", post(inbox::shared_inbox))
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .with_state(gateway);
+    tracing::info!(addr = ?listener.local_addr().ok(), public_url = config.urls.base(), "gateway serving");
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+/// A JSON document with its media type.
+fn json(media_type: &'static str, value: serde_json::Value) -> Response {
+    let mut response = value.to_string().into_response();
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(media_type));
+    response
+}
+
+fn activity_json(value: serde_json::Value) -> Response {
+    json(reelay_activitypub::ACTIVITY_JSON, value)
+}
+
+/// An error answer: a status and a short reason.
+fn refuse(status: StatusCode, reason: impl std::fmt::Display) -> Response {
+    (status, reason.to_string()).into_response()
+}
+
+/// What a failed write-service call becomes over HTTP.
+fn from_status(status: &tonic::Status) -> Response {
+    use tonic::Code;
+    let http = match status.code() {
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::InvalidArgument => StatusCode::BAD_REQUEST,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::Unavailable | Code::DeadlineExceeded | Code::ResourceExhausted | Code::Cancelled => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    if http.is_server_error() {
+        tracing::warn!(code = ?status.code(), message = status.message(), "write service call failed");
+    }
+    refuse(http, status.message())
+}

@@ -1,0 +1,120 @@
+//! The public keys of remote signers, fetched from their actor documents and cached.
+//!
+//! A key id (`https://host/users/alice#main-key`) is fetched without its fragment; the answer is
+//! the actor (whose `publicKey` has that id) or the key itself (whose `owner` is then fetched).
+//! The key's owner must be the actor document it came with. The actor's inboxes come along, for
+//! the follows it sends.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use reelay_activitypub::client::{FederationClient, FetchError, Outgoing};
+use reelay_activitypub::documents::id_of;
+use reelay_activitypub::keys::PublicKey;
+use serde_json::Value;
+
+/// Keys kept; past this the cache starts over.
+const CACHED_KEYS: usize = 10_000;
+
+/// A remote signer: its key and who it is.
+#[derive(Debug, Clone)]
+pub struct RemoteActor {
+    pub key: PublicKey,
+    pub actor_uri: String,
+    pub inbox: Option<String>,
+    pub shared_inbox: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyFetchError {
+    #[error("cannot fetch the signer's key: {0}")]
+    Fetch(FetchError),
+    #[error("the signer's key document is unusable: {0}")]
+    Invalid(String),
+}
+
+/// Key id → when it was fetched, and its signer.
+type KeyCache = HashMap<String, (Instant, Arc<RemoteActor>)>;
+
+#[derive(Clone)]
+pub struct RemoteKeys {
+    http: FederationClient,
+    ttl: Duration,
+    cache: Arc<Mutex<KeyCache>>,
+}
+
+impl RemoteKeys {
+    pub fn new(http: FederationClient, ttl: Duration) -> Self {
+        Self { http, ttl, cache: Arc::default() }
+    }
+
+    /// The signer of `key_id`, from the cache while fresh unless `refresh` (a signature that
+    /// failed with the cached key: the actor may have rotated it).
+    pub async fn get(&self, key_id: &str, refresh: bool) -> Result<Arc<RemoteActor>, KeyFetchError> {
+        if !refresh
+            && let Some((at, actor)) = self.cache.lock().expect("key cache lock").get(key_id)
+            && at.elapsed() < self.ttl
+        {
+            return Ok(actor.clone());
+        }
+        let actor = Arc::new(self.fetch(key_id).await?);
+        let mut cache = self.cache.lock().expect("key cache lock");
+        if cache.len() >= CACHED_KEYS {
+            cache.clear();
+        }
+        cache.insert(key_id.to_owned(), (Instant::now(), actor.clone()));
+        Ok(actor)
+    }
+
+    /// True when a fresh cached key was used (worth a refetch if it fails).
+    pub fn is_cached(&self, key_id: &str) -> bool {
+        self.cache.lock().expect("key cache lock").contains_key(key_id)
+    }
+
+    async fn fetch_document(&self, url: &str) -> Result<Value, KeyFetchError> {
+        let request = Outgoing::get(url).map_err(KeyFetchError::Fetch)?;
+        self.http.fetch_json(request).await.map_err(KeyFetchError::Fetch)
+    }
+
+    async fn fetch(&self, key_id: &str) -> Result<RemoteActor, KeyFetchError> {
+        let document_url = key_id.split('#').next().unwrap_or(key_id);
+        let document = self.fetch_document(document_url).await?;
+        let (actor, key) = if document.get("publicKeyPem").is_some() {
+            // The key itself: its owner is the actor.
+            let owner = document.get("owner").and_then(Value::as_str).ok_or_else(|| invalid("the key has no owner"))?;
+            let actor = self.fetch_document(owner).await?;
+            (actor, document)
+        } else {
+            let key = match document.get("publicKey") {
+                Some(Value::Array(keys)) => {
+                    keys.iter().find(|k| id_of(k) == Some(key_id)).or_else(|| keys.first()).cloned()
+                }
+                Some(key) => Some(key.clone()),
+                None => None,
+            }
+            .ok_or_else(|| invalid("the actor publishes no publicKey"))?;
+            (document, key)
+        };
+        let actor_uri = id_of(&actor).ok_or_else(|| invalid("the actor has no id"))?.to_owned();
+        if key.get("owner").and_then(Value::as_str) != Some(actor_uri.as_str()) {
+            return Err(invalid("the key's owner is not the actor that publishes it"));
+        }
+        if id_of(&key) != Some(key_id) {
+            return Err(invalid("the actor publishes another key id"));
+        }
+        let pem = key.get("publicKeyPem").and_then(Value::as_str).ok_or_else(|| invalid("the key has no PEM"))?;
+        let key = PublicKey::from_pem(pem).map_err(|e| invalid(e.to_string()))?;
+        let text = |v: Option<&Value>| v.and_then(Value::as_str).map(str::to_owned);
+        Ok(RemoteActor {
+            key,
+            inbox: text(actor.get("inbox")),
+            shared_inbox: text(actor.get("endpoints").and_then(|e| e.get("sharedInbox"))),
+            actor_uri,
+        })
+    }
+}
+
+fn invalid(reason: impl Into<String>) -> KeyFetchError {
+    KeyFetchError::Invalid(reason.into())
+}

@@ -1,0 +1,111 @@
+//! `federation`: domain events → activities queued for the inboxes they go to.
+
+use reelay_activitypub::documents::{self, Review};
+use reelay_contracts::v1::{self, account, event::Payload, queue_deliveries_request::Audience};
+use reelay_delivery::{Handler, HandlerError};
+
+use crate::Remote;
+
+const EVENT_TYPES: &[&str] =
+    &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteFollowReceived", "Followed", "Unfollowed"];
+
+/// The note of a logged or edited review: both events carry the whole review.
+macro_rules! review_note {
+    ($r:expr, $at:expr, $updated:expr) => {
+        Review {
+            user_id: &$r.user_id,
+            review_id: &$r.review_id,
+            movie_title: &$r.movie_title,
+            movie_year: $r.movie_year,
+            movie_external_id: "",
+            rating: $r.rating,
+            body: &$r.body,
+            watched_on: &$r.watched_on,
+            rewatch: $r.rewatch,
+            published_ms: $at,
+            updated_ms: $updated,
+        }
+    };
+}
+
+pub struct ActivitiesHandler {
+    remote: Remote,
+}
+
+impl ActivitiesHandler {
+    pub fn new(remote: Remote) -> Self {
+        Self { remote }
+    }
+}
+
+fn remote_target(target: &Option<v1::Account>) -> Option<&str> {
+    match target.as_ref()?.kind.as_ref()? {
+        account::Kind::ActorUri(uri) => Some(uri),
+        account::Kind::UserId(_) => None,
+    }
+}
+
+#[async_trait::async_trait]
+impl Handler for ActivitiesHandler {
+    fn name(&self) -> &'static str {
+        "federation"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        EVENT_TYPES
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let urls = self.remote.urls();
+        let at = event.occurred_at_ms;
+        let id = event.event_id.as_str();
+        if id.is_empty() {
+            // Without an event id there is no stable activity id to send.
+            return Err(HandlerError::permanent("an event without an id cannot name an activity"));
+        }
+        match &event.payload {
+            Some(Payload::ReviewLogged(r)) => {
+                // An imported diary is history, not news: its reviews are in the outbox for a
+                // backfill, but not pushed to every follower one by one.
+                if r.source == v1::ReviewSource::Import as i32 {
+                    return Ok(());
+                }
+                let activity = documents::create_or_update(urls, "Create", id, &review_note!(r, at, None));
+                self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
+            }
+            Some(Payload::ReviewEdited(r)) => {
+                let activity = documents::create_or_update(urls, "Update", id, &review_note!(r, at, Some(at)));
+                self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
+            }
+            Some(Payload::ReviewDeleted(r)) => {
+                let activity = documents::delete(urls, id, &r.user_id, &r.review_id);
+                self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
+            }
+            Some(Payload::RemoteFollowReceived(f)) => {
+                if f.inbox.is_empty() {
+                    tracing::warn!(actor = %f.actor_uri, "a remote follower without an inbox gets no Accept");
+                    return Ok(());
+                }
+                let activity = documents::accept(urls, id, &f.user_id, &f.actor_uri, &f.activity_uri);
+                self.remote.queue(&f.user_id, &activity, Audience::Inbox(f.inbox.clone())).await
+            }
+            Some(Payload::Followed(f)) => {
+                let Some(target) = remote_target(&f.target) else { return Ok(()) };
+                let inbox = self.remote.inbox_of(&f.follower_id, target).await?;
+                let activity = documents::follow(urls, id, &f.follower_id, target);
+                self.remote.queue(&f.follower_id, &activity, Audience::Inbox(inbox)).await
+            }
+            Some(Payload::Unfollowed(u)) => {
+                let Some(target) = remote_target(&u.target) else { return Ok(()) };
+                if u.follow_event_id.is_empty() {
+                    // A follow from before Follow activities were named after their event.
+                    return Ok(());
+                }
+                let inbox = self.remote.inbox_of(&u.follower_id, target).await?;
+                let activity = documents::undo_follow(urls, id, &u.follower_id, &u.follow_event_id, target);
+                self.remote.queue(&u.follower_id, &activity, Audience::Inbox(inbox)).await
+            }
+            _ => Ok(()),
+        }
+    }
+}

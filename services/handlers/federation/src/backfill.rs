@@ -1,0 +1,84 @@
+//! `federation-backfill`: once a remote actor accepts a local user's follow, its reviews so far
+//! are read from its outbox (signed GETs, newest page first) and saved, keyed by object id.
+
+use reelay_activitypub::documents::id_of;
+use reelay_activitypub::note::{NoteError, read_review};
+use reelay_contracts::v1::{self, event::Payload};
+use reelay_delivery::{Handler, HandlerError};
+use serde_json::Value;
+
+use crate::Remote;
+use crate::remote::write_error;
+
+pub struct BackfillHandler {
+    remote: Remote,
+    max_pages: u32,
+}
+
+impl BackfillHandler {
+    pub fn new(remote: Remote, max_pages: u32) -> Self {
+        Self { remote, max_pages }
+    }
+
+    /// Saves one outbox item when it is a `Create` of a review by `actor`; true when saved.
+    async fn save(&self, actor: &str, item: &Value) -> Result<bool, HandlerError> {
+        if item.get("type").and_then(Value::as_str) != Some("Create") {
+            return Ok(false);
+        }
+        let Some(object) = item.get("object").filter(|o| o.is_object()) else { return Ok(false) };
+        let note = match read_review(object) {
+            Ok(note) if note.attributed_to == actor => note,
+            Ok(_) | Err(NoteError::NotAReview(_)) | Err(NoteError::Invalid(_)) => return Ok(false),
+        };
+        let request = note.into_save_request("");
+        match self.remote.write().save_remote_review(request).await {
+            Ok(_) => Ok(true),
+            // Unfollowed meanwhile, or a review the write service will not take: skip it.
+            Err(status) if matches!(status.code(), tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument) => {
+                Ok(false)
+            }
+            Err(status) => Err(write_error(status)),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Handler for BackfillHandler {
+    fn name(&self) -> &'static str {
+        "federation-backfill"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        &["RemoteFollowAccepted"]
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let Some(Payload::RemoteFollowAccepted(accepted)) = &event.payload else { return Ok(()) };
+        let (user, actor_uri) = (accepted.follower_id.as_str(), accepted.actor_uri.as_str());
+        let actor = self.remote.fetch(user, actor_uri).await?;
+        let Some(outbox) = actor.get("outbox").and_then(Value::as_str) else { return Ok(()) };
+        let collection = self.remote.fetch(user, outbox).await?;
+        let mut page = match collection.get("first") {
+            Some(Value::String(url)) => self.remote.fetch(user, url).await?,
+            Some(embedded @ Value::Object(_)) => embedded.clone(),
+            _ => collection,
+        };
+        let (mut pages, mut saved) = (1, 0);
+        loop {
+            let items = page.get("orderedItems").or_else(|| page.get("items")).and_then(Value::as_array);
+            for item in items.into_iter().flatten() {
+                saved += usize::from(self.save(actor_uri, item).await?);
+            }
+            let next = page.get("next").and_then(id_of).map(str::to_owned);
+            match next {
+                Some(next) if pages < self.max_pages => {
+                    page = self.remote.fetch(user, &next).await?;
+                    pages += 1;
+                }
+                _ => break,
+            }
+        }
+        tracing::info!(actor = %actor_uri, pages, saved, "backfilled a followed actor's reviews");
+        Ok(())
+    }
+}

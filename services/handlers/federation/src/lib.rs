@@ -1,0 +1,98 @@
+//! The federation handlers, three of them so each fails and retries on its own:
+//!
+//! - `federation` turns domain events into activities and queues them, through the write
+//!   service, for the inboxes they go to: a local user's review logged, edited or deleted
+//!   becomes `Create`/`Update`/`Delete` of a `Note` for every remote follower (one delivery per
+//!   shared inbox); a remote follow gets its `Accept`; a local user's follow and unfollow of a
+//!   remote actor become `Follow` and `Undo`. Every activity's id derives from its event's id, and
+//!   the write service queues an activity id once, so running it twice queues once.
+//! - `federation-delivery` delivers one queued activity to one inbox, signed by its actor (the
+//!   write service signs; the private key never leaves it). Each inbox is its own event with
+//!   its own attempts: a dead inbox holds back no other. 2xx is done; 410 Gone removes the
+//!   followers at that inbox; another 4xx fails for good; 5xx, 429 and timeouts are retried.
+//! - `federation-backfill`, once a remote actor accepts a local user's follow, reads the actor's
+//!   outbox (signed GETs, page after page) and saves its reviews (upserts by object id).
+//!
+//! They own no state: what they do is recorded by the write service, or at the remote server.
+
+mod activities;
+mod backfill;
+mod delivery;
+mod remote;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use activities::ActivitiesHandler;
+use anyhow::Context;
+pub use backfill::BackfillHandler;
+pub use delivery::DeliveryHandler;
+use reelay_activitypub::Urls;
+use reelay_delivery::{BuiltHandler, HandlerContext};
+pub use remote::Remote;
+
+/// The handlers of this crate, by name.
+pub const NAMES: [&str; 3] = ["federation", "federation-delivery", "federation-backfill"];
+
+/// The federation handlers' settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FederationSettings {
+    /// The public origin of this instance (`https://reelay.example`): every ActivityPub id is
+    /// built on it. Defaults to `http://<REELAY_GATEWAY_ADDR>`.
+    #[arg(id = "public_url", long = "public-url", env = "REELAY_PUBLIC_URL")]
+    pub public_url: Option<String>,
+
+    /// Deadline of one outgoing request (a delivery, a fetch), in milliseconds.
+    #[arg(
+        id = "federation_timeout_ms",
+        long = "federation-timeout-ms",
+        env = "REELAY_FEDERATION_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub timeout_ms: u64,
+
+    /// The most outbox pages a backfill reads.
+    #[arg(
+        id = "federation_backfill_pages",
+        long = "federation-backfill-pages",
+        env = "REELAY_FEDERATION_BACKFILL_PAGES",
+        default_value_t = 10
+    )]
+    pub backfill_pages: u32,
+}
+
+impl Default for FederationSettings {
+    fn default() -> Self {
+        Self { public_url: None, timeout_ms: 10_000, backfill_pages: 10 }
+    }
+}
+
+/// Largest answer read from a remote server.
+const MAX_RESPONSE_BYTES: usize = 2 * 1024 * 1024;
+
+/// What every federation handler reaches through.
+pub fn remote(settings: &FederationSettings, context: &HandlerContext) -> anyhow::Result<Remote> {
+    let public_url = settings
+        .public_url
+        .as_deref()
+        .context("the federation handlers need REELAY_PUBLIC_URL (or REELAY_GATEWAY_ADDR) to name what they send")?;
+    let urls = Urls::new(public_url).map_err(anyhow::Error::msg)?;
+    let http = reelay_activitypub::client::FederationClient::new(
+        Duration::from_millis(settings.timeout_ms),
+        MAX_RESPONSE_BYTES,
+    )
+    .map_err(anyhow::Error::msg)?;
+    Ok(Remote::new(urls, http, context.write.clone()))
+}
+
+/// Builds the federation handler named `name` (one of [`NAMES`]).
+pub fn build(name: &str, settings: &FederationSettings, context: &HandlerContext) -> anyhow::Result<BuiltHandler> {
+    let remote = remote(settings, context)?;
+    let handler: Arc<dyn reelay_delivery::Handler> = match name {
+        "federation" => Arc::new(ActivitiesHandler::new(remote)),
+        "federation-delivery" => Arc::new(DeliveryHandler::new(remote)),
+        "federation-backfill" => Arc::new(BackfillHandler::new(remote, settings.backfill_pages)),
+        other => anyhow::bail!("no federation handler is named {other:?}"),
+    };
+    Ok(BuiltHandler { handler, grpc: None })
+}

@@ -1,0 +1,109 @@
+//! What the federation handlers reach through: the write service's Federation API (queueing,
+//! signing, saving) and remote servers over signed HTTP.
+
+use bytes::Bytes;
+use reelay_activitypub::Urls;
+use reelay_activitypub::client::{Answer, FederationClient as HttpClient, FetchError, Outgoing};
+use reelay_activitypub::signature::SignatureParams;
+use reelay_contracts::v1::{self, federation_client::FederationClient};
+use reelay_delivery::HandlerError;
+use reelay_kit::client::{ServiceChannel, is_transport_failure};
+use serde_json::Value;
+
+#[derive(Clone)]
+pub struct Remote {
+    urls: Urls,
+    http: HttpClient,
+    write: FederationClient<ServiceChannel>,
+}
+
+/// A failed write-service call: retried when the service was unreachable or busy, given up
+/// when it refused the request.
+pub fn write_error(status: tonic::Status) -> HandlerError {
+    if is_transport_failure(&status) {
+        HandlerError::retryable(format!("write service: {}", status.message()))
+    } else {
+        HandlerError::permanent(format!("write service refused: {:?}: {}", status.code(), status.message()))
+    }
+}
+
+/// A failed exchange with a remote server: retried when it may pass (unreachable, slow, 5xx,
+/// 429), given up otherwise.
+pub fn fetch_error(error: FetchError) -> HandlerError {
+    if error.is_transient() { HandlerError::retryable(error) } else { HandlerError::permanent(error) }
+}
+
+impl Remote {
+    pub fn new(urls: Urls, http: HttpClient, write: ServiceChannel) -> Self {
+        Self { urls, http, write: FederationClient::new(write) }
+    }
+
+    pub fn urls(&self) -> &Urls {
+        &self.urls
+    }
+
+    /// The write service's Federation API.
+    pub fn write(&self) -> FederationClient<ServiceChannel> {
+        self.write.clone()
+    }
+
+    /// Has the write service sign `outgoing` with `user_id`'s key.
+    async fn sign(&self, user_id: &str, outgoing: Outgoing) -> Result<Outgoing, HandlerError> {
+        let input = outgoing.signing_input();
+        let request = v1::SignHttpRequestRequest {
+            user_id: user_id.to_owned(),
+            method: input.method.clone(),
+            path: input.path.clone(),
+            host: input.host.clone(),
+            date: input.date.clone(),
+            digest: input.digest.clone().unwrap_or_default(),
+        };
+        let signed = self.write().sign_http_request(request).await.map_err(write_error)?.into_inner();
+        let header = SignatureParams::format(&self.urls.key_id(user_id), &signed.headers, &signed.signature);
+        Ok(outgoing.signed(header))
+    }
+
+    /// A signed GET of an ActivityPub document, as `user_id`.
+    pub async fn fetch(&self, user_id: &str, url: &str) -> Result<Value, HandlerError> {
+        let outgoing = Outgoing::get(url).map_err(HandlerError::permanent)?;
+        let outgoing = self.sign(user_id, outgoing).await?;
+        self.http.fetch_json(outgoing).await.map_err(fetch_error)
+    }
+
+    /// A signed POST of an activity to an inbox, as `user_id`; the answer whatever its status.
+    pub async fn post(&self, user_id: &str, inbox: &str, activity: Bytes) -> Result<Answer, HandlerError> {
+        let outgoing = Outgoing::post(inbox, activity).map_err(HandlerError::permanent)?;
+        let outgoing = self.sign(user_id, outgoing).await?;
+        self.http.send(outgoing).await.map_err(fetch_error)
+    }
+
+    /// The inbox of a remote actor, from its actor document.
+    pub async fn inbox_of(&self, user_id: &str, actor_uri: &str) -> Result<String, HandlerError> {
+        let actor = self.fetch(user_id, actor_uri).await?;
+        actor
+            .get("inbox")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| HandlerError::permanent(format!("the actor {actor_uri} has no inbox")))
+    }
+
+    /// Queues `activity` (its `id` is the dedup key) for `audience`.
+    pub async fn queue(
+        &self,
+        user_id: &str,
+        activity: &Value,
+        audience: v1::queue_deliveries_request::Audience,
+    ) -> Result<(), HandlerError> {
+        let activity_id = activity["id"].as_str().unwrap_or_default().to_owned();
+        let request = v1::QueueDeliveriesRequest {
+            activity_id: activity_id.clone(),
+            sender_user_id: user_id.to_owned(),
+            activity_json: activity.to_string(),
+            audience: Some(audience),
+        };
+        let queued = self.write().queue_deliveries(request).await.map_err(write_error)?.into_inner();
+        tracing::info!(activity = %activity_id, queued = queued.queued, duplicate = queued.duplicate,
+            "activity queued for delivery");
+        Ok(())
+    }
+}

@@ -1,0 +1,511 @@
+//! Federation end to end: real `reelay` processes serving ActivityPub on loopback, real HTTP
+//! signatures both ways, a Mastodon-shaped peer that checks every signature and digest it gets.
+
+use std::path::Path;
+use std::time::Duration;
+
+use reelay_contracts::v1::{self, search_client::SearchClient};
+use reelay_delivery::{Handler, HandlerContext};
+use reelay_harness::{
+    Clients, MastodonPeer, Reelay, Spoil, TEST_TOKEN, actor_account, get_json, movie_ref, outbox_rows, query_strings,
+    temp_dir,
+};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+
+/// Retries within a second, and enough of them to outlast a peer that is down for a while.
+const FAST: &[(&str, &str)] =
+    &[("REELAY_RETRY_BASE_MS", "200"), ("REELAY_RETRY_CAP_MS", "1000"), ("EVENT_QUEUE_MAX_ATTEMPTS", "60")];
+
+/// Waits until `$done` (an expression that may `.await`) holds; fails the test after 40 s.
+macro_rules! wait_until {
+    ($what:expr, $done:expr) => {{
+        let deadline = std::time::Instant::now() + Duration::from_secs(40);
+        while !($done) {
+            assert!(std::time::Instant::now() < deadline, "timed out waiting until {}", $what);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }};
+}
+
+async fn count(db: &Path, sql: &str) -> i64 {
+    query_strings(db, &format!("SELECT CAST(({sql}) AS TEXT)")).await[0][0].parse().unwrap()
+}
+
+async fn log(c: &mut Clients, user: &str, title: &str, year: i32, rating: u32, body: &str) -> v1::Review {
+    c.review_with_text(user, movie_ref(title, year), rating, body).await
+}
+
+async fn edit(c: &mut Clients, user: &str, review: &v1::Review, rating: u32, body: &str) {
+    let request = v1::EditReviewRequest {
+        actor_user_id: user.into(),
+        review_id: review.review_id.clone(),
+        rating,
+        body: body.into(),
+        ..Default::default()
+    };
+    c.reviews.edit_review(request).await.expect("edit a review");
+}
+
+async fn delete(c: &mut Clients, user: &str, review: &v1::Review) {
+    let request = v1::DeleteReviewRequest {
+        actor_user_id: user.into(),
+        review_id: review.review_id.clone(),
+        ..Default::default()
+    };
+    c.reviews.delete_review(request).await.expect("delete a review");
+}
+
+async fn hits(reelay: &Reelay, query: &str) -> Vec<v1::ReviewHit> {
+    SearchClient::new(reelay.handlers_channel().await)
+        .search_reviews(v1::SearchReviewsRequest { query: query.into(), page_size: 20, page_token: String::new() })
+        .await
+        .expect("search reviews")
+        .into_inner()
+        .hits
+}
+
+async fn follow(c: &mut Clients, user: &str, actor: &str) {
+    let request = v1::FollowRequest { actor_user_id: user.into(), target: actor_account(actor), ..Default::default() };
+    assert!(c.social.follow(request).await.unwrap().into_inner().changed);
+}
+
+/// The envelopes of the events of `event_type` in `db`'s outbox.
+async fn events_of(db: &Path, event_type: &str) -> Vec<v1::Event> {
+    outbox_rows(db).await.into_iter().filter(|r| r.event_type == event_type).filter_map(|r| r.envelope).collect()
+}
+
+/// A federation handler of this build, run in this test process against `reelay`'s write service.
+fn handler(reelay: &Reelay, name: &str) -> std::sync::Arc<dyn Handler> {
+    let settings =
+        reelay_federation::FederationSettings { public_url: Some(reelay.public_url()), ..Default::default() };
+    let write =
+        reelay_kit::client::connect_lazy(&format!("http://{}", reelay.addr), Some(TEST_TOKEN), Duration::from_secs(10))
+            .unwrap();
+    let context = HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write };
+    reelay_federation::build(name, &settings, &context).unwrap().handler
+}
+
+/// What a Mastodon-shaped server sends for a review: a Note carrying Reelay's film fields.
+fn review_note(peer: &MastodonPeer, name: &str, n: u32, title: &str, year: i32, text: &str) -> Value {
+    let actor = peer.actor(name);
+    json!({
+        "@context": "https://www.w3.org/ns/activitystreams",
+        "id": format!("{actor}/statuses/{n}/activity"),
+        "type": "Create",
+        "actor": actor,
+        "object": {
+            "id": format!("{actor}/statuses/{n}"),
+            "type": "Note",
+            "attributedTo": actor,
+            "content": format!("<p>{text}</p>"),
+            "published": "2024-05-01T12:00:00Z",
+            "film": { "type": "Movie", "name": title, "year": year },
+            "relatedWith": [{ "type": "Rating", "value": 4, "best": 5 }],
+        },
+    })
+}
+
+fn follow_of(peer: &MastodonPeer, name: &str, n: u32, object: &str) -> Value {
+    json!({
+        "@context": "https://www.w3.org/ns/activitystreams",
+        "id": format!("{}/follows/{n}", peer.actor(name)),
+        "type": "Follow",
+        "actor": peer.actor(name),
+        "object": object,
+    })
+}
+
+/// A Mastodon-shaped peer and an instance with one user, ana.
+async fn peer_and_ana(db: &Path) -> (MastodonPeer, Reelay, Clients, String) {
+    let peer = MastodonPeer::start().await;
+    let a = Reelay::start_all(BIN, db, FAST).await;
+    let mut c = a.clients().await;
+    let ana = c.user("ana").await;
+    (peer, a, c, ana)
+}
+
+/// ana@A follows bob@B; B accepts; bob's earlier review is backfilled, and his review's log, edit
+/// and delete reach A's store and search. Then bob follows ana, B is stopped while ana reviews,
+/// and the delivery arrives once B is back, exactly once.
+#[tokio::test]
+async fn two_instances_federate() {
+    let (dir_a, dir_b) = (temp_dir(), temp_dir());
+    let a = Reelay::start_all(BIN, &dir_a.path().join("reelay.db"), FAST).await;
+    let mut b = Reelay::start_all(BIN, &dir_b.path().join("reelay.db"), FAST).await;
+    let (mut ca, mut cb) = (a.clients().await, b.clients().await);
+    let ana = ca.user("ana").await;
+    let bob = cb.user("bob").await;
+    log(&mut cb, &bob, "Alien", 1979, 8, "The chestburster.").await;
+
+    follow(&mut ca, &ana, &b.actor_url(&bob)).await;
+    wait_until!(
+        "B records ana as bob's follower",
+        count(&b.database, "SELECT COUNT(*) FROM remote_followers").await == 1
+    );
+    wait_until!(
+        "A records B's Accept",
+        count(&a.database, "SELECT COUNT(*) FROM follows WHERE accepted_at IS NOT NULL").await == 1
+    );
+    wait_until!(
+        "the backfill brings bob's earlier review to A's search",
+        hits(&a, "chestburster").await.iter().any(|h| h.remote && h.rating == 8)
+    );
+
+    // Running the backfill again on the same event changes nothing.
+    let accepted = events_of(&a.database, "RemoteFollowAccepted").await;
+    assert_eq!(accepted.len(), 1);
+    let saved_before = events_of(&a.database, "RemoteReviewSaved").await.len();
+    let backfill = handler(&a, "federation-backfill");
+    backfill.handle(&accepted[0]).await.unwrap();
+    backfill.handle(&accepted[0]).await.unwrap();
+    assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), saved_before);
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 1);
+
+    let review = log(&mut cb, &bob, "Heat", 1995, 9, "The diner scene.").await;
+    wait_until!(
+        "bob's review reaches A's search",
+        hits(&a, "diner").await.iter().any(|h| h.remote && h.rating == 9 && h.movie_title == "Heat")
+    );
+    edit(&mut cb, &bob, &review, 10, "The diner scene, again.").await;
+    wait_until!("the edit reaches A", hits(&a, "again").await.iter().any(|h| h.remote && h.rating == 10));
+    delete(&mut cb, &bob, &review).await;
+    wait_until!("the delete reaches A", hits(&a, "diner").await.is_empty());
+    let object = format!("{}/reviews/{}", b.actor_url(&bob), review.review_id);
+    assert_eq!(
+        count(&a.database, &format!("SELECT COUNT(*) FROM remote_reviews WHERE object_uri = '{object}'")).await,
+        0
+    );
+
+    // The other way round, with B down while ana reviews.
+    follow(&mut cb, &bob, &a.actor_url(&ana)).await;
+    wait_until!(
+        "A accepts bob",
+        count(&b.database, "SELECT COUNT(*) FROM follows WHERE accepted_at IS NOT NULL").await == 1
+    );
+    b.stop().await;
+    let ran = log(&mut ca, &ana, "Ran", 1985, 10, "A storm of arrows.").await;
+    wait_until!(
+        "A's delivery to B fails while B is down",
+        count(
+            &a.database,
+            "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' AND attempts > 0"
+        )
+        .await
+            > 0
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.restart().await;
+    let object = format!("{}/reviews/{}", a.actor_url(&ana), ran.review_id);
+    wait_until!(
+        "the review arrives once B is back",
+        count(&b.database, &format!("SELECT COUNT(*) FROM remote_reviews WHERE object_uri = '{object}'")).await == 1
+    );
+    wait_until!("B's search finds it", hits(&b, "arrows").await.iter().any(|h| h.remote));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let saved: Vec<_> = events_of(&b.database, "RemoteReviewSaved")
+        .await
+        .into_iter()
+        .filter(|e| matches!(&e.payload, Some(v1::event::Payload::RemoteReviewSaved(s)) if s.object_uri == object))
+        .collect();
+    assert_eq!(saved.len(), 1, "the review was saved exactly once");
+    let saved_total = events_of(&b.database, "RemoteReviewSaved").await.len();
+    let create = events_of(&a.database, "ActivityQueued").await;
+    let create: Vec<_> = create
+        .iter()
+        .filter_map(|e| match &e.payload {
+            Some(v1::event::Payload::ActivityQueued(q)) if q.activity_json.contains(&object) => {
+                Some(q.activity_id.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(create.len(), 1, "one delivery queued for B's one follower");
+
+    // The delivery handler run twice more on that delivery: B takes it in once.
+    let queued = events_of(&a.database, "ActivityQueued").await;
+    let delivery_event = queued.iter().find(|e| e_activity_id(e) == json!(create[0])).unwrap();
+    let delivery = handler(&a, "federation-delivery");
+    delivery.handle(delivery_event).await.unwrap();
+    delivery.handle(delivery_event).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let saved_again = events_of(&b.database, "RemoteReviewSaved").await;
+    assert_eq!(saved_again.len(), saved_total, "a replayed delivery changes nothing at B");
+    assert_eq!(
+        count(&b.database, &format!("SELECT COUNT(*) FROM remote_reviews WHERE object_uri = '{object}'")).await,
+        1
+    );
+    assert_eq!(
+        count(&b.database, &format!("SELECT COUNT(*) FROM federation_inbox WHERE activity_id = '{}'", create[0])).await,
+        1
+    );
+}
+
+/// A Mastodon-shaped peer finds ana by WebFinger, follows her (per-user and shared inbox),
+/// gets both Accepts, then her review's Create, Update and Delete: one POST per shared inbox,
+/// every one signed and digested as Mastodon checks.
+#[tokio::test]
+async fn a_mastodon_peer_follows_and_receives_reviews() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+
+    let webfinger = format!("{}/.well-known/webfinger?resource=acct:ana@{}", a.public_url(), a.gateway_addr);
+    let (status, jrd) = get_json(&webfinger).await;
+    assert_eq!(status, 200, "{jrd}");
+    let actor_url = a.actor_url(&ana);
+    assert!(jrd["links"].as_array().unwrap().iter().any(|l| l["rel"] == "self" && l["href"] == actor_url.as_str()));
+    let (status, actor) = get_json(&actor_url).await;
+    assert_eq!(status, 200);
+    assert_eq!(actor["type"], "Person");
+    assert_eq!(actor["preferredUsername"], "ana");
+    assert!(actor["publicKey"]["publicKeyPem"].as_str().unwrap().starts_with("-----BEGIN PUBLIC KEY-----"));
+    let inbox = actor["inbox"].as_str().unwrap().to_owned();
+    let shared = actor["endpoints"]["sharedInbox"].as_str().unwrap().to_owned();
+    let (status, nodeinfo) = get_json(&format!("{}/.well-known/nodeinfo", a.public_url())).await;
+    assert_eq!(status, 200);
+    let (status, nodeinfo) = get_json(nodeinfo["links"][0]["href"].as_str().unwrap()).await;
+    assert_eq!((status, nodeinfo["software"]["name"].as_str()), (200, Some("reelay")));
+
+    assert_eq!(peer.send("alice", &inbox, &follow_of(&peer, "alice", 1, &actor_url)).await, 202);
+    assert_eq!(peer.send("carol", &shared, &follow_of(&peer, "carol", 1, &actor_url)).await, 202);
+    wait_until!("both followers get their Accept", peer.received_of("Accept").len() == 2);
+    for accept in peer.received_of("Accept") {
+        assert_eq!(accept.verified, Ok(()), "{:?}", accept.activity);
+        assert_eq!(accept.key_id, format!("{actor_url}#main-key"));
+        assert_eq!(accept.activity["actor"], actor_url.as_str());
+    }
+    let mut accepted: Vec<_> =
+        peer.received_of("Accept").iter().map(|r| r.activity["object"]["id"].as_str().unwrap().to_owned()).collect();
+    accepted.sort();
+    assert_eq!(accepted, [format!("{}/follows/1", peer.actor("alice")), format!("{}/follows/1", peer.actor("carol"))]);
+
+    let review = log(&mut c, &ana, "Heat", 1995, 9, "The diner scene.").await;
+    wait_until!("the Create arrives", !peer.received_of("Create").is_empty());
+    edit(&mut c, &ana, &review, 10, "The diner scene, again.").await;
+    wait_until!("the Update arrives", !peer.received_of("Update").is_empty());
+
+    let (status, outbox) = get_json(&format!("{actor_url}/outbox")).await;
+    assert_eq!((status, outbox["totalItems"].as_u64()), (200, Some(1)));
+    let (status, page) = get_json(outbox["first"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    let note_id = format!("{actor_url}/reviews/{}", review.review_id);
+    assert_eq!(page["orderedItems"][0]["object"]["id"], note_id.as_str());
+    let (status, note) = get_json(&note_id).await;
+    assert_eq!((status, note["film"]["name"].as_str()), (200, Some("Heat")));
+
+    delete(&mut c, &ana, &review).await;
+    wait_until!("the Delete arrives", !peer.received_of("Delete").is_empty());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    for kind in ["Create", "Update", "Delete"] {
+        let received = peer.received_of(kind);
+        assert_eq!(received.len(), 1, "one {kind} for two followers on one shared inbox");
+        assert_eq!(received[0].path, "/inbox", "delivered to the shared inbox");
+        assert_eq!(received[0].verified, Ok(()), "{kind}");
+    }
+    let create = &peer.received_of("Create")[0].activity;
+    let note = &create["object"];
+    assert_eq!(note["type"], "Note");
+    assert_eq!(note["id"], note_id.as_str());
+    let content = note["content"].as_str().unwrap();
+    assert!(content.contains("Heat (1995)") && content.contains("★★★★½") && content.contains(&note_id), "{content}");
+    assert_eq!(note["relatedWith"][0]["value"], 4.5);
+    assert_eq!(peer.received_of("Update")[0].activity["object"]["relatedWith"][0]["value"], 5.0);
+    assert_eq!(peer.received_of("Delete")[0].activity["object"]["id"], note_id.as_str());
+    let event_ids: Vec<String> = events_of(&a.database, "ReviewLogged").await.into_iter().map(|e| e.event_id).collect();
+    assert_eq!(create["id"], format!("{}/activities/{}", a.public_url(), event_ids[0]), "named after its event");
+}
+
+/// Everything the inbox must refuse, refused with the right status and nothing written; the
+/// same activity, sent properly, is then taken.
+#[tokio::test]
+async fn the_inbox_refuses_bad_input_before_writing() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let inbox = format!("{}/inbox", a.actor_url(&ana));
+    // ana follows alice, so alice's reviews are worth keeping.
+    follow(&mut c, &ana, &peer.actor("alice")).await;
+    wait_until!("alice gets ana's Follow", !peer.received_of("Follow").is_empty());
+    assert_eq!(peer.received_of("Follow")[0].verified, Ok(()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let state = || async {
+        let mut state = Vec::new();
+        // The outbox by its events (handlers settle its rows meanwhile), the rest whole.
+        state.push(query_strings(&a.database, "SELECT event_id, event_type FROM event_queue ORDER BY id").await);
+        for table in ["remote_reviews", "remote_followers", "federation_inbox", "movies", "follows"] {
+            state.push(query_strings(&a.database, &format!("SELECT * FROM {table}")).await);
+        }
+        state
+    };
+    let before = state().await;
+    let create = review_note(&peer, "alice", 1, "Stalker", 1979, "The zone.");
+    let body = create.to_string();
+    let cases: Vec<(&str, u16, u16)> = vec![
+        ("unsigned", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::Unsigned).await),
+        ("signed with another key", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::WrongKey).await),
+        ("tampered body", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::TamperedBody).await),
+        ("stale date", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::StaleDate).await),
+        ("5 MB body", 413, peer.post("alice", &inbox, &vec![b' '; 5 * 1024 * 1024], Spoil::None).await),
+        ("malformed JSON", 400, peer.post("alice", &inbox, b"{\"type\": \"Create\",", Spoil::None).await),
+        (
+            "unknown user",
+            404,
+            peer.send(
+                "alice",
+                &format!("{}/users/00000000-0000-7000-8000-000000000000/inbox", a.public_url()),
+                &create,
+            )
+            .await,
+        ),
+        (
+            "signed by someone else than the actor",
+            401,
+            peer.post("mallory", &inbox, body.as_bytes(), Spoil::None).await,
+        ),
+    ];
+    for (case, expected, got) in &cases {
+        assert_eq!(got, expected, "{case}");
+    }
+    assert_eq!(state().await, before, "a refused request wrote something");
+
+    assert_eq!(peer.send("alice", &inbox, &create).await, 202);
+    wait_until!("the proper request is taken", count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await == 1);
+    // A repeat of the same activity changes nothing.
+    assert_eq!(peer.send("alice", &inbox, &create).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 1);
+}
+
+/// A redelivered event sends the same activity id; running the handlers twice on one event
+/// queues and delivers the same activity; an inbox that answers 410 loses its followers and
+/// gets nothing more.
+#[tokio::test]
+async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let inbox = format!("{}/inbox", a.actor_url(&ana));
+    assert_eq!(peer.send("alice", &inbox, &follow_of(&peer, "alice", 1, &a.actor_url(&ana))).await, 202);
+    wait_until!("alice is accepted", !peer.received_of("Accept").is_empty());
+
+    log(&mut c, &ana, "Heat", 1995, 9, "The diner scene.").await;
+    wait_until!("the Create arrives", peer.received_of("Create").len() == 1);
+    let create_id = peer.received_of("Create")[0].activity["id"].clone();
+
+    // The activities handler, twice on the same ReviewLogged: the activity is queued once.
+    let logged = events_of(&a.database, "ReviewLogged").await.remove(0);
+    let activities = handler(&a, "federation");
+    activities.handle(&logged).await.unwrap();
+    activities.handle(&logged).await.unwrap();
+    let queued = events_of(&a.database, "ActivityQueued").await;
+    assert_eq!(queued.iter().filter(|e| e_activity_id(e) == create_id).count(), 1);
+
+    // The delivery handler, twice on the same ActivityQueued: the same activity, twice.
+    let delivery_event = queued.into_iter().find(|e| e_activity_id(e) == create_id).unwrap();
+    let delivery = handler(&a, "federation-delivery");
+    delivery.handle(&delivery_event).await.unwrap();
+    delivery.handle(&delivery_event).await.unwrap();
+    let creates = peer.received_of("Create");
+    assert_eq!(creates.len(), 3);
+    assert!(creates.iter().all(|r| r.activity["id"] == create_id && r.verified.is_ok()), "a replay, never a new id");
+    assert!(creates.iter().all(|r| r.activity == creates[0].activity), "the same bytes every time");
+
+    // 5xx is retried until the inbox takes it; another 4xx is given up at once.
+    peer.set_inbox_status(503);
+    log(&mut c, &ana, "Stalker", 1979, 9, "The zone.").await;
+    wait_until!(
+        "the failing inbox is retried",
+        count(
+            &a.database,
+            "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' AND attempts >= 2"
+        )
+        .await
+            >= 1
+    );
+    peer.set_inbox_status(202);
+    wait_until!(
+        "the retried delivery is taken",
+        peer.received_of("Create").iter().any(|r| r.status == 202 && r.activity["object"]["film"]["name"] == "Stalker")
+    );
+    peer.set_inbox_status(403);
+    log(&mut c, &ana, "Solaris", 1972, 8, "The ocean.").await;
+    wait_until!(
+        "the refused delivery is dead-lettered without a retry",
+        count(
+            &a.database,
+            "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' AND status = 'dead_lettered' \
+             AND attempts <= 1 AND last_error LIKE '%403%'"
+        )
+        .await
+            == 1
+    );
+
+    peer.set_inbox_status(410);
+    log(&mut c, &ana, "Ran", 1985, 10, "Arrows.").await;
+    wait_until!(
+        "the follower at the gone inbox is removed",
+        count(&a.database, "SELECT COUNT(*) FROM remote_followers").await == 0
+    );
+    assert_eq!(events_of(&a.database, "RemoteFollowUndone").await.len(), 1);
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE status = 'dead_lettered'").await, 1);
+    peer.set_inbox_status(202);
+    let received = peer.received().len();
+    log(&mut c, &ana, "Alien", 1979, 8, "Chestburster.").await;
+    wait_until!(
+        "the federation handler is done with the last review",
+        count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation' AND status != 'done'")
+            .await
+            == 0
+            && count(&a.database, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation'").await >= 6
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(peer.received().len(), received, "nothing more goes to a gone inbox");
+}
+
+fn e_activity_id(event: &v1::Event) -> Value {
+    match &event.payload {
+        Some(v1::event::Payload::ActivityQueued(q)) => json!(q.activity_id),
+        _ => Value::Null,
+    }
+}
+
+/// An Undo changes something only when it names the Follow in force: follow f1, undo f1,
+/// follow f2, then an Undo of f1 again (redelivered, or a new Undo naming it) leaves f2 alone.
+#[tokio::test]
+async fn an_undo_names_the_follow_it_undoes() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_write(BIN, &db, &[]).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    let actor = "https://films.example/users/carla";
+    let follow = |id: &str| v1::ReceiveFollowRequest {
+        actor_uri: actor.into(),
+        user_id: ana.clone(),
+        activity_uri: format!("https://films.example/follows/{id}"),
+        inbox: format!("{actor}/inbox"),
+        ..Default::default()
+    };
+    let undo = |undo: &str, of: &str| v1::ReceiveUndoRequest {
+        actor_uri: actor.into(),
+        user_id: ana.clone(),
+        activity_uri: format!("https://films.example/follows/{of}"),
+        received_activity_uri: format!("https://films.example/undos/{undo}"),
+    };
+    let f = &mut c.federation;
+    assert!(f.receive_follow(follow("f1")).await.unwrap().into_inner().changed);
+    assert!(f.receive_undo(undo("u1", "f1")).await.unwrap().into_inner().changed);
+    assert!(f.receive_follow(follow("f2")).await.unwrap().into_inner().changed);
+    assert!(!f.receive_undo(undo("u1", "f1")).await.unwrap().into_inner().changed, "a redelivered Undo of f1");
+    assert!(!f.receive_undo(undo("u2", "f1")).await.unwrap().into_inner().changed, "a new Undo naming f1");
+    assert!(!f.receive_undo(undo("u3", "f0")).await.unwrap().into_inner().changed, "an Undo of a Follow never seen");
+    assert!(!f.receive_follow(follow("f1")).await.unwrap().into_inner().changed, "a redelivered, undone Follow");
+    let in_force = query_strings(&db, "SELECT activity_uri FROM remote_followers").await;
+    assert_eq!(in_force, [["https://films.example/follows/f2".to_owned()]]);
+    assert_eq!(events_of(&db, "RemoteFollowUndone").await.len(), 1, "no spurious RemoteFollowUndone");
+    assert_eq!(events_of(&db, "RemoteFollowReceived").await.len(), 2);
+    assert!(f.receive_undo(undo("u4", "f2")).await.unwrap().into_inner().changed);
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_followers").await, 0);
+    reelay.stop().await;
+}
