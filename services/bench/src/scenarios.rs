@@ -471,7 +471,8 @@ async fn stages(db: &Path, effects: &Path, sent: &HashMap<String, i64>) -> Vec<(
             .collect();
     let mut spans: [Vec<f64>; 4] = Default::default();
     for r in rows.iter().filter(|r| sent.contains_key(&r[1])) {
-        let (Ok(created), Ok(ledger), Some(start)) = (r[2].parse::<f64>(), r[4].parse::<f64>(), starts.get(&r[0])) else {
+        let (Ok(created), Ok(ledger), Some(start)) = (r[2].parse::<f64>(), r[4].parse::<f64>(), starts.get(&r[0]))
+        else {
             continue;
         };
         match r[3].parse::<f64>() {
