@@ -71,14 +71,14 @@ async fn dead_letter_then_replay(backend: Backend) {
 
     let listed = cluster.cli(&["dead-letters", "list", "--handler", "probe-a", "--since", "10m"]).await;
     let listed = listed.ok();
-    assert!(listed.contains(&event_id) && listed.contains("UserCreated"), "{listed}");
+    assert!(listed.contains(&event_id) && listed.contains("UserRegistered"), "{listed}");
     assert!(listed.contains("fails attempt 2"), "the last error is shown: {listed}");
     let none = cluster.cli(&["dead-letters", "list", "--type", "ReviewLogged"]).await;
     assert!(none.ok().contains("no dead letters"), "the type filter applies: {}", none.stdout);
 
     let explained = cluster.cli(&["events", "explain", &event_id]).await;
     let explained = explained.ok();
-    assert!(explained.contains("UserCreated"), "{explained}");
+    assert!(explained.contains("UserRegistered"), "{explained}");
     let a = explained.lines().find(|l| l.trim_start().starts_with("probe-a")).unwrap();
     assert!(a.contains("dead_lettered") && a.contains("2 failed attempt(s)"), "{explained}");
     let b = explained.lines().find(|l| l.trim_start().starts_with("probe-b")).unwrap();
