@@ -160,7 +160,7 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     let db = &reelay.database;
     let entries = query_strings(
         db,
-        "SELECT m.title, r.rating, r.body, r.watched_on, r.rewatch || '' FROM reviews r JOIN movies m ON m.id = r.movie_id \
+        "SELECT m.title, r.rating || '', r.body, r.watched_on, r.rewatch || '' FROM reviews r JOIN movies m ON m.id = r.movie_id \
          ORDER BY r.watched_on",
     )
     .await;

@@ -10,7 +10,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 const USERS: usize = 120;
 
 async fn count(cluster: &Cluster, sql: &str) -> f64 {
-    query_strings(&cluster.db, sql).await[0][0].parse().unwrap()
+    query_strings(&cluster.db, &format!("SELECT ({sql}) || ''")).await[0][0].parse().unwrap()
 }
 
 fn processes(cluster: &Cluster) -> Vec<(&'static str, &Reelay)> {

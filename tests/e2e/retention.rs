@@ -9,7 +9,7 @@ use reelay_harness::{Backend, Cluster, eventually, query_strings, temp_dir};
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
 async fn rows(cluster: &Cluster) -> usize {
-    query_strings(&cluster.db, "SELECT COUNT(*) FROM event_queue").await[0][0].parse().unwrap()
+    query_strings(&cluster.db, "SELECT COUNT(*) || '' FROM event_queue").await[0][0].parse().unwrap()
 }
 
 async fn the_outbox_stays_bounded(backend: Backend) {
