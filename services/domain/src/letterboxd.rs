@@ -189,8 +189,8 @@ pub fn attach_reviews(diary: &[u8], reviews: &[u8]) -> Result<Vec<u8>, Validatio
     writer.into_inner().map_err(|e| error(0, format!("cannot write the joined export: {e}")))
 }
 
-/// "3.5" stars → 7 half stars; empty → 0 (unrated).
-fn parse_stars(text: &str) -> Option<u32> {
+/// "3.5" stars → 7 half stars; empty → 0 (unrated); `None` unless 0.5 to 5 in steps of 0.5.
+pub fn parse_stars(text: &str) -> Option<u32> {
     if text.is_empty() {
         return Some(0);
     }

@@ -14,7 +14,7 @@ use reelay_contracts::v1::{self, integrations_client::IntegrationsClient, watchl
 use reelay_domain::letterboxd;
 use reelay_kit::client::ServiceChannel;
 
-use super::{ClientArgs, call_failed, read_file};
+use super::{ClientArgs, call_failed, movie_by_title, read_file};
 
 /// Diary rows per ImportDiary call (the server commits this many per transaction too), so the
 /// progress bar moves as rows are written.
@@ -167,13 +167,7 @@ async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8])
     let mut progress = Progress::new("watchlist", rows.len());
     let (mut added, mut already) = (0, 0);
     for row in &rows {
-        let movie = v1::MovieRef {
-            by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
-                title: row.title.clone(),
-                year: row.year,
-                external_id: String::new(),
-            })),
-        };
+        let movie = movie_by_title(&row.title, row.year);
         let entry = client
             .add_to_watchlist(v1::AddToWatchlistRequest {
                 actor_user_id: user.to_owned(),

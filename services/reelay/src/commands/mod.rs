@@ -78,6 +78,18 @@ pub fn call_failed(what: &str, status: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{what} failed: {:?}: {}{hint}", status.code(), status.message())
 }
 
+/// A film named by title and year (found, or created when Reelay does not know it yet).
+pub fn movie_by_title(title: &str, year: i32) -> reelay_contracts::v1::MovieRef {
+    use reelay_contracts::v1;
+    v1::MovieRef {
+        by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
+            title: title.to_owned(),
+            year,
+            external_id: String::new(),
+        })),
+    }
+}
+
 /// Who is asking, for the audit record of operator actions.
 pub fn operator_name() -> String {
     std::env::var("REELAY_OPERATOR")

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, reviews_client::ReviewsClient};
 
-use super::{ClientArgs, call_failed};
+use super::{ClientArgs, call_failed, movie_by_title};
 
 #[derive(Debug, Subcommand)]
 pub enum ReviewsCommand {
@@ -45,26 +45,17 @@ pub struct LogArgs {
     pub client: ClientArgs,
 }
 
-/// "4.5" stars → 9 half stars.
+/// "4.5" stars → 9 half stars (Letterboxd's scale, read the same way as its exports).
 fn parse_stars(text: &str) -> Result<u32, String> {
-    let stars: f64 = text.parse().map_err(|_| format!("{text:?} is not a number of stars"))?;
-    let half = stars * 2.0;
-    if half.fract() != 0.0 || !(1.0..=10.0).contains(&half) {
-        return Err(format!("stars must be 0.5 to 5 in steps of 0.5, got {text}"));
-    }
-    Ok(half as u32)
+    reelay_domain::letterboxd::parse_stars(text)
+        .filter(|half| *half > 0)
+        .ok_or_else(|| format!("stars must be 0.5 to 5 in steps of 0.5, got {text:?}"))
 }
 
 pub async fn run(command: ReviewsCommand) -> anyhow::Result<()> {
     let ReviewsCommand::Log(args) = command;
     let mut reviews = ReviewsClient::new(args.client.write()?);
-    let movie = v1::MovieRef {
-        by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
-            title: args.movie.clone(),
-            year: args.year,
-            external_id: String::new(),
-        })),
-    };
+    let movie = movie_by_title(&args.movie, args.year);
     let logged = reviews
         .log_review(v1::LogReviewRequest {
             actor_user_id: args.user,
