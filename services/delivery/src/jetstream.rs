@@ -167,13 +167,14 @@ pub async fn ensure_consumer(
         Ok(mut existing) => {
             let current =
                 existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
-            // Consumers made before replays existed lack the replay subject.
-            let subjects = config.consumer_subjects(handler, event_types);
+            // Consumers made before replays existed lack the replay subject; the rest of the
+            // filter is the operator's (kept as it is).
+            let replays = config.replay_subject(handler, "*");
             let mut filters = current.filter_subjects.clone();
             if !current.filter_subject.is_empty() {
                 filters.push(current.filter_subject.clone());
             }
-            let missing: Vec<String> = subjects.iter().filter(|s| !filters.contains(s)).cloned().collect();
+            let missing: Vec<String> = [replays].into_iter().filter(|s| !filters.contains(s)).collect();
             if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait || !missing.is_empty() {
                 let mut wanted = current.clone();
                 wanted.max_deliver = max_deliver;
