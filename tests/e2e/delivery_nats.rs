@@ -218,10 +218,14 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
     let config = consumer.info().await.unwrap().config.clone();
     assert_eq!((config.max_deliver, config.ack_wait), (5, Duration::from_secs(20)));
     assert_eq!((config.max_waiting, config.description.as_deref()), (77, Some("ops consumer")), "operator fields kept");
-    assert_eq!(config.filter_subjects, vec!["reelay.events.UserRegistered".to_owned()], "the filter is kept");
+    assert_eq!(
+        config.filter_subjects,
+        vec!["reelay.events.UserRegistered".to_owned(), "reelay.events.replay.probe-a.*".to_owned()],
+        "the filter is kept, and the handler's replay subject added"
+    );
     let log = handlers.log_text();
-    assert!(log.contains("updated the existing stream's duplicate_window in place"), "{log}");
-    assert!(log.contains("updated the existing consumer's max_deliver and ack_wait in place"), "{log}");
+    assert!(log.contains("updated the existing stream's duplicate_window and replicas in place"), "{log}");
+    assert!(log.contains("updated the existing consumer's max_deliver, ack_wait and subjects in place"), "{log}");
     handlers.stop().await;
     write.stop().await;
 }

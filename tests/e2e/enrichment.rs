@@ -11,7 +11,7 @@ use std::time::Duration;
 use reelay_contracts::v1::{self, event::Payload, search_client::SearchClient};
 use reelay_harness::{
     AuthedChannel, Backend, Clients, Cluster, MotoServer, Reelay, TEST_TOKEN, TMDB_API_KEY, TMDB_TOKEN, TmdbServer,
-    films, http_get, movie_ref, outbox_rows, query_strings, temp_dir,
+    films, http_request, movie_ref, outbox_rows, query_strings, temp_dir,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
@@ -544,7 +544,7 @@ async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     assert_eq!(done.card_content_type, "image/svg+xml");
     assert_eq!(done.card_key, format!("wrapups/{id}/card.svg"));
 
-    let (status, body) = http_get(&done.card_url).await.expect("fetch the card");
+    let (status, _, body) = http_request("GET", &done.card_url, &[], b"").await;
     assert_eq!(status, 200, "{}: {}", done.card_url, String::from_utf8_lossy(&body));
     check_card(&body, &summary);
 

@@ -94,8 +94,14 @@ async fn process_batch<T, X>(
     };
     // The ledger and the deliveries are settled at the same time, so the write service can
     // commit both in one transaction; either order is safe (a redelivery meets a done ledger
-    // row, or an idempotent handler).
-    tokio::join!(dispatcher.settle_ledger(ledger), settle(&mut settler, &settlements, &shutdown));
+    // row, or an idempotent handler). Dead letters go first: once their deliveries are settled
+    // the source never brings them back, and the ledger is their only record.
+    if ledger.has_dead_letters() {
+        dispatcher.settle_ledger(ledger).await;
+        settle(&mut settler, &settlements, &shutdown).await;
+    } else {
+        tokio::join!(dispatcher.settle_ledger(ledger), settle(&mut settler, &settlements, &shutdown));
+    }
 }
 
 /// Settles deliveries, pausing while the source is unreachable.
@@ -174,11 +180,16 @@ pub fn decode_envelope(
     }
 }
 
-/// The event a NATS message carries, and its dedup id (the `Nats-Msg-Id` header, or the
-/// envelope's id when a publisher set no header). The event type is the subject's last token.
+/// The header a replay carries: the id of the event it republishes (its `Nats-Msg-Id` is the
+/// replay's own, `<event id>:replay:<n>:<handler>`).
+pub const REPLAY_OF_HEADER: &str = "Reelay-Replay-Of";
+
+/// The event a NATS message carries, and its dedup id (the `Nats-Msg-Id` header, or for a
+/// replay the event it republishes, or the envelope's id when a publisher set no header). The
+/// event type is the subject's last token.
 pub fn event_from_nats(message: &async_nats::Message) -> (reelay_contracts::v1::Event, Option<String>) {
-    let header_id =
-        message.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.as_str().to_owned()).unwrap_or_default();
+    let header = |name: &str| message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned());
+    let header_id = header(REPLAY_OF_HEADER).or_else(|| header("Nats-Msg-Id")).unwrap_or_default();
     let event_type = message.subject.rsplit('.').next().unwrap_or_default();
     let event = decode_envelope(&message.payload, &header_id, event_type, "");
     let event_id = if header_id.is_empty() { event.event_id.clone() } else { header_id };

@@ -14,16 +14,22 @@
 //! A delivery whose source already holds its claim (the db backend's per-handler deliveries)
 //! skips the ledger here: settling the delivery settles the claim.
 //!
+//! Where the source keeps no dead letters of its own (JetStream stops delivering an exhausted
+//! message but records nothing), the last failed delivery of a claim this dispatcher holds (its
+//! attempts spent, or a permanent failure) becomes a dead letter in the ledger instead of being
+//! released, so operators find dead letters in one place on every backend.
+//!
 //! Each event's handling is logged in a span carrying the trace id the write stamped on the
 //! event, so a handler's lines join the write's trace.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
 
 use reelay_contracts::v1::{self, ledger_claim::Outcome, ledger_client::LedgerClient};
 use reelay_domain::{EventId, RetryPolicy};
 use reelay_kit::Shutdown;
 use reelay_kit::client::{ServiceChannel, is_transport_failure};
+use reelay_kit::metrics::{self, Counter, Histogram};
 
 use crate::pause::Pause;
 use crate::source::Delivery;
@@ -31,6 +37,26 @@ use crate::{Handler, HandlerError};
 
 /// Keys per Ledger call (the server's limit).
 const LEDGER_BATCH: usize = 1000;
+
+static DELIVERIES: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_handler_deliveries_total",
+        "Deliveries of an event to a handler, by outcome: done, skipped (already done), deferred (held elsewhere), \
+         failed (retried later) or dead_lettered (given up).",
+        &["handler", "outcome"],
+    )
+});
+static HANDLER_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram(
+        "reelay_handler_batch_duration_seconds",
+        "Time of one handler call over a batch of events.",
+        &["handler"],
+        metrics::SECONDS,
+    )
+});
+static HANDLER_BATCH: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram("reelay_handler_batch_events", "Events per handler call.", &["handler"], metrics::BATCH_SIZES)
+});
 
 /// What to do with one delivery after dispatch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,11 +73,21 @@ pub struct Dispatched {
     pub ledger: LedgerSettlement,
 }
 
-/// Ledger claims to mark done (their handler succeeded) or give up (it failed).
+/// Ledger claims to mark done (their handler succeeded), give up (it failed and will be
+/// retried) or turn into dead letters (it failed for the last time).
 #[derive(Debug, Default)]
 pub struct LedgerSettlement {
     complete: Vec<v1::OwnedKey>,
     release: Vec<v1::OwnedKey>,
+    dead: Vec<v1::LedgerDeadLetter>,
+}
+
+impl LedgerSettlement {
+    /// Dead letters must be recorded before their deliveries are settled: once the source
+    /// stops delivering them, the ledger is the only record.
+    pub fn has_dead_letters(&self) -> bool {
+        !self.dead.is_empty()
+    }
 }
 
 /// The ledger could not be reached: nothing ran; pause and dispatch the same batch again.
@@ -87,6 +123,26 @@ pub struct DispatchConfig {
     pub owner: String,
     /// Claims are renewed every third of this while handlers run.
     pub ledger_lease: Duration,
+    /// Deliveries of one event before it is given up (`EVENT_QUEUE_MAX_ATTEMPTS`).
+    pub max_attempts: u32,
+    /// The source keeps no dead letters (JetStream): record the last failed delivery of a
+    /// claim this dispatcher holds as a dead letter in the ledger.
+    pub record_dead_letters: bool,
+}
+
+impl DispatchConfig {
+    /// Whether a failed run of this delivery is its last.
+    fn is_last(&self, attempt: u32, error: &HandlerError) -> bool {
+        matches!(error, HandlerError::Permanent(_)) || attempt >= self.max_attempts
+    }
+}
+
+/// Declares the dispatch metrics, so they are scraped before the first delivery.
+pub fn register_metrics() {
+    for metric in [&HANDLER_SECONDS, &HANDLER_BATCH] {
+        LazyLock::force(metric);
+    }
+    LazyLock::force(&DELIVERIES);
 }
 
 impl Dispatcher {
@@ -126,8 +182,27 @@ impl Dispatcher {
         let renewing = self.clone();
         with_renewals(renewing, held, self.run_handlers(deliveries, &mut pairs)).await;
         let ledger = self.ledger_settlement(deliveries, &pairs);
+        self.count_outcomes(deliveries, &pairs);
         let verdicts = deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.config.retry_policy)).collect();
         Ok(Dispatched { verdicts, ledger })
+    }
+
+    /// Counts each (delivery, handler) pair by what became of it.
+    fn count_outcomes<T>(&self, deliveries: &[Delivery<T>], pairs: &[Vec<(usize, PairState)>]) {
+        for (delivery, ps) in deliveries.iter().zip(pairs) {
+            for (h, state) in ps {
+                let outcome = match state {
+                    PairState::Skip => "skipped",
+                    PairState::HeldUntil(_) => "deferred",
+                    PairState::Ran { result: Ok(()), .. } => "done",
+                    PairState::Ran { result: Err(error), .. } if self.config.is_last(delivery.attempt, error) => {
+                        "dead_lettered"
+                    }
+                    PairState::Ran { .. } | PairState::LedgerError(_) | PairState::Run { .. } => "failed",
+                };
+                DELIVERIES.inc(&[self.handlers[*h].name(), outcome]);
+            }
+        }
     }
 
     /// Asks the ledger about every pair of a delivery that has an event id.
@@ -198,7 +273,11 @@ impl Dispatcher {
                     return (work, Vec::new());
                 }
                 let events: Vec<&v1::Event> = work.iter().map(|&(d, _)| &deliveries[d].event).collect();
-                let results = match tokio::time::timeout(timeout, handler.handle_batch(&events)).await {
+                let started = Instant::now();
+                let ran = tokio::time::timeout(timeout, handler.handle_batch(&events)).await;
+                HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
+                HANDLER_BATCH.observe(&[handler.name()], events.len() as f64);
+                let results = match ran {
                     Ok(results) if results.len() == events.len() => results,
                     Ok(results) => {
                         let error = format!("handler returned {} results for {} events", results.len(), events.len());
@@ -260,9 +339,10 @@ impl Dispatcher {
         }
     }
 
-    /// The claims to complete (handler succeeded) and to release (it failed).
+    /// The claims to complete (handler succeeded), to release (it failed) and to dead-letter
+    /// (it failed for the last time, where the source keeps no dead letters).
     fn ledger_settlement<T>(&self, deliveries: &[Delivery<T>], pairs: &[Vec<(usize, PairState)>]) -> LedgerSettlement {
-        let (mut complete, mut release) = (Vec::new(), Vec::new());
+        let (mut complete, mut release, mut dead) = (Vec::new(), Vec::new(), Vec::new());
         for (d, ps) in pairs.iter().enumerate() {
             for (h, state) in ps {
                 if let PairState::Ran { token: Some(token), result } = state {
@@ -271,51 +351,89 @@ impl Dispatcher {
                         handler: self.handlers[*h].name().to_owned(),
                     };
                     let owned = v1::OwnedKey { key: Some(key), token: *token };
-                    if result.is_ok() { complete.push(owned) } else { release.push(owned) }
-                }
-            }
-        }
-        LedgerSettlement { complete, release }
-    }
-
-    /// Completes the claims of handlers that succeeded and releases the others. The effects
-    /// happened, so this is retried until the ledger answers (or the process stops; the claims
-    /// then expire and the idempotent handlers run again).
-    pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
-        let LedgerSettlement { complete, release } = settlement;
-        for (keys, completing) in [(complete, true), (release, false)] {
-            for chunk in keys.chunks(LEDGER_BATCH) {
-                let mut pause = Pause::new("ledger");
-                loop {
-                    let request = v1::LedgerSettleRequest { keys: chunk.to_vec() };
-                    let reply = if completing {
-                        self.ledger.complete(request).await
-                    } else {
-                        self.ledger.release(request).await
-                    };
-                    match reply {
-                        Ok(reply) => {
-                            for (key, owned) in chunk.iter().zip(reply.into_inner().owned) {
-                                if !owned {
-                                    let key = key.key.as_ref().expect("built above");
-                                    tracing::warn!(event_id = %key.event_id, handler = %key.handler,
-                                        "claim lost: a newer claim took this event over; leaving it to its owner");
-                                }
-                            }
-                            pause.resumed();
-                            break;
+                    match result {
+                        Ok(()) => complete.push(owned),
+                        Err(error)
+                            if self.config.record_dead_letters && self.config.is_last(deliveries[d].attempt, error) =>
+                        {
+                            dead.push(v1::LedgerDeadLetter {
+                                key: Some(owned),
+                                attempts: deliveries[d].attempt,
+                                error: error.to_string(),
+                            });
                         }
-                        Err(status) if is_transport_failure(&status) && !self.shutdown.is_requested() => {
-                            pause.wait(status.message()).await;
-                        }
-                        Err(status) => {
-                            tracing::error!(code = ?status.code(), error = status.message(), completing,
-                                "could not settle ledger claims; they will expire and be taken over");
-                            break;
-                        }
+                        Err(_) => release.push(owned),
                     }
                 }
             }
+        }
+        LedgerSettlement { complete, release, dead }
+    }
+
+    /// Completes the claims of handlers that succeeded, records the dead letters and releases
+    /// the others. The effects happened, so this is retried until the ledger answers (or the
+    /// process stops; the claims then expire and the idempotent handlers run again).
+    pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
+        let LedgerSettlement { complete, release, dead } = settlement;
+        for chunk in dead.chunks(LEDGER_BATCH) {
+            let owned = self
+                .until_answered("dead-letter", |mut ledger| {
+                    let dead_letters = chunk.to_vec();
+                    async move { ledger.dead_letter(v1::LedgerDeadLetterRequest { dead_letters }).await }
+                })
+                .await;
+            let keys: Vec<&v1::OwnedKey> = chunk.iter().filter_map(|d| d.key.as_ref()).collect();
+            warn_lost(&keys, owned);
+        }
+        for (keys, completing) in [(complete, true), (release, false)] {
+            for chunk in keys.chunks(LEDGER_BATCH) {
+                let owned = self
+                    .until_answered(if completing { "complete" } else { "release" }, |mut ledger| {
+                        let request = v1::LedgerSettleRequest { keys: chunk.to_vec() };
+                        async move {
+                            if completing { ledger.complete(request).await } else { ledger.release(request).await }
+                        }
+                    })
+                    .await;
+                warn_lost(&chunk.iter().collect::<Vec<_>>(), owned);
+            }
+        }
+    }
+
+    /// Calls the ledger until it answers (pausing while it is unreachable) or refuses; `None`
+    /// when it refused or the process is stopping.
+    async fn until_answered<F, Fut>(&self, what: &'static str, mut call: F) -> Option<Vec<bool>>
+    where
+        F: FnMut(LedgerClient<ServiceChannel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<v1::LedgerSettleResponse>, tonic::Status>>,
+    {
+        let mut pause = Pause::new("ledger");
+        loop {
+            match call(self.ledger.clone()).await {
+                Ok(reply) => {
+                    pause.resumed();
+                    return Some(reply.into_inner().owned);
+                }
+                Err(status) if is_transport_failure(&status) && !self.shutdown.is_requested() => {
+                    pause.wait(status.message()).await;
+                }
+                Err(status) => {
+                    tracing::error!(code = ?status.code(), error = status.message(), what,
+                        "could not settle ledger claims; they will expire and be taken over");
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// Logs the claims a settle found taken over by a newer claim.
+fn warn_lost(keys: &[&v1::OwnedKey], owned: Option<Vec<bool>>) {
+    for (key, owned) in keys.iter().zip(owned.unwrap_or_default()) {
+        if !owned {
+            let key = key.key.as_ref().expect("built by the dispatcher");
+            tracing::warn!(event_id = %key.event_id, handler = %key.handler,
+                "claim lost: a newer claim took this event over; leaving it to its owner");
         }
     }
 }

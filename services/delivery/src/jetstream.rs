@@ -31,6 +31,9 @@ pub struct JetStreamConfig {
     /// The server's monitoring endpoint (e.g. `http://127.0.0.1:8222`), used to check that it
     /// fsyncs every write.
     pub monitor_url: Option<String>,
+    /// Copies of the stream a clustered server keeps (1 on a single server; 3 in a cluster, so
+    /// losing a node loses no acknowledged event). The handlers' consumers follow the stream.
+    pub replicas: usize,
 }
 
 impl JetStreamConfig {
@@ -40,6 +43,19 @@ impl JetStreamConfig {
 
     pub fn consumer_name(handler: &str) -> String {
         format!("handler-{handler}")
+    }
+
+    /// Where an operator's replays for `handler` alone are published (any event type): its
+    /// consumer takes this subject besides its event types, no other consumer does.
+    pub fn replay_subject(&self, handler: &str, event_type: &str) -> String {
+        format!("{}.replay.{handler}.{event_type}", self.subject_prefix)
+    }
+
+    /// The subjects a handler's consumer takes: its event types, and its replays.
+    pub fn consumer_subjects(&self, handler: &str, event_types: &[&str]) -> Vec<String> {
+        let mut subjects: Vec<String> = event_types.iter().map(|t| self.subject(t)).collect();
+        subjects.push(self.replay_subject(handler, "*"));
+        subjects
     }
 }
 
@@ -95,17 +111,19 @@ pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) ->
         Ok(mut existing) => {
             let info = existing.info().await.map_err(|e| js_error(format!("reading stream {}", config.stream), e))?;
             let current = info.config.clone();
-            if current.duplicate_window != DUPLICATE_WINDOW {
+            if current.duplicate_window != DUPLICATE_WINDOW || current.num_replicas != config.replicas {
                 let mut wanted = current.clone();
                 wanted.duplicate_window = DUPLICATE_WINDOW;
+                wanted.num_replicas = config.replicas;
                 match js.update_stream(&wanted).await {
                     Ok(_) => {
                         tracing::warn!(stream = %config.stream, from = ?current.duplicate_window, to = ?DUPLICATE_WINDOW,
-                        "updated the existing stream's duplicate_window in place")
+                        from_replicas = current.num_replicas, to_replicas = config.replicas,
+                        "updated the existing stream's duplicate_window and replicas in place")
                     }
                     Err(error) => tracing::warn!(stream = %config.stream, %error,
-                        "could not update the stream's duplicate_window; apply it by hand: nats stream edit {} --dupe-window 1h",
-                        config.stream),
+                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}",
+                        config.stream, config.replicas),
                 }
             }
             Ok(())
@@ -120,6 +138,7 @@ pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) ->
                     subjects: vec![format!("{}.>", config.subject_prefix)],
                     storage: stream::StorageType::File,
                     duplicate_window: DUPLICATE_WINDOW,
+                    num_replicas: config.replicas,
                     description: Some("Reelay domain events, published from the outbox by the relay".into()),
                     ..Default::default()
                 })
@@ -148,15 +167,28 @@ pub async fn ensure_consumer(
         Ok(mut existing) => {
             let current =
                 existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
-            if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait {
+            // Consumers made before replays existed lack the replay subject; the rest of the
+            // filter is the operator's (kept as it is).
+            let replays = config.replay_subject(handler, "*");
+            let mut filters = current.filter_subjects.clone();
+            if !current.filter_subject.is_empty() {
+                filters.push(current.filter_subject.clone());
+            }
+            let missing: Vec<String> = [replays].into_iter().filter(|s| !filters.contains(s)).collect();
+            if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait || !missing.is_empty() {
                 let mut wanted = current.clone();
                 wanted.max_deliver = max_deliver;
                 wanted.ack_wait = config.ack_wait;
+                if !missing.is_empty() {
+                    filters.extend(missing);
+                    wanted.filter_subject = String::new();
+                    wanted.filter_subjects = filters;
+                }
                 match stream.update_consumer(wanted).await {
                     Ok(_) => {
                         tracing::warn!(consumer = %name, from_max_deliver = current.max_deliver, to_max_deliver = max_deliver,
                         from_ack_wait = ?current.ack_wait, to_ack_wait = ?config.ack_wait,
-                        "updated the existing consumer's max_deliver and ack_wait in place")
+                        "updated the existing consumer's max_deliver, ack_wait and subjects in place")
                     }
                     Err(error) => tracing::warn!(consumer = %name, %error,
                         "could not update the consumer; apply it by hand: nats consumer edit {} {} --max-deliver {} --wait {}s",
@@ -170,7 +202,7 @@ pub async fn ensure_consumer(
                 .create_consumer(consumer::pull::Config {
                     durable_name: Some(name.clone()),
                     description: Some(format!("Reelay handler `{handler}`")),
-                    filter_subjects: event_types.iter().map(|t| config.subject(t)).collect(),
+                    filter_subjects: config.consumer_subjects(handler, event_types),
                     ack_policy: consumer::AckPolicy::Explicit,
                     deliver_policy: consumer::DeliverPolicy::All,
                     ack_wait: config.ack_wait,

@@ -1,4 +1,5 @@
-//! Parsing of Letterboxd CSV exports (`diary.csv`, `reviews.csv`, `watched.csv`/`ratings.csv`).
+//! Parsing of Letterboxd CSV exports (`diary.csv`, `reviews.csv`, `watched.csv`/`ratings.csv`),
+//! and joining an export's diary with its reviews ([`attach_reviews`]).
 //!
 //! Columns are found by header name, so any of those files works: `Name` and `Year` are
 //! required; `Letterboxd URI`, `Rating` (0.5–5 stars), `Rewatch`, `Review` and `Watched Date`
@@ -126,8 +127,70 @@ pub fn parse(data: &[u8]) -> Result<Vec<DiaryRow>, ValidationError> {
     Ok(rows)
 }
 
-/// "3.5" stars → 7 half stars; empty → 0 (unrated).
-fn parse_stars(text: &str) -> Option<u32> {
+/// The columns [`attach_reviews`] writes: those [`parse`] reads.
+const JOINED_COLUMNS: [&str; 8] =
+    ["Date", "Name", "Year", "Letterboxd URI", "Rating", "Rewatch", "Review", "Watched Date"];
+
+/// Joins an export's `diary.csv` with its `reviews.csv` into one diary CSV: each review's text
+/// is attached to the diary entry with the same `Letterboxd URI` (Letterboxd gives a review the
+/// URI of the diary entry it was written for), and a review with no diary entry becomes an
+/// entry of its own. Rows keep their order, diary first. Both files must parse (see [`parse`]).
+pub fn attach_reviews(diary: &[u8], reviews: &[u8]) -> Result<Vec<u8>, ValidationError> {
+    let read = |data: &[u8]| -> Result<Vec<Vec<(String, String)>>, ValidationError> {
+        let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(data);
+        let headers: Vec<String> = reader
+            .headers()
+            .map_err(|e| error(1, format!("unreadable header: {e}")))?
+            .iter()
+            .map(|h| h.trim().to_owned())
+            .collect();
+        let mut rows = Vec::new();
+        for record in reader.records() {
+            let record =
+                record.map_err(|e| error(e.position().map_or(0, |p| p.line()), format!("malformed CSV: {e}")))?;
+            rows.push(headers.iter().cloned().zip(record.iter().map(str::to_owned)).collect());
+        }
+        Ok(rows)
+    };
+    let get = |row: &[(String, String)], column: &str| {
+        row.iter().find(|(h, _)| h.eq_ignore_ascii_case(column)).map(|(_, v)| v.trim().to_owned()).unwrap_or_default()
+    };
+    let diary = read(diary)?;
+    let reviews = read(reviews)?;
+    let mut by_uri: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for (i, review) in reviews.iter().enumerate() {
+        let uri = get(review, "Letterboxd URI");
+        if !uri.is_empty() {
+            by_uri.insert(uri, i);
+        }
+    }
+    let mut used = vec![false; reviews.len()];
+    let mut writer = csv::Writer::from_writer(Vec::new());
+    let written = |e: csv::Error| error(0, format!("cannot write the joined export: {e}"));
+    writer.write_record(JOINED_COLUMNS).map_err(written)?;
+    for entry in &diary {
+        let review = by_uri.get(&get(entry, "Letterboxd URI")).copied();
+        if let Some(i) = review {
+            used[i] = true;
+        }
+        let record: Vec<String> = JOINED_COLUMNS
+            .iter()
+            .map(|c| match (*c, review) {
+                ("Review", Some(i)) => get(&reviews[i], "Review"),
+                (c, _) => get(entry, c),
+            })
+            .collect();
+        writer.write_record(&record).map_err(written)?;
+    }
+    for (review, _) in reviews.iter().zip(&used).filter(|(_, used)| !**used) {
+        let record: Vec<String> = JOINED_COLUMNS.iter().map(|c| get(review, c)).collect();
+        writer.write_record(&record).map_err(written)?;
+    }
+    writer.into_inner().map_err(|e| error(0, format!("cannot write the joined export: {e}")))
+}
+
+/// "3.5" stars → 7 half stars; empty → 0 (unrated); `None` unless 0.5 to 5 in steps of 0.5.
+pub fn parse_stars(text: &str) -> Option<u32> {
     if text.is_empty() {
         return Some(0);
     }
@@ -174,6 +237,22 @@ mod tests {
 
         let ragged = "Name,Year\nAlien,1979\nHeat,1995,extra\n";
         assert!(parse(ragged.as_bytes()).unwrap_err().reason.starts_with("line 3"));
+    }
+
+    #[test]
+    fn reviews_join_their_diary_entries() {
+        let reviews = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Review,Tags,Watched Date\n\
+            2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,\"In space, no one can hear you scream.\",,2024-01-02\n\
+            2024-02-01,Heat,1995,https://boxd.it/bbb1,5,,The diner scene.,,2024-01-31\n";
+        let joined = attach_reviews(DIARY.as_bytes(), reviews.as_bytes()).unwrap();
+        let rows = parse(&joined).unwrap();
+        assert_eq!(rows.len(), 3, "two diary entries and one review without an entry");
+        assert_eq!(rows[0].title, "Alien");
+        assert_eq!(rows[0].body, "In space, no one can hear you scream.");
+        assert_eq!(rows[0].import_key(), "letterboxd:https://boxd.it/aaa1", "the review is the diary entry");
+        assert_eq!(rows[1].body, "", "no review for this entry");
+        assert_eq!((rows[2].title.as_str(), rows[2].body.as_str()), ("Heat", "The diner scene."));
+        assert_eq!(rows[2].watched_on, "2024-01-31");
     }
 
     #[test]

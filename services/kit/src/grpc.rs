@@ -5,14 +5,18 @@
 //! except health checks, a per-call deadline, a per-connection concurrency limit, panic catching
 //! (a panicking handler answers INTERNAL instead of dropping the connection), a tracing span per
 //! call, and the caller's W3C trace context made available to the write path so every event a
-//! call raises carries it.
+//! call raises carries it. Every call is counted by method and status code, and timed.
+//!
+//! Health: the empty service name is SERVING while the server runs (liveness); each mounted
+//! service and each name given to [`GrpcServer::readiness`] (`write`, `handlers`) is SERVING
+//! only while that readiness flag is set (readiness probes).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
@@ -27,7 +31,24 @@ use tonic_health::ServingStatus;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
+use crate::metrics::{self, Counter, Histogram};
 use crate::telemetry::TRACEPARENT;
+
+static GRPC_REQUESTS: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_grpc_requests_total",
+        "gRPC calls served, by method (of the mounted services; `unknown` otherwise) and status code.",
+        &["method", "code"],
+    )
+});
+static GRPC_DURATION: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram(
+        "reelay_grpc_request_duration_seconds",
+        "Time to answer a gRPC call (until its response headers), by method.",
+        &["method"],
+        metrics::SECONDS,
+    )
+});
 
 #[derive(Debug, Clone)]
 pub struct GrpcConfig {
@@ -63,11 +84,19 @@ pub struct GrpcServer {
     config: GrpcConfig,
     routes: RoutesBuilder,
     names: Vec<&'static str>,
+    readiness: Vec<(&'static str, tokio::sync::watch::Receiver<bool>)>,
 }
 
 impl GrpcServer {
     pub fn new(config: GrpcConfig) -> Self {
-        Self { config, routes: RoutesBuilder::default(), names: Vec::new() }
+        Self { config, routes: RoutesBuilder::default(), names: Vec::new(), readiness: Vec::new() }
+    }
+
+    /// Reports the health of `name` (and of every service mounted on this server) as SERVING
+    /// only while `ready` is set: readiness probes ask for `name`.
+    pub fn readiness(mut self, name: &'static str, ready: &crate::admin_http::ReadyFlag) -> Self {
+        self.readiness.push((name, ready.subscribe()));
+        self
     }
 
     pub fn config(&self) -> &GrpcConfig {
@@ -97,12 +126,38 @@ impl GrpcServer {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), tonic::transport::Error> {
-        let Self { config, mut routes, names } = self;
+        let Self { config, mut routes, names, readiness } = self;
         let (health, health_service) = tonic_health::server::health_reporter();
-        for name in &names {
-            health.set_service_status(*name, ServingStatus::Serving).await;
-        }
         health.set_service_status("", ServingStatus::Serving).await;
+        // Mounted services follow the server's readiness flags (all of them must be set);
+        // without flags they serve as soon as the server does. Flags are looked at every 100 ms.
+        let (stop_following, mut stopped) = tokio::sync::watch::channel(false);
+        let flag_names: Vec<&'static str> = readiness.iter().map(|(name, _)| *name).collect();
+        {
+            let (health, names) = (health.clone(), names.clone());
+            tokio::spawn(async move {
+                let mut last: Option<Vec<bool>> = None;
+                loop {
+                    let now: Vec<bool> = readiness.iter().map(|(_, rx)| *rx.borrow()).collect();
+                    if last.as_ref() != Some(&now) {
+                        let serving =
+                            |ready: bool| if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+                        for ((name, _), ready) in readiness.iter().zip(&now) {
+                            health.set_service_status(*name, serving(*ready)).await;
+                        }
+                        for name in &names {
+                            health.set_service_status(*name, serving(now.iter().all(|r| *r))).await;
+                        }
+                        last = Some(now);
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                        _ = stopped.changed() => return,
+                    }
+                }
+            });
+        }
+        let known: Arc<[&'static str]> = names.iter().copied().chain(["grpc.health.v1.Health"]).collect();
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(reelay_contracts::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -117,8 +172,9 @@ impl GrpcServer {
         let (draining_tx, draining) = tokio::sync::oneshot::channel::<()>();
         let signal = async move {
             shutdown.await;
+            let _ = stop_following.send(true);
             let _ = draining_tx.send(());
-            for name in &names {
+            for name in names.iter().chain(&flag_names) {
                 health.set_service_status(*name, ServingStatus::NotServing).await;
             }
             health.set_service_status("", ServingStatus::NotServing).await;
@@ -127,7 +183,7 @@ impl GrpcServer {
         let serving = tonic::transport::Server::builder()
             .timeout(config.call_timeout)
             .concurrency_limit_per_connection(config.max_concurrent_calls_per_connection)
-            .layer(CallContextLayer { token: config.service_token.map(Arc::from) })
+            .layer(CallContextLayer { token: config.service_token.map(Arc::from), known })
             .add_routes(routes.routes())
             .serve_with_incoming_shutdown(incoming, signal);
         let drain_deadline = async move {
@@ -150,13 +206,15 @@ impl GrpcServer {
 #[derive(Clone)]
 struct CallContextLayer {
     token: Option<Arc<str>>,
+    /// The services mounted on this server: the only method labels metrics may carry.
+    known: Arc<[&'static str]>,
 }
 
 impl<S> Layer<S> for CallContextLayer {
     type Service = CallContext<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        CallContext { inner, token: self.token.clone() }
+        CallContext { inner, token: self.token.clone(), known: self.known.clone() }
     }
 }
 
@@ -164,6 +222,14 @@ impl<S> Layer<S> for CallContextLayer {
 struct CallContext<S> {
     inner: S,
     token: Option<Arc<str>>,
+    known: Arc<[&'static str]>,
+}
+
+/// The method label of a call: its path when it names a mounted service, else `unknown` (a
+/// caller must not be able to mint label values).
+fn method_label(known: &[&'static str], path: &str) -> String {
+    let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
+    if known.contains(&service) { path.to_owned() } else { "unknown".to_owned() }
 }
 
 impl<S> CallContext<S> {
@@ -197,8 +263,11 @@ where
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let method = request.uri().path().to_owned();
+        let label = method_label(&self.known, &method);
+        let started = Instant::now();
         if !self.authorized(&request) {
             tracing::warn!(%method, "rejected call without a valid service token");
+            GRPC_REQUESTS.inc(&[&label, "16"]);
             let status =
                 Status::unauthenticated("missing or invalid service token (send `authorization: Bearer <token>`)");
             return Box::pin(async move { Ok(status.into_http()) });
@@ -225,11 +294,15 @@ where
                             let code =
                                 response.headers().get("grpc-status").and_then(|v| v.to_str().ok()).unwrap_or("0");
                             tracing::debug!(code, "call answered");
+                            let label = if code == "12" { "unknown".to_owned() } else { label };
+                            GRPC_REQUESTS.inc(&[&label, code]);
+                            GRPC_DURATION.observe_duration(&[&label], started.elapsed());
                             Ok(response)
                         }
                         Ok(Err(error)) => Err(error),
                         Err(_) => {
                             tracing::error!("handler panicked");
+                            GRPC_REQUESTS.inc(&[&label, "13"]);
                             Ok(Status::internal("the server failed unexpectedly (see its log)").into_http())
                         }
                     }

@@ -216,10 +216,11 @@ async fn claim_open(
         let Some(&(row_id, length)) = rows.get(&key) else {
             // The outbox row is gone (deleted by hand or by retention): nothing left to deliver.
             sqlx::query(
-                "UPDATE processed_events SET status = 'dead_lettered', last_error = ?, owner = NULL \
+                "UPDATE processed_events SET status = 'dead_lettered', last_error = ?, processed_at = ?, owner = NULL \
                  WHERE event_id = ? AND handler = ?",
             )
             .bind("the event is no longer in the outbox")
+            .bind(now)
             .bind(&key)
             .bind(&request.handler)
             .execute(tx.conn())
@@ -353,11 +354,12 @@ async fn claim_new(
         let key = delivery_key(candidate.id, candidate.event_id.as_deref());
         tracing::error!(event_id = %key, handler = %request.handler, %reason, "delivery dead-lettered");
         sqlx::query(
-            "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, attempts, last_error) \
-             VALUES (?, ?, 'dead_lettered', ?, ?, 0, ?) ON CONFLICT DO NOTHING",
+            "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, processed_at, attempts, \
+             last_error) VALUES (?, ?, 'dead_lettered', ?, ?, ?, 0, ?) ON CONFLICT DO NOTHING",
         )
         .bind(key)
         .bind(&request.handler)
+        .bind(now)
         .bind(now)
         .bind(now)
         .bind(reason)
@@ -496,13 +498,14 @@ pub async fn settle(
                             ("retry", Some(now + policy.retry.delay(attempts).as_millis() as i64))
                         };
                         sqlx::query(
-                            "UPDATE processed_events SET status = ?, attempts = ?, available_at = ?, last_error = ?, owner = NULL \
-                             WHERE event_id = ? AND handler = ?",
+                            "UPDATE processed_events SET status = ?, attempts = ?, available_at = ?, last_error = ?, owner = NULL, \
+                             processed_at = COALESCE(?, processed_at) WHERE event_id = ? AND handler = ?",
                         )
                         .bind(status)
                         .bind(i64::from(attempts))
                         .bind(due)
                         .bind(error)
+                        .bind(dead.then_some(now))
                         .bind(&s.key)
                         .bind(handler)
                         .execute(tx.conn())

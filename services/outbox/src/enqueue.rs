@@ -7,8 +7,8 @@ use sqlx::AssertSqlSafe;
 
 use crate::WriteTx;
 
-/// Rows per INSERT statement (6 parameters each).
-const ROWS_PER_STATEMENT: usize = 128;
+/// Rows per INSERT statement (8 parameters each).
+const ROWS_PER_STATEMENT: usize = 100;
 
 /// Why events could not be enqueued.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -32,10 +32,12 @@ pub struct EnqueuedEvent {
 #[derive(Debug, Clone)]
 pub(crate) struct OutboxInsert {
     event_id: String,
-    event_type: &'static str,
+    event_type: String,
     aggregate_id: String,
     payload: Vec<u8>,
     at: i64,
+    /// A replay: the event it republishes, and the one handler it is for.
+    replay: Option<(String, String)>,
 }
 
 /// Adds `events` to the outbox (`event_queue`) inside the caller's write transaction, so they
@@ -70,32 +72,68 @@ pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<V
         }
         tx.job_rows.push(OutboxInsert {
             event_id: event_id.to_string(),
-            event_type,
+            event_type: event_type.to_owned(),
             aggregate_id: event.aggregate_id,
             payload,
             at,
+            replay: None,
         });
         enqueued.push(EnqueuedEvent { event_id, event_type });
     }
     Ok(enqueued)
 }
 
+/// Adds a replay of the event `key` (an event id, or `row:<id>`) for `handler` alone to the
+/// outbox, inside the caller's write transaction: a copy of the event's row that the relay
+/// republishes to that handler's replay subject with the message id
+/// `<event id>:replay:<replay>:<handler>` (nats backend). False when the event is no longer in
+/// the outbox (nothing is written).
+pub async fn enqueue_replay(tx: &mut WriteTx, key: &str, handler: &str, replay: u32) -> Result<bool, sqlx::Error> {
+    let row: Option<(Option<String>, String, String, Vec<u8>)> = match key.strip_prefix("row:").and_then(|id| id.parse::<i64>().ok()) {
+        Some(id) => sqlx::query_as("SELECT event_id, event_type, aggregate_id, payload FROM event_queue WHERE id = ?")
+            .bind(id)
+            .fetch_optional(tx.conn())
+            .await?,
+        None => sqlx::query_as(
+            "SELECT event_id, event_type, aggregate_id, payload FROM event_queue WHERE event_id = ? AND replay_of IS NULL",
+        )
+        .bind(key)
+        .fetch_optional(tx.conn())
+        .await?,
+    };
+    let Some((_, event_type, aggregate_id, payload)) = row else { return Ok(false) };
+    let at = tx.now_ms();
+    tx.job_rows.push(OutboxInsert {
+        event_id: format!("{key}:replay:{replay}:{handler}"),
+        event_type,
+        aggregate_id,
+        payload,
+        at,
+        replay: Some((key.to_owned(), handler.to_owned())),
+    });
+    Ok(true)
+}
+
 /// Writes buffered outbox rows, many per statement.
 pub(crate) async fn insert_rows(conn: &mut sqlx::SqliteConnection, rows: &[OutboxInsert]) -> Result<(), sqlx::Error> {
     for chunk in rows.chunks(ROWS_PER_STATEMENT) {
         let mut sql = String::from(
-            "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, available_at, created_at) VALUES ",
+            "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, available_at, created_at, \
+             replay_of, replay_handler) VALUES ",
         );
-        sql.push_str(&vec!["(?, ?, ?, ?, 'pending', 0, ?, ?)"; chunk.len()].join(", "));
+        sql.push_str(&vec!["(?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)"; chunk.len()].join(", "));
         let mut query = sqlx::query(AssertSqlSafe(sql));
         for row in chunk {
+            let (replay_of, replay_handler) = row.replay.clone().unzip();
             query = query
                 .bind(row.event_id.clone())
-                .bind(row.event_type)
+                .bind(row.event_type.clone())
                 .bind(row.aggregate_id.clone())
                 .bind(row.payload.clone())
                 .bind(row.at)
-                .bind(row.at);
+                .bind(row.at)
+                .bind(replay_of)
+                .bind(replay_handler);
         }
         query.execute(&mut *conn).await?;
     }

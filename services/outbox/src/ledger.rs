@@ -8,7 +8,9 @@
 //! batch and runs inside one writer job; the clock is an argument so tests can inject time.
 //!
 //! On the db backend the same rows also carry each handler's delivery state (see
-//! [`crate::deliveries`]): `retry` rows are free to claim, `dead_lettered` ones count as settled.
+//! [`crate::deliveries`]): `retry` rows are free to claim, `dead_lettered` and `discarded` ones
+//! count as settled. On the nats backend a handler's last failed delivery becomes a dead letter
+//! here ([`dead_letter`]), so operators find dead letters in one place on both backends.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -105,7 +107,9 @@ pub async fn claim(
         for key in taken {
             let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
             let outcome = match state {
-                Some((status, ..)) if status == "done" || status == "dead_lettered" => ClaimOutcome::Done,
+                Some((status, ..)) if matches!(status.as_str(), "done" | "dead_lettered" | "discarded") => {
+                    ClaimOutcome::Done
+                }
                 Some((status, _, renewed)) if status == "in_progress" && *renewed > now - lease => {
                     ClaimOutcome::HeldUntil(renewed + lease)
                 }
@@ -190,13 +194,49 @@ pub async fn release(tx: &mut WriteTx, keys: &[OwnedKey]) -> Result<Vec<bool>, s
     settle(tx, keys, "DELETE FROM processed_events", None).await
 }
 
+/// An owned claim whose handler failed for the last time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    pub owned: OwnedKey,
+    /// Deliveries spent, the last one included.
+    pub attempts: u32,
+    pub error: String,
+}
+
+/// Turns owned claims into dead letters (their attempts and last error kept). `false` for a key
+/// means the claim was lost and nothing changed.
+pub async fn dead_letter(tx: &mut WriteTx, dead: &[DeadLetter], now: i64) -> Result<Vec<bool>, sqlx::Error> {
+    let mut owned = Vec::with_capacity(dead.len());
+    for d in dead {
+        let error: String = d.error.chars().take(2000).collect();
+        let changed = sqlx::query(
+            "UPDATE processed_events SET status = 'dead_lettered', attempts = ?, last_error = ?, processed_at = ?,              owner = NULL WHERE event_id = ? AND handler = ? AND started_at = ? AND status = 'in_progress'",
+        )
+        .bind(i64::from(d.attempts))
+        .bind(&error)
+        .bind(now)
+        .bind(&d.owned.key.event_id)
+        .bind(&d.owned.key.handler)
+        .bind(d.owned.token)
+        .execute(tx.conn())
+        .await?
+        .rows_affected();
+        if changed > 0 {
+            tracing::error!(event_id = %d.owned.key.event_id, handler = %d.owned.key.handler, attempts = d.attempts,
+                %error, "delivery dead-lettered for this handler");
+        }
+        owned.push(changed > 0);
+    }
+    Ok(owned)
+}
+
 /// Deletes up to `batch` rows past retention: done rows processed before `now - retention`,
 /// and claims abandoned that long ago. Returns how many went; call again until 0.
 pub async fn purge(tx: &mut WriteTx, now: i64, policy: LedgerPolicy, batch: u32) -> Result<u64, sqlx::Error> {
     let cutoff = now - policy.retention.as_millis() as i64;
     let deleted = sqlx::query(
         "DELETE FROM processed_events WHERE (event_id, handler) IN ( \
-             SELECT event_id, handler FROM processed_events WHERE status = 'done' AND processed_at < ?1 \
+             SELECT event_id, handler FROM processed_events WHERE status IN ('done', 'discarded') AND processed_at < ?1 \
              UNION ALL \
              SELECT event_id, handler FROM processed_events WHERE status = 'in_progress' AND started_at < ?1 \
              LIMIT ?2)",

@@ -39,6 +39,8 @@ pub struct ClaimedRow {
     pub payload: Vec<u8>,
     pub attempts: u32,
     pub claimed_at: i64,
+    /// A replay row (nats backend): the event it republishes, and to which handler alone.
+    pub replay: Option<(String, String)>,
 }
 
 /// A claimed row named by id and claim token.
@@ -46,6 +48,13 @@ pub struct ClaimedRow {
 pub struct RowClaim {
     pub id: i64,
     pub claimed_at: i64,
+}
+
+/// A row the relay published: where JetStream stored it (0 when not published to JetStream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Published {
+    pub row: RowClaim,
+    pub stream_sequence: u64,
 }
 
 /// What a settle call did.
@@ -130,7 +139,7 @@ pub async fn claim_due(
     let rows = sqlx::query(
         "UPDATE event_queue SET status = 'processing', claimed_at = ?1, claimed_by = ?3 \
          WHERE status = 'pending' AND available_at <= ?1 AND id <= ?2 \
-         RETURNING id, event_id, event_type, aggregate_id, payload, attempts, claimed_at",
+         RETURNING id, event_id, event_type, aggregate_id, payload, attempts, claimed_at, replay_of, replay_handler",
     )
     .bind(now)
     .bind(last)
@@ -147,6 +156,7 @@ pub async fn claim_due(
             payload: r.get("payload"),
             attempts: r.get::<i64, _>("attempts") as u32,
             claimed_at: r.get("claimed_at"),
+            replay: r.get::<Option<String>, _>("replay_of").zip(r.get::<Option<String>, _>("replay_handler")),
         })
         .collect();
     claimed.sort_by_key(|r| r.id);
@@ -172,21 +182,24 @@ async fn dead_letter_oversized(tx: &mut WriteTx, id: i64, length: i64, max_bytes
     Ok(())
 }
 
-/// Marks delivered rows done.
-pub async fn complete(tx: &mut WriteTx, rows: &[RowClaim]) -> Result<Settled, sqlx::Error> {
+/// Marks published rows done, with the JetStream sequence each was stored at.
+pub async fn complete(tx: &mut WriteTx, rows: &[Published]) -> Result<Settled, sqlx::Error> {
     let mut done = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(CHUNK) {
-        let mut query = sqlx::query(claims_sql(
-            "UPDATE event_queue SET status = 'done'",
-            chunk.len(),
-            "AND status = 'processing' RETURNING id",
-        ));
-        for row in chunk {
-            query = query.bind(row.id).bind(row.claimed_at);
+        let sql = format!(
+            "UPDATE event_queue SET status = 'done', stream_sequence = NULLIF(v.column3, 0) \
+             FROM (VALUES {}) AS v WHERE event_queue.id = v.column1 AND event_queue.claimed_at = v.column2 \
+             AND event_queue.status = 'processing' RETURNING event_queue.id",
+            vec!["(?, ?, ?)"; chunk.len()].join(", ")
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        for p in chunk {
+            query = query.bind(p.row.id).bind(p.row.claimed_at).bind(p.stream_sequence as i64);
         }
         done.extend(query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get::<i64, _>(0)));
     }
-    Ok(settled(rows, done, Vec::new()))
+    let claims: Vec<RowClaim> = rows.iter().map(|p| p.row).collect();
+    Ok(settled(&claims, done, Vec::new()))
 }
 
 /// Reschedules rows to `until` without spending an attempt.
@@ -314,4 +327,30 @@ pub async fn peek(
     .fetch_one(conn)
     .await?;
     Ok((row.get(0), row.get(1)))
+}
+
+/// Deletes up to `batch` outbox rows that every handler is finished with and that were written
+/// before `cutoff` (ms), oldest first; returns how many went (call again until 0).
+///
+/// Finished means: on the nats backend (`cursors` false) the relay published the row (`done`);
+/// on the db backend every handler's cursor is past it (a handler no longer deployed keeps its
+/// cursor, and holds retention back until it is removed from `handler_cursors`). On both, no handler's delivery of it is
+/// still open (claimed, retrying) or dead-lettered: a dead letter keeps its event until an
+/// operator replays or discards it. Rows dead-lettered in the outbox itself stay too.
+pub async fn purge_finished(tx: &mut WriteTx, cutoff: i64, cursors: bool, batch: u32) -> Result<u64, sqlx::Error> {
+    let finished = if cursors {
+        "q.status IN ('pending', 'done') AND q.id <= (SELECT COALESCE(MIN(position), 0) FROM handler_cursors)"
+    } else {
+        "q.status = 'done'"
+    };
+    let sql = format!(
+        "DELETE FROM event_queue WHERE id IN ( \
+             SELECT q.id FROM event_queue q WHERE q.created_at < ?1 AND {finished} \
+             AND NOT EXISTS (SELECT 1 FROM processed_events p \
+                 WHERE p.event_id = COALESCE(q.event_id, 'row:' || q.id) AND p.status IN ('in_progress', 'retry', 'dead_lettered')) \
+             ORDER BY q.created_at LIMIT ?2)"
+    );
+    let deleted =
+        sqlx::query(AssertSqlSafe(sql)).bind(cutoff).bind(i64::from(batch)).execute(tx.conn()).await?.rows_affected();
+    Ok(deleted)
 }

@@ -22,17 +22,45 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use reelay_kit::failpoint_armed;
+use reelay_kit::metrics::{self, Histogram};
 use reelay_kit::telemetry::TRACEPARENT;
 use sqlx::{Connection, Executor, SqliteConnection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+static BATCH_JOBS: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram(
+        "reelay_writer_batch_jobs",
+        "Write jobs committed together in one transaction (group commit).",
+        &[],
+        metrics::BATCH_SIZES,
+    )
+});
+static BATCH_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram(
+        "reelay_writer_batch_seconds",
+        "How long one write batch held the database's write lock, BEGIN to COMMIT.",
+        &[],
+        metrics::SECONDS,
+    )
+});
+static COMMIT_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram("reelay_writer_commit_seconds", "Time of one batch's COMMIT (its fsync).", &[], metrics::SECONDS)
+});
+
+/// Declares the writer's metrics, so they are scraped before the first write.
+pub fn register_metrics() {
+    for metric in [&BATCH_JOBS, &BATCH_SECONDS, &COMMIT_SECONDS] {
+        LazyLock::force(metric);
+    }
+}
 
 /// Most jobs committed together. Bounds the time a batch holds the write lock.
 const MAX_BATCH: usize = 256;
@@ -449,7 +477,10 @@ async fn run(
 /// Runs one batch in one transaction. Returns how many outbox rows it committed, or why the
 /// whole batch failed (every job of it has been told).
 async fn commit_batch(connection: &mut OpenConn, batch: &mut Vec<Box<dyn Job>>) -> Result<usize, CommitError> {
+    let started = Instant::now();
     let outcome = run_batch(connection, batch).await;
+    BATCH_JOBS.observe(&[], batch.len() as f64);
+    BATCH_SECONDS.observe_duration(&[], started.elapsed());
     let stray = connection.hooks.stray_commits.swap(0, Ordering::SeqCst);
     if stray > 0 {
         tracing::error!(
@@ -553,7 +584,9 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
         return Err(CommitError::OutcomeUnknown(Arc::new(sqlx::Error::Protocol("failpoint".into()))));
     }
     hooks.commit_allowed.store(true, Ordering::SeqCst);
+    let committing = Instant::now();
     let committed = tx.conn.execute("COMMIT").await;
+    COMMIT_SECONDS.observe_duration(&[], committing.elapsed());
     hooks.commit_allowed.store(false, Ordering::SeqCst);
     match committed {
         Ok(_) => Ok(rows.len()),

@@ -6,6 +6,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
 use reelay_domain::{NewEvent, RetryPolicy};
+use reelay_outbox::dead_letters::{self, Acted, Action, Target};
 use reelay_outbox::deliveries::{
     self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
 };
@@ -286,6 +287,112 @@ async fn claims_stay_within_the_answer_size() {
 
 fn deliveries_overhead() -> usize {
     reelay_outbox::queue::CLAIM_ROW_OVERHEAD
+}
+
+async fn purge(db: &Database, cursors: bool) -> u64 {
+    job(db, move |tx| {
+        Box::pin(async move { Ok(reelay_outbox::queue::purge_finished(tx, i64::MAX, cursors, 500).await?) })
+    })
+    .await
+    .unwrap()
+}
+
+async fn act(db: &Database, target: Target, action: Action) -> Acted {
+    job(db, move |tx| Box::pin(async move { Ok(dead_letters::act(tx, &target, action, "ops", T0).await?) }))
+        .await
+        .unwrap()
+}
+
+async fn outbox_ids(db: &Database) -> Vec<i64> {
+    sqlx::query_scalar("SELECT id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap()
+}
+
+/// Retention deletes only what every handler is finished with; a dead letter keeps its event
+/// until it is replayed (once, however often it is asked) and handled, or discarded.
+#[tokio::test]
+async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 4).await;
+    let a = request("a", &["MovieDeleted", "UserRegistered"], "p1#x");
+    let claimed = claim(&db, &a, T0).await.unwrap();
+    let failed = DeliveryOutcome::Failed { error: "boom".into(), terminal: true };
+    settle(
+        &db,
+        "a",
+        vec![
+            outcome(&claimed[0], DeliveryOutcome::Done),
+            outcome(&claimed[1], DeliveryOutcome::Done),
+            outcome(&claimed[2], failed),
+        ],
+        T0,
+    )
+    .await;
+    // claimed[3] stays in progress.
+    let ids = outbox_ids(&db).await;
+    assert_eq!(purge(&db, true).await, 2, "the two done rows go");
+    assert_eq!(outbox_ids(&db).await, ids[2..].to_vec(), "the dead letter's and the open delivery's rows stay");
+    assert_eq!(purge(&db, false).await, 0, "on nats only published (done) rows are finished");
+
+    let dead = claimed[2].key.clone();
+    let target = Target::Events { event_ids: vec![dead.clone()], handler: None };
+    let first = act(&db, target.clone(), Action::Replay { republish: false }).await;
+    let second = act(&db, target.clone(), Action::Replay { republish: false }).await;
+    assert_eq!(first.changed, vec![(dead.clone(), "a".to_owned())]);
+    assert!(second.changed.is_empty() && second.unchanged == vec![(dead.clone(), String::new())], "{second:?}");
+    let audit: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM dead_letter_actions").fetch_one(&db.reads).await.unwrap();
+    assert_eq!(audit, 1, "one replay, recorded once");
+    assert_eq!(state(&db, &dead, "a").await, ("retry".into(), 0), "due again with fresh attempts");
+    let again = claim(&db, &a, T0 + 1).await.unwrap();
+    assert_eq!(again.iter().map(|d| (d.key.as_str(), d.attempt)).collect::<Vec<_>>(), vec![(dead.as_str(), 1)]);
+    settle(&db, "a", vec![outcome(&again[0], DeliveryOutcome::Done)], T0 + 2).await;
+    assert_eq!(purge(&db, true).await, 1, "handled after the replay, its row goes");
+
+    // Discarding: never delivered again, and the event may go.
+    settle(&db, "a", vec![outcome(&claimed[3], DeliveryOutcome::Failed { error: "no".into(), terminal: true })], T0)
+        .await;
+    let discarded = act(&db, Target::AllOf("a".into()), Action::Discard).await;
+    assert_eq!(discarded.changed.len(), 1);
+    assert_eq!(state(&db, &claimed[3].key, "a").await.0, "discarded");
+    assert!(claim(&db, &a, T0 + 10_000_000).await.unwrap().is_empty(), "a discarded delivery is not claimed");
+    assert_eq!(purge(&db, true).await, 1);
+    assert!(outbox_ids(&db).await.is_empty());
+}
+
+/// On nats a replay is an outbox row of its own, for one handler, with a message id of its own.
+#[tokio::test]
+async fn a_nats_replay_is_a_row_for_one_handler() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 1).await;
+    let key: String = sqlx::query_scalar("SELECT event_id FROM event_queue").fetch_one(&db.reads).await.unwrap();
+    let key2 = key.clone();
+    // As a nats handler's last failure leaves it: a dead letter in the ledger.
+    job(&db, move |tx| {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO processed_events (event_id, handler, status, started_at, attempts, last_error) \
+                 VALUES (?, 'a', 'dead_lettered', ?, 8, 'exhausted')",
+            )
+            .bind(key2)
+            .bind(T0)
+            .execute(tx.conn())
+            .await?;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let target = Target::AllOf("a".into());
+    assert_eq!(act(&db, target.clone(), Action::Replay { republish: true }).await.changed.len(), 1);
+    assert!(act(&db, target, Action::Replay { republish: true }).await.changed.is_empty(), "once");
+    let rows: Vec<(String, Option<String>, Option<String>)> =
+        sqlx::query_as("SELECT event_id, replay_of, replay_handler FROM event_queue ORDER BY id")
+            .fetch_all(&db.reads)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 2, "one replay row");
+    assert_eq!(rows[1], (format!("{key}:replay:1:a"), Some(key.clone()), Some("a".to_owned())));
 }
 
 /// A handler far behind on rows it does not take reaches its own in one claim, not one scan

@@ -6,7 +6,7 @@ use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
 use reelay_domain::{NewEvent, retry_backoff};
 use reelay_outbox::ledger::{self, ClaimOutcome, LedgerKey, LedgerPolicy, OwnedKey};
-use reelay_outbox::queue::{self, ClaimLimits, FailedRow, QueuePolicy, RowClaim};
+use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy, RowClaim};
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
 
@@ -134,16 +134,23 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let ids: Vec<i64> = reclaimed.iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![first.id, second.id, claims[2].id], "the deferred row is due, the stale ones reclaimed");
     // The dead claimer's late settle is refused and changes nothing.
-    let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[second]).await })).await;
+    let late_done = Published { row: second, stream_sequence: 0 };
+    let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[late_done]).await })).await;
     assert_eq!((late.settled, late.lost), (0, vec![second.id]));
     let stale_fail = FailedRow { row: second, error: "late".into(), terminal: false };
     let late = job(&db, move |tx| Box::pin(async move { queue::fail(tx, &[stale_fail], T0, policy).await })).await;
     assert_eq!(late.lost, vec![second.id]);
     assert_eq!(row_state(&db, second.id).await.0, "processing");
     // The new owner completes.
-    let owner = RowClaim { id: second.id, claimed_at: reclaimed[1].claimed_at };
+    let owner = Published { row: RowClaim { id: second.id, claimed_at: reclaimed[1].claimed_at }, stream_sequence: 7 };
     let done = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[owner]).await })).await;
     assert_eq!(done.settled, 1);
+    let sequence: Option<i64> = sqlx::query_scalar("SELECT stream_sequence FROM event_queue WHERE id = ?")
+        .bind(second.id)
+        .fetch_one(&db.reads)
+        .await
+        .unwrap();
+    assert_eq!(sequence, Some(7), "the PubAck's sequence is kept for `events explain`");
 
     let mut conn = db.reads.acquire().await.unwrap();
     let stats = queue::stats(&mut conn, T0 + 600_001).await.unwrap();

@@ -32,6 +32,26 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Apply database migrations and exit.
     Migrate(MigrateArgs),
+    /// Where the outbox and every handler stand (operator).
+    Status(crate::commands::status::StatusArgs),
+    /// Look into events (operator).
+    #[command(subcommand)]
+    Events(crate::commands::events::EventsCommand),
+    /// List, replay or discard dead letters (operator).
+    #[command(subcommand)]
+    DeadLetters(crate::commands::dead_letters::DeadLettersCommand),
+    /// Create users.
+    #[command(subcommand)]
+    Users(crate::commands::users::UsersCommand),
+    /// Log reviews.
+    #[command(subcommand)]
+    Reviews(crate::commands::reviews::ReviewsCommand),
+    /// Search what handlers indexed.
+    #[command(subcommand)]
+    Search(crate::commands::search::SearchCommand),
+    /// Import from other services.
+    #[command(subcommand)]
+    Import(crate::commands::import::ImportCommand),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -80,6 +100,10 @@ pub struct RunArgs {
     /// Development mode: allow running without a service token (calls are not authenticated).
     #[arg(long, env = "REELAY_DEV")]
     pub dev: bool,
+
+    /// Where this process serves `/metrics` (Prometheus), `/healthz` and `/readyz` over HTTP.
+    #[arg(long, env = "REELAY_METRICS_ADDR", default_value = "127.0.0.1:9464")]
+    pub metrics_addr: SocketAddr,
 
     /// Largest gRPC message accepted or sent, in bytes.
     #[arg(long, env = "REELAY_GRPC_MAX_MESSAGE_BYTES", default_value_t = 4 * 1024 * 1024)]
@@ -144,9 +168,15 @@ pub struct DeliveryArgs {
     #[arg(long, env = "REELAY_LEDGER_RETENTION_DAYS", default_value_t = 30)]
     pub ledger_retention_days: u64,
 
-    /// How often the write service purges ledger rows and request ids past retention.
+    /// How often the write service purges outbox rows, ledger rows and request ids past
+    /// retention.
     #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000)]
     pub ledger_purge_interval_ms: u64,
+
+    /// How long outbox rows every handler is finished with are kept, in seconds (7 days).
+    /// Dead-lettered work is kept until an operator replays or discards it.
+    #[arg(long, env = "REELAY_OUTBOX_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
+    pub outbox_retention_secs: u64,
 
     /// How long a write's `request_id` answers a retry with the first call's answer.
     #[arg(long, env = "REELAY_REQUEST_ID_RETENTION_HOURS", default_value_t = 24)]
@@ -194,6 +224,11 @@ pub struct NatsArgs {
     /// Events are published to `<prefix>.<event type>`.
     #[arg(long, env = "REELAY_SUBJECT_PREFIX", default_value = "reelay.events")]
     pub subject_prefix: String,
+
+    /// Copies of the stream a NATS cluster keeps (3 in a 3-node cluster: a node's loss loses no
+    /// acknowledged event); 1 on a single server.
+    #[arg(long, env = "REELAY_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=5))]
+    pub stream_replicas: u32,
 
     /// How long JetStream waits for a handler's ack before redelivering (handlers report
     /// progress while they work, so this bounds a dead handler, not a slow one).
@@ -295,4 +330,23 @@ pub struct MigrateArgs {
     /// Stop after this migration version (to build a database at an older schema).
     #[arg(long)]
     pub to: Option<i64>,
+}
+
+/// The service token from its variable or its file (trimmed); `None` when neither is set. A
+/// token must be at least 16 characters.
+pub fn read_service_token(token: Option<&str>, file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let token = match (token, file) {
+        (Some(token), _) => Some(token.trim().to_owned()),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("cannot read the service token file {}: {e}", path.display()))?
+                .trim()
+                .to_owned(),
+        ),
+        (None, None) => None,
+    };
+    match token {
+        Some(token) if token.len() < 16 => anyhow::bail!("the service token must be at least 16 characters"),
+        token => Ok(token),
+    }
 }

@@ -1,6 +1,7 @@
 //! `reelay`: process concerns only. Parse the command line and environment, set up logging and
 //! the panic hook, then hand off to the node.
 
+mod commands;
 mod config;
 mod node;
 
@@ -29,6 +30,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(run) => node::run(*run).await,
             Command::Migrate(migrate) => node::migrate(migrate).await,
+            command => commands::run(command).await,
         }
     });
     match result {

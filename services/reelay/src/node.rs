@@ -15,17 +15,17 @@ use reelay_delivery::jetstream::{self, JetStreamConfig};
 use reelay_delivery::nats_source::JetStreamSource;
 use reelay_delivery::{BuiltHandler, HandlerContext};
 use reelay_kit::client::{ServiceChannel, connect_lazy};
-use reelay_kit::{Backoff, GrpcConfig, GrpcServer, Service, Shutdown};
+use reelay_kit::{Backoff, GrpcConfig, GrpcServer, Readiness, ReadyFlag, Service, Shutdown};
 use reelay_outbox::deliveries::HandlerPolicy;
 use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 use reelay_outbox::{Database, DbConfig};
 use reelay_relay as relay;
-use reelay_write::DeliveryPolicy;
+use reelay_write::{Bus, DeliveryPolicy};
 use sqlx::Connection;
 use tokio::net::TcpListener;
 
-use crate::config::{Backend, DatabaseArgs, MigrateArgs, NatsMode, RunArgs};
+use crate::config::{Backend, DatabaseArgs, MigrateArgs, NatsMode, RunArgs, read_service_token};
 
 /// How long one outbox claim waits for rows. Commits wake it at once, so this only bounds how
 /// long a stopping consumer waits for its last fetch (an idle claim costs one empty job).
@@ -38,18 +38,7 @@ fn db_config(args: &DatabaseArgs) -> DbConfig {
 }
 
 fn service_token(args: &RunArgs) -> anyhow::Result<Option<String>> {
-    let token = match (&args.service_token, &args.service_token_file) {
-        (Some(token), _) => Some(token.trim().to_owned()),
-        (None, Some(path)) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read the service token file {}", path.display()))?
-                .trim()
-                .to_owned(),
-        ),
-        (None, None) => None,
-    };
-    match token {
-        Some(token) if token.len() < 16 => bail!("the service token must be at least 16 characters"),
+    match read_service_token(args.service_token.as_deref(), args.service_token_file.as_deref())? {
         Some(token) => Ok(Some(token)),
         None if args.dev => {
             tracing::warn!("development mode: no service token, gRPC calls are NOT authenticated");
@@ -89,8 +78,14 @@ impl Identity {
 }
 
 /// Takes back the claims an earlier run of this instance held when it died (it could not settle
-/// them), instead of waiting out their leases. Retried until the write service answers.
-async fn release_predecessor(write: ServiceChannel, identity: &Identity, shutdown: Shutdown) {
+/// them), instead of waiting out their leases. Retried until the write service answers; then
+/// the services that depend on it are ready.
+async fn release_predecessor(
+    write: ServiceChannel,
+    identity: &Identity,
+    shutdown: Shutdown,
+    ready: impl Future<Output = Vec<ReadyFlag>>,
+) {
     let mut outbox = OutboxClient::new(write);
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     while !shutdown.is_requested() {
@@ -104,6 +99,9 @@ async fn release_predecessor(write: ServiceChannel, identity: &Identity, shutdow
                 if released > 0 {
                     tracing::info!(instance = %identity.instance, claims = released,
                         "took back the claims this instance's previous run left behind");
+                }
+                for flag in ready.await {
+                    flag.set(true);
                 }
                 return;
             }
@@ -123,6 +121,7 @@ fn jetstream_config(args: &RunArgs) -> JetStreamConfig {
         ack_wait: Duration::from_millis(args.nats.ack_wait_ms),
         max_ack_pending: args.nats.max_ack_pending,
         monitor_url: args.nats.monitor_url.clone(),
+        replicas: args.nats.stream_replicas as usize,
     }
 }
 
@@ -206,9 +205,22 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let media_listener =
         if services.contains(&Service::Handlers) { Some(bind(args.handlers.media_addr).await?) } else { None };
     let gateway_listener = if services.contains(&Service::Gateway) { Some(bind(gateway_addr).await?) } else { None };
+    // Metrics and probes: every service of this process is registered not ready until it is.
+    let readiness = Readiness::new();
+    let ready: std::collections::BTreeMap<Service, ReadyFlag> =
+        services.iter().map(|s| (*s, readiness.service(s.as_str()))).collect();
+    tokio::spawn(reelay_kit::admin_http::serve_admin(bind(args.metrics_addr).await?, readiness.clone()));
+    register_metrics(&services);
 
     let shutdown = Shutdown::new();
     shutdown.listen_for_signals();
+    {
+        let (stop, readiness) = (shutdown.clone(), readiness.clone());
+        tokio::spawn(async move {
+            stop.requested().await;
+            readiness.draining();
+        });
+    }
     // The write service keeps serving until this node's consumers and relay have settled.
     let clients_done = Shutdown::new();
     let mut clients = tokio::task::JoinSet::new();
@@ -239,11 +251,20 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         clients.spawn(relay::Relay::new(write_channel.clone(), client, config).run(stop));
     }
 
-    if services.contains(&Service::Relay) || services.contains(&Service::Handlers) {
+    // Sent once every consumer is set up (below).
+    let (all_set_up, set_up) = tokio::sync::oneshot::channel::<()>();
+    if [Service::Relay, Service::Handlers, Service::Gateway].iter().any(|s| services.contains(s)) {
         let (write, stop) = (write_channel.clone(), shutdown.clone());
         let identity = Identity { instance: identity.instance.clone(), incarnation: identity.incarnation.clone() };
+        // The relay, the handlers and the gateway are ready once the write service answers
+        // (and, on nats, the stream and their consumers are set up, which happened above or
+        // happens below before this task can run to the end of its first call).
+        let flags: Vec<ReadyFlag> = [Service::Relay, Service::Handlers, Service::Gateway]
+            .iter()
+            .filter_map(|s| ready.get(s).cloned())
+            .collect();
         tasks.spawn(async move {
-            release_predecessor(write, &identity, stop).await;
+            release_predecessor(write, &identity, stop, set_up.map(|_| flags)).await;
             Ok(())
         });
     }
@@ -254,7 +275,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let names: Vec<&str> = built.iter().map(|b| b.handler.name()).collect();
         tracing::info!(backend = ?args.handlers.backend, %write_url, handlers = ?names, owner = %identity.owner(),
             "handlers service starting");
-        let mut server = GrpcServer::new(grpc.clone());
+        let mut server =
+            GrpcServer::new(grpc.clone()).readiness(Service::Handlers.as_str(), &ready[&Service::Handlers]);
+        let record_dead_letters = nats_client.is_some() && args.nats.nats_mode == NatsMode::Jetstream;
         for BuiltHandler { handler, grpc } in built {
             if let Some(mount) = grpc {
                 server = mount(server);
@@ -267,6 +290,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     retry_policy: args.delivery.retry(),
                     owner: identity.owner(),
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
+                    max_attempts: args.delivery.max_attempts,
+                    record_dead_letters,
                 },
                 shutdown.clone(),
             );
@@ -338,6 +363,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                 .context("the gateway failed")
         });
     }
+    let _ = all_set_up.send(());
     let done = clients_done.clone();
     tasks.spawn(async move {
         while clients.join_next().await.is_some() {}
@@ -370,12 +396,19 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let store = reelay_write::Store::new(database.clone());
         let keys = reelay_write::ActorKeys::new(store.clone());
         tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));
-        let server = reelay_write::mount(GrpcServer::new(grpc), store, keys, Some(media_url));
+        reelay_write::sample_status(database.clone(), policy.bus);
+        let write_ready = &ready[&Service::Write];
+        let server = GrpcServer::new(grpc).readiness(Service::Write.as_str(), write_ready);
+        let server = reelay_write::mount(server, store, keys, Some(media_url));
         let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
         let retention = reelay_write::Retention {
             ledger: policy.ledger,
             request_ids: Duration::from_secs(args.delivery.request_id_retention_hours * 3600),
+            outbox: Duration::from_secs(args.delivery.outbox_retention_secs),
+            bus: policy.bus,
         };
+        // Migrated, handlers registered, about to serve: the write service is ready.
+        write_ready.set(true);
         tasks.spawn(
             reelay_write::purge_expired(
                 database.clone(),
@@ -429,6 +462,25 @@ fn delivery_policy(args: &RunArgs) -> DeliveryPolicy {
             max_attempts: d.max_attempts,
             retry: d.retry(),
         },
+        bus: match args.handlers.backend {
+            Backend::Db => Bus::Db,
+            Backend::Nats => Bus::Nats,
+        },
+    }
+}
+
+/// Declares the metrics of the services this process runs, so a scrape shows them (at zero)
+/// before they first move.
+fn register_metrics(services: &BTreeSet<Service>) {
+    if services.contains(&Service::Write) {
+        reelay_outbox::register_metrics();
+        reelay_write::register_metrics();
+    }
+    if services.contains(&Service::Relay) {
+        relay::register_metrics();
+    }
+    if services.contains(&Service::Handlers) {
+        reelay_delivery::dispatch::register_metrics();
     }
 }
 

@@ -6,7 +6,12 @@
 //! relay that dies between the PubAck and the mark-done republishes after the claim lease; the
 //! broker drops the duplicate inside its duplicate window and answers with a duplicate PubAck,
 //! which counts as success.
+//!
+//! An operator's replay (nats backend) is an outbox row of its own: it is published to
+//! `<prefix>.replay.<handler>.<event type>`, which only that handler's consumer takes, with its
+//! own message id and a `Reelay-Replay-Of` header naming the event (the ledger's key).
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -14,7 +19,33 @@ use async_nats::jetstream::context::PublishErrorKind;
 use futures_util::future::join_all;
 use reelay_contracts::v1::{self, outbox_client::OutboxClient};
 use reelay_kit::client::{ServiceChannel, is_transport_failure};
+use reelay_kit::metrics::{self, Counter};
 use reelay_kit::{Backoff, Shutdown};
+
+static PUBLISHED: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_relay_published_total",
+        "Outbox rows the relay published and marked done, by outcome: stored, or duplicate (the broker had it already).",
+        &["outcome"],
+    )
+});
+static DEFERRED: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_relay_deferred_total",
+        "Outbox rows the relay could not publish (broker unreachable) and deferred without spending an attempt.",
+        &[],
+    )
+});
+static REFUSED: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter("reelay_relay_refused_total", "Outbox rows the broker refused (an attempt spent).", &[])
+});
+
+/// Declares the relay's metrics, so they are scraped before the first publish.
+pub fn register_metrics() {
+    for metric in [&PUBLISHED, &DEFERRED, &REFUSED] {
+        LazyLock::force(metric);
+    }
+}
 
 /// How the relay publishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,8 +167,13 @@ impl Relay {
     }
 
     fn message(&self, row: &v1::OutboxRow) -> (String, HeaderMap) {
-        let subject = format!("{}.{}", self.config.subject_prefix, row.event_type);
         let mut headers = HeaderMap::new();
+        let subject = if row.replay_handler.is_empty() {
+            format!("{}.{}", self.config.subject_prefix, row.event_type)
+        } else {
+            headers.insert(reelay_delivery::consumer::REPLAY_OF_HEADER, row.replay_of.as_str());
+            format!("{}.replay.{}.{}", self.config.subject_prefix, row.replay_handler, row.event_type)
+        };
         if !row.event_id.is_empty() {
             headers.insert("Nats-Msg-Id", row.event_id.as_str());
         }
@@ -166,7 +202,7 @@ impl Relay {
         let mut sent = Vec::with_capacity(rows.len());
         for row in rows {
             let (subject, headers) = self.message(row);
-            let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
+            let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms, stream_sequence: 0 };
             match self.nats.publish_with_headers(subject, headers, row.payload.clone().into()).await {
                 Ok(()) => sent.push(claim),
                 Err(error) if error.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
@@ -206,11 +242,11 @@ async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
     .await;
     let mut published = Published { done: Vec::new(), retry: Vec::new(), refused: Vec::new(), duplicates: 0 };
     for (row, ack) in rows.iter().zip(acks) {
-        let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms };
+        let claim = v1::RowClaim { id: row.id, claimed_at_ms: row.claimed_at_ms, stream_sequence: 0 };
         match ack {
             Ok(ack) => {
                 published.duplicates += usize::from(ack.duplicate);
-                published.done.push(claim);
+                published.done.push(v1::RowClaim { stream_sequence: ack.sequence, ..claim });
             }
             Err(error)
                 if matches!(
@@ -250,6 +286,10 @@ async fn settle(outbox: OutboxClient<ServiceChannel>, published: Published, dela
             "the broker already had some events (duplicate PubAck): treated as published"
         );
     }
+    PUBLISHED.inc_by(&["duplicate"], published.duplicates as u64);
+    PUBLISHED.inc_by(&["stored"], (published.done.len() - published.duplicates) as u64);
+    DEFERRED.inc_by(&[], published.retry.len() as u64);
+    REFUSED.inc_by(&[], published.refused.len() as u64);
     let until_ms = reelay_kit::now_ms() + delay.as_millis() as i64;
     for chunk in published.done.chunks(1000) {
         call_until_answered(&outbox, "complete", |mut outbox| {

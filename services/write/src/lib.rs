@@ -1,7 +1,7 @@
 //! The write service: the only owner of the SQLite database.
 //!
 //! `api` turns gRPC requests into validated commands, one file per domain service, plus the
-//! internal Outbox and Ledger services; `store` is the SQLite adapter, one file per aggregate,
+//! internal Outbox, Ledger and Admin services; `store` is the SQLite adapter, one file per aggregate,
 //! that runs each command as one writer job, writing the change and the events it causes in the
 //! same transaction through `reelay_outbox::enqueue_events`. Handlers of the API never open
 //! transactions. `request_ids` makes writes that carry a client `request_id` happen at most
@@ -18,7 +18,7 @@ mod store;
 
 pub use actor_keys::ActorKeys;
 pub use api::mount;
-pub use api::{DeliveryPolicy, mount_internal, register_handlers};
+pub use api::{Bus, DeliveryPolicy, mount_internal, register_handlers, register_metrics, sample_status};
 pub use error::WriteError;
 pub use retention::{Retention, purge_expired};
 pub use store::Store;

@@ -1,17 +1,18 @@
 //! Retention: rows that only matter for a while are deleted once past it, in small batches
-//! (each its own short write job, so writes never wait long behind a purge): finished ledger
-//! rows and client request ids.
+//! (each its own short write job, so writes never wait long behind a purge): outbox rows every
+//! handler is finished with, finished ledger rows and client request ids. Dead-lettered work
+//! stays until an operator replays or discards it.
 
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use reelay_kit::{Shutdown, now_ms};
 use reelay_outbox::ledger::{self, LedgerPolicy};
-use reelay_outbox::{Database, WriteTx};
+use reelay_outbox::{Database, WriteTx, queue};
 
-use crate::{WriteError, request_ids};
+use crate::{Bus, WriteError, request_ids};
 
-/// Rows deleted per write job.
+/// Rows deleted per write job: each job holds the writer for a few milliseconds at most.
 const BATCH: u32 = 500;
 
 /// How long each kind of row is kept.
@@ -20,6 +21,11 @@ pub struct Retention {
     pub ledger: LedgerPolicy,
     /// How long a request id answers a retry (`REELAY_REQUEST_ID_RETENTION_HOURS`).
     pub request_ids: Duration,
+    /// How long outbox rows every handler is finished with are kept
+    /// (`REELAY_OUTBOX_RETENTION_SECS`).
+    pub outbox: Duration,
+    /// Finished means past every cursor on db, published on nats.
+    pub bus: Bus,
 }
 
 /// Purges what is past retention every `interval`, until shutdown.
@@ -29,6 +35,11 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
             () = shutdown.requested() => return,
             () = tokio::time::sleep(interval) => {}
         }
+        let (cutoff, cursors) = (now_ms() - retention.outbox.as_millis() as i64, retention.bus == Bus::Db);
+        purge(&db, "outbox_purge", "outbox rows", move |tx| {
+            Box::pin(async move { queue::purge_finished(tx, cutoff, cursors, BATCH).await })
+        })
+        .await;
         let policy = retention.ledger;
         purge(&db, "ledger_purge", "ledger rows", move |tx| {
             Box::pin(async move { ledger::purge(tx, now_ms(), policy, BATCH).await })

@@ -119,6 +119,20 @@ impl Cluster {
         }
     }
 
+    /// Runs a client command of the binary against the cluster: the write service, the first
+    /// handlers process (search) and the broker.
+    pub async fn cli(&self, args: &[&str]) -> crate::CliOutput {
+        let mut env = Vec::new();
+        if let Some(nats) = &self.nats {
+            env.push(("NATS_URL".to_owned(), nats.url()));
+        }
+        if let Some(handlers) = self.handlers.first() {
+            env.push(("REELAY_HANDLERS_URL".to_owned(), format!("http://{}", handlers.handlers_addr)));
+        }
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        self.write.cli(args, &env).await
+    }
+
     /// Stops every process with SIGTERM (each must exit cleanly), consumers first.
     pub async fn stop(mut self) {
         for handlers in &mut self.handlers {

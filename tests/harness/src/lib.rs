@@ -36,7 +36,7 @@ pub use db::{
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
-pub use s3::{MotoServer, http, http_get};
+pub use s3::MotoServer;
 pub use tmdb::{TMDB_API_KEY, TMDB_TOKEN, TmdbFilm, TmdbPerson, TmdbServer};
 pub mod films {
     //! The films the TMDB test server knows.
@@ -93,6 +93,8 @@ pub struct Reelay {
     /// The gateway's HTTP address; its public URL is `http://<gateway_addr>` unless the spec
     /// sets `REELAY_PUBLIC_URL`.
     pub gateway_addr: SocketAddr,
+    /// The admin HTTP port: `/metrics`, `/healthz`, `/readyz`.
+    pub metrics_addr: SocketAddr,
     pub database: PathBuf,
     pub log: PathBuf,
     spec: ProcessSpec,
@@ -141,7 +143,9 @@ impl Reelay {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::launch(spec.clone(), [local_addr(), local_addr(), local_addr(), local_addr()]).await {
+            match Self::launch(spec.clone(), [local_addr(), local_addr(), local_addr(), local_addr(), local_addr()])
+                .await
+            {
                 Ok(process) => return process,
                 Err((error, log)) => {
                     last_error = error;
@@ -161,16 +165,34 @@ impl Reelay {
     /// pointed at it find it again).
     pub async fn restart(&mut self) {
         self.kill();
-        let addrs = [self.addr, self.handlers_addr, self.media_addr, self.gateway_addr];
-        let fresh = Self::launch(self.spec.clone(), addrs)
+        let fresh = Self::launch(self.spec.clone(), self.addrs())
             .await
             .unwrap_or_else(|(error, log)| panic!("reelay did not restart: {error}\n{log}"));
         *self = fresh;
     }
 
+    /// Stops the process cleanly and starts it again with `env` set on top of its environment
+    /// (a fault fixed, a setting changed), on the same ports.
+    pub async fn restart_with(&mut self, env: &[(&str, &str)]) {
+        self.stop().await;
+        for (key, value) in env {
+            self.spec.env.retain(|(k, _)| k != key);
+            self.spec.env.push((key.to_string(), value.to_string()));
+        }
+        let fresh = Self::launch(self.spec.clone(), self.addrs())
+            .await
+            .unwrap_or_else(|(error, log)| panic!("reelay did not restart: {error}\n{log}"));
+        *self = fresh;
+    }
+
+    /// The process's ports, to start it again on the same ones.
+    fn addrs(&self) -> [SocketAddr; 5] {
+        [self.addr, self.handlers_addr, self.media_addr, self.gateway_addr, self.metrics_addr]
+    }
+
     async fn launch(
         spec: ProcessSpec,
-        [addr, handlers_addr, media_addr, gateway_addr]: [SocketAddr; 4],
+        [addr, handlers_addr, media_addr, gateway_addr, metrics_addr]: [SocketAddr; 5],
     ) -> Result<Self, (String, String)> {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log).expect("open process log");
         let mut command = Command::new(&spec.binary);
@@ -186,6 +208,7 @@ impl Reelay {
             .env("REELAY_MEDIA_ADDR", media_addr.to_string())
             .env("REELAY_GATEWAY_ADDR", gateway_addr.to_string())
             .env("REELAY_PUBLIC_URL", format!("http://{gateway_addr}"))
+            .env("REELAY_METRICS_ADDR", metrics_addr.to_string())
             .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
@@ -201,6 +224,7 @@ impl Reelay {
             handlers_addr,
             media_addr,
             gateway_addr,
+            metrics_addr,
             database: spec.database.clone(),
             log: spec.log.clone(),
             spec,
@@ -349,6 +373,121 @@ impl Reelay {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// GETs `path` from the process's admin HTTP port: the status code and the body.
+    pub async fn admin_get(&self, path: &str) -> (u16, String) {
+        http_get(self.metrics_addr, path).await
+    }
+
+    /// The process's metrics, scraped now.
+    pub async fn metrics(&self) -> Metrics {
+        let (code, body) = self.admin_get("/metrics").await;
+        assert_eq!(code, 200, "/metrics answered {code}: {body}");
+        Metrics(body)
+    }
+
+    /// Runs a client command of the binary (`reelay <args>`) against this process's services,
+    /// with the test token; `env` adds variables.
+    pub async fn cli(&self, args: &[&str], env: &[(&str, &str)]) -> CliOutput {
+        let mut all = vec![
+            ("REELAY_WRITE_URL".to_owned(), format!("http://{}", self.addr)),
+            ("REELAY_HANDLERS_URL".to_owned(), format!("http://{}", self.handlers_addr)),
+            ("REELAY_SERVICE_TOKEN".to_owned(), TEST_TOKEN.to_owned()),
+            ("REELAY_OPERATOR".to_owned(), "test-operator".to_owned()),
+        ];
+        all.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        run_cli(&self.spec.binary, args, &all).await
+    }
+}
+
+/// What a client command printed, and how it exited.
+#[derive(Debug, Clone)]
+pub struct CliOutput {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CliOutput {
+    /// Panics with the output unless the command succeeded; returns stdout.
+    pub fn ok(&self) -> &str {
+        assert!(self.success, "the command failed\nstdout: {}\nstderr: {}", self.stdout, self.stderr);
+        &self.stdout
+    }
+}
+
+/// Runs `binary <args>` with `env` (and no inherited REELAY_ settings).
+pub async fn run_cli(binary: &Path, args: &[&str], env: &[(String, String)]) -> CliOutput {
+    let mut command = tokio::process::Command::new(binary);
+    command.args(args).stdin(Stdio::null()).env_remove("REELAY_SERVICE_TOKEN").env("RUST_LOG", "warn");
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(120), command.output())
+        .await
+        .unwrap_or_else(|_| panic!("reelay {args:?} did not finish in 120 s"))
+        .expect("run the reelay binary");
+    CliOutput {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A Prometheus text scrape.
+#[derive(Debug, Clone)]
+pub struct Metrics(pub String);
+
+impl Metrics {
+    /// The value of the sample `name{labels}` exactly as written (e.g.
+    /// `reelay_dead_letters{handler="probe-a"}`); `None` when absent.
+    pub fn value(&self, series: &str) -> Option<f64> {
+        self.0.lines().find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+    }
+
+    /// The sum of every sample of `name` whose labels contain each of `labels` (`k="v"`).
+    pub fn sum(&self, name: &str, labels: &[&str]) -> f64 {
+        self.0
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+                (metric == name && labels.iter().all(|l| rest.contains(l))).then(|| value.parse::<f64>().ok()).flatten()
+            })
+            .sum()
+    }
+
+    /// Whether the scrape declares `name` (its `# TYPE` line).
+    pub fn declares(&self, name: &str) -> bool {
+        self.0.lines().any(|l| l.starts_with(&format!("# TYPE {name} ")))
+    }
+}
+
+/// [`http_get`], or `None` when nothing answers at `addr` (yet).
+pub async fn try_http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    tokio::net::TcpStream::connect(addr).await.ok()?;
+    Some(http_get(addr, path).await)
+}
+
+/// A minimal HTTP/1.1 GET: the status code and the body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response))
+        .await
+        .unwrap_or_else(|_| panic!("GET {addr}{path} timed out"))
+        .unwrap();
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("an HTTP status");
+    (code, body.to_owned())
 }
 
 impl Drop for Reelay {

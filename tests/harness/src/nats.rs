@@ -52,6 +52,52 @@ impl NatsServer {
         server
     }
 
+    /// Starts a JetStream cluster of `nodes` servers routed to each other on loopback, each
+    /// storing under `dir/n<i>` (as the cluster overlay runs NATS: file store, every write
+    /// fsynced), and waits until it has a meta leader, so streams can be replicated on it.
+    pub fn start_cluster(dir: &Path, nodes: usize) -> Vec<Self> {
+        let ports: Vec<(u16, u16, u16)> = (0..nodes).map(|_| (free_port(), free_port(), free_port())).collect();
+        let routes: Vec<String> = ports.iter().map(|(_, _, route)| format!("nats-route://127.0.0.1:{route}")).collect();
+        let mut servers = Vec::new();
+        for (i, (port, monitor_port, route)) in ports.iter().copied().enumerate() {
+            let node = dir.join(format!("n{i}"));
+            std::fs::create_dir_all(&node).unwrap();
+            let config = node.join("nats.conf");
+            std::fs::write(
+                &config,
+                format!(
+                    "server_name: n{i}\nlisten: 127.0.0.1:{port}\nhttp: 127.0.0.1:{monitor_port}\n\
+                     jetstream {{\n  store_dir: \"{}\"\n  sync_interval: always\n}}\n\
+                     cluster {{\n  name: test\n  listen: 127.0.0.1:{route}\n  routes: [{}]\n}}\n",
+                    node.join("jetstream").display(),
+                    routes.join(", ")
+                ),
+            )
+            .unwrap();
+            let mut server = Self { child: None, port, monitor_port, config, log: node.join("nats.log") };
+            server.launch();
+            servers.push(server);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !servers.iter().all(Self::has_meta_leader) {
+            assert!(Instant::now() < deadline, "the NATS cluster elected no meta leader in 30 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        servers
+    }
+
+    /// Whether this server knows its cluster's JetStream meta leader (`/jsz`).
+    fn has_meta_leader(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.monitor_port)) else { return false };
+        let _ = stream.write_all(b"GET /jsz HTTP/1.0\r\n\r\n");
+        let mut body = String::new();
+        let _ = stream.read_to_string(&mut body);
+        body.split("\"meta_cluster\"")
+            .nth(1)
+            .is_some_and(|m| m.contains("\"leader\": \"n") || m.contains("\"leader\":\"n"))
+    }
+
     fn launch(&mut self) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
         let child = Command::new(nats_server_binary())

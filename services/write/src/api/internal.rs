@@ -1,16 +1,18 @@
-//! The internal APIs of the write service: Outbox (claim and settle event rows) and Ledger
-//! (claim and settle (event, handler) pairs). Both are used by the relay and the handler
-//! services; neither is part of the public domain API.
+//! The internal APIs of the write service: Outbox (claim and settle event rows), Ledger (claim
+//! and settle (event, handler) pairs), both used by the relay and the handler services, and
+//! Admin (status, explain, dead letters) for operators. None is part of the public domain API.
 //!
-//! `outbox` and `ledger` implement them; this file mounts both and holds what they share.
+//! `outbox`, `ledger` and `admin` implement them; this file mounts them and holds what they
+//! share.
 
-use reelay_contracts::v1::{ledger_server::LedgerServer, outbox_server::OutboxServer};
+use reelay_contracts::v1::{admin_server::AdminServer, ledger_server::LedgerServer, outbox_server::OutboxServer};
 use reelay_kit::{GrpcServer, ServiceError, Shutdown};
 use reelay_outbox::Database;
 use reelay_outbox::deliveries::HandlerPolicy;
 use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 
+use super::admin::{AdminApi, Bus};
 use super::ledger::LedgerApi;
 use super::outbox::OutboxApi;
 
@@ -34,9 +36,11 @@ pub struct DeliveryPolicy {
     pub ledger: LedgerPolicy,
     /// Per-handler delivery on the db backend.
     pub deliveries: HandlerPolicy,
+    /// The event bus the deployment delivers through.
+    pub bus: Bus,
 }
 
-/// Mounts Outbox and Ledger on `server`.
+/// Mounts Outbox, Ledger and Admin on `server`.
 pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, shutdown: Shutdown) -> GrpcServer {
     let limit = server.config().max_message_bytes;
     let outbox = OutboxApi {
@@ -46,8 +50,10 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         shutdown,
         max_message_bytes: limit,
     };
-    let ledger = LedgerApi { db, policy: policy.ledger };
+    let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
+    let admin = AdminApi { db, bus: policy.bus };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))
         .add_service(LedgerServer::new(ledger).max_decoding_message_size(limit).max_encoding_message_size(limit))
+        .add_service(AdminServer::new(admin).max_decoding_message_size(limit).max_encoding_message_size(limit))
 }

@@ -1,14 +1,38 @@
 //! The Ledger service: claim and settle (event, handler) pairs.
 
+use std::sync::LazyLock;
+
 use reelay_contracts::v1;
 use reelay_domain::EventId;
 use reelay_kit::ServiceError;
-use reelay_outbox::ledger::{self, ClaimOutcome, LedgerKey, LedgerPolicy, OwnedKey};
+use reelay_kit::metrics::{self, Counter};
+use reelay_outbox::ledger::{self, ClaimOutcome, DeadLetter, LedgerKey, LedgerPolicy, OwnedKey};
 use reelay_outbox::{Database, WriteTx};
 use tonic::{Request, Response, Status};
 
 use super::internal::{MAX_BATCH_KEYS, handler_name};
 use crate::WriteError;
+
+static LEDGER_CLAIMS: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_ledger_claims_total",
+        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), done (skip), held (another worker has it).",
+        &["outcome"],
+    )
+});
+static LEDGER_DEAD_LETTERS: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_ledger_dead_letters_total",
+        "Deliveries a handler gave up that the ledger recorded as dead letters (nats backend).",
+        &[],
+    )
+});
+
+/// Declares the ledger's metrics, so they are scraped before the first claim.
+pub fn register_metrics() {
+    LazyLock::force(&LEDGER_CLAIMS);
+    LazyLock::force(&LEDGER_DEAD_LETTERS);
+}
 
 #[derive(Clone)]
 pub(super) struct LedgerApi {
@@ -55,6 +79,13 @@ impl v1::ledger_server::Ledger for LedgerApi {
                 Box::pin(async move { Ok(ledger::claim(tx, &claims, &owner, tx.now_ms(), policy).await?) })
             })
             .await?;
+        for outcome in &outcomes {
+            LEDGER_CLAIMS.inc(&[match outcome {
+                ClaimOutcome::Acquired(_) => "acquired",
+                ClaimOutcome::Done => "done",
+                ClaimOutcome::HeldUntil(_) => "held",
+            }]);
+        }
         let claims = keys
             .into_iter()
             .zip(outcomes)
@@ -89,6 +120,40 @@ impl v1::ledger_server::Ledger for LedgerApi {
         request: Request<v1::LedgerSettleRequest>,
     ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
         self.settle(request.into_inner(), Settle::Renew).await
+    }
+
+    async fn dead_letter(
+        &self,
+        request: Request<v1::LedgerDeadLetterRequest>,
+    ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
+        let dead = request.into_inner().dead_letters;
+        if dead.is_empty() || dead.len() > MAX_BATCH_KEYS {
+            return Err(ServiceError::invalid(
+                "dead_letters",
+                format!("must hold 1..={MAX_BATCH_KEYS} dead letters, got {}", dead.len()),
+            )
+            .into());
+        }
+        let dead = dead
+            .into_iter()
+            .map(|d| {
+                let owned = d.key.ok_or_else(|| ServiceError::invalid("dead_letters.key", "is required"))?;
+                let key = ledger_key("dead_letters.key.key", owned.key)?;
+                if d.attempts == 0 {
+                    return Err(ServiceError::invalid("dead_letters.attempts", "must count the last delivery (≥ 1)"));
+                }
+                Ok(DeadLetter { owned: OwnedKey { key, token: owned.token }, attempts: d.attempts, error: d.error })
+            })
+            .collect::<Result<Vec<_>, ServiceError>>()?;
+        let owned = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>("ledger_dead_letter", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(ledger::dead_letter(tx, &dead, tx.now_ms()).await?) })
+            })
+            .await?;
+        LEDGER_DEAD_LETTERS.inc_by(&[], owned.iter().filter(|o| **o).count() as u64);
+        Ok(Response::new(v1::LedgerSettleResponse { owned }))
     }
 }
 

@@ -13,6 +13,7 @@ use crate::actor_keys::ActorKeys;
 use crate::request_ids::RequestKey;
 use crate::store::Store;
 
+mod admin;
 mod deliveries;
 mod federation;
 mod integrations;
@@ -26,8 +27,10 @@ mod users;
 mod watchlist;
 mod wrap_ups;
 
+pub use admin::{Bus, sample_status};
 pub use deliveries::register_handlers;
 pub use internal::{DeliveryPolicy, mount_internal};
+pub use ledger::register_metrics;
 
 type Reply<T> = Result<Response<T>, Status>;
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use reelay_contracts::v1;
 use reelay_kit::{ServiceError, Shutdown, now_ms};
 use reelay_outbox::deliveries::{self, HandlerPolicy};
-use reelay_outbox::queue::{self, ClaimLimits, FailedRow, QueuePolicy, RowClaim, Settled};
+use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy, RowClaim, Settled};
 use reelay_outbox::{Database, WriteTx};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
@@ -27,6 +27,19 @@ pub(super) struct OutboxApi {
     pub(super) shutdown: Shutdown,
     /// The largest message this server sends: no claim answer may be larger.
     pub(super) max_message_bytes: usize,
+}
+
+fn published(rows: Vec<v1::RowClaim>) -> Result<Vec<Published>, ServiceError> {
+    if rows.is_empty() || rows.len() > MAX_BATCH_KEYS {
+        return Err(ServiceError::invalid("rows", format!("must hold 1..={MAX_BATCH_KEYS} rows, got {}", rows.len())));
+    }
+    Ok(rows
+        .into_iter()
+        .map(|r| Published {
+            row: RowClaim { id: r.id, claimed_at: r.claimed_at_ms },
+            stream_sequence: r.stream_sequence,
+        })
+        .collect())
 }
 
 fn row_claims(rows: Vec<v1::RowClaim>) -> Result<Vec<RowClaim>, ServiceError> {
@@ -153,13 +166,15 @@ impl v1::outbox_server::Outbox for OutboxApi {
                 payload: row.payload,
                 attempts: row.attempts,
                 claimed_at_ms: row.claimed_at,
+                replay_of: row.replay.as_ref().map(|r| r.0.clone()).unwrap_or_default(),
+                replay_handler: row.replay.map(|r| r.1).unwrap_or_default(),
             })
             .collect();
         Ok(Response::new(v1::ClaimResponse { rows }))
     }
 
     async fn complete(&self, request: Request<v1::CompleteRequest>) -> Result<Response<v1::SettleResponse>, Status> {
-        let rows = row_claims(request.into_inner().rows)?;
+        let rows = published(request.into_inner().rows)?;
         let settled = self
             .db
             .writer

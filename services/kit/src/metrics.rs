@@ -1,0 +1,272 @@
+//! Prometheus metrics: counters, gauges and histograms with explicit buckets, registered in one
+//! process-wide registry and rendered in the Prometheus text format (0.0.4) by the admin HTTP
+//! server (see [`crate::admin_http`]).
+//!
+//! Each metric is declared next to the code that moves it, as a `static` built on first use:
+//!
+//! ```ignore
+//! static COMMITS: LazyLock<Histogram> = LazyLock::new(|| {
+//!     metrics::histogram("reelay_writer_commit_seconds", "Time to commit one write batch.", &[], SECONDS)
+//! });
+//! COMMITS.observe(&[], elapsed.as_secs_f64());
+//! ```
+//!
+//! Labels come from bounded sets only (handler names, outcomes, gRPC methods of mounted
+//! services, status codes), never from ids. Gauges that mirror stored state are sampled when
+//! Prometheus scrapes (a [`Sampler`]), so a scrape always agrees with the database.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+
+/// Buckets for durations of a few milliseconds to a minute, in seconds.
+pub const SECONDS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Buckets for batch sizes.
+pub const BATCH_SIZES: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Counter => "counter",
+            Self::Gauge => "gauge",
+            Self::Histogram => "histogram",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Series {
+    value: f64,
+    /// Histograms: cumulative counts are computed when rendering; these are per bucket.
+    buckets: Vec<u64>,
+    count: u64,
+}
+
+struct Family {
+    name: &'static str,
+    help: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    buckets: &'static [f64],
+    series: Mutex<BTreeMap<Vec<String>, Series>>,
+}
+
+impl Family {
+    fn with<R>(&self, values: &[&str], f: impl FnOnce(&mut Series) -> R) -> R {
+        debug_assert_eq!(values.len(), self.labels.len(), "metric {} takes labels {:?}", self.name, self.labels);
+        let mut series = self.series.lock().expect("metric lock");
+        let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
+        let entry =
+            series.entry(key).or_insert_with(|| Series { buckets: vec![0; self.buckets.len()], ..Series::default() });
+        f(entry)
+    }
+
+    fn render(&self, out: &mut String) {
+        let _ = writeln!(out, "# HELP {} {}", self.name, self.help);
+        let _ = writeln!(out, "# TYPE {} {}", self.name, self.kind.as_str());
+        let series = self.series.lock().expect("metric lock");
+        for (values, s) in series.iter() {
+            let labels = label_text(self.labels, values, None);
+            match self.kind {
+                Kind::Counter | Kind::Gauge => {
+                    let _ = writeln!(out, "{}{labels} {}", self.name, number(s.value));
+                }
+                Kind::Histogram => {
+                    let mut cumulative = 0;
+                    for (bound, count) in self.buckets.iter().zip(&s.buckets) {
+                        cumulative += count;
+                        let labels = label_text(self.labels, values, Some(&number(*bound)));
+                        let _ = writeln!(out, "{}_bucket{labels} {cumulative}", self.name);
+                    }
+                    let labels_inf = label_text(self.labels, values, Some("+Inf"));
+                    let _ = writeln!(out, "{}_bucket{labels_inf} {}", self.name, s.count);
+                    let _ = writeln!(out, "{}_sum{labels} {}", self.name, number(s.value));
+                    let _ = writeln!(out, "{}_count{labels} {}", self.name, s.count);
+                }
+            }
+        }
+    }
+}
+
+fn number(value: f64) -> String {
+    if value.is_finite() && value.fract() == 0.0 && value.abs() < 1e15 {
+        format!("{}", value as i64)
+    } else {
+        value.to_string()
+    }
+}
+
+fn label_text(names: &[&str], values: &[String], le: Option<&str>) -> String {
+    let mut pairs: Vec<String> = names.iter().zip(values).map(|(n, v)| format!("{n}=\"{}\"", escape(v))).collect();
+    if let Some(le) = le {
+        pairs.push(format!("le=\"{le}\""));
+    }
+    if pairs.is_empty() { String::new() } else { format!("{{{}}}", pairs.join(",")) }
+}
+
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Refreshes gauges from stored state just before a scrape is rendered.
+pub type Sampler = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+#[derive(Default)]
+struct Registry {
+    families: Mutex<Vec<Arc<Family>>>,
+    samplers: Mutex<Vec<Sampler>>,
+}
+
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(Registry::default)
+}
+
+fn register(
+    name: &'static str,
+    help: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    buckets: &'static [f64],
+) -> Arc<Family> {
+    let family = Arc::new(Family { name, help, kind, labels, buckets, series: Mutex::new(BTreeMap::new()) });
+    let mut families = registry().families.lock().expect("registry lock");
+    assert!(families.iter().all(|f| f.name != name), "metric {name} is declared twice");
+    families.push(family.clone());
+    family
+}
+
+/// A monotonically increasing count.
+pub struct Counter(Arc<Family>);
+
+impl Counter {
+    pub fn inc(&self, labels: &[&str]) {
+        self.inc_by(labels, 1);
+    }
+
+    pub fn inc_by(&self, labels: &[&str], by: u64) {
+        self.0.with(labels, |s| s.value += by as f64);
+    }
+
+    /// The current value of one series (tests and status output).
+    pub fn get(&self, labels: &[&str]) -> u64 {
+        self.0.with(labels, |s| s.value as u64)
+    }
+}
+
+/// A value that goes up and down.
+pub struct Gauge(Arc<Family>);
+
+impl Gauge {
+    pub fn set(&self, labels: &[&str], value: f64) {
+        self.0.with(labels, |s| s.value = value);
+    }
+
+    /// Drops every series (before a sampler sets the current ones, so a handler that went away
+    /// does not linger).
+    pub fn clear(&self) {
+        self.0.series.lock().expect("metric lock").clear();
+    }
+}
+
+/// A distribution over explicit buckets.
+pub struct Histogram(Arc<Family>);
+
+impl Histogram {
+    pub fn observe(&self, labels: &[&str], value: f64) {
+        let bounds = self.0.buckets;
+        self.0.with(labels, |s| {
+            if let Some(i) = bounds.iter().position(|b| value <= *b) {
+                s.buckets[i] += 1;
+            }
+            s.count += 1;
+            s.value += value;
+        });
+    }
+
+    pub fn observe_duration(&self, labels: &[&str], elapsed: Duration) {
+        self.observe(labels, elapsed.as_secs_f64());
+    }
+}
+
+pub fn counter(name: &'static str, help: &'static str, labels: &'static [&'static str]) -> Counter {
+    Counter(register(name, help, Kind::Counter, labels, &[]))
+}
+
+pub fn gauge(name: &'static str, help: &'static str, labels: &'static [&'static str]) -> Gauge {
+    Gauge(register(name, help, Kind::Gauge, labels, &[]))
+}
+
+pub fn histogram(
+    name: &'static str,
+    help: &'static str,
+    labels: &'static [&'static str],
+    buckets: &'static [f64],
+) -> Histogram {
+    assert!(buckets.windows(2).all(|w| w[0] < w[1]), "metric {name}: buckets must increase");
+    Histogram(register(name, help, Kind::Histogram, labels, buckets))
+}
+
+/// Adds a sampler run before every scrape.
+pub fn add_sampler(sampler: Sampler) {
+    registry().samplers.lock().expect("registry lock").push(sampler);
+}
+
+/// Runs the samplers (each bounded in time) and renders every registered metric.
+pub async fn render() -> String {
+    let samplers: Vec<Sampler> = registry().samplers.lock().expect("registry lock").clone();
+    for sampler in samplers {
+        if tokio::time::timeout(Duration::from_secs(5), sampler()).await.is_err() {
+            tracing::warn!("a metrics sampler took over 5 s; serving its last values");
+        }
+    }
+    let families: Vec<Arc<Family>> = registry().families.lock().expect("registry lock").clone();
+    let mut out = String::new();
+    for family in families {
+        family.render(&mut out);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn renders_the_text_format() {
+        let c = counter("test_things_total", "Things.", &["outcome"]);
+        c.inc(&["ok"]);
+        c.inc_by(&["failed"], 2);
+        let h = histogram("test_latency_seconds", "Latency.", &[], &[0.1, 1.0]);
+        h.observe(&[], 0.25);
+        h.observe(&[], 0.5);
+        h.observe(&[], 4.0);
+        let g = gauge("test_rows", "Rows.", &["status"]);
+        g.set(&["done"], 3.0);
+        let text = render().await;
+        assert!(text.contains("# TYPE test_things_total counter\n"), "{text}");
+        assert!(text.contains("test_things_total{outcome=\"failed\"} 2\n"), "{text}");
+        assert!(text.contains("test_latency_seconds_bucket{le=\"0.1\"} 0\n"), "{text}");
+        assert!(text.contains("test_latency_seconds_bucket{le=\"1\"} 2\n"), "{text}");
+        assert!(text.contains("test_latency_seconds_bucket{le=\"+Inf\"} 3\n"), "{text}");
+        assert!(text.contains("test_latency_seconds_count 3\n"), "{text}");
+        assert!(text.contains("test_latency_seconds_sum 4.75\n"), "{text}");
+        assert!(text.contains("test_rows{status=\"done\"} 3\n"), "{text}");
+        assert_eq!(c.get(&["ok"]), 1);
+    }
+
+    #[test]
+    fn escapes_label_values() {
+        assert_eq!(label_text(&["a"], &["x\"y\\z".into()], None), "{a=\"x\\\"y\\\\z\"}");
+    }
+}

@@ -1,0 +1,128 @@
+//! `reelay dead-letters list|replay|discard`: the deliveries handlers gave up on. Replaying and
+//! discarding change only what is still dead-lettered (two operators at once act once), and
+//! each change is recorded with the operator's name (`REELAY_OPERATOR`, else `$USER`).
+
+use clap::{Args, Subcommand};
+use reelay_contracts::v1::{self, admin_client::AdminClient};
+
+use super::{ClientArgs, call_failed, operator_name, parse_duration, utc};
+
+#[derive(Debug, Subcommand)]
+pub enum DeadLettersCommand {
+    /// List dead letters, newest first.
+    List(ListArgs),
+    /// Deliver dead letters again (after fixing what made them fail), with fresh attempts.
+    Replay(ActArgs),
+    /// Give dead letters up for good.
+    Discard(ActArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Only this handler's.
+    #[arg(long)]
+    pub handler: Option<String>,
+
+    /// Only events of this type (e.g. ReviewLogged).
+    #[arg(long = "type")]
+    pub event_type: Option<String>,
+
+    /// Only those given up within this long (90s, 15m, 2h, 7d).
+    #[arg(long, value_parser = parse_duration)]
+    pub since: Option<std::time::Duration>,
+
+    /// At most this many (1..=1000).
+    #[arg(long, default_value_t = 100)]
+    pub limit: u32,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ActArgs {
+    /// Event ids; every handler's dead letters of them unless --handler is given.
+    pub event_ids: Vec<String>,
+
+    /// Only this handler's dead letters (required with --all).
+    #[arg(long)]
+    pub handler: Option<String>,
+
+    /// Every dead letter of --handler.
+    #[arg(long, requires = "handler", conflicts_with = "event_ids")]
+    pub all: bool,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+pub async fn run(command: DeadLettersCommand) -> anyhow::Result<()> {
+    match command {
+        DeadLettersCommand::List(args) => list(args).await,
+        DeadLettersCommand::Replay(args) => act(args, true).await,
+        DeadLettersCommand::Discard(args) => act(args, false).await,
+    }
+}
+
+async fn list(args: ListArgs) -> anyhow::Result<()> {
+    let mut admin = AdminClient::new(args.client.write()?);
+    let since_ms = args.since.map_or(0, |since| reelay_kit::now_ms() - since.as_millis() as i64);
+    let listed = admin
+        .list_dead_letters(v1::ListDeadLettersRequest {
+            handler: args.handler.unwrap_or_default(),
+            event_type: args.event_type.unwrap_or_default(),
+            since_ms,
+            limit: args.limit,
+        })
+        .await
+        .map_err(|s| call_failed("dead-letters list", s))?
+        .into_inner();
+    if listed.dead_letters.is_empty() {
+        println!("no dead letters");
+        return Ok(());
+    }
+    println!("{:<38} {:<16} {:<20} {:>8} {:<20} LAST ERROR", "EVENT", "HANDLER", "TYPE", "ATTEMPTS", "GIVEN UP (UTC)");
+    for d in &listed.dead_letters {
+        println!(
+            "{:<38} {:<16} {:<20} {:>8} {:<20} {}",
+            d.event_id,
+            d.handler,
+            if d.event_type.is_empty() { "-" } else { &d.event_type },
+            d.attempts,
+            utc(d.dead_lettered_at_ms),
+            d.last_error
+        );
+    }
+    if listed.total > listed.dead_letters.len() as u64 {
+        println!("({} of {} shown; raise --limit or narrow the filters)", listed.dead_letters.len(), listed.total);
+    }
+    Ok(())
+}
+
+async fn act(args: ActArgs, replay: bool) -> anyhow::Result<()> {
+    if !args.all && args.event_ids.is_empty() {
+        anyhow::bail!("name the event ids, or pass --handler <name> --all");
+    }
+    let mut admin = AdminClient::new(args.client.write()?);
+    let request = v1::DeadLetterActionRequest {
+        event_ids: args.event_ids,
+        handler: args.handler.unwrap_or_default(),
+        all: args.all,
+        operator: operator_name(),
+    };
+    let (verb, answer) = if replay {
+        ("replayed", admin.replay_dead_letters(request).await.map_err(|s| call_failed("dead-letters replay", s))?)
+    } else {
+        ("discarded", admin.discard_dead_letters(request).await.map_err(|s| call_failed("dead-letters discard", s))?)
+    };
+    let answer = answer.into_inner();
+    for k in &answer.changed {
+        println!("{verb} {} for {}", k.event_id, k.handler);
+    }
+    for k in &answer.unchanged {
+        let whom = if k.handler.is_empty() { String::new() } else { format!(" for {}", k.handler) };
+        println!("unchanged {}{whom}: not a dead letter (now)", k.event_id);
+    }
+    println!("{} {verb}, {} unchanged", answer.changed.len(), answer.unchanged.len());
+    Ok(())
+}

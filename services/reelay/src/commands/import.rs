@@ -1,0 +1,239 @@
+//! `reelay import letterboxd <export.zip | file.csv> --user <id>`: brings a Letterboxd export
+//! in. From the zip Letterboxd hands its users: the diary (`diary.csv`) with each review's text
+//! (`reviews.csv`) attached to its diary entry, and the watchlist (`watchlist.csv`). A plain
+//! CSV is imported as a diary. Every file is checked before anything is sent (errors name the
+//! file, line and column); re-importing a newer export adds only what is new (diary entries are
+//! keyed by their Letterboxd URI, a film already on the watchlist stays as it is).
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use reelay_contracts::v1::{self, integrations_client::IntegrationsClient, watchlist_client::WatchlistClient};
+use reelay_domain::letterboxd;
+use reelay_kit::client::ServiceChannel;
+
+use super::{ClientArgs, call_failed, movie_by_title, read_file};
+
+/// Diary rows per ImportDiary call (the server commits this many per transaction too), so the
+/// progress bar moves as rows are written.
+const ROWS_PER_CALL: usize = 250;
+
+#[derive(Debug, Subcommand)]
+pub enum ImportCommand {
+    /// A Letterboxd export: the zip from Settings → Import & Export, or one of its CSV files.
+    Letterboxd(LetterboxdArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct LetterboxdArgs {
+    /// The export zip, or a diary.csv / reviews.csv.
+    pub path: PathBuf,
+
+    /// The user to import into (as `reelay users create` printed it).
+    #[arg(long)]
+    pub user: String,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// The parts of an export Reelay imports.
+#[derive(Debug, Default)]
+struct Export {
+    /// The diary with the reviews attached, as one CSV.
+    diary: Option<Vec<u8>>,
+    watchlist: Option<Vec<u8>>,
+}
+
+pub async fn run(command: ImportCommand) -> anyhow::Result<()> {
+    let ImportCommand::Letterboxd(args) = command;
+    let export = read_export(&args.path)?;
+    let channel = args.client.write()?;
+    let mut summary = Vec::new();
+    if let Some(diary) = &export.diary {
+        summary.push(import_diary(channel.clone(), &args.user, diary).await?);
+    }
+    if let Some(watchlist) = &export.watchlist {
+        summary.push(import_watchlist(channel, &args.user, watchlist).await?);
+    }
+    println!("imported {}: {}", args.path.display(), summary.join("; "));
+    Ok(())
+}
+
+/// Reads and checks an export (zip or CSV).
+fn read_export(path: &Path) -> anyhow::Result<Export> {
+    let data = read_file(path)?;
+    if !data.starts_with(b"PK\x03\x04") {
+        checked(&path.display().to_string(), &data)?;
+        return Ok(Export { diary: Some(data), watchlist: None });
+    }
+    let mut archive = zip::ZipArchive::new(std::io::Cursor::new(data))
+        .with_context(|| format!("{} is not a readable zip", path.display()))?;
+    // At the root (or under one folder, for a re-zipped export); never deleted/ or orphaned/.
+    let mut file = |name: &str| -> anyhow::Result<Option<Vec<u8>>> {
+        let wanted = |path: &str| {
+            let parts: Vec<&str> = path.split('/').collect();
+            parts.last() == Some(&name)
+                && parts.len() <= 2
+                && !parts.iter().any(|p| matches!(*p, "deleted" | "orphaned"))
+        };
+        let index =
+            (0..archive.len()).find(|&i| archive.name_for_index(i).and_then(Result::ok).is_some_and(|n| wanted(&n)));
+        let Some(index) = index else { return Ok(None) };
+        let mut entry = archive.by_index(index).with_context(|| format!("cannot read {name} in the zip"))?;
+        let mut bytes = Vec::new();
+        entry.read_to_end(&mut bytes).with_context(|| format!("cannot read {name} in the zip"))?;
+        checked(name, &bytes)?;
+        Ok(Some(bytes))
+    };
+    let (diary, reviews, watchlist) = (file("diary.csv")?, file("reviews.csv")?, file("watchlist.csv")?);
+    let diary = match (diary, reviews) {
+        (Some(diary), Some(reviews)) => Some(
+            letterboxd::attach_reviews(&diary, &reviews)
+                .map_err(|e| anyhow::anyhow!("diary.csv with reviews.csv: {e}"))?,
+        ),
+        (diary, reviews) => diary.or(reviews),
+    };
+    if diary.is_none() && watchlist.is_none() {
+        bail!("{} has no diary.csv, reviews.csv or watchlist.csv: is it a Letterboxd export?", path.display());
+    }
+    Ok(Export { diary, watchlist })
+}
+
+/// Parses a file as the server will, so a bad row is reported with its file before anything
+/// is sent.
+fn checked(name: &str, data: &[u8]) -> anyhow::Result<Vec<letterboxd::DiaryRow>> {
+    letterboxd::parse(data).map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))
+}
+
+async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyhow::Result<String> {
+    let mut integrations = IntegrationsClient::new(channel);
+    let mut reader = csv::Reader::from_reader(diary);
+    let header = reader.byte_headers().context("diary header")?.clone();
+    let records: Vec<csv::ByteRecord> =
+        reader.byte_records().collect::<Result<_, _>>().context("diary rows (checked above)")?;
+    let mut progress = Progress::new("diary", records.len());
+    let (mut imported, mut skipped, mut discovered) = (0, 0, 0);
+    for batch in records.chunks(ROWS_PER_CALL) {
+        let mut writer = csv::Writer::from_writer(Vec::new());
+        writer.write_byte_record(&header)?;
+        for record in batch {
+            writer.write_byte_record(record)?;
+        }
+        let data = writer.into_inner().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let chunks: Vec<v1::ImportDiaryChunk> = data
+            .chunks(64 * 1024)
+            .enumerate()
+            .map(|(i, data)| v1::ImportDiaryChunk {
+                actor_user_id: if i == 0 { user.to_owned() } else { String::new() },
+                data: data.to_vec(),
+                request_id: String::new(),
+            })
+            .collect();
+        let answer = integrations
+            .import_diary(tonic::codegen::tokio_stream::iter(chunks))
+            .await
+            .map_err(|s| call_failed("importing the diary", s))?
+            .into_inner();
+        imported += answer.imported;
+        skipped += answer.skipped_duplicates;
+        discovered += answer.movies_discovered;
+        progress.advance(batch.len());
+    }
+    progress.finish();
+    Ok(format!("diary: {imported} entries added, {skipped} already imported, {discovered} films new to Reelay"))
+}
+
+async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8]) -> anyhow::Result<String> {
+    let rows = checked("watchlist.csv", watchlist)?;
+    let mut client = WatchlistClient::new(channel);
+    // What is on the watchlist already, to tell new entries from ones that stay as they were.
+    let mut before = std::collections::HashSet::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_watchlist(v1::ListWatchlistRequest { user_id: user.to_owned(), page_size: 200, page_token })
+            .await
+            .map_err(|s| call_failed("reading the watchlist", s))?
+            .into_inner();
+        before.extend(page.entries.into_iter().map(|e| e.movie_id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    let mut progress = Progress::new("watchlist", rows.len());
+    let (mut added, mut already) = (0, 0);
+    for row in &rows {
+        let movie = movie_by_title(&row.title, row.year);
+        let entry = client
+            .add_to_watchlist(v1::AddToWatchlistRequest {
+                actor_user_id: user.to_owned(),
+                movie: Some(movie),
+                request_id: String::new(),
+            })
+            .await
+            .map_err(|s| {
+                call_failed(&format!("watchlist.csv: line {}: adding {} ({})", row.line, row.title, row.year), s)
+            })?
+            .into_inner();
+        if before.insert(entry.movie_id) {
+            added += 1
+        } else {
+            already += 1
+        }
+        progress.advance(1);
+    }
+    progress.finish();
+    Ok(format!("watchlist: {added} films added, {already} already on it"))
+}
+
+/// A progress bar on stderr when it is a terminal; a closing line either way.
+struct Progress {
+    label: &'static str,
+    total: usize,
+    done: usize,
+    terminal: bool,
+}
+
+impl Progress {
+    fn new(label: &'static str, total: usize) -> Self {
+        let progress = Self { label, total, done: 0, terminal: std::io::stderr().is_terminal() };
+        progress.draw();
+        progress
+    }
+
+    fn advance(&mut self, by: usize) {
+        self.done = (self.done + by).min(self.total);
+        self.draw();
+    }
+
+    fn draw(&self) {
+        if !self.terminal {
+            return;
+        }
+        const WIDTH: usize = 30;
+        let filled = (self.done * WIDTH).checked_div(self.total).unwrap_or(WIDTH);
+        let mut stderr = std::io::stderr();
+        let _ = write!(
+            stderr,
+            "\r{:<10} [{}{}] {}/{}",
+            self.label,
+            "#".repeat(filled),
+            " ".repeat(WIDTH - filled),
+            self.done,
+            self.total
+        );
+        let _ = stderr.flush();
+    }
+
+    fn finish(self) {
+        if self.terminal {
+            eprintln!();
+        } else {
+            eprintln!("{}: {}/{} rows", self.label, self.done, self.total);
+        }
+    }
+}

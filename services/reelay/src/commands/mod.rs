@@ -1,0 +1,173 @@
+//! The command-line clients of the running services, one file per noun with its verbs:
+//! operators' (`status`, `events explain`, `dead-letters list|replay|discard`, over the write
+//! service's Admin API) and users' (`users create`, `reviews log`, `search reviews`,
+//! `import letterboxd`, over the domain and Search APIs). Each talks gRPC with the service
+//! token, like the services talk to each other, so the binary is all a newcomer needs.
+
+pub mod dead_letters;
+pub mod events;
+pub mod import;
+pub mod reviews;
+pub mod search;
+pub mod status;
+pub mod users;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use reelay_kit::client::{ServiceChannel, connect_lazy};
+
+use crate::config::{Command, read_service_token};
+
+/// How a command reaches the services (the same variables the services use).
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// The write service (domain and Admin APIs).
+    #[arg(long, env = "REELAY_WRITE_URL", default_value = "http://127.0.0.1:50051")]
+    pub write_url: String,
+
+    /// The service token; none for a service started with --dev.
+    #[arg(long, env = "REELAY_SERVICE_TOKEN", hide_env_values = true)]
+    pub service_token: Option<String>,
+
+    /// A file holding the service token.
+    #[arg(long, env = "REELAY_SERVICE_TOKEN_FILE")]
+    pub service_token_file: Option<PathBuf>,
+
+    /// Deadline of each call, in milliseconds.
+    #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000)]
+    pub grpc_timeout_ms: u64,
+}
+
+impl ClientArgs {
+    /// A channel to `url` carrying the service token.
+    pub fn channel_to(&self, url: &str) -> anyhow::Result<ServiceChannel> {
+        let token = read_service_token(self.service_token.as_deref(), self.service_token_file.as_deref())?;
+        connect_lazy(url, token.as_deref(), Duration::from_millis(self.grpc_timeout_ms)).map_err(anyhow::Error::msg)
+    }
+
+    pub fn write(&self) -> anyhow::Result<ServiceChannel> {
+        self.channel_to(&self.write_url)
+    }
+}
+
+/// Runs a client command.
+pub async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Status(args) => status::run(args).await,
+        Command::Events(command) => events::run(command).await,
+        Command::DeadLetters(command) => dead_letters::run(command).await,
+        Command::Users(command) => users::run(command).await,
+        Command::Reviews(command) => reviews::run(command).await,
+        Command::Search(command) => search::run(command).await,
+        Command::Import(command) => import::run(command).await,
+        Command::Run(_) | Command::Migrate(_) => unreachable!("main runs the services itself"),
+    }
+}
+
+/// A refused or failed call, said plainly: the code and the server's message (which names the
+/// field for bad input).
+pub fn call_failed(what: &str, status: tonic::Status) -> anyhow::Error {
+    let hint = match status.code() {
+        tonic::Code::Unavailable => " (is the service running, and is REELAY_WRITE_URL right?)",
+        tonic::Code::Unauthenticated => " (set REELAY_SERVICE_TOKEN or REELAY_SERVICE_TOKEN_FILE)",
+        _ => "",
+    };
+    anyhow::anyhow!("{what} failed: {:?}: {}{hint}", status.code(), status.message())
+}
+
+/// A film named by title and year (found, or created when Reelay does not know it yet).
+pub fn movie_by_title(title: &str, year: i32) -> reelay_contracts::v1::MovieRef {
+    use reelay_contracts::v1;
+    v1::MovieRef {
+        by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
+            title: title.to_owned(),
+            year,
+            external_id: String::new(),
+        })),
+    }
+}
+
+/// Who is asking, for the audit record of operator actions.
+pub fn operator_name() -> String {
+    std::env::var("REELAY_OPERATOR")
+        .or_else(|_| std::env::var("USER"))
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// `5s`, `3m 20s`, `2h 5m`, `3d 4h`.
+pub fn age(ms: i64) -> String {
+    let s = ms.max(0) / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {}s", s / 60, s % 60),
+        3600..86400 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+/// A millisecond timestamp as `YYYY-MM-DD HH:MM:SS` UTC; `-` for 0.
+pub fn utc(ms: i64) -> String {
+    if ms <= 0 {
+        return "-".into();
+    }
+    let secs = ms.div_euclid(1000);
+    let (days, rest) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rest / 3600, rest % 3600 / 60, rest % 60)
+}
+
+/// `90s`, `15m`, `2h`, `7d` → a duration.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 90s, 15m, 2h or 7d"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86400,
+        _ => return Err(format!("{text:?} is not a duration like 90s, 15m, 2h or 7d")),
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+/// Reads a whole file, saying which one failed.
+pub fn read_file(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_times_and_ages() {
+        assert_eq!(utc(0), "-");
+        assert_eq!(utc(86_400_000 + 3_723_000), "1970-01-02 01:02:03");
+        assert_eq!(utc(1_709_251_200_000), "2024-03-01 00:00:00");
+        assert_eq!(age(59_999), "59s");
+        assert_eq!(age(3_600_000 * 25), "1d 1h");
+    }
+
+    #[test]
+    fn parses_durations() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        assert!(parse_duration("2 weeks").is_err());
+        assert!(parse_duration("h").is_err());
+    }
+}

@@ -1,0 +1,76 @@
+//! `reelay reviews log`: log a film (found by title and year, created when new) with a rating
+//! and a review.
+
+use clap::{Args, Subcommand};
+use reelay_contracts::v1::{self, reviews_client::ReviewsClient};
+
+use super::{ClientArgs, call_failed, movie_by_title};
+
+#[derive(Debug, Subcommand)]
+pub enum ReviewsCommand {
+    /// Log a film you watched.
+    Log(LogArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct LogArgs {
+    /// Your user id (as `reelay users create` printed it).
+    #[arg(long)]
+    pub user: String,
+
+    /// The film's title.
+    #[arg(long)]
+    pub movie: String,
+
+    /// The film's release year.
+    #[arg(long)]
+    pub year: i32,
+
+    /// Stars, 0.5 to 5 in steps of 0.5; unrated when not given.
+    #[arg(long, value_parser = parse_stars)]
+    pub stars: Option<u32>,
+
+    /// What you thought.
+    #[arg(long, default_value = "")]
+    pub review: String,
+
+    /// When you watched it, YYYY-MM-DD.
+    #[arg(long, default_value = "")]
+    pub watched_on: String,
+
+    #[arg(long)]
+    pub rewatch: bool,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// "4.5" stars → 9 half stars (Letterboxd's scale, read the same way as its exports).
+fn parse_stars(text: &str) -> Result<u32, String> {
+    reelay_domain::letterboxd::parse_stars(text)
+        .filter(|half| *half > 0)
+        .ok_or_else(|| format!("stars must be 0.5 to 5 in steps of 0.5, got {text:?}"))
+}
+
+pub async fn run(command: ReviewsCommand) -> anyhow::Result<()> {
+    let ReviewsCommand::Log(args) = command;
+    let mut reviews = ReviewsClient::new(args.client.write()?);
+    let movie = movie_by_title(&args.movie, args.year);
+    let logged = reviews
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: args.user,
+            movie: Some(movie),
+            rating: args.stars.unwrap_or(0),
+            body: args.review,
+            watched_on: args.watched_on,
+            rewatch: args.rewatch,
+            request_id: String::new(),
+        })
+        .await
+        .map_err(|s| call_failed("reviews log", s))?
+        .into_inner();
+    let review = logged.review.unwrap_or_default();
+    let new = if logged.movie_created { " (a film new to Reelay)" } else { "" };
+    println!("logged {} ({}){new}: review {}", args.movie, args.year, review.review_id);
+    Ok(())
+}

@@ -1,0 +1,52 @@
+//! `reelay search reviews <query>`: full-text search over reviews, served by the handlers
+//! service that hosts the search handler (`REELAY_HANDLERS_URL`). A review is searchable once
+//! the search handler has applied its event, a moment after it was logged.
+
+use clap::{Args, Subcommand};
+use reelay_contracts::v1::{self, search_client::SearchClient};
+
+use super::{ClientArgs, call_failed};
+
+#[derive(Debug, Subcommand)]
+pub enum SearchCommand {
+    /// Search reviews' text.
+    Reviews(ReviewsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReviewsArgs {
+    /// Words to look for.
+    pub query: String,
+
+    /// At most this many hits (1..=100).
+    #[arg(long, default_value_t = 20)]
+    pub limit: u32,
+
+    /// The handlers service hosting the search handler.
+    #[arg(long, env = "REELAY_HANDLERS_URL", default_value = "http://127.0.0.1:50052")]
+    pub handlers_url: String,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+pub async fn run(command: SearchCommand) -> anyhow::Result<()> {
+    let SearchCommand::Reviews(args) = command;
+    let mut search = SearchClient::new(args.client.channel_to(&args.handlers_url)?);
+    let found = search
+        .search_reviews(v1::SearchReviewsRequest {
+            query: args.query,
+            page_size: args.limit,
+            page_token: String::new(),
+        })
+        .await
+        .map_err(|s| call_failed("search reviews", s))?
+        .into_inner();
+    println!("{} review(s) found", found.total_hits);
+    for hit in &found.hits {
+        let stars = if hit.rating == 0 { "unrated".to_owned() } else { format!("{}★", f64::from(hit.rating) / 2.0) };
+        let author = if hit.remote { hit.actor_uri.as_str() } else { hit.user_id.as_str() };
+        println!("{} ({}) {stars} by {author}: {}", hit.movie_title, hit.movie_year, hit.body);
+    }
+    Ok(())
+}

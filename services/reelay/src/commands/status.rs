@@ -1,0 +1,120 @@
+//! `reelay status`: the outbox by status and, per handler, what is pending, how old the oldest
+//! is, and its dead letters. On the nats backend a handler's backlog is its JetStream
+//! consumer's, read from the broker (`NATS_URL`) when it can be reached.
+
+use std::time::Duration;
+
+use clap::Args;
+use reelay_contracts::v1::{self, admin_client::AdminClient};
+use reelay_delivery::jetstream::JetStreamConfig;
+
+use super::{ClientArgs, age, call_failed};
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+
+    /// The broker, for handlers' consumer backlogs on the nats backend.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+
+    #[arg(long, env = "REELAY_STREAM", default_value = "REELAY_EVENTS")]
+    pub stream: String,
+}
+
+/// A handler's JetStream consumer, as the broker reports it.
+struct ConsumerBacklog {
+    /// Not yet delivered plus delivered and not yet acked.
+    pending: u64,
+    oldest_age_ms: i64,
+}
+
+pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+    let mut admin = AdminClient::new(args.client.write()?);
+    let status = admin.status(v1::StatusRequest {}).await.map_err(|s| call_failed("status", s))?.into_inner();
+    println!("backend: {}", status.backend);
+    println!(
+        "outbox: {} pending, {} processing, {} done, {} dead-lettered; oldest waiting: {}",
+        status.outbox_pending,
+        status.outbox_processing,
+        status.outbox_done,
+        status.outbox_dead_lettered,
+        age(status.oldest_due_age_ms)
+    );
+    let nats = if status.backend == "nats" { Some(nats_backlogs(&args, &status.handlers).await) } else { None };
+    println!(
+        "{:<24} {:>10} {:>12} {:>12} {:>10} {:>14}",
+        "HANDLER", "PENDING", "OLDEST", "IN PROGRESS", "RETRYING", "DEAD LETTERS"
+    );
+    for (i, h) in status.handlers.iter().enumerate() {
+        let (pending, oldest) = match &nats {
+            None => (h.pending.to_string(), if h.pending == 0 { "-".to_owned() } else { age(h.oldest_age_ms) }),
+            Some(Ok(backlogs)) => match &backlogs[i] {
+                Some(b) => (
+                    (b.pending + h.retrying).to_string(),
+                    if b.pending == 0 { "-".to_owned() } else { age(b.oldest_age_ms) },
+                ),
+                None => ("no consumer".to_owned(), "-".to_owned()),
+            },
+            Some(Err(_)) => ("unknown".to_owned(), "-".to_owned()),
+        };
+        println!(
+            "{:<24} {:>10} {:>12} {:>12} {:>10} {:>14}",
+            h.handler, pending, oldest, h.in_progress, h.retrying, h.dead_lettered
+        );
+    }
+    if let Some(Err(error)) = nats {
+        println!("(pending on nats is each handler's JetStream consumer backlog; cannot read it: {error})");
+    }
+    Ok(())
+}
+
+/// Each handler's consumer backlog, in the order of `handlers` (`None`: no consumer yet).
+async fn nats_backlogs(
+    args: &StatusArgs,
+    handlers: &[v1::HandlerStatus],
+) -> Result<Vec<Option<ConsumerBacklog>>, String> {
+    let client = tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&args.nats_url))
+        .await
+        .map_err(|_| format!("{}: timed out", args.nats_url))?
+        .map_err(|e| format!("{}: {e}", args.nats_url))?;
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(&args.stream).await.map_err(|e| format!("stream {}: {e}", args.stream))?;
+    let mut backlogs = Vec::with_capacity(handlers.len());
+    for h in handlers {
+        let name = JetStreamConfig::consumer_name(&h.handler);
+        let Ok(mut consumer) = stream.get_consumer::<async_nats::jetstream::consumer::pull::Config>(&name).await else {
+            backlogs.push(None);
+            continue;
+        };
+        let info = consumer.info().await.map_err(|e| format!("consumer {name}: {e}"))?.clone();
+        let pending = info.num_pending + info.num_ack_pending as u64;
+        // The oldest message the consumer has not acked: the first of its subjects after its
+        // ack floor.
+        let mut oldest_age_ms = 0;
+        if pending > 0 {
+            let mut oldest: Option<i128> = None;
+            for subject in info.config.filter_subjects.iter().chain(Some(&info.config.filter_subject)) {
+                if subject.is_empty() {
+                    continue;
+                }
+                let found = stream
+                    .raw_message_builder()
+                    .sequence(info.ack_floor.stream_sequence + 1)
+                    .next_by_subject(subject.clone())
+                    .send()
+                    .await;
+                if let Ok(message) = found {
+                    let at = message.time.unix_timestamp_nanos();
+                    oldest = Some(oldest.map_or(at, |o| o.min(at)));
+                }
+            }
+            if let Some(at) = oldest {
+                oldest_age_ms = (reelay_kit::now_ms() - (at / 1_000_000) as i64).max(0);
+            }
+        }
+        backlogs.push(Some(ConsumerBacklog { pending, oldest_age_ms }));
+    }
+    Ok(backlogs)
+}

@@ -1,0 +1,338 @@
+//! The Admin service (internal): status, explaining an event, and listing, replaying and
+//! discarding dead letters. The storage side is `reelay_outbox::{inspect, dead_letters}`; this
+//! file validates requests (naming the field) and maps the answers, and samples the same status
+//! into the write service's gauges when Prometheus scrapes.
+
+use std::sync::{Arc, LazyLock};
+
+use futures_util::future::BoxFuture;
+
+use reelay_contracts::v1;
+use reelay_domain::EventId;
+use reelay_kit::metrics::{self, Gauge};
+use reelay_kit::{ServiceError, now_ms};
+use reelay_outbox::dead_letters::{self, Action, Filter, Target};
+use reelay_outbox::inspect;
+use reelay_outbox::{Database, WriteTx};
+use tonic::{Request, Response, Status};
+
+use super::internal::{MAX_BATCH_KEYS, handler_name};
+use crate::WriteError;
+
+/// Which event bus the write service delivers through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Bus {
+    /// Handlers claim per-handler deliveries from the outbox (cursors).
+    #[default]
+    Db,
+    /// The relay publishes the outbox to JetStream.
+    Nats,
+}
+
+impl Bus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Db => "db",
+            Self::Nats => "nats",
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(super) struct AdminApi {
+    pub(super) db: Database,
+    pub(super) bus: Bus,
+}
+
+/// An event id as the ledger keys it: a UUID, or `row:<id>` for a foreign row without one.
+fn event_key(field: &str, value: &str) -> Result<String, ServiceError> {
+    if let Some(id) = value.strip_prefix("row:") {
+        id.parse::<i64>()
+            .map_err(|_| ServiceError::invalid(field, format!("row:<id> needs a number, got {value:?}")))?;
+        return Ok(value.to_owned());
+    }
+    EventId::parse(field, value)?;
+    Ok(value.to_owned())
+}
+
+fn row_state(r: inspect::RowState) -> v1::OutboxRowState {
+    v1::OutboxRowState {
+        id: r.id,
+        event_id: r.event_id,
+        event_type: r.event_type,
+        aggregate_id: r.aggregate_id,
+        status: r.status,
+        attempts: r.attempts,
+        created_at_ms: r.created_at,
+        available_at_ms: r.available_at,
+        claimed_at_ms: r.claimed_at,
+        claimed_by: r.claimed_by,
+        last_error: r.last_error,
+        stream_sequence: r.stream_sequence,
+        replay_handler: r.replay_handler,
+    }
+}
+
+fn keys(pairs: Vec<(String, String)>) -> Vec<v1::DeadLetterKey> {
+    pairs.into_iter().map(|(event_id, handler)| v1::DeadLetterKey { event_id, handler }).collect()
+}
+
+impl AdminApi {
+    async fn act(
+        &self,
+        r: v1::DeadLetterActionRequest,
+        action: Action,
+    ) -> Result<v1::DeadLetterActionResponse, WriteError> {
+        let operator = r.operator.trim().to_owned();
+        if operator.is_empty() || operator.len() > 64 {
+            return Err(
+                ServiceError::invalid("operator", "is required (who asks, 1-64 characters; it is recorded)").into()
+            );
+        }
+        let handler = if r.handler.is_empty() { None } else { Some(handler_name("handler", &r.handler)?) };
+        let target = match (r.all, handler) {
+            (true, _) if !r.event_ids.is_empty() => {
+                return Err(ServiceError::invalid("event_ids", "must be empty when `all` is set").into());
+            }
+            (true, None) => return Err(ServiceError::invalid("handler", "is required with `all`").into()),
+            (true, Some(handler)) => Target::AllOf(handler),
+            (false, handler) => {
+                if r.event_ids.is_empty() || r.event_ids.len() > MAX_BATCH_KEYS {
+                    return Err(ServiceError::invalid(
+                        "event_ids",
+                        format!(
+                            "must name 1..={MAX_BATCH_KEYS} events (or set `all` with a handler), got {}",
+                            r.event_ids.len()
+                        ),
+                    )
+                    .into());
+                }
+                let event_ids =
+                    r.event_ids.iter().map(|id| event_key("event_ids", id)).collect::<Result<Vec<_>, _>>()?;
+                Target::Events { event_ids, handler }
+            }
+        };
+        let job = match action {
+            Action::Replay { .. } => "admin_replay_dead_letters",
+            Action::Discard => "admin_discard_dead_letters",
+        };
+        let acted = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>(job, move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(dead_letters::act(tx, &target, action, &operator, tx.now_ms()).await?) })
+            })
+            .await?;
+        Ok(v1::DeadLetterActionResponse { changed: keys(acted.changed), unchanged: keys(acted.unchanged) })
+    }
+}
+
+#[tonic::async_trait]
+impl v1::admin_server::Admin for AdminApi {
+    async fn status(&self, _request: Request<v1::StatusRequest>) -> Result<Response<v1::StatusResponse>, Status> {
+        let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
+        let s = inspect::status(&mut conn, now_ms(), self.bus == Bus::Db).await.map_err(WriteError::from)?;
+        Ok(Response::new(v1::StatusResponse {
+            backend: self.bus.as_str().into(),
+            outbox_pending: s.outbox.pending,
+            outbox_processing: s.outbox.processing,
+            outbox_done: s.outbox.done,
+            outbox_dead_lettered: s.outbox.dead_lettered,
+            oldest_due_age_ms: s.outbox.oldest_due_age_ms,
+            handlers: s
+                .handlers
+                .into_iter()
+                .map(|h| v1::HandlerStatus {
+                    handler: h.handler,
+                    pending: h.pending,
+                    oldest_age_ms: h.oldest_age_ms,
+                    in_progress: h.in_progress,
+                    retrying: h.retrying,
+                    dead_lettered: h.dead_lettered,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn explain_event(
+        &self,
+        request: Request<v1::ExplainEventRequest>,
+    ) -> Result<Response<v1::ExplainEventResponse>, Status> {
+        let key = event_key("event_id", &request.into_inner().event_id)?;
+        let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
+        let explained = inspect::explain(&mut conn, &key, self.bus == Bus::Db).await.map_err(WriteError::from)?;
+        if explained.is_empty() {
+            return Err(ServiceError::not_found(format!("event {key}")).into());
+        }
+        Ok(Response::new(v1::ExplainEventResponse {
+            backend: self.bus.as_str().into(),
+            outbox: explained.outbox.map(row_state),
+            handlers: explained
+                .handlers
+                .into_iter()
+                .map(|h| v1::HandlerDelivery {
+                    handler: h.handler,
+                    state: h.state,
+                    attempts: h.attempts,
+                    last_error: h.last_error,
+                    started_at_ms: h.started_at,
+                    renewed_at_ms: h.renewed_at,
+                    processed_at_ms: h.processed_at,
+                    available_at_ms: h.available_at,
+                    owner: h.owner,
+                    replays: h.replays,
+                })
+                .collect(),
+            replays: explained.replays.into_iter().map(row_state).collect(),
+            actions: explained
+                .actions
+                .into_iter()
+                .map(|a| v1::DeadLetterAction {
+                    at_ms: a.at,
+                    action: a.action,
+                    handler: a.handler,
+                    operator: a.operator,
+                    attempts: a.attempts,
+                    last_error: a.last_error,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn list_dead_letters(
+        &self,
+        request: Request<v1::ListDeadLettersRequest>,
+    ) -> Result<Response<v1::ListDeadLettersResponse>, Status> {
+        let r = request.into_inner();
+        let handler = if r.handler.is_empty() { None } else { Some(handler_name("handler", &r.handler)?) };
+        let event_type = match r.event_type.as_str() {
+            "" => None,
+            t if reelay_domain::EVENT_TYPES.contains(&t) => Some(t.to_owned()),
+            t => {
+                return Err(ServiceError::invalid(
+                    "event_type",
+                    format!("unknown event type {t:?}; one of: {}", reelay_domain::EVENT_TYPES.join(", ")),
+                )
+                .into());
+            }
+        };
+        if r.since_ms < 0 {
+            return Err(ServiceError::invalid(
+                "since_ms",
+                format!("must be a time in ms since the epoch, got {}", r.since_ms),
+            )
+            .into());
+        }
+        let limit = match r.limit {
+            0 => 100,
+            l if l <= 1000 => l,
+            l => return Err(ServiceError::invalid("limit", format!("must be 1..=1000 (0 means 100), got {l}")).into()),
+        };
+        let filter = Filter { handler, event_type, since_ms: (r.since_ms > 0).then_some(r.since_ms), limit };
+        let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
+        let (listed, total) = dead_letters::list(&mut conn, &filter).await.map_err(WriteError::from)?;
+        Ok(Response::new(v1::ListDeadLettersResponse {
+            dead_letters: listed
+                .into_iter()
+                .map(|d| v1::DeadLetter {
+                    event_id: d.event_id,
+                    handler: d.handler,
+                    event_type: d.event_type,
+                    aggregate_id: d.aggregate_id,
+                    attempts: d.attempts,
+                    last_error: d.last_error,
+                    dead_lettered_at_ms: d.dead_lettered_at,
+                    replays: d.replays,
+                })
+                .collect(),
+            total,
+        }))
+    }
+
+    async fn replay_dead_letters(
+        &self,
+        request: Request<v1::DeadLetterActionRequest>,
+    ) -> Result<Response<v1::DeadLetterActionResponse>, Status> {
+        let action = Action::Replay { republish: self.bus == Bus::Nats };
+        Ok(Response::new(self.act(request.into_inner(), action).await?))
+    }
+
+    async fn discard_dead_letters(
+        &self,
+        request: Request<v1::DeadLetterActionRequest>,
+    ) -> Result<Response<v1::DeadLetterActionResponse>, Status> {
+        Ok(Response::new(self.act(request.into_inner(), Action::Discard).await?))
+    }
+}
+
+static OUTBOX_ROWS: LazyLock<Gauge> =
+    LazyLock::new(|| metrics::gauge("reelay_outbox_rows", "Outbox rows by status (sampled at scrape).", &["status"]));
+static OLDEST_DUE: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_outbox_oldest_due_age_seconds",
+        "Age of the oldest outbox row still waiting (nats: not yet published; db: not yet handed to every handler, or a due retry).",
+        &[],
+    )
+});
+static HANDLER_PENDING: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_handler_pending",
+        "Deliveries waiting per handler (db: after its cursor, retrying or claimed; nats: claimed or replayed, the rest is the consumer's lag).",
+        &["handler"],
+    )
+});
+static HANDLER_OLDEST: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_handler_oldest_pending_age_seconds",
+        "Age of a handler's oldest pending delivery (db backend).",
+        &["handler"],
+    )
+});
+static DEAD_LETTERS: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_dead_letters",
+        "Dead-lettered deliveries per handler, waiting for an operator.",
+        &["handler"],
+    )
+});
+
+/// Samples the outbox and every handler's standing into gauges whenever Prometheus scrapes, by
+/// the same query `Admin.Status` answers with (so the two always agree).
+pub fn sample_status(db: Database, bus: Bus) {
+    for gauge in [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
+        LazyLock::force(gauge);
+    }
+    metrics::add_sampler(Arc::new(move || -> BoxFuture<'static, ()> {
+        let db = db.clone();
+        Box::pin(async move {
+            let status = async {
+                let mut conn = db.reads.acquire().await?;
+                inspect::status(&mut conn, now_ms(), bus == Bus::Db).await
+            };
+            let s = match status.await {
+                Ok(s) => s,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot sample the outbox for metrics");
+                    return;
+                }
+            };
+            for (status, rows) in [
+                ("pending", s.outbox.pending),
+                ("processing", s.outbox.processing),
+                ("done", s.outbox.done),
+                ("dead_lettered", s.outbox.dead_lettered),
+            ] {
+                OUTBOX_ROWS.set(&[status], rows as f64);
+            }
+            OLDEST_DUE.set(&[], s.outbox.oldest_due_age_ms as f64 / 1000.0);
+            for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
+                gauge.clear();
+            }
+            for h in s.handlers {
+                HANDLER_PENDING.set(&[&h.handler], h.pending as f64);
+                HANDLER_OLDEST.set(&[&h.handler], h.oldest_age_ms as f64 / 1000.0);
+                DEAD_LETTERS.set(&[&h.handler], h.dead_lettered as f64);
+            }
+        })
+    }));
+}

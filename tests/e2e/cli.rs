@@ -1,0 +1,219 @@
+//! The binary is all a newcomer needs: the README's first command (`run --dev`, from an empty
+//! directory, on the default addresses) and then its "Trying it" block, read from README.md
+//! and run as written; and the Letterboxd import of an export-shaped zip, whose re-import of a
+//! newer export adds only what is new. Bad input is refused with the file, line and field.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use reelay_harness::{Reelay, eventually, query_strings, run_cli, temp_dir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+const README: &str = include_str!("../../README.md");
+
+/// The commands of the README's "Trying it" section: its first `sh` block.
+fn try_it_block() -> Vec<String> {
+    let section = README.split("## Trying it").nth(1).expect("README has a \"Trying it\" section");
+    let block = section.split("```sh").nth(1).and_then(|b| b.split("```").next()).expect("an sh block");
+    let mut commands = Vec::new();
+    let mut current = String::new();
+    for line in block.lines().map(str::trim_end).filter(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')) {
+        current.push_str(line.trim_end_matches('\\'));
+        if line.ends_with('\\') {
+            current.push(' ');
+        } else {
+            commands.push(std::mem::take(&mut current));
+        }
+    }
+    commands
+}
+
+/// The newcomer's first run: `reelay run --dev` in an empty directory (the README's first
+/// command, built), then the README's CLI commands exactly as written, in one shell.
+#[tokio::test]
+async fn a_newcomers_first_run_follows_the_readme() {
+    let dir = temp_dir();
+    let bin_dir = Path::new(BIN).parent().unwrap().to_owned();
+    let log = std::fs::File::create(dir.path().join("reelay.log")).unwrap();
+    let server = std::process::Command::new(BIN)
+        .args(["run", "--dev"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child, PathBuf);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+            if std::thread::panicking() {
+                eprintln!("--- reelay run --dev ---\n{}", std::fs::read_to_string(&self.1).unwrap_or_default());
+            }
+        }
+    }
+    let mut server = Kill(server, dir.path().join("reelay.log"));
+    eventually("reelay run --dev is ready", Duration::from_secs(30), || async {
+        reelay_harness::try_http_get("127.0.0.1:9464".parse().unwrap(), "/readyz")
+            .await
+            .is_some_and(|(code, _)| code == 200)
+    })
+    .await;
+    assert!(dir.path().join("data/reelay.db").exists(), "the data lives in ./data");
+
+    let commands = try_it_block();
+    assert!(commands.iter().any(|c| c.contains("reelay users create")), "{commands:?}");
+    // The search is eventual (a moment after the write): the shell retries it, as a person would.
+    let script: Vec<String> = commands
+        .iter()
+        .map(|c| {
+            if c.starts_with("reelay search") {
+                format!("for i in $(seq 100); do out=$({c}) && case \"$out\" in *\"1 review(s) found\"*) break;; esac; sleep 0.1; done; echo \"$out\"")
+            } else {
+                c.clone()
+            }
+        })
+        .collect();
+    let output = tokio::process::Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script.join("\n")])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default()))
+        .env("USER", "newcomer")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the README's commands ran\nstdout: {stdout}\nstderr: {stderr}");
+    assert!(stdout.contains("1 review(s) found") && stdout.contains("The diner scene."), "search found it: {stdout}");
+    assert!(stdout.contains("HANDLER") && stdout.contains("search"), "status lists the handlers: {stdout}");
+    signal_term(&server.0);
+    let status = tokio::task::spawn_blocking(move || server.0.wait()).await.unwrap().unwrap();
+    assert!(status.success(), "reelay run --dev stops cleanly on SIGTERM");
+}
+
+fn signal_term(child: &std::process::Child) {
+    let _ = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+}
+
+/// An export shaped like Letterboxd's: a zip of CSVs, with `deleted/` and `likes/` folders
+/// Reelay does not read.
+fn export_zip(path: &Path, diary: &str, reviews: &str, watchlist: &str) {
+    let file = std::fs::File::create(path).unwrap();
+    let mut zip = zip::ZipWriter::new(file);
+    let options = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+    for (name, text) in [
+        ("profile.csv", "Date Joined,Username\n2020-01-01,ana\n"),
+        ("diary.csv", diary),
+        ("reviews.csv", reviews),
+        ("watchlist.csv", watchlist),
+        ("ratings.csv", "Date,Name,Year,Letterboxd URI,Rating\n2021-01-04,Heat,1995,https://boxd.it/f1,5\n"),
+        ("watched.csv", "Date,Name,Year,Letterboxd URI\n2021-01-04,Heat,1995,https://boxd.it/f1\n"),
+        (
+            "deleted/diary.csv",
+            "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n2020-01-01,Gone,2000,https://boxd.it/x,,,,\n",
+        ),
+        ("likes/films.csv", "Date,Name,Year,Letterboxd URI\n"),
+    ] {
+        zip.start_file(name, options).unwrap();
+        zip.write_all(text.as_bytes()).unwrap();
+    }
+    zip.finish().unwrap();
+}
+
+const DIARY_HEADER: &str = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n";
+const REVIEWS_HEADER: &str = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Review,Tags,Watched Date\n";
+const WATCHLIST_HEADER: &str = "Date,Name,Year,Letterboxd URI\n";
+
+#[tokio::test]
+async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() {
+    let dir = temp_dir();
+    let reelay = Reelay::start_all(BIN, &dir.path().join("reelay.db"), &[]).await;
+    let ana = reelay.cli(&["users", "create", "ana", "--name", "Ana"], &[]).await;
+    let ana = ana.ok().trim().to_owned();
+
+    let diary = format!(
+        "{DIARY_HEADER}2021-01-04,Heat,1995,https://boxd.it/d1,5,,,2021-01-03\n\
+         2021-01-05,Ida,2013,https://boxd.it/d2,4.5,,35mm,2021-01-05\n\
+         2021-02-01,Heat,1995,https://boxd.it/d3,4.5,Yes,,2021-02-01\n"
+    );
+    let reviews = format!(
+        "{REVIEWS_HEADER}2021-01-04,Heat,1995,https://boxd.it/d1,5,,\"The diner scene, again.\",,2021-01-03\n\
+         2021-01-05,Ida,2013,https://boxd.it/d2,4.5,,Quiet and exact.,,2021-01-05\n"
+    );
+    let watchlist =
+        format!("{WATCHLIST_HEADER}2021-03-01,Alien,1979,https://boxd.it/w1\n2021-03-02,Ran,1985,https://boxd.it/w2\n");
+    let first = dir.path().join("letterboxd-ana-2021-03-05.zip");
+    export_zip(&first, &diary, &reviews, &watchlist);
+    let imported = reelay.cli(&["import", "letterboxd", first.to_str().unwrap(), "--user", &ana], &[]).await;
+    let out = imported.ok();
+    assert!(out.contains("diary: 3 entries added, 0 already imported, 2 films new to Reelay"), "{out}");
+    assert!(out.contains("watchlist: 2 films added, 0 already on it"), "{out}");
+    assert!(imported.stderr.contains("diary: 3/3 rows"), "progress is reported: {}", imported.stderr);
+
+    let db = &reelay.database;
+    let entries = query_strings(
+        db,
+        "SELECT m.title, r.rating || '', r.body, r.watched_on, r.rewatch || '' FROM reviews r JOIN movies m ON m.id = r.movie_id \
+         ORDER BY r.watched_on",
+    )
+    .await;
+    assert_eq!(
+        entries,
+        vec![
+            vec!["Heat".to_owned(), "10".into(), "The diner scene, again.".into(), "2021-01-03".into(), "0".into()],
+            vec!["Ida".to_owned(), "9".into(), "Quiet and exact.".into(), "2021-01-05".into(), "0".into()],
+            vec!["Heat".to_owned(), "9".into(), String::new(), "2021-02-01".into(), "1".into()],
+        ],
+        "each review's text is on its own diary entry (same URI); nothing from deleted/"
+    );
+    let on_watchlist =
+        query_strings(db, "SELECT m.title FROM watchlist w JOIN movies m ON m.id = w.movie_id ORDER BY m.title").await;
+    assert_eq!(on_watchlist, vec![vec!["Alien".to_owned()], vec!["Ran".to_owned()]]);
+
+    // A newer export: one more diary entry with a review, one more film on the watchlist.
+    let newer_diary = format!("{diary}2021-03-10,Alien,1979,https://boxd.it/d4,4,,,2021-03-09\n");
+    let newer_reviews = format!("{reviews}2021-03-10,Alien,1979,https://boxd.it/d4,4,,In space.,,2021-03-09\n");
+    let newer_watchlist = format!("{watchlist}2021-03-11,Stalker,1979,https://boxd.it/w3\n");
+    let second = dir.path().join("letterboxd-ana-2021-03-12.zip");
+    export_zip(&second, &newer_diary, &newer_reviews, &newer_watchlist);
+    let again = reelay.cli(&["import", "letterboxd", second.to_str().unwrap(), "--user", &ana], &[]).await;
+    let out = again.ok();
+    assert!(out.contains("diary: 1 entries added, 3 already imported, 0 films new to Reelay"), "{out}");
+    assert!(out.contains("watchlist: 1 films added, 2 already on it"), "{out}");
+    let reviews = query_strings(db, "SELECT COUNT(*) || '', SUM(body != '') || '' FROM reviews").await;
+    assert_eq!(reviews, vec![vec!["4".to_owned(), "3".to_owned()]]);
+
+    // A plain CSV is a diary too; bad rows name the file, the line and the column.
+    let bad = dir.path().join("bad.zip");
+    export_zip(
+        &bad,
+        &format!("{DIARY_HEADER}2021-01-04,Heat,95,https://boxd.it/d9,5,,,2021-01-03\n"),
+        REVIEWS_HEADER,
+        WATCHLIST_HEADER,
+    );
+    let refused = reelay.cli(&["import", "letterboxd", bad.to_str().unwrap(), "--user", &ana], &[]).await;
+    assert!(!refused.success && refused.stderr.contains("diary.csv: data: line 2: Year"), "{}", refused.stderr);
+    let not_zip = dir.path().join("notes.txt");
+    std::fs::write(&not_zip, "hello").unwrap();
+    let refused = reelay.cli(&["import", "letterboxd", not_zip.to_str().unwrap(), "--user", &ana], &[]).await;
+    assert!(!refused.success && refused.stderr.contains("no Name column"), "{}", refused.stderr);
+    let refused =
+        reelay.cli(&["reviews", "log", "--user", &ana, "--movie", "Heat", "--year", "1995", "--stars", "7"], &[]).await;
+    assert!(!refused.success && refused.stderr.contains("stars must be 0.5 to 5"), "{}", refused.stderr);
+    let refused = reelay.cli(&["users", "create", "Not A Handle"], &[]).await;
+    assert!(!refused.success && refused.stderr.contains("InvalidArgument: handle"), "{}", refused.stderr);
+    let refused =
+        run_cli(Path::new(BIN), &["status"], &[("REELAY_WRITE_URL".into(), format!("http://{}", reelay.addr))]).await;
+    assert!(
+        !refused.success && refused.stderr.contains("Unauthenticated"),
+        "the token is required: {}",
+        refused.stderr
+    );
+}

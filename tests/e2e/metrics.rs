@@ -1,0 +1,155 @@
+//! Every service serves Prometheus text, `/healthz` and `/readyz` on its admin port: scraped
+//! while load runs, the counters move, and once the load has settled they agree with the
+//! database and with what the test did (calls made, events written, dead letters).
+
+use std::time::Duration;
+
+use reelay_harness::{Backend, Cluster, Metrics, Reelay, eventually, outbox_rows, query_strings, temp_dir, unsettled};
+
+const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+const USERS: usize = 120;
+
+async fn count(cluster: &Cluster, sql: &str) -> f64 {
+    query_strings(&cluster.db, &format!("SELECT ({sql}) || ''")).await[0][0].parse().unwrap()
+}
+
+fn processes(cluster: &Cluster) -> Vec<(&'static str, &Reelay)> {
+    let mut all = vec![("write", &cluster.write)];
+    if let Some(relay) = &cluster.relay {
+        all.push(("relay", relay));
+    }
+    all.extend(cluster.handlers.iter().map(|h| ("handlers", h)));
+    all
+}
+
+async fn counters_agree_with_the_database(backend: Backend) {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, backend)
+        .probes("probe-a,probe-b")
+        .env("REELAY_PROBE_FAIL", "probe-a=permanent:refused")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    for (service, process) in processes(&cluster) {
+        assert_eq!(process.admin_get("/healthz").await.0, 200, "{service} is alive");
+        eventually(&format!("{service} is ready"), Duration::from_secs(10), || async {
+            process.admin_get("/readyz").await.0 == 200
+        })
+        .await;
+    }
+
+    // Load from four clients while every service is scraped.
+    let loads = (0..4).map(|client| {
+        let write = &cluster.write;
+        async move {
+            let mut c = write.clients().await;
+            for i in 0..USERS / 4 {
+                let handle = if i % 10 == 0 { format!("refused_{client}_{i}") } else { format!("user_{client}_{i}") };
+                c.user(&handle).await;
+            }
+        }
+    });
+    let scrapes = async {
+        let mut moved = false;
+        for _ in 0..20 {
+            for (_, process) in processes(&cluster) {
+                let metrics = process.metrics().await;
+                moved |= metrics.sum("reelay_grpc_requests_total", &[]) > 0.0;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        moved
+    };
+    let (_, moved) = tokio::join!(futures_util::future::join_all(loads), scrapes);
+    assert!(moved, "counters moved while the load ran");
+    let refused = (0..4).map(|_| (0..USERS / 4).filter(|i| i % 10 == 0).count()).sum::<usize>() as f64;
+
+    eventually("every event settled for both probes", Duration::from_secs(60), || {
+        let cluster = &cluster;
+        async move {
+            let done =
+                count(cluster, "SELECT COUNT(*) FROM processed_events WHERE status IN ('done', 'dead_lettered')").await;
+            done == 2.0 * USERS as f64 && unsettled(&cluster.db, backend == Backend::Nats, &[]).await.is_empty()
+        }
+    })
+    .await;
+
+    // The write service: calls, group commits, outbox rows and dead letters.
+    let write = cluster.write.metrics().await;
+    assert_eq!(
+        write.value(r#"reelay_grpc_requests_total{method="/reelay.v1.Users/CreateUser",code="0"}"#),
+        Some(USERS as f64),
+        "one CreateUser per user"
+    );
+    assert!(write.sum("reelay_writer_batch_jobs_count", &[]) > 0.0);
+    assert!(
+        write.declares("reelay_writer_commit_seconds") && write.sum("reelay_writer_commit_seconds_count", &[]) > 0.0
+    );
+    let rows = outbox_rows(&cluster.db).await.len() as f64;
+    assert_eq!(rows, USERS as f64);
+    for status in ["pending", "processing", "done", "dead_lettered"] {
+        let stored = count(&cluster, &format!("SELECT COUNT(*) FROM event_queue WHERE status = '{status}'")).await;
+        assert_eq!(write.value(&format!(r#"reelay_outbox_rows{{status="{status}"}}"#)), Some(stored), "{status} rows");
+    }
+    let dead =
+        count(&cluster, "SELECT COUNT(*) FROM processed_events WHERE status = 'dead_lettered' AND handler = 'probe-a'")
+            .await;
+    assert_eq!(dead, refused);
+    assert_eq!(write.value(r#"reelay_dead_letters{handler="probe-a"}"#), Some(dead), "dead letters metric = rows");
+    assert_eq!(write.value(r#"reelay_dead_letters{handler="probe-b"}"#), Some(0.0));
+    assert_eq!(write.value("reelay_outbox_oldest_due_age_seconds"), Some(0.0), "nothing waits");
+
+    // The handlers: every delivery counted by outcome, and timed.
+    let handlers = cluster.handlers[0].metrics().await;
+    let deliveries = |handler: &str, outcome: &str| {
+        handlers
+            .value(&format!(r#"reelay_handler_deliveries_total{{handler="{handler}",outcome="{outcome}"}}"#))
+            .unwrap_or(0.0)
+    };
+    assert_eq!(deliveries("probe-b", "done"), USERS as f64);
+    assert_eq!(deliveries("probe-a", "done"), USERS as f64 - refused);
+    assert_eq!(deliveries("probe-a", "dead_lettered"), refused, "handler counters agree with the dead letters");
+    assert!(handlers.sum("reelay_handler_batch_duration_seconds_count", &[r#"handler="probe-b""#]) > 0.0);
+    assert!(handlers.0.contains(r#"reelay_handler_batch_duration_seconds_bucket{handler="probe-b",le="0.005"}"#));
+
+    match backend {
+        Backend::Nats => {
+            let relay = cluster.relay.as_ref().unwrap().metrics().await;
+            assert_eq!(relay.value(r#"reelay_relay_published_total{outcome="stored"}"#), Some(USERS as f64));
+            assert_eq!(relay.value("reelay_relay_deferred_total"), Some(0.0));
+            // Every ledger claim on nats goes through the Ledger API: one per (event, probe).
+            let claims = write.sum("reelay_ledger_claims_total", &[r#"outcome="acquired""#]);
+            assert_eq!(claims, 2.0 * USERS as f64);
+        }
+        Backend::Db => {
+            let claims =
+                |m: &Metrics| m.sum("reelay_grpc_requests_total", &[r#"method="/reelay.v1.Outbox/ClaimDeliveries""#]);
+            assert!(claims(&write) > 0.0, "the handlers claim through the Outbox API");
+        }
+    }
+    // Labels come from bounded sets: a made-up method is counted as `unknown`.
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/made.up.Service/Method");
+    let mut grpc = tonic::client::Grpc::new(cluster.write.channel().await);
+    grpc.ready().await.unwrap();
+    let codec = tonic_prost::ProstCodec::<v1_empty::Empty, v1_empty::Empty>::default();
+    let _ = grpc.unary(tonic::Request::new(v1_empty::Empty {}), path, codec).await;
+    let write = cluster.write.metrics().await;
+    assert!(!write.0.contains("made.up"), "no label value from a caller");
+    assert!(write.sum("reelay_grpc_requests_total", &[r#"method="unknown""#]) >= 1.0);
+    cluster.stop().await;
+}
+
+mod v1_empty {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Empty {}
+}
+
+#[tokio::test]
+async fn counters_agree_with_the_database_on_the_db_backend() {
+    counters_agree_with_the_database(Backend::Db).await;
+}
+
+#[tokio::test]
+async fn counters_agree_with_the_database_on_the_nats_backend() {
+    counters_agree_with_the_database(Backend::Nats).await;
+}
