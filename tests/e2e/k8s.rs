@@ -164,7 +164,7 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
                 Some(service @ ("write" | "handlers")) => {
                     assert_eq!(readiness["grpc"]["service"], service, "{name}: {args:?} readiness names its service");
                 }
-                Some("relay") => assert_eq!(readiness["httpGet"]["path"], "/readyz"),
+                Some("relay" | "gateway") => assert_eq!(readiness["httpGet"]["path"], "/readyz"),
                 other => panic!("{name}: unexpected service {other:?}"),
             }
             assert!(container["resources"]["limits"]["memory"].is_string(), "{name}: {args:?} has a memory limit");
@@ -496,7 +496,10 @@ async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>) {
     let pod =
         |args2: &str| pods.iter().find(|p| p.container["args"][2] == args2).unwrap_or_else(|| panic!("a {args2} pod"));
     let write = pod("write");
-    let search = pod("handlers");
+    let search = pods
+        .iter()
+        .find(|p| p.container["args"].as_array().unwrap().iter().any(|a| a == "search"))
+        .expect("a search pod");
     for p in &pods {
         let (code, _) =
             try_http_get(format!("127.0.0.1:{}", p.ports[&9464]).parse().unwrap(), "/metrics").await.unwrap();
