@@ -338,7 +338,7 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     assert_eq!(outbox_rows(&db).await.len(), rows.len(), "person enrichment raises no events");
 
     c.review(&ana, reelay_harness::movie_id_ref(&heat), 9).await;
-    let year = chrono_year_now();
+    let year = current_year();
     let requested = c
         .wrap_ups
         .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year, ..Default::default() })
@@ -366,17 +366,9 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
 }
 
 /// The current year, as the write service counts a review logged today.
-fn chrono_year_now() -> i32 {
-    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() / 86_400;
-    // Civil-from-days (Howard Hinnant's algorithm), enough for the year.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(month <= 2)) as i32
+fn current_year() -> i32 {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    reelay_domain::validate::civil_from_days(ms.div_euclid(86_400_000)).0 as i32
 }
 
 fn walk(dir: &std::path::Path) -> Vec<String> {

@@ -187,10 +187,10 @@ pub fn object_key(field: &str, value: &str) -> Result<String, ValidationError> {
     Ok(value.to_owned())
 }
 
-/// The UTC calendar date (`YYYY-MM-DD`) of a millisecond timestamp.
-pub fn date_of_ms(ms: i64) -> String {
-    // Howard Hinnant's civil-from-days.
-    let z = ms.div_euclid(86_400_000) + 719_468;
+/// The proleptic Gregorian `(year, month, day)` of a count of days since 1970-01-01 (Howard
+/// Hinnant's civil-from-days).
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
     let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
@@ -198,7 +198,12 @@ pub fn date_of_ms(ms: i64) -> String {
     let mp = (5 * doy + 2) / 153;
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
+}
+
+/// The UTC calendar date (`YYYY-MM-DD`) of a millisecond timestamp.
+pub fn date_of_ms(ms: i64) -> String {
+    let (year, month, day) = civil_from_days(ms.div_euclid(86_400_000));
     format!("{year:04}-{month:02}-{day:02}")
 }
 
