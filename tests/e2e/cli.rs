@@ -93,6 +93,9 @@ async fn a_newcomers_first_run_follows_the_readme() {
     assert!(output.status.success(), "the README's commands ran\nstdout: {stdout}\nstderr: {stderr}");
     assert!(stdout.contains("1 review(s) found") && stdout.contains("The diner scene."), "search found it: {stdout}");
     assert!(stdout.contains("HANDLER") && stdout.contains("search"), "status lists the handlers: {stdout}");
+    assert!(stdout.contains("Heat (1995) — movie"), "movies show names the film: {stdout}");
+    assert!(stdout.contains("1 films, 1 diary entries, 0 rewatches"), "the wrap-up counts the review: {stdout}");
+    assert!(stdout.contains("card           http://127.0.0.1:50053/media/wrapups/"), "and gives its card: {stdout}");
     signal_term(&server.0);
     let status = tokio::task::spawn_blocking(move || server.0.wait()).await.unwrap().unwrap();
     assert!(status.success(), "reelay run --dev stops cleanly on SIGTERM");

@@ -46,6 +46,12 @@ pub enum Command {
     /// Log reviews.
     #[command(subcommand)]
     Reviews(crate::commands::reviews::ReviewsCommand),
+    /// Show films and what enrichment added.
+    #[command(subcommand)]
+    Movies(crate::commands::movies::MoviesCommand),
+    /// Ask for a year in film.
+    #[command(subcommand)]
+    WrapUps(crate::commands::wrap_ups::WrapUpsCommand),
     /// Search what handlers indexed.
     #[command(subcommand)]
     Search(crate::commands::search::SearchCommand),

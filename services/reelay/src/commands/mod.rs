@@ -1,16 +1,18 @@
 //! The command-line clients of the running services, one file per noun with its verbs:
 //! operators' (`status`, `events explain`, `dead-letters list|replay|discard`, over the write
-//! service's Admin API) and users' (`users create`, `reviews log`, `search reviews`,
-//! `import letterboxd`, over the domain and Search APIs). Each talks gRPC with the service
+//! service's Admin API) and users' (`users create`, `reviews log`, `movies show`, `search reviews`,
+//! `wrap-ups request`, `import letterboxd`, over the domain and Search APIs). Each talks gRPC with the service
 //! token, like the services talk to each other, so the binary is all a newcomer needs.
 
 pub mod dead_letters;
 pub mod events;
 pub mod import;
+pub mod movies;
 pub mod reviews;
 pub mod search;
 pub mod status;
 pub mod users;
+pub mod wrap_ups;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -61,6 +63,8 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::DeadLetters(command) => dead_letters::run(command).await,
         Command::Users(command) => users::run(command).await,
         Command::Reviews(command) => reviews::run(command).await,
+        Command::Movies(command) => movies::run(command).await,
+        Command::WrapUps(command) => wrap_ups::run(command).await,
         Command::Search(command) => search::run(command).await,
         Command::Import(command) => import::run(command).await,
         Command::Run(_) | Command::Migrate(_) => unreachable!("main runs the services itself"),

@@ -1,0 +1,66 @@
+//! `reelay movies show`: a film as Reelay knows it, with what enrichment added (runtime, genres,
+//! directors, cast), or that enrichment is still to come or found nothing.
+
+use clap::{Args, Subcommand};
+use reelay_contracts::v1::{self, movies_client::MoviesClient};
+
+use super::{ClientArgs, call_failed};
+
+#[derive(Debug, Subcommand)]
+pub enum MoviesCommand {
+    /// Show a film (found by title and year, created when new) and its enrichment.
+    Show(ShowArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// Your user id (a film new to Reelay is discovered on your behalf).
+    #[arg(long)]
+    pub user: String,
+
+    /// The film's title.
+    #[arg(long)]
+    pub movie: String,
+
+    /// The film's release year.
+    #[arg(long)]
+    pub year: i32,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+pub async fn run(command: MoviesCommand) -> anyhow::Result<()> {
+    let MoviesCommand::Show(args) = command;
+    let mut movies = MoviesClient::new(args.client.write()?);
+    let discovered = movies
+        .discover_movie(v1::DiscoverMovieRequest {
+            actor_user_id: args.user,
+            title: args.movie,
+            year: args.year,
+            ..Default::default()
+        })
+        .await
+        .map_err(|s| call_failed("movies show", s))?
+        .into_inner();
+    let movie = discovered.movie.unwrap_or_default();
+    println!("{} ({}) — movie {}", movie.title, movie.year, movie.movie_id);
+    match (movie.enrichment(), movie.profile) {
+        (v1::EnrichmentStatus::Enriched, Some(p)) => {
+            let names = |credits: &[v1::PersonCredit], n: usize| {
+                credits.iter().take(n).map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
+            };
+            println!("  runtime    {} min", p.runtime_minutes);
+            println!("  genres     {}", p.genres.join(", "));
+            println!("  directed   {}", names(&p.directors, 5));
+            println!("  cast       {}", names(&p.cast, 6));
+            if !p.poster_url.is_empty() {
+                println!("  poster     {}", p.poster_url);
+            }
+            println!("  source     {} {}", p.provider, p.provider_id);
+        }
+        (v1::EnrichmentStatus::NotFound, _) => println!("  the metadata provider does not know this film"),
+        _ => println!("  not enriched yet (a moment after it is first seen)"),
+    }
+    Ok(())
+}

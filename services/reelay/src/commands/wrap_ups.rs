@@ -1,0 +1,87 @@
+//! `reelay wrap-ups request`: ask for a year in film, wait until it is computed, and print its
+//! figures and where its card is.
+
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use reelay_contracts::v1::{self, wrap_ups_client::WrapUpsClient};
+
+use super::{ClientArgs, call_failed};
+
+#[derive(Debug, Subcommand)]
+pub enum WrapUpsCommand {
+    /// Ask for a year's wrap-up (asking again returns the same one) and show it once computed.
+    Request(RequestArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RequestArgs {
+    /// Your user id.
+    #[arg(long)]
+    pub user: String,
+
+    /// The year, e.g. 2024.
+    #[arg(long)]
+    pub year: i32,
+
+    /// How long to wait for the wrap-up handler, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub wait_secs: u64,
+
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+pub async fn run(command: WrapUpsCommand) -> anyhow::Result<()> {
+    let WrapUpsCommand::Request(args) = command;
+    let mut wrap_ups = WrapUpsClient::new(args.client.write()?);
+    let requested = wrap_ups
+        .request_wrap_up(v1::RequestWrapUpRequest { actor_user_id: args.user, year: args.year, ..Default::default() })
+        .await
+        .map_err(|s| call_failed("wrap-ups request", s))?
+        .into_inner()
+        .wrap_up
+        .unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(args.wait_secs);
+    let wrap_up = loop {
+        let current = wrap_ups
+            .get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: requested.wrap_up_id.clone() })
+            .await
+            .map_err(|s| call_failed("wrap-ups request", s))?
+            .into_inner();
+        if current.status() == v1::WrapUpStatus::Completed {
+            break current;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "wrap-up {} is still being generated after {} s (is a handlers service with the wrap-up \
+             handler running? `reelay status` shows its backlog)",
+            requested.wrap_up_id,
+            args.wait_secs
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let s = wrap_up.summary.unwrap_or_default();
+    println!("{} in film — wrap-up {}", wrap_up.year, wrap_up.wrap_up_id);
+    println!("  {} films, {} diary entries, {} rewatches", s.films, s.entries, s.rewatches);
+    println!("  {:.1} hours watched", f64::from(s.minutes_watched) / 60.0);
+    if s.mean_rating > 0.0 {
+        println!("  average rating {:.2} stars", s.mean_rating / 2.0);
+    }
+    let top = |list: &[v1::NameCount]| list.iter().map(|n| format!("{} ({})", n.name, n.count)).collect::<Vec<_>>();
+    if !s.top_genres.is_empty() {
+        println!("  top genres     {}", top(&s.top_genres).join(", "));
+    }
+    if !s.top_directors.is_empty() {
+        println!("  top directors  {}", top(&s.top_directors).join(", "));
+    }
+    for film in &s.highest_rated {
+        println!("  ★ {:.1}  {} ({})", f64::from(film.rating) / 2.0, film.title, film.year);
+    }
+    let months: Vec<String> = s.per_month.iter().map(u32::to_string).collect();
+    println!("  month by month {}", months.join(" "));
+    if !wrap_up.card_url.is_empty() {
+        println!("  card           {}", wrap_up.card_url);
+    }
+    Ok(())
+}
