@@ -55,6 +55,22 @@ impl ClientArgs {
     }
 }
 
+/// Who acts, and the film named by title and year (found, or created when new).
+#[derive(Debug, Clone, Args)]
+pub struct UserAndFilm {
+    /// Your user id (as `reelay users create` printed it).
+    #[arg(long)]
+    pub user: String,
+
+    /// The film's title.
+    #[arg(long)]
+    pub movie: String,
+
+    /// The film's release year.
+    #[arg(long)]
+    pub year: i32,
+}
+
 /// Runs a client command.
 pub async fn run(command: Command) -> anyhow::Result<()> {
     match command {

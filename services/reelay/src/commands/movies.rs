@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, movies_client::MoviesClient};
 
-use super::{ClientArgs, call_failed};
+use super::{ClientArgs, UserAndFilm, call_failed};
 
 #[derive(Debug, Subcommand)]
 pub enum MoviesCommand {
@@ -14,17 +14,8 @@ pub enum MoviesCommand {
 
 #[derive(Debug, Args)]
 pub struct ShowArgs {
-    /// Your user id (a film new to Reelay is discovered on your behalf).
-    #[arg(long)]
-    pub user: String,
-
-    /// The film's title.
-    #[arg(long)]
-    pub movie: String,
-
-    /// The film's release year.
-    #[arg(long)]
-    pub year: i32,
+    #[command(flatten)]
+    pub film: UserAndFilm,
 
     #[command(flatten)]
     pub client: ClientArgs,
@@ -35,9 +26,9 @@ pub async fn run(command: MoviesCommand) -> anyhow::Result<()> {
     let mut movies = MoviesClient::new(args.client.write()?);
     let discovered = movies
         .discover_movie(v1::DiscoverMovieRequest {
-            actor_user_id: args.user,
-            title: args.movie,
-            year: args.year,
+            actor_user_id: args.film.user,
+            title: args.film.movie,
+            year: args.film.year,
             ..Default::default()
         })
         .await

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, reviews_client::ReviewsClient};
 
-use super::{ClientArgs, call_failed, movie_by_title};
+use super::{ClientArgs, UserAndFilm, call_failed, movie_by_title};
 
 #[derive(Debug, Subcommand)]
 pub enum ReviewsCommand {
@@ -14,17 +14,8 @@ pub enum ReviewsCommand {
 
 #[derive(Debug, Args)]
 pub struct LogArgs {
-    /// Your user id (as `reelay users create` printed it).
-    #[arg(long)]
-    pub user: String,
-
-    /// The film's title.
-    #[arg(long)]
-    pub movie: String,
-
-    /// The film's release year.
-    #[arg(long)]
-    pub year: i32,
+    #[command(flatten)]
+    pub film: UserAndFilm,
 
     /// Stars, 0.5 to 5 in steps of 0.5; unrated when not given.
     #[arg(long, value_parser = parse_stars)]
@@ -55,10 +46,10 @@ fn parse_stars(text: &str) -> Result<u32, String> {
 pub async fn run(command: ReviewsCommand) -> anyhow::Result<()> {
     let ReviewsCommand::Log(args) = command;
     let mut reviews = ReviewsClient::new(args.client.write()?);
-    let movie = movie_by_title(&args.movie, args.year);
+    let movie = movie_by_title(&args.film.movie, args.film.year);
     let logged = reviews
         .log_review(v1::LogReviewRequest {
-            actor_user_id: args.user,
+            actor_user_id: args.film.user,
             movie: Some(movie),
             rating: args.stars.unwrap_or(0),
             body: args.review,
@@ -71,6 +62,6 @@ pub async fn run(command: ReviewsCommand) -> anyhow::Result<()> {
         .into_inner();
     let review = logged.review.unwrap_or_default();
     let new = if logged.movie_created { " (a film new to Reelay)" } else { "" };
-    println!("logged {} ({}){new}: review {}", args.movie, args.year, review.review_id);
+    println!("logged {} ({}){new}: review {}", args.film.movie, args.film.year, review.review_id);
     Ok(())
 }
