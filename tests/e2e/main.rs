@@ -14,6 +14,7 @@ mod handlers;
 mod import;
 mod k8s;
 mod logs;
+mod media;
 mod metrics;
 mod migrations;
 mod retention;

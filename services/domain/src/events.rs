@@ -49,6 +49,8 @@ pub fn event_type(payload: &Payload) -> &'static str {
         Payload::RemoteReviewDeleted(_) => "RemoteReviewDeleted",
         Payload::RemoteFollowAccepted(_) => "RemoteFollowAccepted",
         Payload::ActivityQueued(_) => "ActivityQueued",
+        Payload::PosterSynced(_) => "PosterSynced",
+        Payload::ImageStored(_) => "ImageStored",
     }
 }
 
@@ -77,6 +79,8 @@ pub const EVENT_TYPES: &[&str] = &[
     "RemoteReviewDeleted",
     "RemoteFollowAccepted",
     "ActivityQueued",
+    "PosterSynced",
+    "ImageStored",
 ];
 
 /// First retry delay; doubles per failed attempt.
@@ -161,6 +165,8 @@ mod tests {
             Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted::default()),
             Payload::RemoteFollowAccepted(v1::RemoteFollowAccepted::default()),
             Payload::ActivityQueued(v1::ActivityQueued::default()),
+            Payload::PosterSynced(v1::PosterSynced::default()),
+            Payload::ImageStored(v1::ImageStored::default()),
         ];
         let names: Vec<&str> = samples.iter().map(event_type).collect();
         assert_eq!(names, EVENT_TYPES);

@@ -1,5 +1,5 @@
 //! The handler registry: the one list of the handlers this build has. Each handler lives in its
-//! own crate beside this one (`search/`, `enrichment/`, `wrapup/`, `federation/`, `probe/`) and declares its
+//! own crate beside this one (`search/`, `enrichment/`, `wrapup/`, `media/`, `federation/`, `probe/`) and declares its
 //! name, the event types it takes (its `Handler`), its settings (a clap args block, environment
 //! names prefixed by the handler: `REELAY_SEARCH_*`, `REELAY_ENRICHMENT_*`) and how it is built.
 //! Handlers that store files share one object storage setting (`REELAY_OBJECTS_*`).
@@ -15,7 +15,7 @@ use reelay_delivery::{BuiltHandler, HandlerContext};
 use reelay_objects::{Objects, ObjectsSettings};
 
 /// The handlers of every build, in order (test builds add the probes).
-const HANDLERS: &[&str] = &["search", "movie-enrichment", "person-enrichment", "wrap-up"];
+const HANDLERS: &[&str] = &["search", "movie-enrichment", "person-enrichment", "wrap-up", "poster-sync"];
 
 /// Every handler's settings, each in its own block.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -26,6 +26,8 @@ pub struct HandlerSettings {
     pub search: reelay_search::SearchSettings,
     #[command(flatten)]
     pub enrichment: reelay_enrichment::EnrichmentSettings,
+    #[command(flatten)]
+    pub media: reelay_media::MediaSettings,
     #[command(flatten)]
     pub federation: reelay_federation::FederationSettings,
     #[command(flatten)]
@@ -66,6 +68,9 @@ pub async fn build(
             "movie-enrichment" => reelay_enrichment::build_movie_enrichment(&settings.enrichment, context)?,
             "person-enrichment" => reelay_enrichment::build_person_enrichment(&settings.enrichment, context)?,
             "wrap-up" => reelay_wrapup::build(context, objects(settings, &context.data_dir)?),
+            "poster-sync" => {
+                reelay_media::build_poster_sync(&settings.media, context, objects(settings, &context.data_dir)?)?
+            }
             federation if reelay_federation::NAMES.contains(&federation) => {
                 reelay_federation::build(federation, &settings.federation, context)?
             }

@@ -83,6 +83,9 @@ pub fn movie(row: MovieRow) -> v1::Movie {
         // Written by this service from a valid message; an unreadable one reads as absent.
         profile: row.profile.and_then(|p| v1::MovieProfile::decode(p.as_slice()).ok()),
         enriched_at_ms: row.enriched_at.unwrap_or_default(),
+        // Filled in by GetMovie from movie_posters.
+        poster_sizes: Vec::new(),
+        poster_source_url: String::new(),
     }
 }
 

@@ -7,7 +7,7 @@ use tonic::Request;
 
 use super::{Reply, WriteApi, ok, request_key};
 use crate::convert;
-use crate::store::Enrichment;
+use crate::store::{Enrichment, PosterRecord};
 
 #[tonic::async_trait]
 impl v1::movies_server::Movies for WriteApi {
@@ -43,7 +43,9 @@ impl v1::movies_server::Movies for WriteApi {
 
     async fn get_movie(&self, request: Request<v1::GetMovieRequest>) -> Reply<v1::Movie> {
         let id = MovieId::parse("movie_id", &request.into_inner().movie_id).map_err(ServiceError::from)?;
-        ok(convert::movie(self.store.get_movie(id).await?))
+        let mut movie = convert::movie(self.store.get_movie(id).await?);
+        (movie.poster_sizes, movie.poster_source_url) = self.store.posters(id).await?;
+        ok(movie)
     }
 
     async fn get_person(&self, request: Request<v1::GetPersonRequest>) -> Reply<v1::Person> {
@@ -79,6 +81,51 @@ impl v1::movies_server::Movies for WriteApi {
         };
         ok(self.store.save_enrichment(movie, outcome, key).await?)
     }
+
+    async fn record_poster(&self, request: Request<v1::RecordPosterRequest>) -> Reply<v1::RecordPosterResponse> {
+        let mut r = request.into_inner();
+        let key = request_key("RecordPoster", &mut r, |r| &mut r.request_id)?;
+        let poster = checked_poster(r)?;
+        ok(self.store.record_poster(poster, key).await?)
+    }
+}
+
+/// The content types a stored poster may have.
+pub const POSTER_CONTENT_TYPES: &[&str] = &["image/jpeg", "image/png", "image/webp"];
+/// The largest poster RecordPoster accepts (the poster-sync handler's download cap).
+pub const MAX_POSTER_BYTES: u64 = 20 * 1024 * 1024;
+
+/// A RecordPoster request, checked field by field.
+fn checked_poster(r: v1::RecordPosterRequest) -> Result<PosterRecord, ServiceError> {
+    let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
+    let expected_key = format!("posters/{movie}/original");
+    if r.key != expected_key {
+        return Err(ServiceError::invalid("key", format!("must be {expected_key:?}, got {:?}", r.key)));
+    }
+    if !POSTER_CONTENT_TYPES.contains(&r.content_type.as_str()) {
+        return Err(ServiceError::invalid(
+            "content_type",
+            format!("must be one of {}, got {:?}", POSTER_CONTENT_TYPES.join(", "), r.content_type),
+        ));
+    }
+    if r.size_bytes == 0 || r.size_bytes > MAX_POSTER_BYTES {
+        return Err(ServiceError::invalid(
+            "size_bytes",
+            format!("must be 1..={MAX_POSTER_BYTES}, got {}", r.size_bytes),
+        ));
+    }
+    if r.sha256.len() != 64 || !r.sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(ServiceError::invalid("sha256", format!("must be 64 lower-case hex digits, got {:?}", r.sha256)));
+    }
+    validate::uri("source_url", &r.source_url).map_err(ServiceError::from)?;
+    Ok(PosterRecord {
+        movie,
+        key: r.key,
+        content_type: r.content_type,
+        size_bytes: r.size_bytes,
+        sha256: r.sha256,
+        source_url: r.source_url,
+    })
 }
 
 /// Most people one SavePeople call takes.

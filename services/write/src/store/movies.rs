@@ -61,6 +61,22 @@ impl Store {
             .ok_or_else(|| ServiceError::not_found(format_args!("movie {id}")).into())
     }
 
+    /// The poster sizes stored for a movie ("original" first, then the variants by width) and
+    /// where the original came from (empty when none is stored).
+    pub async fn posters(&self, id: MovieId) -> Result<(Vec<String>, String)> {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT size, source_url FROM movie_posters WHERE movie_id = ?")
+                .bind(id.to_string())
+                .fetch_all(&self.db.reads)
+                .await?;
+        let source = rows.iter().find(|(size, _)| size == "original").map(|(_, url)| url.clone()).unwrap_or_default();
+        let mut sizes: Vec<String> = rows.into_iter().map(|(size, _)| size).collect();
+        sizes.sort_by_key(|s| {
+            (s != "original", s.trim_start_matches('w').parse::<u32>().unwrap_or(u32::MAX), s.clone())
+        });
+        Ok((sizes, source))
+    }
+
     pub async fn get_person(&self, person_id: &str) -> Result<v1::Person> {
         let profile: Option<Vec<u8>> = sqlx::query_scalar("SELECT profile FROM people WHERE person_id = ?")
             .bind(person_id)
@@ -147,6 +163,94 @@ impl Store {
         })
         .await
     }
+}
+
+impl Store {
+    /// Records the poster the poster-sync handler stored for a movie, raising PosterSynced and
+    /// ImageStored in the same transaction. A repeat with the same key and digest writes and
+    /// raises nothing (so a redelivered MovieEnriched, or a retry after a crash between the
+    /// object write and this call, raises each event once); a different digest replaces the
+    /// record and raises both again.
+    pub async fn record_poster(
+        &self,
+        poster: PosterRecord,
+        key: Option<RequestKey>,
+    ) -> Result<v1::RecordPosterResponse> {
+        keyed_job!(self, "record_poster", key, |tx| {
+            let movie = poster.movie;
+            movie_by_id(tx.conn(), &movie.to_string())
+                .await?
+                .ok_or_else(|| ServiceError::not_found(format_args!("movie {movie}")))?;
+            let current: Option<(String, String)> =
+                sqlx::query_as("SELECT object_key, sha256 FROM movie_posters WHERE movie_id = ? AND size = 'original'")
+                    .bind(movie.to_string())
+                    .fetch_optional(tx.conn())
+                    .await?;
+            if current.as_ref().is_some_and(|(k, d)| *k == poster.key && *d == poster.sha256) {
+                return Ok(v1::RecordPosterResponse::default());
+            }
+            sqlx::query(
+                "INSERT INTO movie_posters \
+                 (movie_id, size, object_key, content_type, size_bytes, sha256, source_url, stored_at) \
+                 VALUES (?1, 'original', ?2, ?3, ?4, ?5, ?6, ?7) \
+                 ON CONFLICT (movie_id, size) DO UPDATE SET object_key = ?2, content_type = ?3, \
+                 size_bytes = ?4, sha256 = ?5, source_url = ?6, stored_at = ?7",
+            )
+            .bind(movie.to_string())
+            .bind(&poster.key)
+            .bind(&poster.content_type)
+            .bind(poster.size_bytes as i64)
+            .bind(&poster.sha256)
+            .bind(&poster.source_url)
+            .bind(tx.now_ms())
+            .execute(tx.conn())
+            .await?;
+            // A replaced original makes its variants stale: forget them (conversion redoes them).
+            sqlx::query("DELETE FROM movie_posters WHERE movie_id = ? AND size != 'original'")
+                .bind(movie.to_string())
+                .execute(tx.conn())
+                .await?;
+            let synced = NewEvent::new(
+                movie,
+                Payload::PosterSynced(v1::PosterSynced {
+                    movie_id: movie.to_string(),
+                    source_url: poster.source_url.clone(),
+                    key: poster.key.clone(),
+                    content_type: poster.content_type.clone(),
+                    size_bytes: poster.size_bytes,
+                    sha256: poster.sha256.clone(),
+                }),
+            );
+            let stored = NewEvent::new(
+                movie,
+                Payload::ImageStored(v1::ImageStored {
+                    movie_id: movie.to_string(),
+                    key: poster.key.clone(),
+                    content_type: poster.content_type.clone(),
+                    size_bytes: poster.size_bytes,
+                    sha256: poster.sha256.clone(),
+                }),
+            );
+            let ids = commit_events(tx, vec![synced, stored]).await?;
+            Ok(v1::RecordPosterResponse {
+                changed: true,
+                poster_synced_event_id: ids[0].to_string(),
+                image_stored_event_id: ids[1].to_string(),
+            })
+        })
+        .await
+    }
+}
+
+/// A stored poster, checked by the API before it is recorded.
+#[derive(Debug, Clone)]
+pub struct PosterRecord {
+    pub movie: MovieId,
+    pub key: String,
+    pub content_type: String,
+    pub size_bytes: u64,
+    pub sha256: String,
+    pub source_url: String,
 }
 
 /// What enrichment found for a movie.
