@@ -2,7 +2,7 @@
 //! real HTTP server serving a real PNG (built here) and bad answers, and real files in object
 //! storage under the data dir.
 //!
-//! Still to come (see NOTES-issue-11.md): the failpoint crash in a `reelay run` process, JPEGs,
+//! Still to come (see NOTES-issue-11.md): dead letters read from the ledger, JPEGs,
 //! image conversion and cleanup, S3.
 
 use std::io::Write;
@@ -15,7 +15,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use reelay_contracts::v1;
 use reelay_delivery::HandlerError;
-use reelay_harness::{Reelay, TEST_TOKEN, outbox_rows, temp_dir};
+use reelay_harness::{Backend, Cluster, Reelay, TEST_TOKEN, outbox_rows, temp_dir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
@@ -54,16 +54,21 @@ fn png(width: u32, height: u32) -> Vec<u8> {
 /// The poster host: a PNG, a 404, an HTML page, a truncated JPEG and a body over the cap.
 struct PosterHost {
     addr: std::net::SocketAddr,
+    /// Requests for `/poster.png`.
+    downloads: Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl PosterHost {
     async fn start(poster: Arc<Vec<u8>>) -> Self {
+        let downloads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = downloads.clone();
         let router = Router::new()
             .route(
                 "/poster.png",
                 get(move || {
                     let poster = poster.clone();
+                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     async move { ([(header::CONTENT_TYPE, "image/png")], poster.as_ref().clone()) }
                 }),
             )
@@ -79,7 +84,7 @@ impl PosterHost {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-        Self { addr, task }
+        Self { addr, downloads, task }
     }
 
     fn url(&self, path: &str) -> String {
@@ -224,4 +229,53 @@ async fn poster_sync_stores_a_real_png_once_and_refuses_bad_posters_for_good() {
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(refused.message().contains("key"), "{}", refused.message());
     write.stop().await;
+}
+
+/// The crash window in real processes: `poster-sync` aborts at the failpoint after the object
+/// write and before RecordPoster; a handlers process started again finds the object, records it
+/// without downloading again, and PosterSynced and ImageStored are in the outbox exactly once.
+#[tokio::test]
+async fn a_crash_after_the_object_write_records_the_poster_once() {
+    let poster = Arc::new(png(200, 300));
+    let host = PosterHost::start(poster.clone()).await;
+    let dir = temp_dir();
+    let objects_dir = dir.path().join("shared-objects");
+    let objects_url = objects_dir.display().to_string();
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .env("REELAY_LEDGER_LEASE_MS", "2000")
+        .env("REELAY_OUTBOX_LEASE_MS", "2000")
+        .env("REELAY_OBJECTS_URL", &objects_url)
+        .handlers(&[("REELAY_HANDLERS", "poster-sync"), ("REELAY_FAILPOINTS", "poster_sync_after_put")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let ana = c.user("ana").await;
+    let db = cluster.db.clone();
+    let (heat, _) = enriched_film(&mut c, &db, &ana, "Heat", &host.url("/poster.png")).await;
+
+    let crashed = &mut cluster.handlers[0];
+    reelay_harness::eventually("the handler aborted at the failpoint", Duration::from_secs(60), || {
+        let running = crashed.is_running();
+        async move { !running }
+    })
+    .await;
+    let key = format!("posters/{heat}/original");
+    assert_eq!(std::fs::read(objects_dir.join(&key)).unwrap(), *poster, "the object was written before the crash");
+    assert!(events(&db, "PosterSynced", &heat).await.is_empty(), "nothing recorded before the crash");
+
+    let env = vec![("REELAY_HANDLERS", "poster-sync"), ("REELAY_OBJECTS_URL", objects_url.as_str())];
+    let mut again = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("handlers-again"), &env).await;
+    reelay_harness::eventually("the delivery is settled", Duration::from_secs(60), || {
+        let db = db.clone();
+        async move { reelay_harness::unsettled(&db, false, &["poster-sync"]).await.is_empty() }
+    })
+    .await;
+    let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: heat.clone() }).await.unwrap().into_inner();
+    assert_eq!(movie.poster_sizes, ["original"]);
+    assert_eq!(events(&db, "PosterSynced", &heat).await.len(), 1);
+    assert_eq!(events(&db, "ImageStored", &heat).await.len(), 1);
+    assert_eq!(host.downloads.load(std::sync::atomic::Ordering::SeqCst), 1, "the retry used the stored object");
+    again.stop().await;
+    cluster.handlers.clear();
+    cluster.stop().await;
 }
