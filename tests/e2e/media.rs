@@ -98,6 +98,22 @@ impl Drop for PosterHost {
     }
 }
 
+/// Builds `name` (a media handler) in this process, as [`poster_sync`] does.
+async fn media_handler(name: &str, write: &Reelay, data_dir: &std::path::Path) -> Arc<dyn reelay_delivery::Handler> {
+    let context = reelay_delivery::HandlerContext {
+        data_dir: data_dir.to_owned(),
+        write: reelay_kit::client::connect_lazy(
+            &format!("http://{}", write.addr),
+            Some(TEST_TOKEN),
+            Duration::from_secs(30),
+        )
+        .unwrap(),
+    };
+    let settings = reelay_handlers::HandlerSettings::default();
+    let mut built = reelay_handlers::build(&[name.to_owned()], &settings, &context).await.unwrap();
+    built.remove(0).handler
+}
+
 /// Builds `poster-sync` in this process against a real write service, objects under `data_dir`.
 async fn poster_sync(write: &Reelay, data_dir: &std::path::Path) -> Arc<dyn reelay_delivery::Handler> {
     reelay_objects::install_tls_provider();
@@ -278,4 +294,37 @@ async fn a_crash_after_the_object_write_records_the_poster_once() {
     again.stop().await;
     cluster.handlers.clear();
     cluster.stop().await;
+}
+
+/// Cleanup after the film's last review is deleted: every key under `posters/<movie_id>/` goes,
+/// another film's stay, and a redelivery is a no-op.
+#[tokio::test]
+async fn deleting_the_last_review_removes_every_key_of_the_film() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[]).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
+    let heat = review.movie_id.clone();
+    let objects = reelay_objects::Objects::open(&Default::default(), dir.path()).unwrap();
+    for key in ["original", "w92.webp", "w185.webp"] {
+        objects.put(&format!("posters/{heat}/{key}"), png(4, 6).into()).await.unwrap();
+    }
+    objects.put("posters/other-film/original", png(4, 6).into()).await.unwrap();
+    c.reviews
+        .delete_review(v1::DeleteReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: review.review_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deleted = events(&db, "MovieDeleted", &heat).await.remove(0);
+    let cleanup = media_handler("image-cleanup", &write, dir.path()).await;
+    cleanup.handle(&deleted).await.unwrap();
+    assert!(objects.list(&format!("posters/{heat}")).await.unwrap().is_empty(), "every key of the film is gone");
+    assert!(objects.exists("posters/other-film/original").await.unwrap(), "another film's poster stays");
+    cleanup.handle(&deleted).await.unwrap();
+    write.stop().await;
 }

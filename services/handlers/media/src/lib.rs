@@ -1,4 +1,4 @@
-//! The media handlers (issue 11). So far: `poster-sync`.
+//! The media handlers (issue 11). So far: `poster-sync` and `image-cleanup`.
 //!
 //! `poster-sync` (on `MovieEnriched` with a poster URL) downloads the poster over HTTP (a
 //! timeout, a size cap, a content-type check and a check of the bytes themselves), writes it to
@@ -60,7 +60,7 @@ impl Default for MediaSettings {
 }
 
 /// The handlers of this crate, in registry order.
-pub const NAMES: &[&str] = &["poster-sync"];
+pub const NAMES: &[&str] = &["poster-sync", "image-cleanup"];
 
 /// The object key of a movie's downloaded poster.
 pub fn original_key(movie_id: &str) -> String {
@@ -82,6 +82,41 @@ pub fn build_poster_sync(
     let handler =
         PosterSync { http, max_bytes: settings.max_bytes, movies: MoviesClient::new(context.write.clone()), objects };
     Ok(BuiltHandler { handler: Arc::new(handler), grpc: None })
+}
+
+/// Builds `image-cleanup`, deleting from `objects`.
+pub fn build_image_cleanup(objects: Objects) -> BuiltHandler {
+    BuiltHandler { handler: Arc::new(ImageCleanup { objects }), grpc: None }
+}
+
+/// `image-cleanup` (on `MovieDeleted`): deletes every key under `posters/<movie_id>/`; a key
+/// already gone counts as deleted, so a redelivery is a no-op.
+pub struct ImageCleanup {
+    objects: Objects,
+}
+
+#[async_trait::async_trait]
+impl Handler for ImageCleanup {
+    fn name(&self) -> &'static str {
+        "image-cleanup"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        &["MovieDeleted"]
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let Some(Payload::MovieDeleted(deleted)) = &event.payload else { return Ok(()) };
+        let id = deleted.movie_id.as_str();
+        // Never a prefix wider than one movie's folder.
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(HandlerError::permanent(format!("MovieDeleted names no usable movie id: {id:?}")));
+        }
+        let prefix = format!("posters/{id}");
+        let deleted = self.objects.delete_prefix(&prefix).await.map_err(HandlerError::retryable)?;
+        tracing::info!(movie_id = id, deleted, "images of a deleted movie removed");
+        Ok(())
+    }
 }
 
 /// A failed call to the write service: transient failures are retried, refusals are not.
