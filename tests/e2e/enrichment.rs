@@ -306,6 +306,10 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
         "{error:?}"
     );
     assert_eq!(tmdb.unauthorized(), 1);
+    // A 5xx is worth retrying.
+    tmdb.fail("/3/movie/949", 1, 503);
+    let error = movie_enrichment.handle(&discovered).await.unwrap_err();
+    assert!(matches!(&error, reelay_delivery::HandlerError::Retryable(m) if m.contains("503")), "{error:?}");
 
     let people_before = query_strings(&db, "SELECT person_id, profiled || '' FROM people ORDER BY person_id").await;
     let person_enrichment = handler_here("person-enrichment", &write, settings.clone()).await;
