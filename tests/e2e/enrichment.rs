@@ -10,11 +10,13 @@ use std::time::Duration;
 
 use reelay_contracts::v1::{self, event::Payload, search_client::SearchClient};
 use reelay_harness::{
-    AuthedChannel, Backend, Clients, Cluster, MotoServer, Reelay, TEST_TOKEN, TMDB_API_KEY, TMDB_TOKEN, TmdbServer,
+    AuthedChannel, Backend, Clients, Cluster, MotoServer, Reelay, TMDB_API_KEY, TMDB_TOKEN, TmdbServer, events_of,
     films, http_request, movie_ref, outbox_rows, query_strings, temp_dir,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+/// How long a test waits for what handlers do.
+const LIMIT: Duration = Duration::from_secs(60);
 const DIARY_2024: &[u8] = include_bytes!("../fixtures/letterboxd-2024.csv");
 
 async fn eventually<F, Fut>(what: &str, probe: F)
@@ -22,28 +24,12 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    reelay_harness::eventually(what, Duration::from_secs(60), probe).await
-}
-
-/// Polls `probe` until it gives a value; panics after a minute.
-async fn wait_for<T, F, Fut>(what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(std::time::Instant::now() < deadline, "timed out after 60 s waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    reelay_harness::eventually(what, LIMIT, probe).await
 }
 
 /// The movie once its enrichment settled (enriched or not found).
 async fn settled_movie(c: &Clients, movie_id: &str) -> v1::Movie {
-    wait_for(&format!("movie {movie_id} is enriched or known unknown"), || {
+    reelay_harness::eventually_some(&format!("movie {movie_id} is enriched or known unknown"), LIMIT, || {
         let mut movies = c.movies.clone();
         let id = movie_id.to_owned();
         async move {
@@ -54,11 +40,9 @@ async fn settled_movie(c: &Clients, movie_id: &str) -> v1::Movie {
     .await
 }
 
-fn events_of(rows: &[reelay_harness::OutboxRow], event_type: &str, aggregate: &str) -> Vec<v1::Event> {
-    rows.iter()
-        .filter(|r| r.event_type == event_type && r.aggregate_id == aggregate)
-        .filter_map(|r| r.envelope.clone())
-        .collect()
+/// The events of one type raised for one aggregate.
+async fn events_for(db: &std::path::Path, event_type: &str, aggregate: &str) -> Vec<v1::Event> {
+    events_of(db, event_type).await.into_iter().filter(|e| e.aggregate_id == aggregate).collect()
 }
 
 fn names(credits: &[v1::PersonCredit]) -> Vec<&str> {
@@ -119,7 +103,7 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
 
     // Person enrichment profiles the director and the leads.
     for (id, name, born) in [("tmdb:638", "Michael Mann", "1943-02-05"), ("tmdb:1158", "Al Pacino", "1940-04-25")] {
-        let person = wait_for(&format!("{name} is profiled"), || {
+        let person = reelay_harness::eventually_some(&format!("{name} is profiled"), LIMIT, || {
             let mut movies = c.movies.clone();
             async move {
                 let person = movies.get_person(v1::GetPersonRequest { person_id: id.into() }).await.ok()?.into_inner();
@@ -137,13 +121,12 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
     assert!(bad.message().contains("person_id"), "{}", bad.message());
 
     // One MovieEnriched for Heat, carrying what the media handlers need.
-    let rows = outbox_rows(&db).await;
-    let enriched = events_of(&rows, "MovieEnriched", &heat);
+    let enriched = events_for(&db, "MovieEnriched", &heat).await;
     assert_eq!(enriched.len(), 1);
     let Some(Payload::MovieEnriched(event)) = &enriched[0].payload else { panic!("not a MovieEnriched") };
     assert_eq!((event.title.as_str(), event.year), ("Heat", 1995));
     assert_eq!(event.profile.as_ref().unwrap().poster_url, profile.poster_url);
-    assert!(events_of(&rows, "MovieEnriched", &unknown.movie_id).is_empty(), "an unknown film raises nothing");
+    assert!(events_for(&db, "MovieEnriched", &unknown.movie_id).await.is_empty(), "an unknown film raises nothing");
 
     // Search indexes what enrichment added.
     let mut search = SearchClient::new(reelay.handlers_channel().await);
@@ -170,7 +153,7 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
         async move { reelay_harness::unsettled(&db, false, &["movie-enrichment"]).await.is_empty() }
     })
     .await;
-    assert_eq!(events_of(&outbox_rows(&db).await, "MovieEnriched", &heat).len(), 1);
+    assert_eq!(events_for(&db, "MovieEnriched", &heat).await.len(), 1);
     reelay.stop().await;
 }
 
@@ -223,7 +206,7 @@ async fn a_crash_between_the_people_and_the_profile_redoes_the_film_once() {
         async move { reelay_harness::unsettled(&db, false, &["movie-enrichment"]).await.is_empty() }
     })
     .await;
-    assert_eq!(events_of(&outbox_rows(&cluster.db).await, "MovieEnriched", &heat).len(), 1);
+    assert_eq!(events_for(&cluster.db, "MovieEnriched", &heat).await.len(), 1);
     again.stop().await;
     cluster.handlers.clear();
     cluster.stop().await;
@@ -276,19 +259,10 @@ async fn the_offline_catalog_enriches_with_no_key_and_no_network() {
 async fn handler_here(
     name: &str,
     write: &Reelay,
-    data_dir: &std::path::Path,
     settings: reelay_handlers::HandlerSettings,
 ) -> std::sync::Arc<dyn reelay_delivery::Handler> {
     reelay_objects::install_tls_provider();
-    let context = reelay_delivery::HandlerContext {
-        data_dir: data_dir.to_owned(),
-        write: reelay_kit::client::connect_lazy(
-            &format!("http://{}", write.addr),
-            Some(TEST_TOKEN),
-            Duration::from_secs(30),
-        )
-        .unwrap(),
-    };
+    let context = crate::handler_context(write);
     let mut built = reelay_handlers::build(&[name.to_owned()], &settings, &context).await.unwrap();
     assert_eq!(built.len(), 1);
     built.remove(0).handler
@@ -317,15 +291,28 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     settings.enrichment.tmdb_url = tmdb.url();
     settings.enrichment.tmdb_api_key = Some(TMDB_API_KEY.into());
 
-    let discovered = events_of(&outbox_rows(&db).await, "MovieDiscovered", &heat).remove(0);
-    let movie_enrichment = handler_here("movie-enrichment", &write, dir.path(), settings.clone()).await;
+    let discovered = events_for(&db, "MovieDiscovered", &heat).await.remove(0);
+    let movie_enrichment = handler_here("movie-enrichment", &write, settings.clone()).await;
     twice_and_again(movie_enrichment.as_ref(), &discovered).await;
     let rows = outbox_rows(&db).await;
-    let enriched = events_of(&rows, "MovieEnriched", &heat);
+    let enriched = events_for(&db, "MovieEnriched", &heat).await;
     assert_eq!(enriched.len(), 1, "three runs, one MovieEnriched");
+    // A key TMDB refuses is not worth retrying, and the error names the setting to fix.
+    let mut refused = settings.clone();
+    refused.enrichment.tmdb_api_key = Some("not-the-key".into());
+    let error = handler_here("movie-enrichment", &write, refused).await.handle(&discovered).await.unwrap_err();
+    assert!(
+        matches!(&error, reelay_delivery::HandlerError::Permanent(m) if m.contains("REELAY_ENRICHMENT_TMDB_API_KEY")),
+        "{error:?}"
+    );
+    assert_eq!(tmdb.unauthorized(), 1);
+    // A 5xx is worth retrying.
+    tmdb.fail("/3/movie/949", 1, 503);
+    let error = movie_enrichment.handle(&discovered).await.unwrap_err();
+    assert!(matches!(&error, reelay_delivery::HandlerError::Retryable(m) if m.contains("503")), "{error:?}");
 
     let people_before = query_strings(&db, "SELECT person_id, profiled || '' FROM people ORDER BY person_id").await;
-    let person_enrichment = handler_here("person-enrichment", &write, dir.path(), settings.clone()).await;
+    let person_enrichment = handler_here("person-enrichment", &write, settings.clone()).await;
     twice_and_again(person_enrichment.as_ref(), &enriched[0]).await;
     let people =
         query_strings(&db, "SELECT person_id, profiled || '', updated_at || '' FROM people ORDER BY person_id").await;
@@ -347,10 +334,10 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
         .into_inner()
         .wrap_up
         .unwrap();
-    let event = events_of(&outbox_rows(&db).await, "WrapUpRequested", &requested.wrap_up_id).remove(0);
-    let wrap_up = handler_here("wrap-up", &write, dir.path(), settings).await;
+    let event = events_for(&db, "WrapUpRequested", &requested.wrap_up_id).await.remove(0);
+    let wrap_up = handler_here("wrap-up", &write, settings).await;
     twice_and_again(wrap_up.as_ref(), &event).await;
-    assert_eq!(events_of(&outbox_rows(&db).await, "WrapUpCompleted", &requested.wrap_up_id).len(), 1);
+    assert_eq!(events_for(&db, "WrapUpCompleted", &requested.wrap_up_id).await.len(), 1);
     let done = c
         .wrap_ups
         .get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: requested.wrap_up_id.clone() })
@@ -508,7 +495,7 @@ async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     assert!(first.created);
     let id = first.wrap_up.unwrap().wrap_up_id;
     assert_eq!(second.wrap_up.unwrap().wrap_up_id, id, "asking again is the same wrap-up");
-    let done = wait_for("the wrap-up is completed", || {
+    let done = reelay_harness::eventually_some("the wrap-up is completed", LIMIT, || {
         let mut wrap_ups = c.wrap_ups.clone();
         let id = id.clone();
         async move {
@@ -542,9 +529,8 @@ async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
 
     // A third ask, after completion, changes nothing either.
     c.wrap_ups.request_wrap_up(ask("again-1")).await.unwrap();
-    let rows = outbox_rows(&reelay.database).await;
-    assert_eq!(events_of(&rows, "WrapUpRequested", &id).len(), 1);
-    assert_eq!(events_of(&rows, "WrapUpCompleted", &id).len(), 1);
+    assert_eq!(events_for(&reelay.database, "WrapUpRequested", &id).await.len(), 1);
+    assert_eq!(events_for(&reelay.database, "WrapUpCompleted", &id).await.len(), 1);
     done
 }
 

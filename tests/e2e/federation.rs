@@ -5,10 +5,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, search_client::SearchClient};
-use reelay_delivery::{Handler, HandlerContext};
+use reelay_delivery::Handler;
 use reelay_harness::{
-    Clients, MastodonPeer, Reelay, Spoil, TEST_TOKEN, actor_account, get_json, movie_ref, outbox_rows, query_strings,
-    temp_dir,
+    Clients, MastodonPeer, Reelay, Spoil, actor_account, events_of, get_json, movie_ref, query_strings, temp_dir,
 };
 use serde_json::{Value, json};
 
@@ -71,20 +70,11 @@ async fn follow(c: &mut Clients, user: &str, actor: &str) {
     assert!(c.social.follow(request).await.unwrap().into_inner().changed);
 }
 
-/// The envelopes of the events of `event_type` in `db`'s outbox.
-async fn events_of(db: &Path, event_type: &str) -> Vec<v1::Event> {
-    outbox_rows(db).await.into_iter().filter(|r| r.event_type == event_type).filter_map(|r| r.envelope).collect()
-}
-
 /// A federation handler of this build, run in this test process against `reelay`'s write service.
 fn handler(reelay: &Reelay, name: &str) -> std::sync::Arc<dyn Handler> {
     let settings =
         reelay_federation::FederationSettings { public_url: Some(reelay.public_url()), ..Default::default() };
-    let write =
-        reelay_kit::client::connect_lazy(&format!("http://{}", reelay.addr), Some(TEST_TOKEN), Duration::from_secs(10))
-            .unwrap();
-    let context = HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write };
-    reelay_federation::build(name, &settings, &context).unwrap().handler
+    reelay_federation::build(name, &settings, &crate::handler_context(reelay)).unwrap().handler
 }
 
 /// What a Mastodon-shaped server sends for a review: a Note carrying Reelay's film fields.

@@ -349,7 +349,15 @@ fn start_pods(
                     .find(|sp| sp["targetPort"] == port["name"] || sp["targetPort"] == number)?;
                 network.services.get(&(str_of(&s["metadata"]["name"]).to_owned(), sp["port"].as_u64()? as u16)).copied()
             });
-            ports.insert(number, served.unwrap_or_else(free_port));
+            // A port of its own: not one set aside for a Service whose pod has not bound it yet.
+            let own = || loop {
+                let port = free_port();
+                if !network.services.values().chain(ports.values()).any(|taken| *taken == port) {
+                    break port;
+                }
+            };
+            let local = served.unwrap_or_else(own);
+            ports.insert(number, local);
         }
         let mut env: Vec<(String, String)> = Vec::new();
         for from in container["envFrom"].as_array().into_iter().flatten() {

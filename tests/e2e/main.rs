@@ -20,3 +20,13 @@ mod migrations;
 mod retention;
 mod search;
 mod write_events;
+
+/// What a handler of this build needs to run in the test process against `reelay`'s write
+/// service: its data dir (the process's) and an authenticated channel.
+fn handler_context(reelay: &reelay_harness::Reelay) -> reelay_delivery::HandlerContext {
+    let url = format!("http://{}", reelay.addr);
+    let write =
+        reelay_kit::client::connect_lazy(&url, Some(reelay_harness::TEST_TOKEN), std::time::Duration::from_secs(30))
+            .expect("a channel to the write service");
+    reelay_delivery::HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write }
+}

@@ -30,6 +30,19 @@ impl HandlerError {
     pub fn permanent(message: impl fmt::Display) -> Self {
         Self::Permanent(message.to_string())
     }
+
+    /// A failed call of a handler's follow-up write (`what`: the method): a refusal of the
+    /// request itself (invalid, failed precondition, denied) cannot pass on a retry; anything
+    /// else (unreachable, busy, an unknown outcome) may.
+    pub fn from_call(what: &str, status: &tonic::Status) -> Self {
+        let message = format!("{what}: {:?}: {}", status.code(), status.message());
+        match status.code() {
+            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::PermissionDenied => {
+                Self::Permanent(message)
+            }
+            _ => Self::Retryable(message),
+        }
+    }
 }
 
 #[async_trait::async_trait]

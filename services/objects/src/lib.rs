@@ -54,11 +54,16 @@ pub struct ObjectsSettings {
 
 /// Why an object operation failed.
 #[derive(Debug, thiserror::Error)]
-#[error("object storage ({store}): {source}")]
-pub struct ObjectsError {
-    store: String,
-    #[source]
-    source: object_store::Error,
+pub enum ObjectsError {
+    /// Not a key of this store: empty, or a segment that is empty, `.` or `..`.
+    #[error("not an object key: {key:?}: {reason}")]
+    BadKey { key: String, reason: String },
+    #[error("object storage ({store}): {source}")]
+    Store {
+        store: String,
+        #[source]
+        source: object_store::Error,
+    },
 }
 
 /// A handle on the object store. Cheap to clone.
@@ -128,23 +133,28 @@ impl Objects {
     }
 
     fn error(&self, source: object_store::Error) -> ObjectsError {
-        ObjectsError { store: self.describe.to_string(), source }
+        ObjectsError::Store { store: self.describe.to_string(), source }
     }
 
-    fn path(key: &str) -> Result<Path, object_store::Error> {
-        Path::parse(key).map_err(|e| object_store::Error::Generic { store: "key", source: Box::new(e) })
+    /// The store's path of a key; keys never climb out of the store.
+    fn path(key: &str) -> Result<Path, ObjectsError> {
+        let bad = |reason: String| ObjectsError::BadKey { key: key.to_owned(), reason };
+        if key.is_empty() {
+            return Err(bad("empty".into()));
+        }
+        Path::parse(key).map_err(|e| bad(e.to_string()))
     }
 
     /// Writes `bytes` under `key`, atomically (a reader sees the whole object or none).
     pub async fn put(&self, key: &str, bytes: Bytes) -> Result<(), ObjectsError> {
-        let path = Self::path(key).map_err(|e| self.error(e))?;
+        let path = Self::path(key)?;
         self.store.put(&path, PutPayload::from(bytes)).await.map_err(|e| self.error(e))?;
         Ok(())
     }
 
     /// The object under `key`, or `None` when there is none.
     pub async fn get(&self, key: &str) -> Result<Option<Object>, ObjectsError> {
-        let path = Self::path(key).map_err(|e| self.error(e))?;
+        let path = Self::path(key)?;
         match self.store.get(&path).await {
             Ok(result) => {
                 let meta = result.meta.clone();
@@ -158,7 +168,7 @@ impl Objects {
 
     /// Whether an object exists under `key`.
     pub async fn exists(&self, key: &str) -> Result<bool, ObjectsError> {
-        let path = Self::path(key).map_err(|e| self.error(e))?;
+        let path = Self::path(key)?;
         match self.store.head(&path).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -168,7 +178,7 @@ impl Objects {
 
     /// The keys under `prefix` (a folder: `posters/<movie id>`).
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, ObjectsError> {
-        let path = Self::path(prefix).map_err(|e| self.error(e))?;
+        let path = Self::path(prefix)?;
         let metas: Vec<_> = self.store.list(Some(&path)).try_collect().await.map_err(|e| self.error(e))?;
         Ok(metas.into_iter().map(|m| m.location.to_string()).collect())
     }
@@ -178,7 +188,7 @@ impl Objects {
     pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, ObjectsError> {
         let keys = self.list(prefix).await?;
         for key in &keys {
-            let path = Self::path(key).map_err(|e| self.error(e))?;
+            let path = Self::path(key)?;
             match self.store.delete(&path).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(error) => return Err(self.error(error)),

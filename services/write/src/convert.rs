@@ -113,6 +113,7 @@ pub fn watchlist_entry(row: WatchlistRow) -> v1::WatchlistEntry {
 }
 
 pub fn wrap_up(row: WrapUpRow) -> v1::WrapUp {
+    let summary = row.summary.and_then(|s| v1::WrapUpSummary::decode(s.as_slice()).ok());
     let status = match row.status.as_str() {
         "completed" => v1::WrapUpStatus::Completed,
         _ => v1::WrapUpStatus::Generating,
@@ -124,10 +125,32 @@ pub fn wrap_up(row: WrapUpRow) -> v1::WrapUp {
         status: status as i32,
         requested_at_ms: row.requested_at,
         completed_at_ms: row.completed_at.unwrap_or_default(),
-        summary_json: row.summary_json,
-        summary: row.summary.and_then(|s| v1::WrapUpSummary::decode(s.as_slice()).ok()),
+        summary_json: summary.as_ref().map(summary_json).unwrap_or_default(),
+        summary,
         card_key: row.card_key.unwrap_or_default(),
         card_content_type: row.card_content_type.unwrap_or_default(),
         card_url: String::new(),
     }
+}
+
+/// The summary as JSON (`WrapUp.summary_json`), for clients that read no protobuf.
+fn summary_json(s: &v1::WrapUpSummary) -> String {
+    let counts = |list: &[v1::NameCount]| -> Vec<serde_json::Value> {
+        list.iter().map(|n| serde_json::json!({"name": n.name, "count": n.count})).collect()
+    };
+    serde_json::json!({
+        "films": s.films,
+        "entries": s.entries,
+        "rewatches": s.rewatches,
+        "minutes_watched": s.minutes_watched,
+        "rating_counts": s.rating_counts,
+        "mean_rating": s.mean_rating,
+        "top_genres": counts(&s.top_genres),
+        "top_directors": counts(&s.top_directors),
+        "per_month": s.per_month,
+        "highest_rated": s.highest_rated.iter().map(|f| serde_json::json!({
+            "movie_id": f.movie_id, "title": f.title, "year": f.year, "rating": f.rating,
+        })).collect::<Vec<_>>(),
+    })
+    .to_string()
 }

@@ -75,6 +75,11 @@ pub struct OutboxRow {
     pub envelope: Option<v1::Event>,
 }
 
+/// The events of one type in the outbox, in insertion order.
+pub async fn events_of(path: &Path, event_type: &str) -> Vec<v1::Event> {
+    outbox_rows(path).await.into_iter().filter(|r| r.event_type == event_type).filter_map(|r| r.envelope).collect()
+}
+
 /// The outbox in insertion order.
 pub async fn outbox_rows(path: &Path) -> Vec<OutboxRow> {
     let mut conn = open(path).await;

@@ -31,8 +31,8 @@ use tonic_health::pb::health_client::HealthClient;
 
 pub use cluster::{Backend, Cluster, ClusterBuilder};
 pub use db::{
-    OutboxRow, ReviewLedger, Snapshot, dead_letters, event_ids, insert_foreign_event, outbox_rows, probe_records,
-    query_strings, table_snapshot, unsettled,
+    OutboxRow, ReviewLedger, Snapshot, dead_letters, event_ids, events_of, insert_foreign_event, outbox_rows,
+    probe_records, query_strings, table_snapshot, unsettled,
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
@@ -658,8 +658,24 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
+    eventually_some(what, limit, || {
+        let done = probe();
+        async move { done.await.then_some(()) }
+    })
+    .await
+}
+
+/// Polls `probe` until it gives a value, and returns it; panics after `limit`.
+pub async fn eventually_some<T, F, Fut>(what: &str, limit: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
     let deadline = Instant::now() + limit;
-    while !probe().await {
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
         assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }

@@ -108,6 +108,8 @@ struct Counters {
     requests: HashMap<String, usize>,
     /// 429s still to answer, per path.
     throttle: HashMap<String, usize>,
+    /// Other failures still to answer, per path: (how many, status).
+    failures: HashMap<String, (usize, u16)>,
     unauthorized: usize,
 }
 
@@ -155,6 +157,11 @@ impl TmdbServer {
         self.data.counters.lock().unwrap().throttle.insert(path.to_owned(), times);
     }
 
+    /// The next `times` requests to `path` get `status` (a 5xx, say) with TMDB's error body.
+    pub fn fail(&self, path: &str, times: usize, status: u16) {
+        self.data.counters.lock().unwrap().failures.insert(path.to_owned(), (times, status));
+    }
+
     /// How many requests reached `path` (429s included).
     pub fn requests(&self, path: &str) -> usize {
         self.data.counters.lock().unwrap().requests.get(path).copied().unwrap_or(0)
@@ -192,6 +199,12 @@ fn gate(data: &Data, path: &str, query: &HashMap<String, String>, headers: &Head
         counters.unauthorized += 1;
         let body = json!({"success": false, "status_code": 7, "status_message": "Invalid API key: You must be granted a valid key."});
         return Some((StatusCode::UNAUTHORIZED, axum::Json(body)).into_response());
+    }
+    if let Some((left, status)) = counters.failures.get_mut(path).filter(|(left, _)| *left > 0) {
+        *left -= 1;
+        let body = json!({"success": false, "status_code": 11, "status_message": "Internal error: Something went wrong, contact TMDb."});
+        let status = StatusCode::from_u16(*status).expect("a valid status");
+        return Some((status, axum::Json(body)).into_response());
     }
     if let Some(left) = counters.throttle.get_mut(path).filter(|left| **left > 0) {
         *left -= 1;

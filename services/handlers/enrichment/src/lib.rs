@@ -141,15 +141,6 @@ fn from_provider(error: ProviderError) -> HandlerError {
     }
 }
 
-/// A failed call to the write service: transient failures are retried, refusals are not.
-fn from_status(what: &str, status: tonic::Status) -> HandlerError {
-    let message = format!("{what}: {:?}: {}", status.code(), status.message());
-    match status.code() {
-        Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied => HandlerError::Permanent(message),
-        _ => HandlerError::Retryable(message),
-    }
-}
-
 pub struct MovieEnrichment {
     provider: Arc<dyn MetadataProvider>,
     movies: MoviesClient<ServiceChannel>,
@@ -173,7 +164,7 @@ impl MovieEnrichment {
                         Ok(Some((m.movie_id, query)))
                     }
                     Err(status) if status.code() == Code::NotFound => Ok(None),
-                    Err(status) => Err(from_status("GetMovie", status)),
+                    Err(status) => Err(HandlerError::from_call("GetMovie", &status)),
                 }
             }
             _ => Ok(None),
@@ -207,7 +198,7 @@ impl Handler for MovieEnrichment {
                         .clone()
                         .save_people(v1::SavePeopleRequest { people })
                         .await
-                        .map_err(|s| from_status("SavePeople", s))?;
+                        .map_err(|s| HandlerError::from_call("SavePeople", &s))?;
                 }
                 if reelay_kit::failpoint_armed("enrichment_after_people") {
                     tracing::error!("failpoint enrichment_after_people: aborting before the profile is written");
@@ -230,7 +221,7 @@ impl Handler for MovieEnrichment {
             }
             // Deleted since: nothing left to enrich.
             Err(status) if status.code() == Code::NotFound => Ok(()),
-            Err(status) => Err(from_status("SaveEnrichment", status)),
+            Err(status) => Err(HandlerError::from_call("SaveEnrichment", &status)),
         }
     }
 }
@@ -270,7 +261,7 @@ impl Handler for PersonEnrichment {
             .clone()
             .save_people(v1::SavePeopleRequest { people })
             .await
-            .map_err(|s| from_status("SavePeople", s))?
+            .map_err(|s| HandlerError::from_call("SavePeople", &s))?
             .into_inner();
         tracing::debug!(movie_id = %enriched.movie_id, changed = saved.changed, "people profiled");
         Ok(())

@@ -33,14 +33,6 @@ pub struct WrapUp {
     objects: Objects,
 }
 
-fn from_status(what: &str, status: tonic::Status) -> HandlerError {
-    let message = format!("{what}: {:?}: {}", status.code(), status.message());
-    match status.code() {
-        Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied => HandlerError::Permanent(message),
-        _ => HandlerError::Retryable(message),
-    }
-}
-
 #[async_trait::async_trait]
 impl Handler for WrapUp {
     fn name(&self) -> &'static str {
@@ -57,7 +49,7 @@ impl Handler for WrapUp {
         let inputs = match self.wrap_ups.clone().get_wrap_up_inputs(request).await {
             Ok(inputs) => inputs.into_inner(),
             Err(status) if status.code() == Code::NotFound => return Ok(()),
-            Err(status) => return Err(from_status("GetWrapUpInputs", status)),
+            Err(status) => return Err(HandlerError::from_call("GetWrapUpInputs", &status)),
         };
         let wrap_up = inputs.wrap_up.unwrap_or_default();
         if wrap_up.status == v1::WrapUpStatus::Completed as i32 {
@@ -81,7 +73,7 @@ impl Handler for WrapUp {
             .clone()
             .complete_wrap_up(complete)
             .await
-            .map_err(|s| from_status("CompleteWrapUp", s))?
+            .map_err(|s| HandlerError::from_call("CompleteWrapUp", &s))?
             .into_inner();
         tracing::info!(wrap_up_id = %wrap_up.wrap_up_id, year = wrap_up.year, entries = inputs.entries.len(),
             changed = done.changed, "wrap-up completed");

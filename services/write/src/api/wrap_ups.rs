@@ -29,16 +29,12 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         let (wrap_up, entries) = self.store.wrap_up_inputs(id).await?;
         let entries = entries
             .into_iter()
-            .map(|(review, movie)| v1::WrapUpEntry {
-                watched_on: if review.watched_on.is_empty() {
-                    validate::date_of_ms(review.created_at)
-                } else {
-                    review.watched_on.clone()
-                },
-                review_id: review.id,
-                rating: review.rating as u32,
-                rewatch: review.rewatch,
-                movie: Some(convert::movie(movie)),
+            .map(|e| v1::WrapUpEntry {
+                review_id: e.review_id,
+                watched_on: e.watched_on,
+                rating: e.rating as u32,
+                rewatch: e.rewatch,
+                movie: Some(convert::movie(e.movie)),
             })
             .collect();
         ok(v1::WrapUpInputs { wrap_up: Some(self.wrap_up(wrap_up)), entries })
@@ -59,12 +55,7 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         if r.card_content_type.is_empty() || r.card_content_type.len() > 100 {
             return Err(ServiceError::invalid("card_content_type", "must be a media type such as image/svg+xml").into());
         }
-        let completion = WrapUpCompletion {
-            summary_json: summary_json(&summary),
-            summary,
-            card_key,
-            card_content_type: r.card_content_type,
-        };
+        let completion = WrapUpCompletion { summary, card_key, card_content_type: r.card_content_type };
         let (wrap_up, changed) = self.store.complete_wrap_up(id, completion).await?;
         ok(v1::CompleteWrapUpResponse { changed, wrap_up: Some(self.wrap_up(wrap_up)) })
     }
@@ -82,26 +73,4 @@ impl WriteApi {
         }
         wrap_up
     }
-}
-
-/// The summary as JSON (`WrapUp.summary_json`), for clients that read no protobuf.
-fn summary_json(s: &v1::WrapUpSummary) -> String {
-    let counts = |list: &[v1::NameCount]| -> Vec<serde_json::Value> {
-        list.iter().map(|n| serde_json::json!({"name": n.name, "count": n.count})).collect()
-    };
-    serde_json::json!({
-        "films": s.films,
-        "entries": s.entries,
-        "rewatches": s.rewatches,
-        "minutes_watched": s.minutes_watched,
-        "rating_counts": s.rating_counts,
-        "mean_rating": s.mean_rating,
-        "top_genres": counts(&s.top_genres),
-        "top_directors": counts(&s.top_directors),
-        "per_month": s.per_month,
-        "highest_rated": s.highest_rated.iter().map(|f| serde_json::json!({
-            "movie_id": f.movie_id, "title": f.title, "year": f.year, "rating": f.rating,
-        })).collect::<Vec<_>>(),
-    })
-    .to_string()
 }

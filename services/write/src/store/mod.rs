@@ -147,7 +147,6 @@ pub struct WrapUpRow {
     pub user_id: String,
     pub year: i64,
     pub status: String,
-    pub summary_json: String,
     pub requested_at: i64,
     pub completed_at: Option<i64>,
     /// The encoded `WrapUpSummary`, once completed.
@@ -162,7 +161,7 @@ pub struct WrapUpRow {
 /// Every column of a `WrapUpRow`.
 macro_rules! wrap_up_columns {
     () => {
-        "id, user_id, year, status, summary_json, requested_at, completed_at, summary, card_key, card_content_type"
+        "id, user_id, year, status, requested_at, completed_at, summary, card_key, card_content_type"
     };
 }
 pub(crate) use wrap_up_columns;
