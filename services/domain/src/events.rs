@@ -51,6 +51,7 @@ pub fn event_type(payload: &Payload) -> &'static str {
         Payload::ActivityQueued(_) => "ActivityQueued",
         Payload::PosterSynced(_) => "PosterSynced",
         Payload::ImageStored(_) => "ImageStored",
+        Payload::PosterConverted(_) => "PosterConverted",
     }
 }
 
@@ -81,6 +82,7 @@ pub const EVENT_TYPES: &[&str] = &[
     "ActivityQueued",
     "PosterSynced",
     "ImageStored",
+    "PosterConverted",
 ];
 
 /// First retry delay; doubles per failed attempt.
@@ -167,6 +169,7 @@ mod tests {
             Payload::ActivityQueued(v1::ActivityQueued::default()),
             Payload::PosterSynced(v1::PosterSynced::default()),
             Payload::ImageStored(v1::ImageStored::default()),
+            Payload::PosterConverted(v1::PosterConverted::default()),
         ];
         let names: Vec<&str> = samples.iter().map(event_type).collect();
         assert_eq!(names, EVENT_TYPES);

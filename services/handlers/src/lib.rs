@@ -16,7 +16,7 @@ use reelay_objects::{Objects, ObjectsSettings};
 
 /// The handlers of every build, in order (test builds add the probes).
 const HANDLERS: &[&str] =
-    &["search", "movie-enrichment", "person-enrichment", "wrap-up", "poster-sync", "image-cleanup"];
+    &["search", "movie-enrichment", "person-enrichment", "wrap-up", "poster-sync", "image-conversion", "image-cleanup"];
 
 /// Every handler's settings, each in its own block.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -72,6 +72,11 @@ pub async fn build(
             "poster-sync" => {
                 reelay_media::build_poster_sync(&settings.media, context, objects(settings, &context.data_dir)?)?
             }
+            "image-conversion" => reelay_media::build_image_conversion(
+                &settings.media,
+                context,
+                objects(settings, &context.data_dir)?,
+            )?,
             "image-cleanup" => reelay_media::build_image_cleanup(objects(settings, &context.data_dir)?),
             federation if reelay_federation::NAMES.contains(&federation) => {
                 reelay_federation::build(federation, &settings.federation, context)?

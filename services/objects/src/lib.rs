@@ -188,13 +188,17 @@ impl Objects {
     pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, ObjectsError> {
         let keys = self.list(prefix).await?;
         for key in &keys {
-            let path = Self::path(key)?;
-            match self.store.delete(&path).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(error) => return Err(self.error(error)),
-            }
+            self.delete(key).await?;
         }
         Ok(keys.len())
+    }
+
+    /// Deletes `key`; a key that is not there counts as deleted.
+    pub async fn delete(&self, key: &str) -> Result<(), ObjectsError> {
+        match self.store.delete(&Self::path(key)?).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(error) => Err(self.error(error)),
+        }
     }
 
     /// Where the store is, for logs.

@@ -1,36 +1,28 @@
-//! The media handlers (issue 11). So far: `poster-sync` and `image-cleanup`.
+//! The media handlers, on object storage (`reelay-objects`), one key layout:
 //!
-//! `poster-sync` (on `MovieEnriched` with a poster URL) downloads the poster over HTTP (a
-//! timeout, a size cap, a content-type check and a check of the bytes themselves), writes it to
-//! `posters/<movie_id>/original` in object storage, then records it through the internal
-//! `Movies.RecordPoster`, which raises `PosterSynced` and `ImageStored` in one transaction.
+//! - `posters/<movie_id>/original`: the poster as downloaded (JPEG, PNG or WebP);
+//! - `posters/<movie_id>/w<width>.webp`: its variants, `width` pixels wide, aspect kept.
 //!
-//! Exactly once, across redeliveries and crashes:
-//! - a poster already recorded from the same URL is skipped (no download, no write, no event);
-//! - a crash after the object write and before `RecordPoster` is retried: the retry finds the
-//!   object (no poster recorded yet), records it, and the events are raised once;
-//! - `RecordPoster` carries a request id derived from the event, and a repeat of the same key and
-//!   digest raises nothing anyway.
-//!
-//! Failures: a 404/410, another 4xx, a non-image (by `Content-Type` or by its bytes), a body over
-//! the cap or a truncated JPEG/PNG are permanent, with the reason in the dead letter, and nothing
-//! is written; a 5xx, a timeout or a connection error is retryable; a 429 is waited out as its
-//! `Retry-After` says (a few times, up to a minute each), then retryable.
+//! `poster-sync` (on `MovieEnriched` with a poster URL) stores the original and records it
+//! (`Movies.RecordPoster`: `PosterSynced` + `ImageStored`); `image-conversion` (on `ImageStored`)
+//! makes the variants and records them (`Movies.RecordPosterVariants`: `PosterConverted`);
+//! `image-cleanup` (on `MovieDeleted`) removes the movie's folder. Each is safe to run twice on
+//! the same event and to crash at any point: see the module docs.
+
+mod cleanup;
+pub mod convert;
+mod sync;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use reelay_contracts::v1::{self, event::Payload, movies_client::MoviesClient};
-use reelay_delivery::{BuiltHandler, Handler, HandlerContext, HandlerError};
-use reelay_kit::client::ServiceChannel;
+use reelay_contracts::v1::movies_client::MoviesClient;
+use reelay_delivery::{BuiltHandler, HandlerContext};
 use reelay_objects::Objects;
-use reqwest::StatusCode;
-use tonic::Code;
 
-/// How often one download waits out a 429 before giving up for now.
-const RATE_LIMIT_RETRIES: u32 = 3;
-const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
+pub use cleanup::ImageCleanup;
+pub use convert::{ImageConversion, WebpEncoding};
+pub use sync::PosterSync;
 
 /// The media handlers' settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -51,20 +43,53 @@ pub struct MediaSettings {
         default_value_t = 20 * 1024 * 1024
     )]
     pub max_bytes: u64,
+    /// The widths of the webp variants image conversion makes, in pixels (comma-separated).
+    /// A width above the original's is not made (no upscaling).
+    #[arg(
+        id = "media_widths",
+        long = "media-widths",
+        env = "REELAY_MEDIA_WIDTHS",
+        value_delimiter = ',',
+        default_values_t = DEFAULT_WIDTHS.to_vec()
+    )]
+    pub widths: Vec<u32>,
+    /// The lossy webp quality of the variants, 0-100 (higher is larger and sharper).
+    #[arg(
+        id = "media_webp_quality",
+        long = "media-webp-quality",
+        env = "REELAY_MEDIA_WEBP_QUALITY",
+        default_value_t = DEFAULT_WEBP_QUALITY
+    )]
+    pub webp_quality: f32,
 }
+
+/// The standard poster widths (TMDB's w92, w185, w342 and w500).
+pub const DEFAULT_WIDTHS: &[u32] = &[92, 185, 342, 500];
+/// Lossy webp quality: see BENCHMARKS.md for what it costs and saves.
+pub const DEFAULT_WEBP_QUALITY: f32 = 80.0;
 
 impl Default for MediaSettings {
     fn default() -> Self {
-        Self { timeout_ms: 10_000, max_bytes: 20 * 1024 * 1024 }
+        Self {
+            timeout_ms: 10_000,
+            max_bytes: 20 * 1024 * 1024,
+            widths: DEFAULT_WIDTHS.to_vec(),
+            webp_quality: DEFAULT_WEBP_QUALITY,
+        }
     }
 }
 
 /// The handlers of this crate, in registry order.
-pub const NAMES: &[&str] = &["poster-sync", "image-cleanup"];
+pub const NAMES: &[&str] = &["poster-sync", "image-conversion", "image-cleanup"];
 
 /// The object key of a movie's downloaded poster.
 pub fn original_key(movie_id: &str) -> String {
     format!("posters/{movie_id}/original")
+}
+
+/// The object key of a movie's poster variant `width` pixels wide.
+pub fn variant_key(movie_id: &str, width: u32) -> String {
+    format!("posters/{movie_id}/w{width}.webp")
 }
 
 /// Builds `poster-sync`, storing posters in `objects`.
@@ -79,180 +104,28 @@ pub fn build_poster_sync(
         .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")))
         .build()
         .map_err(|e| anyhow::anyhow!("cannot build the poster download client: {e}"))?;
-    let handler =
-        PosterSync { http, max_bytes: settings.max_bytes, movies: MoviesClient::new(context.write.clone()), objects };
+    let handler = PosterSync::new(http, settings.max_bytes, MoviesClient::new(context.write.clone()), objects);
+    Ok(BuiltHandler { handler: Arc::new(handler), grpc: None })
+}
+
+/// Builds `image-conversion`, reading and writing `objects`.
+pub fn build_image_conversion(
+    settings: &MediaSettings,
+    context: &HandlerContext,
+    objects: Objects,
+) -> anyhow::Result<BuiltHandler> {
+    let handler = ImageConversion::new(
+        &settings.widths,
+        WebpEncoding::lossy(settings.webp_quality)?,
+        MoviesClient::new(context.write.clone()),
+        objects,
+    )?;
     Ok(BuiltHandler { handler: Arc::new(handler), grpc: None })
 }
 
 /// Builds `image-cleanup`, deleting from `objects`.
 pub fn build_image_cleanup(objects: Objects) -> BuiltHandler {
     BuiltHandler { handler: Arc::new(ImageCleanup { objects }), grpc: None }
-}
-
-/// `image-cleanup` (on `MovieDeleted`): deletes every key under `posters/<movie_id>/`; a key
-/// already gone counts as deleted, so a redelivery is a no-op.
-pub struct ImageCleanup {
-    objects: Objects,
-}
-
-#[async_trait::async_trait]
-impl Handler for ImageCleanup {
-    fn name(&self) -> &'static str {
-        "image-cleanup"
-    }
-
-    fn event_types(&self) -> &'static [&'static str] {
-        &["MovieDeleted"]
-    }
-
-    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
-        let Some(Payload::MovieDeleted(deleted)) = &event.payload else { return Ok(()) };
-        let id = deleted.movie_id.as_str();
-        // Never a prefix wider than one movie's folder.
-        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
-            return Err(HandlerError::permanent(format!("MovieDeleted names no usable movie id: {id:?}")));
-        }
-        let prefix = format!("posters/{id}");
-        let deleted = self.objects.delete_prefix(&prefix).await.map_err(HandlerError::retryable)?;
-        tracing::info!(movie_id = id, deleted, "images of a deleted movie removed");
-        Ok(())
-    }
-}
-
-/// A failed call to the write service: transient failures are retried, refusals are not.
-fn from_status(what: &str, status: tonic::Status) -> HandlerError {
-    let message = format!("{what}: {:?}: {}", status.code(), status.message());
-    match status.code() {
-        Code::InvalidArgument | Code::FailedPrecondition | Code::PermissionDenied => HandlerError::Permanent(message),
-        _ => HandlerError::Retryable(message),
-    }
-}
-
-pub struct PosterSync {
-    http: reqwest::Client,
-    max_bytes: u64,
-    movies: MoviesClient<ServiceChannel>,
-    objects: Objects,
-}
-
-/// A downloaded (or found) poster, checked.
-struct Poster {
-    bytes: Bytes,
-    content_type: &'static str,
-}
-
-/// Why a download failed: retry later (maybe after `after`), or never.
-enum DownloadError {
-    Retryable { message: String, after: Option<Duration> },
-    Permanent(String),
-}
-
-impl PosterSync {
-    /// Downloads `url`, waiting out a few 429s.
-    async fn download(&self, url: &str) -> Result<Poster, HandlerError> {
-        let mut tries = 0;
-        loop {
-            match self.download_once(url).await {
-                Ok(poster) => return Ok(poster),
-                Err(DownloadError::Retryable { after: Some(after), .. })
-                    if tries < RATE_LIMIT_RETRIES && after <= MAX_RATE_LIMIT_WAIT =>
-                {
-                    tries += 1;
-                    tracing::info!(
-                        url,
-                        wait_ms = after.as_millis() as u64,
-                        "poster host asked to slow down (429); waiting"
-                    );
-                    tokio::time::sleep(after).await;
-                }
-                Err(DownloadError::Retryable { message, .. }) => return Err(HandlerError::Retryable(message)),
-                Err(DownloadError::Permanent(message)) => return Err(HandlerError::Permanent(message)),
-            }
-        }
-    }
-
-    async fn download_once(&self, url: &str) -> Result<Poster, DownloadError> {
-        let retryable = |message: String| DownloadError::Retryable { message, after: None };
-        let mut response =
-            self.http.get(url).send().await.map_err(|e| retryable(format!("poster {url}: {}", describe(&e))))?;
-        let status = response.status();
-        match status {
-            s if s.is_success() => {}
-            StatusCode::TOO_MANY_REQUESTS => {
-                let after = response
-                    .headers()
-                    .get(reqwest::header::RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(retry_after);
-                return Err(DownloadError::Retryable { message: format!("poster {url}: rate limited (429)"), after });
-            }
-            s if s.is_server_error() => return Err(retryable(format!("poster {url}: the host answered {s}"))),
-            s => return Err(DownloadError::Permanent(format!("poster {url}: the host answered {s}"))),
-        }
-        let declared = response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
-        if !declared.starts_with("image/") {
-            return Err(DownloadError::Permanent(format!(
-                "poster {url}: not an image (Content-Type {declared:?}); nothing stored"
-            )));
-        }
-        if let Some(length) = response.content_length()
-            && length > self.max_bytes
-        {
-            return Err(DownloadError::Permanent(format!(
-                "poster {url}: {length} bytes is over the {} byte cap (REELAY_MEDIA_MAX_BYTES); nothing stored",
-                self.max_bytes
-            )));
-        }
-        let mut body = BytesMut::new();
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|e| retryable(format!("poster {url}: reading the body: {}", describe(&e))))?
-        {
-            if (body.len() + chunk.len()) as u64 > self.max_bytes {
-                return Err(DownloadError::Permanent(format!(
-                    "poster {url}: the body is over the {} byte cap (REELAY_MEDIA_MAX_BYTES); nothing stored",
-                    self.max_bytes
-                )));
-            }
-            body.extend_from_slice(&chunk);
-        }
-        let bytes = body.freeze();
-        let content_type = check_image(&bytes).map_err(|reason| {
-            DownloadError::Permanent(format!("poster {url} (Content-Type {declared}): {reason}; nothing stored"))
-        })?;
-        Ok(Poster { bytes, content_type })
-    }
-}
-
-/// The reason of a reqwest error, with its cause (a timeout says so).
-fn describe(error: &reqwest::Error) -> String {
-    let mut message = if error.is_timeout() { format!("timed out: {error}") } else { error.to_string() };
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        message.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    message
-}
-
-/// A `Retry-After` value: delay seconds or an HTTP date.
-fn retry_after(value: &str) -> Option<Duration> {
-    let value = value.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
-    }
-    let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO))
 }
 
 /// The content type of a whole JPEG, PNG or WebP image, by its bytes; a reason otherwise
@@ -290,88 +163,10 @@ pub fn check_image(bytes: &[u8]) -> Result<&'static str, String> {
 }
 
 /// Lower-case hex SHA-256.
-fn sha256_hex(bytes: &[u8]) -> String {
+pub fn sha256_hex(bytes: &[u8]) -> String {
     ring::digest::digest(&ring::digest::SHA256, bytes).as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[async_trait::async_trait]
-impl Handler for PosterSync {
-    fn name(&self) -> &'static str {
-        "poster-sync"
-    }
-
-    fn event_types(&self) -> &'static [&'static str] {
-        &["MovieEnriched"]
-    }
-
-    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
-        let Some(Payload::MovieEnriched(enriched)) = &event.payload else { return Ok(()) };
-        let Some(url) = enriched.profile.as_ref().map(|p| p.poster_url.as_str()).filter(|u| !u.is_empty()) else {
-            return Ok(());
-        };
-        let movie_id = enriched.movie_id.as_str();
-        let request = v1::GetMovieRequest { movie_id: movie_id.to_owned() };
-        let movie = match self.movies.clone().get_movie(request).await {
-            Ok(movie) => movie.into_inner(),
-            // Deleted since: nothing to store.
-            Err(status) if status.code() == Code::NotFound => return Ok(()),
-            Err(status) => return Err(from_status("GetMovie", status)),
-        };
-        let recorded = movie.poster_sizes.iter().any(|s| s == "original");
-        if recorded && movie.poster_source_url == url {
-            tracing::debug!(movie_id, url, "poster already recorded; skipping");
-            return Ok(());
-        }
-        let key = original_key(movie_id);
-        // Nothing recorded yet but the object is there: a crash after the write and before
-        // RecordPoster. Record what was stored rather than downloading again.
-        let found = if recorded {
-            None
-        } else {
-            match self.objects.get(&key).await.map_err(HandlerError::retryable)? {
-                Some(object) => match check_image(&object.bytes) {
-                    Ok(content_type) => Some(Poster { bytes: object.bytes, content_type }),
-                    Err(reason) => {
-                        tracing::warn!(movie_id, %key, %reason, "a stored poster is unusable; downloading again");
-                        None
-                    }
-                },
-                None => None,
-            }
-        };
-        let poster = match found {
-            Some(poster) => poster,
-            None => {
-                let poster = self.download(url).await?;
-                self.objects.put(&key, poster.bytes.clone()).await.map_err(HandlerError::retryable)?;
-                if reelay_kit::failpoint_armed("poster_sync_after_put") {
-                    tracing::error!("failpoint poster_sync_after_put: aborting before RecordPoster");
-                    std::process::abort();
-                }
-                poster
-            }
-        };
-        let request = v1::RecordPosterRequest {
-            movie_id: movie_id.to_owned(),
-            key: key.clone(),
-            content_type: poster.content_type.to_owned(),
-            size_bytes: poster.bytes.len() as u64,
-            sha256: sha256_hex(&poster.bytes),
-            source_url: url.to_owned(),
-            request_id: format!("poster:{}", event.event_id),
-        };
-        match self.movies.clone().record_poster(request).await {
-            Ok(recorded) => {
-                let recorded = recorded.into_inner();
-                tracing::info!(movie_id, %key, changed = recorded.changed, bytes = poster.bytes.len(), "poster stored");
-                Ok(())
-            }
-            // Deleted since: image cleanup (on MovieDeleted) removes the object.
-            Err(status) if status.code() == Code::NotFound => Ok(()),
-            Err(status) => Err(from_status("RecordPoster", status)),
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -390,14 +185,13 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_takes_seconds_or_a_date() {
-        assert_eq!(retry_after("3"), Some(Duration::from_secs(3)));
-        assert_eq!(retry_after("Thu, 01 Jan 1970 00:00:00 GMT"), Some(Duration::ZERO));
-        assert_eq!(retry_after("soon"), None);
+    fn digests_are_lower_hex() {
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     }
 
     #[test]
-    fn digests_are_lower_hex() {
-        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    fn keys_follow_the_documented_layout() {
+        assert_eq!(original_key("m1"), "posters/m1/original");
+        assert_eq!(variant_key("m1", 185), "posters/m1/w185.webp");
     }
 }

@@ -7,7 +7,7 @@ use tonic::Request;
 
 use super::{Reply, WriteApi, ok, request_key};
 use crate::convert;
-use crate::store::{Enrichment, PosterRecord};
+use crate::store::{Enrichment, PosterRecord, PosterVariants};
 
 #[tonic::async_trait]
 impl v1::movies_server::Movies for WriteApi {
@@ -88,6 +88,16 @@ impl v1::movies_server::Movies for WriteApi {
         let poster = checked_poster(r)?;
         ok(self.store.record_poster(poster, key).await?)
     }
+
+    async fn record_poster_variants(
+        &self,
+        request: Request<v1::RecordPosterVariantsRequest>,
+    ) -> Reply<v1::RecordPosterVariantsResponse> {
+        let mut r = request.into_inner();
+        let key = request_key("RecordPosterVariants", &mut r, |r| &mut r.request_id)?;
+        let variants = checked_variants(r)?;
+        ok(self.store.record_poster_variants(variants, key).await?)
+    }
 }
 
 /// The content types a stored poster may have.
@@ -114,9 +124,7 @@ fn checked_poster(r: v1::RecordPosterRequest) -> Result<PosterRecord, ServiceErr
             format!("must be 1..={MAX_POSTER_BYTES}, got {}", r.size_bytes),
         ));
     }
-    if r.sha256.len() != 64 || !r.sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-        return Err(ServiceError::invalid("sha256", format!("must be 64 lower-case hex digits, got {:?}", r.sha256)));
-    }
+    sha256("sha256", &r.sha256)?;
     validate::uri("source_url", &r.source_url).map_err(ServiceError::from)?;
     Ok(PosterRecord {
         movie,
@@ -126,6 +134,52 @@ fn checked_poster(r: v1::RecordPosterRequest) -> Result<PosterRecord, ServiceErr
         sha256: r.sha256,
         source_url: r.source_url,
     })
+}
+
+/// Most variants one RecordPosterVariants call takes, and the widest one.
+const MAX_VARIANTS: usize = 16;
+const MAX_VARIANT_WIDTH: u32 = 4096;
+
+/// A RecordPosterVariants request, checked field by field.
+fn checked_variants(r: v1::RecordPosterVariantsRequest) -> Result<PosterVariants, ServiceError> {
+    let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
+    sha256("original_sha256", &r.original_sha256)?;
+    if r.variants.is_empty() || r.variants.len() > MAX_VARIANTS {
+        return Err(ServiceError::invalid(
+            "variants",
+            format!("must hold 1..={MAX_VARIANTS} variants, got {}", r.variants.len()),
+        ));
+    }
+    let mut widths = std::collections::HashSet::new();
+    for (i, variant) in r.variants.iter().enumerate() {
+        let field = |name: &str| format!("variants[{i}].{name}");
+        if variant.width == 0 || variant.width > MAX_VARIANT_WIDTH || !widths.insert(variant.width) {
+            return Err(ServiceError::invalid(
+                &field("width"),
+                format!("must be a distinct width of 1..={MAX_VARIANT_WIDTH} pixels, got {}", variant.width),
+            ));
+        }
+        let expected_key = format!("posters/{movie}/w{}.webp", variant.width);
+        if variant.key != expected_key {
+            return Err(ServiceError::invalid(&field("key"), format!("must be {expected_key:?}, got {:?}", variant.key)));
+        }
+        if variant.size_bytes == 0 || variant.size_bytes > MAX_POSTER_BYTES {
+            return Err(ServiceError::invalid(
+                &field("size_bytes"),
+                format!("must be 1..={MAX_POSTER_BYTES}, got {}", variant.size_bytes),
+            ));
+        }
+        sha256(&field("sha256"), &variant.sha256)?;
+    }
+    Ok(PosterVariants { movie, original_sha256: r.original_sha256, variants: r.variants })
+}
+
+/// A lower-case hex SHA-256 digest.
+fn sha256(field: &str, digest: &str) -> Result<(), ServiceError> {
+    if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(ServiceError::invalid(field, format!("must be 64 lower-case hex digits, got {digest:?}")));
+    }
+    Ok(())
 }
 
 /// Most people one SavePeople call takes.

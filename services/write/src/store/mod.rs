@@ -22,7 +22,7 @@ mod users;
 mod watchlist;
 mod wrap_ups;
 
-pub use movies::{Enrichment, PosterRecord};
+pub use movies::{Enrichment, PosterRecord, PosterVariants};
 pub use wrap_ups::WrapUpCompletion;
 
 type Result<T> = std::result::Result<T, WriteError>;

@@ -242,6 +242,85 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Records the webp variants the image-conversion handler stored for a movie's current
+    /// original and raises PosterConverted. The original must still be the one they were made
+    /// from (else FailedPrecondition: a newer ImageStored brings its own conversion); a repeat
+    /// with the same variants writes and raises nothing.
+    pub async fn record_poster_variants(
+        &self,
+        variants: PosterVariants,
+        key: Option<RequestKey>,
+    ) -> Result<v1::RecordPosterVariantsResponse> {
+        keyed_job!(self, "record_poster_variants", key, |tx| {
+            let movie = variants.movie.to_string();
+            let original: Option<String> =
+                sqlx::query_scalar("SELECT sha256 FROM movie_posters WHERE movie_id = ? AND size = 'original'")
+                    .bind(&movie)
+                    .fetch_optional(tx.conn())
+                    .await?;
+            let original =
+                original.ok_or_else(|| ServiceError::not_found(format_args!("the original poster of movie {movie}")))?;
+            if original != variants.original_sha256 {
+                return Err(ServiceError::failed_precondition(format!(
+                    "the original poster of movie {movie} is no longer {} (now {original})",
+                    variants.original_sha256
+                ))
+                .into());
+            }
+            let mut changed = false;
+            for variant in &variants.variants {
+                let done = sqlx::query(
+                    "INSERT INTO movie_posters \
+                     (movie_id, size, object_key, content_type, size_bytes, sha256, source_url, stored_at) \
+                     VALUES (?1, ?2, ?3, 'image/webp', ?4, ?5, '', ?6) \
+                     ON CONFLICT (movie_id, size) DO UPDATE SET object_key = ?3, size_bytes = ?4, \
+                     sha256 = ?5, stored_at = ?6 \
+                     WHERE object_key != ?3 OR size_bytes != ?4 OR sha256 != ?5",
+                )
+                .bind(&movie)
+                .bind(format!("w{}", variant.width))
+                .bind(&variant.key)
+                .bind(variant.size_bytes as i64)
+                .bind(&variant.sha256)
+                .bind(tx.now_ms())
+                .execute(tx.conn())
+                .await?;
+                changed |= done.rows_affected() > 0;
+            }
+            if !changed {
+                return Ok(v1::RecordPosterVariantsResponse::default());
+            }
+            let sizes: Vec<String> = sqlx::query_scalar(
+                "SELECT size FROM movie_posters WHERE movie_id = ? AND size != 'original' \
+                 ORDER BY CAST(substr(size, 2) AS INTEGER)",
+            )
+            .bind(&movie)
+            .fetch_all(tx.conn())
+            .await?;
+            let converted = NewEvent::new(
+                variants.movie,
+                Payload::PosterConverted(v1::PosterConverted {
+                    movie_id: movie.clone(),
+                    original_sha256: original,
+                    sizes,
+                }),
+            );
+            let ids = commit_events(tx, vec![converted]).await?;
+            Ok(v1::RecordPosterVariantsResponse { changed: true, event_id: ids[0].to_string() })
+        })
+        .await
+    }
+}
+
+/// The variants of a movie's poster, checked by the API before they are recorded.
+#[derive(Debug, Clone)]
+pub struct PosterVariants {
+    pub movie: MovieId,
+    pub original_sha256: String,
+    pub variants: Vec<v1::PosterVariant>,
+}
+
 /// A stored poster, checked by the API before it is recorded.
 #[derive(Debug, Clone)]
 pub struct PosterRecord {

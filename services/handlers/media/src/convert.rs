@@ -1,0 +1,295 @@
+//! `image-conversion` (on `ImageStored`): makes the webp variants of a stored poster, one per
+//! configured width (aspect kept, never wider than the original), writes each under its exact key
+//! `posters/<movie_id>/w<width>.webp`, then records them (`Movies.RecordPosterVariants`, which
+//! raises `PosterConverted`).
+//!
+//! Exactly once, across redeliveries and crashes:
+//! - the exact keys are probed first: a variant already stored is not made again (a retry after a
+//!   crash half-way makes only the missing ones), and the record is a repeat that changes nothing;
+//! - a missing original means done (the movie was deleted, or its poster replaced: the newer
+//!   `ImageStored` brings its own conversion), and so does an original whose digest is no longer
+//!   the event's (its bytes are not the ones this event stored);
+//! - `RecordPosterVariants` answers FAILED_PRECONDITION when the recorded original changed in
+//!   between, which is done for the same reason.
+//!
+//! An original that does not decode (or is larger than the decoder's limits) is a permanent
+//! failure naming the key; nothing is written for it.
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use image::{DynamicImage, ImageReader, Limits};
+use reelay_contracts::v1::{self, event::Payload, movies_client::MoviesClient};
+use reelay_delivery::{Handler, HandlerError};
+use reelay_kit::client::ServiceChannel;
+use reelay_objects::Objects;
+use tonic::Code;
+
+use crate::{original_key, sha256_hex, variant_key};
+
+/// The widest and tallest poster decoded, and the memory the decoder may use for it.
+const MAX_SIDE: u32 = 12_000;
+const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
+
+/// How a variant is encoded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum WebpEncoding {
+    /// libwebp's lossy encoder at this quality (0-100).
+    Lossy { quality: f32 },
+    /// The `image` crate's lossless encoder (pure Rust): the baseline the benchmark compares.
+    Lossless,
+}
+
+impl WebpEncoding {
+    /// Lossy at `quality`, which must be 0-100.
+    pub fn lossy(quality: f32) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            (0.0..=100.0).contains(&quality),
+            "REELAY_MEDIA_WEBP_QUALITY must be 0-100, got {quality}"
+        );
+        Ok(Self::Lossy { quality })
+    }
+}
+
+/// One variant, encoded.
+#[derive(Debug, Clone)]
+pub struct Variant {
+    pub width: u32,
+    pub height: u32,
+    pub bytes: Vec<u8>,
+}
+
+/// Decodes a stored original (JPEG, PNG or WebP, by its bytes), within the decoder's limits.
+pub fn decode(original: &[u8]) -> Result<DynamicImage, String> {
+    let mut reader = ImageReader::new(Cursor::new(original))
+        .with_guessed_format()
+        .map_err(|e| format!("cannot read the image: {e}"))?;
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(MAX_SIDE);
+    limits.max_image_height = Some(MAX_SIDE);
+    limits.max_alloc = Some(MAX_DECODE_BYTES);
+    reader.limits(limits);
+    reader.decode().map_err(|e| format!("the image does not decode: {e}"))
+}
+
+/// The height of a `width`-pixel-wide variant of `image`, aspect kept (at least 1).
+pub fn variant_height(image: &DynamicImage, width: u32) -> u32 {
+    let height = (u64::from(image.height()) * u64::from(width) + u64::from(image.width()) / 2) / u64::from(image.width());
+    height.max(1) as u32
+}
+
+/// The variant of `image` `width` pixels wide, encoded as webp.
+pub fn make_variant(image: &DynamicImage, width: u32, encoding: WebpEncoding) -> Result<Variant, String> {
+    let height = variant_height(image, width);
+    let resized = image.resize_exact(width, height, image::imageops::FilterType::Triangle);
+    let bytes = encode_webp(&resized, encoding)?;
+    Ok(Variant { width, height, bytes })
+}
+
+fn encode_webp(image: &DynamicImage, encoding: WebpEncoding) -> Result<Vec<u8>, String> {
+    let (width, height) = (image.width(), image.height());
+    let alpha = image.color().has_alpha();
+    match encoding {
+        WebpEncoding::Lossy { quality } => {
+            let pixels = if alpha { image.to_rgba8().into_raw() } else { image.to_rgb8().into_raw() };
+            let encoder = if alpha {
+                webp::Encoder::from_rgba(&pixels, width, height)
+            } else {
+                webp::Encoder::from_rgb(&pixels, width, height)
+            };
+            let encoded = encoder.encode_simple(false, quality).map_err(|e| format!("webp encoding failed: {e:?}"))?;
+            Ok(encoded.to_vec())
+        }
+        WebpEncoding::Lossless => {
+            let mut out = Vec::new();
+            let encoder = image::codecs::webp::WebPEncoder::new_lossless(&mut out);
+            if alpha {
+                let pixels = image.to_rgba8();
+                encoder.encode(&pixels, width, height, image::ExtendedColorType::Rgba8)
+            } else {
+                let pixels = image.to_rgb8();
+                encoder.encode(&pixels, width, height, image::ExtendedColorType::Rgb8)
+            }
+            .map_err(|e| format!("webp encoding failed: {e}"))?;
+            Ok(out)
+        }
+    }
+}
+
+/// Makes and records the webp variants of stored posters.
+pub struct ImageConversion {
+    widths: Arc<[u32]>,
+    encoding: WebpEncoding,
+    movies: MoviesClient<ServiceChannel>,
+    objects: Objects,
+}
+
+impl ImageConversion {
+    /// `widths` must be 1..=16 distinct widths of 1..=4096 pixels (what RecordPosterVariants
+    /// takes).
+    pub fn new(
+        widths: &[u32],
+        encoding: WebpEncoding,
+        movies: MoviesClient<ServiceChannel>,
+        objects: Objects,
+    ) -> anyhow::Result<Self> {
+        let mut sorted = widths.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        anyhow::ensure!(
+            !sorted.is_empty() && sorted.len() <= 16 && sorted.iter().all(|w| (1..=4096).contains(w)),
+            "REELAY_MEDIA_WIDTHS must list 1-16 widths of 1-4096 pixels, got {widths:?}"
+        );
+        Ok(Self { widths: sorted.into(), encoding, movies, objects })
+    }
+
+    /// The variants of the original (of digest `sha256`) stored under `key`, each already stored
+    /// or made now; `None` when the original is gone or no longer that one.
+    async fn variants(&self, movie_id: &str, key: &str, sha256: &str) -> Result<Option<Vec<v1::PosterVariant>>, HandlerError> {
+        let mut variants = Vec::with_capacity(self.widths.len());
+        let mut missing = Vec::new();
+        for &width in self.widths.iter() {
+            let variant_key = variant_key(movie_id, width);
+            match self.objects.get(&variant_key).await.map_err(HandlerError::retryable)? {
+                Some(found) => variants.push(recorded(width, variant_key, &found.bytes)),
+                None => missing.push(width),
+            }
+        }
+        if missing.is_empty() {
+            return Ok(Some(variants));
+        }
+        let Some(original) = self.objects.get(key).await.map_err(HandlerError::retryable)? else {
+            tracing::info!(movie_id, key, "the original is gone; nothing to convert");
+            return Ok(None);
+        };
+        if sha256_hex(&original.bytes) != sha256 {
+            tracing::info!(movie_id, key, "the original was replaced since; its own ImageStored converts it");
+            return Ok(None);
+        }
+        let made = self.make(key, original.bytes, missing).await?;
+        for variant in made {
+            let variant_key = variant_key(movie_id, variant.width);
+            let bytes = Bytes::from(variant.bytes);
+            self.objects.put(&variant_key, bytes.clone()).await.map_err(HandlerError::retryable)?;
+            if reelay_kit::failpoint_armed("image_conversion_after_put") {
+                tracing::error!("failpoint image_conversion_after_put: aborting before the other variants");
+                std::process::abort();
+            }
+            variants.push(recorded(variant.width, variant_key, &bytes));
+        }
+        variants.sort_by_key(|v| v.width);
+        Ok(Some(variants))
+    }
+
+    /// Decodes the original and makes the variants of `widths` not wider than it, off the async
+    /// workers (this is the CPU-bound part).
+    async fn make(&self, key: &str, original: Bytes, widths: Vec<u32>) -> Result<Vec<Variant>, HandlerError> {
+        let encoding = self.encoding;
+        let key = key.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let image = decode(&original).map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))?;
+            let made = widths
+                .into_iter()
+                .filter(|&width| width <= image.width())
+                .map(|width| make_variant(&image, width, encoding))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))?;
+            Ok(made)
+        })
+        .await
+        .map_err(|e| HandlerError::retryable(format!("the conversion task failed: {e}")))?
+    }
+}
+
+fn recorded(width: u32, key: String, bytes: &[u8]) -> v1::PosterVariant {
+    v1::PosterVariant { width, key, size_bytes: bytes.len() as u64, sha256: sha256_hex(bytes) }
+}
+
+#[async_trait::async_trait]
+impl Handler for ImageConversion {
+    fn name(&self) -> &'static str {
+        "image-conversion"
+    }
+
+    fn event_types(&self) -> &'static [&'static str] {
+        &["ImageStored"]
+    }
+
+    async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+        let Some(Payload::ImageStored(stored)) = &event.payload else { return Ok(()) };
+        let movie_id = stored.movie_id.as_str();
+        if stored.key != original_key(movie_id) {
+            return Err(HandlerError::permanent(format!(
+                "ImageStored names {:?}, not a movie's original poster; nothing converted",
+                stored.key
+            )));
+        }
+        let Some(variants) = self.variants(movie_id, &stored.key, &stored.sha256).await? else { return Ok(()) };
+        if variants.is_empty() {
+            // Narrower than every configured width: the original is all there is.
+            tracing::info!(movie_id, "the original is narrower than every variant width; none made");
+            return Ok(());
+        }
+        let sizes: Vec<u32> = variants.iter().map(|v| v.width).collect();
+        let request = v1::RecordPosterVariantsRequest {
+            movie_id: movie_id.to_owned(),
+            original_sha256: stored.sha256.clone(),
+            variants,
+            request_id: format!("variants:{}", event.event_id),
+        };
+        match self.movies.clone().record_poster_variants(request).await {
+            Ok(reply) => {
+                tracing::info!(movie_id, ?sizes, changed = reply.into_inner().changed, "poster variants stored");
+                Ok(())
+            }
+            // Deleted, or replaced by a newer original since: nothing of this event to record.
+            Err(status) if matches!(status.code(), Code::NotFound | Code::FailedPrecondition) => {
+                tracing::info!(movie_id, reason = status.message(), "poster variants not recorded");
+                Ok(())
+            }
+            Err(status) => Err(HandlerError::from_call("RecordPosterVariants", &status)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use image::{ImageEncoder, RgbImage};
+
+    fn poster(width: u32, height: u32) -> DynamicImage {
+        DynamicImage::ImageRgb8(RgbImage::from_fn(width, height, |x, y| {
+            image::Rgb([(x * 255 / width) as u8, (y * 255 / height) as u8, ((x ^ y) & 0xFF) as u8])
+        }))
+    }
+
+    #[test]
+    fn a_variant_keeps_the_aspect_and_decodes_as_webp() {
+        let image = poster(600, 900);
+        for encoding in [WebpEncoding::Lossy { quality: 80.0 }, WebpEncoding::Lossless] {
+            let variant = make_variant(&image, 185, encoding).unwrap();
+            assert_eq!((variant.width, variant.height), (185, 278));
+            let decoded = image::load_from_memory_with_format(&variant.bytes, image::ImageFormat::WebP).unwrap();
+            assert_eq!((decoded.width(), decoded.height()), (185, 278));
+        }
+    }
+
+    #[test]
+    fn a_png_original_decodes_and_garbage_is_a_reason() {
+        let mut png = Vec::new();
+        let image = poster(40, 60).to_rgb8();
+        image::codecs::png::PngEncoder::new(&mut png)
+            .write_image(&image, 40, 60, image::ExtendedColorType::Rgb8)
+            .unwrap();
+        assert_eq!(decode(&png).unwrap().width(), 40);
+        assert!(decode(&png[..png.len() / 2]).unwrap_err().contains("does not decode"));
+        assert!(decode(b"<html></html>").is_err());
+    }
+
+    #[test]
+    fn the_quality_must_be_a_percentage() {
+        assert!(WebpEncoding::lossy(80.0).is_ok());
+        assert!(WebpEncoding::lossy(101.0).unwrap_err().to_string().contains("REELAY_MEDIA_WEBP_QUALITY"));
+    }
+}
