@@ -92,7 +92,7 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
     assert_eq!(names(&profile.directors), ["Michael Mann"], "assistants and the DP are not directors");
     assert_eq!(names(&profile.cast), ["Al Pacino", "Robert De Niro", "Val Kilmer"]);
     assert_eq!(profile.cast[0].role, "Lt. Vincent Hanna");
-    assert_eq!(profile.poster_url, "https://image.tmdb.test/t/p/original/heat-poster.jpg");
+    assert_eq!(profile.poster_url, format!("http://{}/t/p/original/heat-poster.jpg", tmdb.addr));
     assert_eq!(tmdb.requests("/3/movie/949"), 2, "the 429 was waited out and retried once");
     assert_eq!(tmdb.unauthorized(), 0);
 

@@ -1,85 +1,110 @@
-//! Posters (issue 11, in progress): the `poster-sync` handler against a real write service, a
-//! real HTTP server serving a real PNG (built here) and bad answers, and real files in object
-//! storage under the data dir.
-//!
-//! Still to come (see NOTES-issue-11.md): dead letters read from the ledger, JPEGs,
-//! image conversion and cleanup, S3.
+//! Posters and images: `poster-sync`, `image-conversion` and `image-cleanup` against a real write
+//! service, a real HTTP server serving real JPEG and PNG posters (made in the test) and bad
+//! answers, and real object storage: files under the data dir, or a real S3-compatible server
+//! (moto). The handlers run in this process where a test drives them event by event, and in
+//! `reelay run` processes where crashes and dead letters are the point.
 
-use std::io::Write;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Body;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use reelay_contracts::v1;
-use reelay_delivery::HandlerError;
-use reelay_harness::{Backend, Cluster, Reelay, TEST_TOKEN, outbox_rows, temp_dir};
+use reelay_contracts::v1::{self, admin_client::AdminClient};
+use reelay_harness::images::{decoded_size, jpeg, png};
+use reelay_harness::{Backend, Cluster, MotoServer, Reelay, TEST_TOKEN, eventually, http_request, temp_dir};
+use reelay_objects::{Objects, ObjectsSettings};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+const LIMIT: Duration = Duration::from_secs(60);
+const WIDTHS: [u32; 4] = [92, 185, 342, 500];
 
-/// A real PNG: `width`×`height` RGB, a gradient.
-fn png(width: u32, height: u32) -> Vec<u8> {
-    fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        let mut crc = flate2::Crc::new();
-        crc.update(kind);
-        crc.update(data);
-        out.extend_from_slice(kind);
-        out.extend_from_slice(data);
-        out.extend_from_slice(&crc.sum().to_be_bytes());
-    }
-    let mut raw = Vec::new();
-    for y in 0..height {
-        raw.push(0); // filter: none
-        for x in 0..width {
-            raw.extend_from_slice(&[(x * 255 / width) as u8, (y * 255 / height) as u8, 128]);
-        }
-    }
-    let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
-    z.write_all(&raw).unwrap();
-    let idat = z.finish().unwrap();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&width.to_be_bytes());
-    ihdr.extend_from_slice(&height.to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    let mut out = vec![0x89, b'P', b'N', b'G', 0x0D, 0x0A, 0x1A, 0x0A];
-    chunk(&mut out, b"IHDR", &ihdr);
-    chunk(&mut out, b"IDAT", &idat);
-    chunk(&mut out, b"IEND", &[]);
-    out
-}
-
-/// The poster host: a PNG, a 404, an HTML page, a truncated JPEG and a body over the cap.
+/// The poster host: real posters, failures on demand, and bad answers.
 struct PosterHost {
     addr: std::net::SocketAddr,
-    /// Requests for `/poster.png`.
-    downloads: Arc<std::sync::atomic::AtomicUsize>,
+    /// Successful poster downloads.
+    downloads: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
+/// The JPEG and PNG posters the host serves: 600×900 and 400×600.
+struct Posters {
+    jpeg: Vec<u8>,
+    png: Vec<u8>,
+}
+
+impl Posters {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { jpeg: jpeg(600, 900), png: png(400, 600) })
+    }
+}
+
 impl PosterHost {
-    async fn start(poster: Arc<Vec<u8>>) -> Self {
-        let downloads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counter = downloads.clone();
+    /// `/poster.jpg`, `/poster.png`; `/flaky.jpg` (a 503, then the JPEG), `/slow-down.jpg` (a
+    /// 429 with `Retry-After: 1`, then the JPEG); `/page.html`, `/truncated.jpg`, `/huge.jpg`
+    /// (50 MB streamed with no length) and a 404 for anything else.
+    async fn start(posters: Arc<Posters>) -> Self {
+        let downloads = Arc::new(AtomicUsize::new(0));
+        let (flaky, slow) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let serve = |posters: Arc<Posters>, downloads: Arc<AtomicUsize>, png: bool| {
+            downloads.fetch_add(1, Ordering::SeqCst);
+            if png {
+                ([(header::CONTENT_TYPE, "image/png")], posters.png.clone()).into_response()
+            } else {
+                ([(header::CONTENT_TYPE, "image/jpeg")], posters.jpeg.clone()).into_response()
+            }
+        };
         let router = Router::new()
-            .route(
-                "/poster.png",
-                get(move || {
-                    let poster = poster.clone();
-                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    async move { ([(header::CONTENT_TYPE, "image/png")], poster.as_ref().clone()) }
-                }),
-            )
+            .route("/poster.jpg", {
+                let (p, d) = (posters.clone(), downloads.clone());
+                get(move || async move { serve(p, d, false) })
+            })
+            .route("/poster.png", {
+                let (p, d) = (posters.clone(), downloads.clone());
+                get(move || async move { serve(p, d, true) })
+            })
+            .route("/flaky.jpg", {
+                let (p, d) = (posters.clone(), downloads.clone());
+                get(move || async move {
+                    if flaky.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return (StatusCode::SERVICE_UNAVAILABLE, "try again").into_response();
+                    }
+                    serve(p, d, false)
+                })
+            })
+            .route("/slow-down.jpg", {
+                let (p, d) = (posters.clone(), downloads.clone());
+                get(move || async move {
+                    if slow.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], "slow down")
+                            .into_response();
+                    }
+                    serve(p, d, false)
+                })
+            })
             .route("/page.html", get(|| async { ([(header::CONTENT_TYPE, "text/html")], "<html>no poster</html>") }))
+            .route("/truncated.jpg", {
+                let p = posters.clone();
+                get(move || async move {
+                    ([(header::CONTENT_TYPE, "image/jpeg")], p.jpeg[..p.jpeg.len() / 2].to_vec()).into_response()
+                })
+            })
             .route(
-                "/truncated.jpg",
+                "/huge.jpg",
                 get(|| async {
-                    ([(header::CONTENT_TYPE, "image/jpeg")], vec![0xFF, 0xD8, 0xFF, 0xE0, 0, 16, 1, 2, 3])
+                    // A JPEG's first bytes, then 50 MB in 1 MB chunks, with no Content-Length.
+                    let head =
+                        futures_util::stream::once(async { Ok::<_, std::io::Error>(vec![0xFF, 0xD8, 0xFF, 0xE0]) });
+                    let rest = futures_util::stream::iter((0..50).map(|_| Ok(vec![0u8; 1024 * 1024])));
+                    (
+                        [(header::CONTENT_TYPE, "image/jpeg")],
+                        Body::from_stream(futures_util::StreamExt::chain(head, rest)),
+                    )
                 }),
             )
-            .route("/huge.png", get(|| async { ([(header::CONTENT_TYPE, "image/png")], vec![0u8; 300 * 1024]) }))
             .fallback(|| async { (StatusCode::NOT_FOUND, "no such poster").into_response() });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -98,162 +123,337 @@ impl Drop for PosterHost {
     }
 }
 
-/// Builds `name` (a media handler) in this process, as [`poster_sync`] does.
-async fn media_handler(name: &str, write: &Reelay, data_dir: &std::path::Path) -> Arc<dyn reelay_delivery::Handler> {
-    let context = reelay_delivery::HandlerContext {
-        data_dir: data_dir.to_owned(),
-        write: reelay_kit::client::connect_lazy(
-            &format!("http://{}", write.addr),
-            Some(TEST_TOKEN),
-            Duration::from_secs(30),
-        )
-        .unwrap(),
-    };
-    let settings = reelay_handlers::HandlerSettings::default();
-    let mut built = reelay_handlers::build(&[name.to_owned()], &settings, &context).await.unwrap();
-    built.remove(0).handler
+/// The media handlers built from the registry in this process, on `objects`.
+struct InProcess {
+    sync: Arc<dyn reelay_delivery::Handler>,
+    conversion: Arc<dyn reelay_delivery::Handler>,
+    objects: Objects,
 }
 
-/// Builds `poster-sync` in this process against a real write service, objects under `data_dir`.
-async fn poster_sync(write: &Reelay, data_dir: &std::path::Path) -> Arc<dyn reelay_delivery::Handler> {
-    reelay_objects::install_tls_provider();
-    let context = reelay_delivery::HandlerContext {
-        data_dir: data_dir.to_owned(),
-        write: reelay_kit::client::connect_lazy(
-            &format!("http://{}", write.addr),
-            Some(TEST_TOKEN),
-            Duration::from_secs(30),
-        )
-        .unwrap(),
-    };
-    let mut settings = reelay_handlers::HandlerSettings::default();
-    settings.media.max_bytes = 256 * 1024;
-    settings.media.timeout_ms = 5_000;
-    let mut built = reelay_handlers::build(&["poster-sync".to_owned()], &settings, &context).await.unwrap();
-    built.remove(0).handler
+impl InProcess {
+    async fn build(write: &Reelay, data_dir: &std::path::Path, objects: ObjectsSettings) -> Self {
+        reelay_objects::install_tls_provider();
+        let context = reelay_delivery::HandlerContext {
+            data_dir: data_dir.to_owned(),
+            write: reelay_kit::client::connect_lazy(&format!("http://{}", write.addr), Some(TEST_TOKEN), LIMIT)
+                .unwrap(),
+        };
+        let settings = reelay_handlers::HandlerSettings { objects: objects.clone(), ..Default::default() };
+        let names = ["poster-sync".to_owned(), "image-conversion".to_owned()];
+        let mut built = reelay_handlers::build(&names, &settings, &context).await.unwrap().into_iter();
+        Self {
+            sync: built.next().unwrap().handler,
+            conversion: built.next().unwrap().handler,
+            objects: Objects::open(&objects, data_dir).unwrap(),
+        }
+    }
 }
 
-/// Discovers a film and enriches it with `poster_url` (through the internal SaveEnrichment, as
-/// movie-enrichment does); returns its id and its MovieEnriched event.
-async fn enriched_film(
-    c: &mut reelay_harness::Clients,
-    db: &std::path::Path,
-    actor: &str,
-    title: &str,
-    poster_url: &str,
-) -> (String, v1::Event) {
-    let movie_id = c.movie(actor, title, 1995).await;
+/// Enriches `movie_id` with `poster_url` through the internal SaveEnrichment, as
+/// movie-enrichment does; returns its MovieEnriched event.
+async fn enrich(c: &mut reelay_harness::Clients, db: &std::path::Path, movie_id: &str, poster_url: &str) -> v1::Event {
     let profile = v1::MovieProfile {
         provider: "tmdb".into(),
-        provider_id: format!("tmdb:{title}"),
+        provider_id: format!("tmdb:{movie_id}"),
         poster_url: poster_url.into(),
         ..Default::default()
     };
     c.movies
         .save_enrichment(v1::SaveEnrichmentRequest {
-            movie_id: movie_id.clone(),
+            movie_id: movie_id.to_owned(),
             outcome: Some(v1::save_enrichment_request::Outcome::Profile(profile)),
             request_id: String::new(),
         })
         .await
         .unwrap();
-    let event = events(db, "MovieEnriched", &movie_id).await.remove(0);
-    (movie_id, event)
+    events(db, "MovieEnriched", movie_id).await.pop().expect("a MovieEnriched event")
 }
 
 async fn events(db: &std::path::Path, event_type: &str, aggregate: &str) -> Vec<v1::Event> {
-    outbox_rows(db)
-        .await
-        .into_iter()
-        .filter(|r| r.event_type == event_type && r.aggregate_id == aggregate)
-        .filter_map(|r| r.envelope)
-        .collect()
+    reelay_harness::events_of(db, event_type).await.into_iter().filter(|e| e.aggregate_id == aggregate).collect()
 }
 
-#[tokio::test]
-async fn poster_sync_stores_a_real_png_once_and_refuses_bad_posters_for_good() {
-    let poster = Arc::new(png(300, 450));
-    let host = PosterHost::start(poster.clone()).await;
-    let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
+async fn poster_sizes(c: &mut reelay_harness::Clients, movie_id: &str) -> Vec<String> {
+    let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: movie_id.to_owned() }).await.unwrap();
+    movie.into_inner().poster_sizes
+}
+
+/// The sizes recorded for a poster `width` pixels wide: the original and every variant width
+/// up to its own (no upscaling).
+fn sizes_of(width: u32) -> Vec<String> {
+    let variants = WIDTHS.iter().filter(|&&w| w <= width).map(|w| format!("w{w}"));
+    std::iter::once("original".to_owned()).chain(variants).collect()
+}
+
+fn all_sizes() -> Vec<String> {
+    sizes_of(u32::MAX)
+}
+
+/// Runs `handler` on `event` twice at once and once more after: it must succeed each time.
+async fn thrice(handler: &Arc<dyn reelay_delivery::Handler>, event: &v1::Event) {
+    let (a, b) = tokio::join!(handler.handle(event), handler.handle(event));
+    a.unwrap();
+    b.unwrap();
+    handler.handle(event).await.unwrap();
+}
+
+/// The whole path of a JPEG and a PNG poster, every handler run three times per event: one
+/// original, one PosterSynced, one ImageStored, a webp variant per width up to the original's
+/// (the 400-pixel PNG gets no w500) that decodes at its width (aspect kept) and is smaller than
+/// the original, one PosterConverted; a variant lost in a crash half-way is made again alone; a
+/// missing original means done.
+async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &std::path::Path) {
+    let posters = Posters::new();
+    let host = PosterHost::start(posters.clone()).await;
+    let db = dir.join("reelay.db");
     let mut write = Reelay::start_write(BIN, &db, &[]).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
-    let handler = poster_sync(&write, dir.path()).await;
+    let media = InProcess::build(&write, dir, objects).await;
 
-    // Three runs (two at once, then a redelivery): one object, one PosterSynced, one ImageStored.
-    let (heat, event) = enriched_film(&mut c, &db, &ana, "Heat", &host.url("/poster.png")).await;
-    let (a, b) = tokio::join!(handler.handle(&event), handler.handle(&event));
-    a.unwrap();
-    b.unwrap();
-    handler.handle(&event).await.unwrap();
-    assert_eq!(events(&db, "PosterSynced", &heat).await.len(), 1, "one PosterSynced");
-    let stored = events(&db, "ImageStored", &heat).await;
-    assert_eq!(stored.len(), 1, "one ImageStored");
-    let Some(v1::event::Payload::ImageStored(image)) = &stored[0].payload else { panic!("{stored:?}") };
-    assert_eq!(image.key, format!("posters/{heat}/original"));
-    assert_eq!(image.content_type, "image/png");
-    assert_eq!(image.size_bytes, poster.len() as u64);
-    let file = dir.path().join("objects").join(&image.key);
-    assert_eq!(std::fs::read(&file).unwrap(), *poster, "the stored object is the served PNG");
-    let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: heat.clone() }).await.unwrap().into_inner();
-    assert_eq!(movie.poster_sizes, ["original"]);
-    assert_eq!(movie.poster_source_url, host.url("/poster.png"));
-
-    // The crash window, in process: the object was written but RecordPoster never ran. The
-    // retry records what is stored, once. (The failpoint in a `reelay run` process is next.)
-    let (ronin, event) = enriched_film(&mut c, &db, &ana, "Ronin", &host.url("/poster.png")).await;
-    let objects = reelay_objects::Objects::open(&Default::default(), dir.path()).unwrap();
-    objects.put(&format!("posters/{ronin}/original"), poster.as_ref().clone().into()).await.unwrap();
-    handler.handle(&event).await.unwrap();
-    handler.handle(&event).await.unwrap();
-    assert_eq!(events(&db, "PosterSynced", &ronin).await.len(), 1);
-    assert_eq!(events(&db, "ImageStored", &ronin).await.len(), 1);
-
-    // Bad posters: each a permanent failure with a clear reason, and nothing stored.
-    for (title, path, reason) in [
-        ("Thief", "/missing.jpg", "404"),
-        ("Manhunter", "/page.html", "not an image"),
-        ("Collateral", "/truncated.jpg", "truncated JPEG"),
-        ("Miami Vice", "/huge.png", "cap"),
+    for (title, path, served, content_type, (width, height)) in [
+        ("Heat", "/poster.jpg", &posters.jpeg, "image/jpeg", (600, 900)),
+        ("Thief", "/poster.png", &posters.png, "image/png", (400, 600)),
     ] {
-        let (movie, event) = enriched_film(&mut c, &db, &ana, title, &host.url(path)).await;
-        match handler.handle(&event).await {
-            Err(HandlerError::Permanent(message)) => {
-                assert!(message.contains(reason), "{title}: {message:?} should say {reason:?}")
-            }
-            other => panic!("{title}: expected a permanent failure, got {other:?}"),
+        let movie = c.movie(&ana, title, 1981).await;
+        let enriched = enrich(&mut c, &db, &movie, &host.url(path)).await;
+        thrice(&media.sync, &enriched).await;
+        assert_eq!(events(&db, "PosterSynced", &movie).await.len(), 1, "{title}: one PosterSynced");
+        let mut stored = events(&db, "ImageStored", &movie).await;
+        assert_eq!(stored.len(), 1, "{title}: one ImageStored");
+        let stored = stored.remove(0);
+        let Some(v1::event::Payload::ImageStored(image)) = &stored.payload else { panic!("{stored:?}") };
+        assert_eq!(
+            (image.key.as_str(), image.content_type.as_str()),
+            (format!("posters/{movie}/original").as_str(), content_type)
+        );
+        let original = media.objects.get(&image.key).await.unwrap().expect("the original is stored");
+        assert_eq!(original.bytes.as_ref(), served.as_slice(), "{title}: the stored original is the served poster");
+        assert_eq!(poster_sizes(&mut c, &movie).await, ["original"]);
+
+        thrice(&media.conversion, &stored).await;
+        assert_eq!(events(&db, "PosterConverted", &movie).await.len(), 1, "{title}: one PosterConverted");
+        assert_eq!(poster_sizes(&mut c, &movie).await, sizes_of(width), "{title}");
+        let mut variants = Vec::new();
+        for w in WIDTHS.into_iter().filter(|&w| w <= width) {
+            let key = format!("posters/{movie}/w{w}.webp");
+            let variant = media.objects.get(&key).await.unwrap().unwrap_or_else(|| panic!("{title}: {key} stored"));
+            let expected_height = (height * w + width / 2) / width;
+            assert_eq!(decoded_size(&variant.bytes), (w, expected_height, "WebP".to_owned()), "{title}: {key}");
+            assert!(variant.bytes.len() < served.len(), "{title}: {key} is smaller than the original");
+            variants.push((key, variant.bytes));
         }
-        assert!(!objects.exists(&format!("posters/{movie}/original")).await.unwrap(), "{title}: nothing stored");
-        assert!(events(&db, "PosterSynced", &movie).await.is_empty());
+        let keys = media.objects.list(&format!("posters/{movie}")).await.unwrap();
+        assert_eq!(keys.len(), sizes_of(width).len(), "{title}: no other keys: {keys:?}");
+
+        // A crash half-way: one variant is missing. The retry makes that one alone, the others
+        // stay as they were, and the record is a repeat (no second PosterConverted).
+        let (lost, _) = &variants[2];
+        media.objects.delete(lost).await.unwrap();
+        media.conversion.handle(&stored).await.unwrap();
+        for (key, bytes) in &variants {
+            assert_eq!(media.objects.get(key).await.unwrap().unwrap().bytes, bytes, "{title}: {key} the same");
+        }
+        assert_eq!(events(&db, "PosterConverted", &movie).await.len(), 1, "{title}: still one PosterConverted");
     }
 
-    // RecordPoster's validation names the field.
+    // A missing original means done: nothing made, nothing recorded.
+    let ronin = c.movie(&ana, "Ronin", 1998).await;
+    let enriched = enrich(&mut c, &db, &ronin, &host.url("/poster.jpg")).await;
+    media.sync.handle(&enriched).await.unwrap();
+    let stored = events(&db, "ImageStored", &ronin).await.remove(0);
+    media.objects.delete(&format!("posters/{ronin}/original")).await.unwrap();
+    media.conversion.handle(&stored).await.unwrap();
+    assert!(media.objects.list(&format!("posters/{ronin}")).await.unwrap().is_empty());
+    assert!(events(&db, "PosterConverted", &ronin).await.is_empty());
+
+    // The crash window of poster sync, in process: the object was written, RecordPoster never
+    // ran. The retry records what is stored (no download), once.
+    let collateral = c.movie(&ana, "Collateral", 2004).await;
+    let enriched = enrich(&mut c, &db, &collateral, &host.url("/poster.jpg")).await;
+    media.objects.put(&format!("posters/{collateral}/original"), posters.jpeg.clone().into()).await.unwrap();
+    let downloads = host.downloads.load(Ordering::SeqCst);
+    thrice(&media.sync, &enriched).await;
+    assert_eq!(host.downloads.load(Ordering::SeqCst), downloads, "the stored object was recorded, not downloaded");
+    assert_eq!(events(&db, "PosterSynced", &collateral).await.len(), 1);
+    assert_eq!(events(&db, "ImageStored", &collateral).await.len(), 1);
+
+    // The internal methods name the field they refuse.
     let refused = c
         .movies
-        .record_poster(v1::RecordPosterRequest {
-            movie_id: heat.clone(),
-            key: "posters/elsewhere/original".into(),
-            content_type: "image/png".into(),
-            size_bytes: 10,
-            sha256: "0".repeat(64),
-            source_url: "https://example.com/p.png".into(),
+        .record_poster_variants(v1::RecordPosterVariantsRequest {
+            movie_id: collateral.clone(),
+            original_sha256: "0".repeat(64),
+            variants: vec![v1::PosterVariant {
+                width: 92,
+                key: "posters/elsewhere/w92.webp".into(),
+                size_bytes: 10,
+                sha256: "0".repeat(64),
+            }],
             request_id: String::new(),
         })
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
-    assert!(refused.message().contains("key"), "{}", refused.message());
+    assert!(refused.message().contains("variants[0].key"), "{}", refused.message());
     write.stop().await;
 }
 
-/// The crash window in real processes: `poster-sync` aborts at the failpoint after the object
-/// write and before RecordPoster; a handlers process started again finds the object, records it
-/// without downloading again, and PosterSynced and ImageStored are in the outbox exactly once.
 #[tokio::test]
-async fn a_crash_after_the_object_write_records_the_poster_once() {
-    let poster = Arc::new(png(200, 300));
-    let host = PosterHost::start(poster.clone()).await;
+async fn posters_are_stored_and_converted_once_under_the_data_dir() {
+    let dir = temp_dir();
+    posters_are_stored_and_converted_once(ObjectsSettings::default(), dir.path()).await;
+    assert!(dir.path().join("objects/posters").is_dir(), "the default store is the data dir");
+}
+
+#[tokio::test]
+async fn posters_are_stored_and_converted_once_in_an_s3_compatible_server() {
+    let dir = temp_dir();
+    let moto = MotoServer::start(&dir.path().join("moto")).await;
+    moto.create_bucket("reelay-media").await;
+    let settings = ObjectsSettings {
+        url: Some("s3://reelay-media/prod".into()),
+        s3_endpoint: Some(moto.endpoint()),
+        s3_region: reelay_harness::S3_REGION.into(),
+        s3_access_key_id: Some(reelay_harness::S3_ACCESS_KEY_ID.into()),
+        s3_secret_access_key: Some(reelay_harness::S3_SECRET_ACCESS_KEY.into()),
+    };
+    posters_are_stored_and_converted_once(settings, dir.path()).await;
+    let keys = moto.keys("reelay-media", "prod/posters/").await;
+    assert_eq!(keys.iter().filter(|k| k.ends_with(".webp")).count(), 4 + 3, "{keys:?}");
+    assert!(!dir.path().join("objects").exists(), "nothing stored locally");
+}
+
+/// In one `reelay run` process: a poster that fails once (a 503, a 429) is stored in the end;
+/// bad posters (a 404, an HTML page, a truncated JPEG, 50 MB) are dead letters of poster-sync
+/// alone, each with its reason, and leave nothing in storage; a variant is served over HTTP; and
+/// deleting a film's last review removes every key of that film.
+#[tokio::test]
+async fn bad_posters_are_dead_letters_of_poster_sync_alone() {
+    let posters = Posters::new();
+    let host = PosterHost::start(posters.clone()).await;
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let env = [("REELAY_HANDLERS", "search,poster-sync,image-conversion,image-cleanup")];
+    let mut reelay = Reelay::start_all(BIN, &db, &env).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    let objects = Objects::open(&ObjectsSettings::default(), dir.path()).unwrap();
+
+    let mut good = Vec::new();
+    for (title, path) in [("Heat", "/flaky.jpg"), ("Thief", "/slow-down.jpg")] {
+        let review = c.review(&ana, reelay_harness::movie_ref(title, 1995), 8).await;
+        enrich(&mut c, &db, &review.movie_id, &host.url(path)).await;
+        good.push((review, path));
+    }
+    let mut bad = Vec::new();
+    for (title, path, reason) in [
+        ("Manhunter", "/missing.jpg", "404"),
+        ("Collateral", "/page.html", "not an image"),
+        ("Miami Vice", "/truncated.jpg", "truncated JPEG"),
+        ("Ali", "/huge.jpg", "over the 20971520 byte cap"),
+    ] {
+        let movie = c.movie(&ana, title, 2001).await;
+        enrich(&mut c, &db, &movie, &host.url(path)).await;
+        bad.push((movie, path, reason));
+    }
+
+    for (review, path) in &good {
+        let movie = review.movie_id.clone();
+        let sizes = eventually_sizes(&mut c, &movie).await;
+        assert_eq!(sizes, all_sizes(), "{path}: stored after its retry");
+    }
+    let admin = AdminClient::new(reelay.channel().await);
+    let letters = reelay_harness::eventually_some("four dead letters", LIMIT, || {
+        let mut admin = admin.clone();
+        async move {
+            let request = v1::ListDeadLettersRequest { limit: 100, ..Default::default() };
+            let letters = admin.list_dead_letters(request).await.ok()?.into_inner().dead_letters;
+            (letters.len() >= 4).then_some(letters)
+        }
+    })
+    .await;
+    assert_eq!(letters.len(), 4, "{letters:?}");
+    for (movie, path, reason) in &bad {
+        let letter =
+            letters.iter().find(|l| l.aggregate_id == *movie).unwrap_or_else(|| panic!("{path}: a dead letter"));
+        assert_eq!((letter.handler.as_str(), letter.event_type.as_str()), ("poster-sync", "MovieEnriched"));
+        assert!(letter.last_error.contains(reason), "{path}: {:?} should say {reason:?}", letter.last_error);
+        assert_eq!(letter.attempts, 1, "{path}: a permanent failure is not retried");
+        assert!(objects.list(&format!("posters/{movie}")).await.unwrap().is_empty(), "{path}: nothing stored");
+    }
+    assert!(
+        !walk(&dir.path().join("objects")).iter().any(|f| !f.ends_with("original") && !f.ends_with(".webp")),
+        "no temporary files left: {:?}",
+        walk(&dir.path().join("objects"))
+    );
+    // Search indexed the same MovieEnriched events: the failures were poster-sync's alone.
+    assert!(reelay_harness::unsettled(&db, false, &["search"]).await.is_empty());
+
+    // The variants are served over HTTP with their type and caching headers.
+    let heat = good[0].0.movie_id.clone();
+    let url = format!("http://{}/media/posters/{heat}/w185.webp", reelay.media_addr);
+    let (status, head, body) = http_request("GET", &url, &[], &[]).await;
+    assert_eq!(status, 200, "{head}");
+    let head = head.to_ascii_lowercase();
+    assert!(head.contains("content-type: image/webp"), "{head}");
+    assert!(head.contains("cache-control:") && head.contains("etag:"), "{head}");
+    assert_eq!(decoded_size(&body).0, 185);
+
+    // Deleting the film's last review deletes the film, and image cleanup every key of it.
+    let (review, _) = &good[0];
+    c.reviews
+        .delete_review(v1::DeleteReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: review.review_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    eventually("every key of the deleted film is gone", LIMIT, || {
+        let (objects, prefix) = (objects.clone(), format!("posters/{heat}"));
+        async move { objects.list(&prefix).await.unwrap().is_empty() }
+    })
+    .await;
+    let thief = &good[1].0.movie_id;
+    assert_eq!(objects.list(&format!("posters/{thief}")).await.unwrap().len(), 5, "another film's keys stay");
+    reelay.stop().await;
+}
+
+async fn eventually_sizes(c: &mut reelay_harness::Clients, movie: &str) -> Vec<String> {
+    let c = c.clone();
+    reelay_harness::eventually_some("the poster and its variants are recorded", LIMIT, || {
+        let (mut c, movie) = (c.clone(), movie.to_owned());
+        async move {
+            let sizes = poster_sizes(&mut c, &movie).await;
+            (sizes.len() == all_sizes().len()).then_some(sizes)
+        }
+    })
+    .await
+}
+
+/// Every file under `dir`, as paths.
+fn walk(dir: &std::path::Path) -> Vec<String> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path.display().to_string());
+        }
+    }
+    files
+}
+
+/// The crash windows in real processes. `poster-sync` aborts at its failpoint after the object
+/// write and before RecordPoster; a process started again with `image-conversion` aborting after
+/// its first variant write records the poster, once; a third process makes the missing variants
+/// alone and records them: one PosterSynced, one ImageStored, one PosterConverted, one download.
+#[tokio::test]
+async fn crashes_between_the_object_writes_and_the_records_lose_and_repeat_nothing() {
+    let posters = Posters::new();
+    let host = PosterHost::start(posters.clone()).await;
     let dir = temp_dir();
     let objects_dir = dir.path().join("shared-objects");
     let objects_url = objects_dir.display().to_string();
@@ -267,64 +467,46 @@ async fn a_crash_after_the_object_write_records_the_poster_once() {
     let mut c = cluster.write.clients().await;
     let ana = c.user("ana").await;
     let db = cluster.db.clone();
-    let (heat, _) = enriched_film(&mut c, &db, &ana, "Heat", &host.url("/poster.png")).await;
+    let heat = c.movie(&ana, "Heat", 1995).await;
+    enrich(&mut c, &db, &heat, &host.url("/poster.jpg")).await;
 
-    let crashed = &mut cluster.handlers[0];
-    reelay_harness::eventually("the handler aborted at the failpoint", Duration::from_secs(60), || {
-        let running = crashed.is_running();
+    let aborted = |process: &mut Reelay| {
+        let running = process.is_running();
         async move { !running }
-    })
-    .await;
-    let key = format!("posters/{heat}/original");
-    assert_eq!(std::fs::read(objects_dir.join(&key)).unwrap(), *poster, "the object was written before the crash");
+    };
+    let crashed = &mut cluster.handlers[0];
+    eventually("poster-sync aborted at its failpoint", LIMIT, || aborted(crashed)).await;
+    let original = objects_dir.join(format!("posters/{heat}/original"));
+    assert_eq!(std::fs::read(&original).unwrap(), posters.jpeg, "the object was written before the crash");
     assert!(events(&db, "PosterSynced", &heat).await.is_empty(), "nothing recorded before the crash");
 
-    let env = vec![("REELAY_HANDLERS", "poster-sync"), ("REELAY_OBJECTS_URL", objects_url.as_str())];
-    let mut again = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("handlers-again"), &env).await;
-    reelay_harness::eventually("the delivery is settled", Duration::from_secs(60), || {
+    let handlers = "poster-sync,image-conversion";
+    let env = [
+        ("REELAY_HANDLERS", handlers),
+        ("REELAY_OBJECTS_URL", objects_url.as_str()),
+        ("REELAY_FAILPOINTS", "image_conversion_after_put"),
+    ];
+    let mut second = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("second"), &env).await;
+    eventually("image-conversion aborted after its first variant", LIMIT, || aborted(&mut second)).await;
+    assert_eq!(events(&db, "PosterSynced", &heat).await.len(), 1);
+    let first_variant = objects_dir.join(format!("posters/{heat}/w92.webp"));
+    let kept = std::fs::read(&first_variant).expect("the first variant was written before the crash");
+    assert!(events(&db, "PosterConverted", &heat).await.is_empty());
+
+    let mut third = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("third"), &env[..2]).await;
+    eventually("every delivery is settled", LIMIT, || {
         let db = db.clone();
-        async move { reelay_harness::unsettled(&db, false, &["poster-sync"]).await.is_empty() }
+        async move { reelay_harness::unsettled(&db, false, &["poster-sync", "image-conversion"]).await.is_empty() }
     })
     .await;
-    let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: heat.clone() }).await.unwrap().into_inner();
-    assert_eq!(movie.poster_sizes, ["original"]);
-    assert_eq!(events(&db, "PosterSynced", &heat).await.len(), 1);
-    assert_eq!(events(&db, "ImageStored", &heat).await.len(), 1);
-    assert_eq!(host.downloads.load(std::sync::atomic::Ordering::SeqCst), 1, "the retry used the stored object");
-    again.stop().await;
+    assert_eq!(poster_sizes(&mut c, &heat).await, all_sizes());
+    assert_eq!(std::fs::read(&first_variant).unwrap(), kept, "the variant made before the crash was kept");
+    for event_type in ["PosterSynced", "ImageStored", "PosterConverted"] {
+        assert_eq!(events(&db, event_type, &heat).await.len(), 1, "one {event_type}");
+    }
+    assert_eq!(host.downloads.load(Ordering::SeqCst), 1, "the retry used the stored object");
+    third.stop().await;
+    drop(second); // it aborted: nothing to stop
     cluster.handlers.clear();
     cluster.stop().await;
-}
-
-/// Cleanup after the film's last review is deleted: every key under `posters/<movie_id>/` goes,
-/// another film's stay, and a redelivery is a no-op.
-#[tokio::test]
-async fn deleting_the_last_review_removes_every_key_of_the_film() {
-    let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let mut write = Reelay::start_write(BIN, &db, &[]).await;
-    let mut c = write.clients().await;
-    let ana = c.user("ana").await;
-    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
-    let heat = review.movie_id.clone();
-    let objects = reelay_objects::Objects::open(&Default::default(), dir.path()).unwrap();
-    for key in ["original", "w92.webp", "w185.webp"] {
-        objects.put(&format!("posters/{heat}/{key}"), png(4, 6).into()).await.unwrap();
-    }
-    objects.put("posters/other-film/original", png(4, 6).into()).await.unwrap();
-    c.reviews
-        .delete_review(v1::DeleteReviewRequest {
-            actor_user_id: ana.clone(),
-            review_id: review.review_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let deleted = events(&db, "MovieDeleted", &heat).await.remove(0);
-    let cleanup = media_handler("image-cleanup", &write, dir.path()).await;
-    cleanup.handle(&deleted).await.unwrap();
-    assert!(objects.list(&format!("posters/{heat}")).await.unwrap().is_empty(), "every key of the film is gone");
-    assert!(objects.exists("posters/other-film/original").await.unwrap(), "another film's poster stays");
-    cleanup.handle(&deleted).await.unwrap();
-    write.stop().await;
 }

@@ -72,11 +72,9 @@ pub async fn build(
             "poster-sync" => {
                 reelay_media::build_poster_sync(&settings.media, context, objects(settings, &context.data_dir)?)?
             }
-            "image-conversion" => reelay_media::build_image_conversion(
-                &settings.media,
-                context,
-                objects(settings, &context.data_dir)?,
-            )?,
+            "image-conversion" => {
+                reelay_media::build_image_conversion(&settings.media, context, objects(settings, &context.data_dir)?)?
+            }
             "image-cleanup" => reelay_media::build_image_cleanup(objects(settings, &context.data_dir)?),
             federation if reelay_federation::NAMES.contains(&federation) => {
                 reelay_federation::build(federation, &settings.federation, context)?

@@ -9,6 +9,7 @@
 mod cluster;
 mod db;
 mod faults;
+pub mod images;
 mod nats;
 mod peer;
 mod s3;
@@ -36,8 +37,8 @@ pub use db::{
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
-pub use s3::MotoServer;
-pub use tmdb::{TMDB_API_KEY, TMDB_TOKEN, TmdbFilm, TmdbPerson, TmdbServer};
+pub use s3::{MotoServer, S3_ACCESS_KEY_ID, S3_REGION, S3_SECRET_ACCESS_KEY};
+pub use tmdb::{TMDB_API_KEY, TMDB_POSTER_WIDTH, TMDB_TOKEN, TmdbFilm, TmdbPerson, TmdbServer};
 pub mod films {
     //! The films the TMDB test server knows.
     pub use crate::tmdb::{collateral, heat, people};

@@ -1,7 +1,8 @@
 //! A TMDB-shaped HTTP server for enrichment tests: the v3 paths Reelay calls, answers shaped like
 //! the real API's (field names, nesting, the 404 body), an API key or bearer token checked on
 //! every call, and rate limiting on demand (a 429 with `Retry-After`). It counts what it was asked,
-//! so a test can tell a retry from a cache.
+//! so a test can tell a retry from a cache. It is also the image host `/configuration` names:
+//! every poster path is served as a real JPEG (made by [`crate::images::jpeg`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -17,6 +18,8 @@ use serde_json::{Value, json};
 /// The API key the server accepts (`?api_key=`); the bearer token is [`TMDB_TOKEN`].
 pub const TMDB_API_KEY: &str = "test-tmdb-key";
 pub const TMDB_TOKEN: &str = "test-tmdb-read-token";
+/// The width of the poster the image host serves.
+pub const TMDB_POSTER_WIDTH: u32 = 600;
 
 /// A film the server knows.
 #[derive(Debug, Clone)]
@@ -114,6 +117,10 @@ struct Counters {
 }
 
 struct Data {
+    /// `http://<addr>/t/p/`, the images' base URL.
+    image_base: String,
+    /// What every poster path serves.
+    poster: Vec<u8>,
     films: Vec<TmdbFilm>,
     people: Vec<TmdbPerson>,
     retry_after_secs: u64,
@@ -130,8 +137,18 @@ pub struct TmdbServer {
 impl TmdbServer {
     /// Serves `films` and `people` on a free port.
     pub async fn start(films: Vec<TmdbFilm>, people: Vec<TmdbPerson>) -> Self {
-        let data = Arc::new(Data { films, people, retry_after_secs: 1, counters: Mutex::default() });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the TMDB test server");
+        let addr = listener.local_addr().unwrap();
+        let data = Arc::new(Data {
+            image_base: format!("http://{addr}/t/p/"),
+            poster: crate::images::jpeg(TMDB_POSTER_WIDTH, TMDB_POSTER_WIDTH * 3 / 2),
+            films,
+            people,
+            retry_after_secs: 1,
+            counters: Mutex::default(),
+        });
         let router = Router::new()
+            .route("/t/p/{size}/{file}", get(poster))
             .route("/3/configuration", get(configuration))
             .route("/3/search/movie", get(search))
             .route("/3/find/{external_id}", get(find))
@@ -139,8 +156,6 @@ impl TmdbServer {
             .route("/3/person/{id}", get(person))
             .fallback(|| async { not_found() })
             .with_state(data.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the TMDB test server");
-        let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             axum::serve(listener, router).await.expect("serve the TMDB test server");
         });
@@ -165,6 +180,11 @@ impl TmdbServer {
     /// How many requests reached `path` (429s included).
     pub fn requests(&self, path: &str) -> usize {
         self.data.counters.lock().unwrap().requests.get(path).copied().unwrap_or(0)
+    }
+
+    /// The bytes every poster path serves (a JPEG [`TMDB_POSTER_WIDTH`] pixels wide).
+    pub fn poster(&self) -> &[u8] {
+        &self.data.poster
     }
 
     /// Requests refused for a missing or wrong key.
@@ -229,8 +249,8 @@ async fn configuration(State(data): State<Arc<Data>>, Query(q): Params, headers:
     }
     axum::Json(json!({
         "images": {
-            "base_url": "http://image.tmdb.test/t/p/",
-            "secure_base_url": "https://image.tmdb.test/t/p/",
+            "base_url": data.image_base,
+            "secure_base_url": data.image_base,
             "backdrop_sizes": ["w300", "w780", "w1280", "original"],
             "poster_sizes": ["w92", "w154", "w185", "w342", "w500", "w780", "original"],
             "profile_sizes": ["w45", "w185", "h632", "original"]
@@ -238,6 +258,12 @@ async fn configuration(State(data): State<Arc<Data>>, Query(q): Params, headers:
         "change_keys": ["adult", "title"]
     }))
     .into_response()
+}
+
+/// A poster, as the image host serves it (no key needed there); counted under `/t/p`.
+async fn poster(State(data): State<Arc<Data>>) -> Response {
+    *data.counters.lock().unwrap().requests.entry("/t/p".to_owned()).or_default() += 1;
+    ([(header::CONTENT_TYPE, "image/jpeg")], data.poster.clone()).into_response()
 }
 
 fn search_hit(film: &TmdbFilm) -> Value {

@@ -33,4 +33,3 @@ impl Handler for ImageCleanup {
         Ok(())
     }
 }
-

@@ -44,10 +44,7 @@ pub enum WebpEncoding {
 impl WebpEncoding {
     /// Lossy at `quality`, which must be 0-100.
     pub fn lossy(quality: f32) -> anyhow::Result<Self> {
-        anyhow::ensure!(
-            (0.0..=100.0).contains(&quality),
-            "REELAY_MEDIA_WEBP_QUALITY must be 0-100, got {quality}"
-        );
+        anyhow::ensure!((0.0..=100.0).contains(&quality), "REELAY_MEDIA_WEBP_QUALITY must be 0-100, got {quality}");
         Ok(Self::Lossy { quality })
     }
 }
@@ -75,7 +72,8 @@ pub fn decode(original: &[u8]) -> Result<DynamicImage, String> {
 
 /// The height of a `width`-pixel-wide variant of `image`, aspect kept (at least 1).
 pub fn variant_height(image: &DynamicImage, width: u32) -> u32 {
-    let height = (u64::from(image.height()) * u64::from(width) + u64::from(image.width()) / 2) / u64::from(image.width());
+    let height =
+        (u64::from(image.height()) * u64::from(width) + u64::from(image.width()) / 2) / u64::from(image.width());
     height.max(1) as u32
 }
 
@@ -146,7 +144,12 @@ impl ImageConversion {
 
     /// The variants of the original (of digest `sha256`) stored under `key`, each already stored
     /// or made now; `None` when the original is gone or no longer that one.
-    async fn variants(&self, movie_id: &str, key: &str, sha256: &str) -> Result<Option<Vec<v1::PosterVariant>>, HandlerError> {
+    async fn variants(
+        &self,
+        movie_id: &str,
+        key: &str,
+        sha256: &str,
+    ) -> Result<Option<Vec<v1::PosterVariant>>, HandlerError> {
         let mut variants = Vec::with_capacity(self.widths.len());
         let mut missing = Vec::new();
         for &width in self.widths.iter() {

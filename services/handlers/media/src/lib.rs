@@ -167,7 +167,6 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     ring::digest::digest(&ring::digest::SHA256, bytes).as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

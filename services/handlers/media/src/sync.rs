@@ -256,7 +256,6 @@ impl Handler for PosterSync {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -161,7 +161,10 @@ fn checked_variants(r: v1::RecordPosterVariantsRequest) -> Result<PosterVariants
         }
         let expected_key = format!("posters/{movie}/w{}.webp", variant.width);
         if variant.key != expected_key {
-            return Err(ServiceError::invalid(&field("key"), format!("must be {expected_key:?}, got {:?}", variant.key)));
+            return Err(ServiceError::invalid(
+                &field("key"),
+                format!("must be {expected_key:?}, got {:?}", variant.key),
+            ));
         }
         if variant.size_bytes == 0 || variant.size_bytes > MAX_POSTER_BYTES {
             return Err(ServiceError::invalid(

@@ -259,8 +259,8 @@ impl Store {
                     .bind(&movie)
                     .fetch_optional(tx.conn())
                     .await?;
-            let original =
-                original.ok_or_else(|| ServiceError::not_found(format_args!("the original poster of movie {movie}")))?;
+            let original = original
+                .ok_or_else(|| ServiceError::not_found(format_args!("the original poster of movie {movie}")))?;
             if original != variants.original_sha256 {
                 return Err(ServiceError::failed_precondition(format!(
                     "the original poster of movie {movie} is no longer {} (now {original})",
