@@ -198,19 +198,38 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
         .filter(|w| w["spec"]["template"]["spec"]["containers"][0]["args"][2] == "handlers")
         .collect();
     assert!(!handlers.is_empty());
+    let mut deployed: Vec<String> = handlers
+        .iter()
+        .flat_map(|d| d["spec"]["template"]["spec"]["containers"][0]["args"].as_array().unwrap().windows(2))
+        .filter(|pair| pair[0] == "--handler")
+        .map(|pair| str_of(&pair[1]).to_owned())
+        .collect();
+    deployed.sort();
+    let mut every: Vec<String> = reelay_handlers::names(&Default::default())
+        .into_iter()
+        .filter(|name| !name.starts_with("probe"))
+        .map(str::to_owned)
+        .collect();
+    every.sort();
+    assert_eq!(deployed, every, "every handler of the build has exactly one Deployment");
     for deployment in handlers {
         let args = deployment["spec"]["template"]["spec"]["containers"][0]["args"].as_array().unwrap();
-        let handler =
-            str_of(&args[args.iter().position(|a| a == "--handler").expect("one handler per Deployment") + 1]);
+        let handlers: Vec<String> =
+            args.windows(2).filter(|pair| pair[0] == "--handler").map(|pair| str_of(&pair[1]).to_owned()).collect();
+        assert!(!handlers.is_empty(), "a handlers Deployment names its handlers: {args:?}");
         let scaled = kind(&objects, "ScaledObject")
             .into_iter()
             .find(|s| s["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"])
-            .unwrap_or_else(|| panic!("no ScaledObject for {handler}"));
-        let trigger = &scaled["spec"]["triggers"][0];
-        assert_eq!(trigger["type"], "nats-jetstream");
-        assert_eq!(trigger["metadata"]["consumer"], format!("handler-{handler}"), "KEDA reads this handler's consumer");
-        assert_eq!(trigger["metadata"]["stream"], "REELAY_EVENTS");
-        assert!(str_of(&trigger["metadata"]["natsServerMonitoringEndpoint"]).starts_with("nats.reelay.svc"));
+            .unwrap_or_else(|| panic!("no ScaledObject for {handlers:?}"));
+        let triggers = scaled["spec"]["triggers"].as_array().unwrap();
+        let consumers: Vec<String> = triggers.iter().map(|t| str_of(&t["metadata"]["consumer"]).to_owned()).collect();
+        let expected: Vec<String> = handlers.iter().map(|h| format!("handler-{h}")).collect();
+        assert_eq!(consumers, expected, "KEDA reads each handler's own consumer");
+        for trigger in triggers {
+            assert_eq!(trigger["type"], "nats-jetstream");
+            assert_eq!(trigger["metadata"]["stream"], "REELAY_EVENTS");
+            assert!(str_of(&trigger["metadata"]["natsServerMonitoringEndpoint"]).starts_with("nats.reelay.svc"));
+        }
     }
 }
 

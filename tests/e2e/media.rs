@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use reelay_contracts::v1::{self, admin_client::AdminClient};
+use reelay_contracts::v1::{self, admin_client::AdminClient, search_client::SearchClient};
 use reelay_harness::images::{decoded_size, jpeg, png};
 use reelay_harness::{Backend, Cluster, MotoServer, Reelay, TEST_TOKEN, eventually, http_request, temp_dir};
 use reelay_objects::{Objects, ObjectsSettings};
@@ -390,6 +390,20 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone() {
     // Search indexed the same MovieEnriched events: the failures were poster-sync's alone.
     assert!(reelay_harness::unsettled(&db, false, &["search"]).await.is_empty());
 
+    // Search results say which sizes are stored.
+    let search = SearchClient::new(reelay.handlers_channel().await);
+    let thief = good[1].0.movie_id.clone();
+    let hit = reelay_harness::eventually_some("search lists Thief's poster sizes", LIMIT, || {
+        let (mut search, thief) = (search.clone(), thief.clone());
+        async move {
+            let request = v1::SearchMoviesRequest { query: "thief".into(), ..Default::default() };
+            let hits = search.search_movies(request).await.ok()?.into_inner().hits;
+            hits.into_iter().find(|h| h.movie_id == thief && h.poster_sizes.len() == all_sizes().len())
+        }
+    })
+    .await;
+    assert_eq!(hit.poster_sizes, all_sizes());
+
     // The variants are served over HTTP with their type and caching headers.
     let heat = good[0].0.movie_id.clone();
     let url = format!("http://{}/media/posters/{heat}/w185.webp", reelay.media_addr);
@@ -415,7 +429,6 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone() {
         async move { objects.list(&prefix).await.unwrap().is_empty() }
     })
     .await;
-    let thief = &good[1].0.movie_id;
     assert_eq!(objects.list(&format!("posters/{thief}")).await.unwrap().len(), 5, "another film's keys stay");
     reelay.stop().await;
 }

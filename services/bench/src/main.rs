@@ -6,6 +6,7 @@
 //! table and writes `bench-results.json`.
 
 mod enrichment;
+mod images;
 mod report;
 mod scenarios;
 
@@ -67,6 +68,9 @@ fn main() -> anyhow::Result<()> {
         }
         if wanted("enrichment") {
             enrichment::enrichment_and_wrap_up(&bench, &mut report).await?;
+        }
+        if wanted("images") {
+            images::conversion(&bench, &mut report).await?;
         }
         anyhow::Ok(report)
     })?;

@@ -77,12 +77,33 @@ pub fn variant_height(image: &DynamicImage, width: u32) -> u32 {
     height.max(1) as u32
 }
 
-/// The variant of `image` `width` pixels wide, encoded as webp.
-pub fn make_variant(image: &DynamicImage, width: u32, encoding: WebpEncoding) -> Result<Variant, String> {
-    let height = variant_height(image, width);
-    let resized = image.resize_exact(width, height, image::imageops::FilterType::Triangle);
-    let bytes = encode_webp(&resized, encoding)?;
-    Ok(Variant { width, height, bytes })
+/// The variants of `image` at each of `widths` not wider than it (aspect kept), encoded as webp.
+pub fn make_variants(image: DynamicImage, widths: &[u32], encoding: WebpEncoding) -> Result<Vec<Variant>, String> {
+    resized(image, widths)
+        .into_iter()
+        .map(|image| {
+            Ok(Variant { width: image.width(), height: image.height(), bytes: encode_webp(&image, encoding)? })
+        })
+        .collect()
+}
+
+/// `image` resized to each of `widths` not wider than it, aspect kept, narrowest first.
+///
+/// Widest first, each from the one before (the widest from the original): every step is a
+/// small factor for the triangle filter, which costs well under half of filtering the original
+/// down to each width (BENCHMARKS.md). Heights come from the original's aspect.
+pub fn resized(image: DynamicImage, widths: &[u32]) -> Vec<DynamicImage> {
+    let mut sizes: Vec<(u32, u32)> =
+        widths.iter().filter(|&&w| w <= image.width()).map(|&w| (w, variant_height(&image, w))).collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.dedup();
+    let mut variants: Vec<DynamicImage> = Vec::with_capacity(sizes.len());
+    for (width, height) in sizes {
+        let source = variants.last().unwrap_or(&image);
+        variants.push(source.resize_exact(width, height, image::imageops::FilterType::Triangle));
+    }
+    variants.reverse();
+    variants
 }
 
 fn encode_webp(image: &DynamicImage, encoding: WebpEncoding) -> Result<Vec<u8>, String> {
@@ -192,13 +213,8 @@ impl ImageConversion {
         let key = key.to_owned();
         tokio::task::spawn_blocking(move || {
             let image = decode(&original).map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))?;
-            let made = widths
-                .into_iter()
-                .filter(|&width| width <= image.width())
-                .map(|width| make_variant(&image, width, encoding))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))?;
-            Ok(made)
+            make_variants(image, &widths, encoding)
+                .map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))
         })
         .await
         .map_err(|e| HandlerError::retryable(format!("the conversion task failed: {e}")))?
@@ -268,14 +284,19 @@ mod tests {
     }
 
     #[test]
-    fn a_variant_keeps_the_aspect_and_decodes_as_webp() {
-        let image = poster(600, 900);
+    fn variants_keep_the_aspect_decode_as_webp_and_are_never_wider_than_the_original() {
         for encoding in [WebpEncoding::Lossy { quality: 80.0 }, WebpEncoding::Lossless] {
-            let variant = make_variant(&image, 185, encoding).unwrap();
-            assert_eq!((variant.width, variant.height), (185, 278));
-            let decoded = image::load_from_memory_with_format(&variant.bytes, image::ImageFormat::WebP).unwrap();
-            assert_eq!((decoded.width(), decoded.height()), (185, 278));
+            // 1999 wide: 185 from the original, 92 from the 185 one, heights from the
+            // original's aspect.
+            let variants = make_variants(poster(1999, 2999), &[92, 185, 4000], encoding).unwrap();
+            let sizes: Vec<(u32, u32)> = variants.iter().map(|v| (v.width, v.height)).collect();
+            assert_eq!(sizes, [(92, 138), (185, 278)]);
+            for variant in &variants {
+                let decoded = image::load_from_memory_with_format(&variant.bytes, image::ImageFormat::WebP).unwrap();
+                assert_eq!((decoded.width(), decoded.height()), (variant.width, variant.height));
+            }
         }
+        assert!(make_variants(poster(50, 75), &[92], WebpEncoding::Lossless).unwrap().is_empty());
     }
 
     #[test]

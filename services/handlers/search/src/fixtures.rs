@@ -118,3 +118,17 @@ pub fn remote_review_deleted(remote_review_id: &str, at: i64) -> v1::Event {
     });
     event(remote_review_id, at, payload)
 }
+
+pub fn poster_synced(movie_id: &str, at: i64) -> v1::Event {
+    event(movie_id, at, Payload::PosterSynced(v1::PosterSynced { movie_id: movie_id.to_owned(), ..Default::default() }))
+}
+
+/// The variants of `movie_id`'s poster, `sizes` ("w92", ...), were stored.
+pub fn poster_converted(movie_id: &str, at: i64, sizes: &[&str]) -> v1::Event {
+    let payload = Payload::PosterConverted(v1::PosterConverted {
+        movie_id: movie_id.to_owned(),
+        original_sha256: "ab".repeat(32),
+        sizes: sizes.iter().map(|s| s.to_string()).collect(),
+    });
+    event(movie_id, at, payload)
+}

@@ -14,6 +14,8 @@ const EVENT_TYPES: &[&str] = &[
     "MovieDiscovered",
     "MovieEnriched",
     "MovieDeleted",
+    "PosterSynced",
+    "PosterConverted",
 ];
 
 pub struct SearchHandler {
@@ -81,6 +83,8 @@ mod tests {
             movie_discovered("m", 1, "Heat", 1995),
             movie_enriched("m", 1, "Heat", 1995, &["Michael Mann"], &["Crime"]),
             movie_deleted("m", 1),
+            poster_synced("m", 1),
+            poster_converted("m", 1, &["w92"]),
         ];
         let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
         assert_eq!(EVENT_TYPES, types.as_slice());

@@ -1,5 +1,6 @@
 //! The search index: one tantivy index in a local directory, holding one document per movie,
-//! local review and remote review, each under a key (`movie:<id>`, `review:<id>`, `remote:<id>`).
+//! local review and remote review, each under a key (`movie:<id>`, `review:<id>`, `remote:<id>`),
+//! and one document per movie poster (`posters:<id>`: the sizes stored, read beside a movie hit).
 //!
 //! Events arrive at least once and in any order, so every document carries the `version` of the
 //! event that wrote it (its `occurred_at_ms`) and a `deleted` flag. An event older than the
@@ -30,6 +31,7 @@ const WRITER_MEMORY_BYTES: usize = 15_000_000;
 
 const KIND_MOVIE: &str = "movie";
 const KIND_REVIEW: &str = "review";
+const KIND_POSTERS: &str = "posters";
 
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -143,6 +145,11 @@ struct Change {
 enum Entry {
     Movie(v1::MovieHit),
     Review(v1::ReviewHit),
+    /// A movie's stored poster sizes.
+    Posters {
+        movie_id: String,
+        sizes: Vec<String>,
+    },
 }
 
 /// Orders the writes to one key: a newer version wins, and at the same version a tombstone wins.
@@ -156,6 +163,16 @@ impl Change {
     /// A movie's document (keyed by the movie, so enrichment replaces what discovery indexed).
     fn movie(version: i64, hit: v1::MovieHit) -> Self {
         Self { key: format!("movie:{}", hit.movie_id), version, entry: Some(Entry::Movie(hit)) }
+    }
+
+    /// A movie's poster sizes: the original and `variants`.
+    fn posters(version: i64, movie_id: &str, variants: Vec<String>) -> Self {
+        let sizes = std::iter::once("original".to_owned()).chain(variants).collect();
+        Self {
+            key: format!("posters:{movie_id}"),
+            version,
+            entry: Some(Entry::Posters { movie_id: movie_id.to_owned(), sizes }),
+        }
     }
 
     fn stamp(&self) -> Stamp {
@@ -268,13 +285,23 @@ impl Change {
                         year: m.year,
                         directors: profile.directors.into_iter().map(|d| d.name).collect(),
                         genres: profile.genres,
-                        score: 0.0,
+                        ..Default::default()
                     },
                 )
             }
             Payload::MovieDeleted(m) => {
                 require("movie_id", &m.movie_id)?;
                 Self { key: format!("movie:{}", m.movie_id), version, entry: None }
+            }
+            // A poster's sizes live in their own document, so neither writer of a movie's
+            // document (discovery, enrichment) has to know them.
+            Payload::PosterSynced(p) => {
+                require("movie_id", &p.movie_id)?;
+                Self::posters(version, &p.movie_id, Vec::new())
+            }
+            Payload::PosterConverted(p) => {
+                require("movie_id", &p.movie_id)?;
+                Self::posters(version, &p.movie_id, p.sizes.clone())
             }
             _ => return Ok(None),
         };
@@ -375,17 +402,24 @@ impl SearchIndex {
         let query = query.to_owned();
         tokio::task::spawn_blocking(move || {
             let fields = inner.fields;
-            inner.search(KIND_MOVIE, &[fields.title, fields.body], &query, offset, limit, |score, doc| {
-                let (directors, genres) = movie_credits(&text(doc, fields.body));
-                v1::MovieHit {
-                    movie_id: text(doc, fields.movie_id),
-                    title: text(doc, fields.title),
-                    year: int(doc, fields.year),
-                    score,
-                    directors,
-                    genres,
-                }
-            })
+            let mut page =
+                inner.search(KIND_MOVIE, &[fields.title, fields.body], &query, offset, limit, |score, doc| {
+                    let (directors, genres) = movie_credits(&text(doc, fields.body));
+                    v1::MovieHit {
+                        movie_id: text(doc, fields.movie_id),
+                        title: text(doc, fields.title),
+                        year: int(doc, fields.year),
+                        score,
+                        directors,
+                        genres,
+                        poster_sizes: Vec::new(),
+                    }
+                })?;
+            let searcher = inner.reader.searcher();
+            for hit in &mut page.hits {
+                hit.poster_sizes = inner.poster_sizes(&searcher, &hit.movie_id)?;
+            }
+            Ok(page)
         })
         .await?
     }
@@ -425,9 +459,13 @@ fn movie_body(movie: &v1::MovieHit) -> String {
 }
 
 fn movie_credits(body: &str) -> (Vec<String>, Vec<String>) {
-    let split = |s: &str| s.split('|').filter(|p| !p.is_empty()).map(str::to_owned).collect();
     let (directors, genres) = body.split_once('\t').unwrap_or((body, ""));
     (split(directors), split(genres))
+}
+
+/// The parts of a `|`-joined list.
+fn split(list: &str) -> Vec<String> {
+    list.split('|').filter(|p| !p.is_empty()).map(str::to_owned).collect()
 }
 
 fn text(doc: &TantivyDocument, field: Field) -> String {
@@ -499,12 +537,23 @@ impl Inner {
         Ok(staged.len())
     }
 
-    fn indexed_stamp(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<Stamp>> {
+    /// The document under `key`, tombstones included.
+    fn keyed(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<TantivyDocument>> {
         let query = TermQuery::new(Term::from_field_text(self.fields.key, key), IndexRecordOption::Basic);
         let Some((_, address)) = searcher.search(&query, &TopDocs::with_limit(1).order_by_score())?.pop() else {
             return Ok(None);
         };
-        let doc: TantivyDocument = searcher.doc(address)?;
+        searcher.doc(address).map(Some)
+    }
+
+    /// The poster sizes stored for `movie_id` (none when no poster is).
+    fn poster_sizes(&self, searcher: &Searcher, movie_id: &str) -> tantivy::Result<Vec<String>> {
+        let doc = self.keyed(searcher, &format!("posters:{movie_id}"))?;
+        Ok(doc.map(|doc| split(&text(&doc, self.fields.body))).unwrap_or_default())
+    }
+
+    fn indexed_stamp(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<Stamp>> {
+        let Some(doc) = self.keyed(searcher, key)? else { return Ok(None) };
         Ok(Some(Stamp {
             version: doc.get_first(self.fields.version).and_then(|v| v.as_i64()).unwrap_or(i64::MIN),
             deleted: doc.get_first(self.fields.deleted).and_then(|v| v.as_bool()).unwrap_or(false),
@@ -525,6 +574,11 @@ impl Inner {
                 doc.add_text(f.title, &movie.title);
                 doc.add_i64(f.year, movie.year.into());
                 doc.add_text(f.body, movie_body(movie));
+            }
+            Some(Entry::Posters { movie_id, sizes }) => {
+                doc.add_text(f.kind, KIND_POSTERS);
+                doc.add_text(f.movie_id, movie_id);
+                doc.add_text(f.body, sizes.join("|"));
             }
             Some(Entry::Review(review)) => {
                 doc.add_text(f.kind, KIND_REVIEW);
@@ -856,5 +910,23 @@ mod tests {
         assert_eq!(hits.hits[0].genres, ["Crime", "Drama"]);
         assert_eq!(index.search_movies("crime heat", 0, 10).await.unwrap().total_hits, 1);
         assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().hits[0].title, "Heat");
+    }
+
+    #[tokio::test]
+    async fn a_movie_hit_says_which_poster_sizes_are_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let discovered = movie_discovered("m1", 100, "Heat", 1995);
+        apply_ok(&index, &[&discovered]).await;
+        assert!(index.search_movies("heat", 0, 10).await.unwrap().hits[0].poster_sizes.is_empty());
+        let synced = poster_synced("m1", 300);
+        let converted = poster_converted("m1", 400, &["w92", "w185"]);
+        // In any order, the newer one wins; a later enrichment of the movie keeps them.
+        apply_ok(&index, &[&converted, &synced]).await;
+        let enriched = movie_enriched("m1", 500, "Heat", 1995, &["Michael Mann"], &[]);
+        apply_ok(&index, &[&enriched]).await;
+        let hits = index.search_movies("heat", 0, 10).await.unwrap();
+        assert_eq!(hits.total_hits, 1, "the posters document is not a movie hit");
+        assert_eq!(hits.hits[0].poster_sizes, ["original", "w92", "w185"]);
     }
 }
