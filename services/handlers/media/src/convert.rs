@@ -79,12 +79,12 @@ pub fn variant_height(image: &DynamicImage, width: u32) -> u32 {
 
 /// The variants of `image` at each of `widths` not wider than it (aspect kept), encoded as webp.
 pub fn make_variants(image: DynamicImage, widths: &[u32], encoding: WebpEncoding) -> Result<Vec<Variant>, String> {
-    resized(image, widths)
-        .into_iter()
-        .map(|image| {
-            Ok(Variant { width: image.width(), height: image.height(), bytes: encode_webp(&image, encoding)? })
-        })
-        .collect()
+    resized(image, widths).iter().map(|image| encode_variant(image, encoding)).collect()
+}
+
+/// One resized image, encoded as webp.
+pub fn encode_variant(image: &DynamicImage, encoding: WebpEncoding) -> Result<Variant, String> {
+    Ok(Variant { width: image.width(), height: image.height(), bytes: encode_webp(image, encoding)? })
 }
 
 /// `image` resized to each of `widths` not wider than it, aspect kept, narrowest first.
@@ -206,19 +206,31 @@ impl ImageConversion {
         Ok(Some(variants))
     }
 
-    /// Decodes the original and makes the variants of `widths` not wider than it, off the async
-    /// workers (this is the CPU-bound part).
-    async fn make(&self, key: &str, original: Bytes, widths: Vec<u32>) -> Result<Vec<Variant>, HandlerError> {
-        let encoding = self.encoding;
-        let key = key.to_owned();
+    /// Decodes the original and makes the `missing` variants not wider than it, off the async
+    /// workers (this is the CPU-bound part). Every configured width is resized (each comes from
+    /// the next wider one), so a variant made again is the same bytes as the first time.
+    async fn make(&self, key: &str, original: Bytes, missing: Vec<u32>) -> Result<Vec<Variant>, HandlerError> {
+        let (encoding, widths, key) = (self.encoding, Arc::clone(&self.widths), key.to_owned());
         tokio::task::spawn_blocking(move || {
-            let image = decode(&original).map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))?;
-            make_variants(image, &widths, encoding)
-                .map_err(|reason| HandlerError::Permanent(format!("{key}: {reason}")))
+            let failed = |reason: String| HandlerError::Permanent(format!("{key}: {reason}"));
+            let image = decode(&original).map_err(failed)?;
+            resized(image, &widths)
+                .iter()
+                .filter(|image| missing.contains(&image.width()))
+                .map(|image| encode_variant(image, encoding).map_err(failed))
+                .collect()
         })
         .await
         .map_err(|e| HandlerError::retryable(format!("the conversion task failed: {e}")))?
     }
+}
+
+/// A digest of what a RecordPosterVariants call records, for its request id: a retry that made
+/// other bytes (the widths were reconfigured, say) is then a new request, not a clash with the
+/// first under the same id.
+fn digest_of(variants: &[v1::PosterVariant]) -> String {
+    let listed: Vec<String> = variants.iter().map(|v| format!("{}={}", v.width, v.sha256)).collect();
+    sha256_hex(listed.join(",").as_bytes())
 }
 
 fn recorded(width: u32, key: String, bytes: &[u8]) -> v1::PosterVariant {
@@ -254,8 +266,8 @@ impl Handler for ImageConversion {
         let request = v1::RecordPosterVariantsRequest {
             movie_id: movie_id.to_owned(),
             original_sha256: stored.sha256.clone(),
+            request_id: format!("variants:{}:{}", event.event_id, &digest_of(&variants)[..16]),
             variants,
-            request_id: format!("variants:{}", event.event_id),
         };
         match self.movies.clone().record_poster_variants(request).await {
             Ok(reply) => {

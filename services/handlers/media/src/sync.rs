@@ -234,14 +234,17 @@ impl Handler for PosterSync {
                 poster
             }
         };
+        let sha256 = sha256_hex(&poster.bytes);
         let request = v1::RecordPosterRequest {
             movie_id: movie_id.to_owned(),
             key: key.clone(),
             content_type: poster.content_type.to_owned(),
             size_bytes: poster.bytes.len() as u64,
-            sha256: sha256_hex(&poster.bytes),
+            // The event and the bytes: a retry that downloaded other bytes (the host changed the
+            // image in between) is a new request, not a clash with the first under one id.
+            request_id: format!("poster:{}:{}", event.event_id, &sha256[..16]),
+            sha256,
             source_url: url.to_owned(),
-            request_id: format!("poster:{}", event.event_id),
         };
         match self.movies.clone().record_poster(request).await {
             Ok(recorded) => {
