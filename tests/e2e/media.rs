@@ -127,6 +127,7 @@ impl Drop for PosterHost {
 struct InProcess {
     sync: Arc<dyn reelay_delivery::Handler>,
     conversion: Arc<dyn reelay_delivery::Handler>,
+    cleanup: Arc<dyn reelay_delivery::Handler>,
     objects: Objects,
 }
 
@@ -139,11 +140,12 @@ impl InProcess {
                 .unwrap(),
         };
         let settings = reelay_handlers::HandlerSettings { objects: objects.clone(), ..Default::default() };
-        let names = ["poster-sync".to_owned(), "image-conversion".to_owned()];
+        let names = ["poster-sync", "image-conversion", "image-cleanup"].map(str::to_owned);
         let mut built = reelay_handlers::build(&names, &settings, &context).await.unwrap().into_iter();
         Self {
             sync: built.next().unwrap().handler,
             conversion: built.next().unwrap().handler,
+            cleanup: built.next().unwrap().handler,
             objects: Objects::open(&objects, data_dir).unwrap(),
         }
     }
@@ -324,21 +326,51 @@ async fn posters_are_stored_and_converted_once_in_an_s3_compatible_server() {
     assert!(!dir.path().join("objects").exists(), "nothing stored locally");
 }
 
+#[tokio::test]
+async fn bad_posters_are_dead_letters_of_poster_sync_alone_under_the_data_dir() {
+    let dir = temp_dir();
+    bad_posters_are_dead_letters_of_poster_sync_alone(dir.path(), ObjectsSettings::default(), Vec::new()).await;
+    let files = walk(&dir.path().join("objects"));
+    assert!(!files.is_empty() && files.iter().all(|f| f.ends_with("original") || f.ends_with(".webp")), "{files:?}");
+}
+
+#[tokio::test]
+async fn bad_posters_are_dead_letters_of_poster_sync_alone_in_an_s3_compatible_server() {
+    let dir = temp_dir();
+    let moto = MotoServer::start(&dir.path().join("moto")).await;
+    moto.create_bucket("reelay-media").await;
+    let settings = ObjectsSettings {
+        url: Some("s3://reelay-media/prod".into()),
+        s3_endpoint: Some(moto.endpoint()),
+        s3_region: reelay_harness::S3_REGION.into(),
+        s3_access_key_id: Some(reelay_harness::S3_ACCESS_KEY_ID.into()),
+        s3_secret_access_key: Some(reelay_harness::S3_SECRET_ACCESS_KEY.into()),
+    };
+    let env = moto.env("reelay-media", "prod");
+    bad_posters_are_dead_letters_of_poster_sync_alone(dir.path(), settings, env).await;
+    assert!(!dir.path().join("objects").exists(), "nothing stored locally");
+}
+
 /// In one `reelay run` process: a poster that fails once (a 503, a 429) is stored in the end;
 /// bad posters (a 404, an HTML page, a truncated JPEG, 50 MB) are dead letters of poster-sync
 /// alone, each with its reason, and leave nothing in storage; a variant is served over HTTP; and
-/// deleting a film's last review removes every key of that film.
-#[tokio::test]
-async fn bad_posters_are_dead_letters_of_poster_sync_alone() {
+/// deleting a film's last review removes every key of that film (and a redelivered cleanup
+/// removes nothing more).
+async fn bad_posters_are_dead_letters_of_poster_sync_alone(
+    dir: &std::path::Path,
+    settings: ObjectsSettings,
+    objects_env: Vec<(String, String)>,
+) {
     let posters = Posters::new();
     let host = PosterHost::start(posters.clone()).await;
-    let dir = temp_dir();
-    let db = dir.path().join("reelay.db");
-    let env = [("REELAY_HANDLERS", "search,poster-sync,image-conversion,image-cleanup")];
+    let db = dir.join("reelay.db");
+    let mut env = vec![("REELAY_HANDLERS", "search,poster-sync,image-conversion,image-cleanup")];
+    env.extend(objects_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let mut reelay = Reelay::start_all(BIN, &db, &env).await;
     let mut c = reelay.clients().await;
     let ana = c.user("ana").await;
-    let objects = Objects::open(&ObjectsSettings::default(), dir.path()).unwrap();
+    let media = InProcess::build(&reelay, dir, settings).await;
+    let objects = media.objects.clone();
 
     let mut good = Vec::new();
     for (title, path) in [("Heat", "/flaky.jpg"), ("Thief", "/slow-down.jpg")] {
@@ -382,11 +414,8 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone() {
         assert_eq!(letter.attempts, 1, "{path}: a permanent failure is not retried");
         assert!(objects.list(&format!("posters/{movie}")).await.unwrap().is_empty(), "{path}: nothing stored");
     }
-    assert!(
-        !walk(&dir.path().join("objects")).iter().any(|f| !f.ends_with("original") && !f.ends_with(".webp")),
-        "no temporary files left: {:?}",
-        walk(&dir.path().join("objects"))
-    );
+    let keys = objects.list("posters").await.unwrap();
+    assert!(keys.iter().all(|k| k.ends_with("/original") || k.ends_with(".webp")), "nothing half-written: {keys:?}");
     // Search indexes the same MovieEnriched events, and settles them all: the failures were
     // poster-sync's alone (the four letters above are all it has).
     eventually("search settles every event", LIMIT, || {
@@ -435,6 +464,9 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone() {
     })
     .await;
     assert_eq!(objects.list(&format!("posters/{thief}")).await.unwrap().len(), 5, "another film's keys stay");
+    let deleted = events(&db, "MovieDeleted", &heat).await.remove(0);
+    thrice(&media.cleanup, &deleted).await;
+    assert_eq!(objects.list(&format!("posters/{thief}")).await.unwrap().len(), 5, "a redelivery deletes nothing more");
     reelay.stop().await;
 }
 
