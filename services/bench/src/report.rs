@@ -77,6 +77,13 @@ impl Line {
         self
     }
 
+    /// A ceiling on the ratio to the baseline.
+    pub fn ratio_at_most(&mut self, maximum: f64) -> &mut Self {
+        let met = self.baseline.as_ref().is_some_and(|(_, v)| self.measured / v <= maximum);
+        self.target = Some((format!("<= {maximum}x"), met));
+        self
+    }
+
     pub fn at_most(&mut self, maximum: f64) -> &mut Self {
         self.target = Some((format!("<= {maximum} {}", self.unit), self.measured <= maximum));
         self

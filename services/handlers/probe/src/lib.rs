@@ -6,7 +6,8 @@
 //! database), so an end-to-end test can count attempts and effects per (event, handler).
 //! Settings (environment, hidden from `--help`):
 //! - `REELAY_PROBE_HANDLERS=probe-a,probe-b` — which probes exist in this process (none when
-//!   unset); `probe-a`, `probe-b` and `probe-c` take every event type.
+//!   unset); `probe-a` to `probe-h` take every event type (eight, for the many-handler
+//!   benchmark).
 //! - `REELAY_PROBE_DB` — the effects file.
 //! - `REELAY_PROBE_FAIL` — `1`: every execution fails (retryable) after recording its attempt;
 //!   or per probe, `probe-a=permanent:<text>` (a permanent failure for events whose encoded
@@ -18,7 +19,7 @@
 use reelay_delivery::{BuiltHandler, HandlerContext};
 
 /// The probe names a build may have.
-pub const PROBES: &[&str] = &["probe-a", "probe-b", "probe-c"];
+pub const PROBES: &[&str] = &["probe-a", "probe-b", "probe-c", "probe-d", "probe-e", "probe-f", "probe-g", "probe-h"];
 
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ProbeSettings {
