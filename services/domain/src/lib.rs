@@ -6,6 +6,7 @@
 pub mod events;
 pub mod ids;
 pub mod letterboxd;
+pub mod posters;
 pub mod validate;
 
 pub use events::{EVENT_TYPES, NewEvent, RetryPolicy, retry_backoff, retry_horizon};

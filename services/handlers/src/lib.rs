@@ -59,6 +59,14 @@ pub async fn build(
     if let Some(unknown) = selected.iter().find(|s| !known.contains(&s.as_str())) {
         bail!("unknown handler {unknown:?}; this build has: {}", known.join(", "));
     }
+    // One store for every handler that writes files (it holds a client and its connections).
+    let mut store: Option<Objects> = None;
+    let mut shared_objects = || -> anyhow::Result<Objects> {
+        if store.is_none() {
+            store = Some(objects(settings, &context.data_dir)?);
+        }
+        Ok(store.clone().expect("opened above"))
+    };
     let mut built = Vec::new();
     for name in known {
         if !selected.is_empty() && !selected.iter().any(|s| s == name) {
@@ -68,14 +76,10 @@ pub async fn build(
             "search" => reelay_search::build(&settings.search, context)?,
             "movie-enrichment" => reelay_enrichment::build_movie_enrichment(&settings.enrichment, context)?,
             "person-enrichment" => reelay_enrichment::build_person_enrichment(&settings.enrichment, context)?,
-            "wrap-up" => reelay_wrapup::build(context, objects(settings, &context.data_dir)?),
-            "poster-sync" => {
-                reelay_media::build_poster_sync(&settings.media, context, objects(settings, &context.data_dir)?)?
-            }
-            "image-conversion" => {
-                reelay_media::build_image_conversion(&settings.media, context, objects(settings, &context.data_dir)?)?
-            }
-            "image-cleanup" => reelay_media::build_image_cleanup(objects(settings, &context.data_dir)?),
+            "wrap-up" => reelay_wrapup::build(context, shared_objects()?),
+            "poster-sync" => reelay_media::build_poster_sync(&settings.media, context, shared_objects()?)?,
+            "image-conversion" => reelay_media::build_image_conversion(&settings.media, context, shared_objects()?)?,
+            "image-cleanup" => reelay_media::build_image_cleanup(shared_objects()?),
             federation if reelay_federation::NAMES.contains(&federation) => {
                 reelay_federation::build(federation, &settings.federation, context)?
             }

@@ -22,6 +22,7 @@ use bytes::Bytes;
 use image::{DynamicImage, ImageReader, Limits};
 use reelay_contracts::v1::{self, event::Payload, movies_client::MoviesClient};
 use reelay_delivery::{Handler, HandlerError};
+use reelay_domain::posters::{MAX_VARIANT_WIDTH, MAX_VARIANTS};
 use reelay_kit::client::ServiceChannel;
 use reelay_objects::Objects;
 use tonic::Code;
@@ -145,8 +146,7 @@ pub struct ImageConversion {
 }
 
 impl ImageConversion {
-    /// `widths` must be 1..=16 distinct widths of 1..=4096 pixels (what RecordPosterVariants
-    /// takes).
+    /// `widths` must be within what RecordPosterVariants takes (`reelay_domain::posters`).
     pub fn new(
         widths: &[u32],
         encoding: WebpEncoding,
@@ -157,8 +157,10 @@ impl ImageConversion {
         sorted.sort_unstable();
         sorted.dedup();
         anyhow::ensure!(
-            !sorted.is_empty() && sorted.len() <= 16 && sorted.iter().all(|w| (1..=4096).contains(w)),
-            "REELAY_MEDIA_WIDTHS must list 1-16 widths of 1-4096 pixels, got {widths:?}"
+            !sorted.is_empty()
+                && sorted.len() <= MAX_VARIANTS
+                && sorted.iter().all(|w| (1..=MAX_VARIANT_WIDTH).contains(w)),
+            "REELAY_MEDIA_WIDTHS must list 1-{MAX_VARIANTS} widths of 1-{MAX_VARIANT_WIDTH} pixels, got {widths:?}"
         );
         Ok(Self { widths: sorted.into(), encoding, movies, objects })
     }

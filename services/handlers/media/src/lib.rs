@@ -40,7 +40,7 @@ pub struct MediaSettings {
         id = "media_max_bytes",
         long = "media-max-bytes",
         env = "REELAY_MEDIA_MAX_BYTES",
-        default_value_t = 20 * 1024 * 1024
+        default_value_t = reelay_domain::posters::MAX_BYTES
     )]
     pub max_bytes: u64,
     /// The widths of the webp variants image conversion makes, in pixels (comma-separated).
@@ -72,7 +72,7 @@ impl Default for MediaSettings {
     fn default() -> Self {
         Self {
             timeout_ms: 10_000,
-            max_bytes: 20 * 1024 * 1024,
+            max_bytes: reelay_domain::posters::MAX_BYTES,
             widths: DEFAULT_WIDTHS.to_vec(),
             webp_quality: DEFAULT_WEBP_QUALITY,
         }
@@ -98,6 +98,12 @@ pub fn build_poster_sync(
     context: &HandlerContext,
     objects: Objects,
 ) -> anyhow::Result<BuiltHandler> {
+    anyhow::ensure!(
+        (1..=reelay_domain::posters::MAX_BYTES).contains(&settings.max_bytes),
+        "REELAY_MEDIA_MAX_BYTES must be 1-{} (what RecordPoster takes), got {}",
+        reelay_domain::posters::MAX_BYTES,
+        settings.max_bytes
+    );
     reelay_objects::install_tls_provider();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_millis(settings.timeout_ms))

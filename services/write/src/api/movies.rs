@@ -1,6 +1,7 @@
 //! The Movies service: discovering movies, asking for enrichment, reading a movie.
 
 use reelay_contracts::v1::{self, save_enrichment_request};
+use reelay_domain::posters::{self, MAX_BYTES, MAX_VARIANT_WIDTH, MAX_VARIANTS};
 use reelay_domain::{MovieId, validate};
 use reelay_kit::ServiceError;
 use tonic::Request;
@@ -100,11 +101,6 @@ impl v1::movies_server::Movies for WriteApi {
     }
 }
 
-/// The content types a stored poster may have.
-pub const POSTER_CONTENT_TYPES: &[&str] = &["image/jpeg", "image/png", "image/webp"];
-/// The largest poster RecordPoster accepts (the poster-sync handler's download cap).
-pub const MAX_POSTER_BYTES: u64 = 20 * 1024 * 1024;
-
 /// A RecordPoster request, checked field by field.
 fn checked_poster(r: v1::RecordPosterRequest) -> Result<PosterRecord, ServiceError> {
     let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
@@ -112,17 +108,14 @@ fn checked_poster(r: v1::RecordPosterRequest) -> Result<PosterRecord, ServiceErr
     if r.key != expected_key {
         return Err(ServiceError::invalid("key", format!("must be {expected_key:?}, got {:?}", r.key)));
     }
-    if !POSTER_CONTENT_TYPES.contains(&r.content_type.as_str()) {
+    if !posters::CONTENT_TYPES.contains(&r.content_type.as_str()) {
         return Err(ServiceError::invalid(
             "content_type",
-            format!("must be one of {}, got {:?}", POSTER_CONTENT_TYPES.join(", "), r.content_type),
+            format!("must be one of {}, got {:?}", posters::CONTENT_TYPES.join(", "), r.content_type),
         ));
     }
-    if r.size_bytes == 0 || r.size_bytes > MAX_POSTER_BYTES {
-        return Err(ServiceError::invalid(
-            "size_bytes",
-            format!("must be 1..={MAX_POSTER_BYTES}, got {}", r.size_bytes),
-        ));
+    if r.size_bytes == 0 || r.size_bytes > MAX_BYTES {
+        return Err(ServiceError::invalid("size_bytes", format!("must be 1..={MAX_BYTES}, got {}", r.size_bytes)));
     }
     sha256("sha256", &r.sha256)?;
     validate::uri("source_url", &r.source_url).map_err(ServiceError::from)?;
@@ -135,10 +128,6 @@ fn checked_poster(r: v1::RecordPosterRequest) -> Result<PosterRecord, ServiceErr
         source_url: r.source_url,
     })
 }
-
-/// Most variants one RecordPosterVariants call takes, and the widest one.
-const MAX_VARIANTS: usize = 16;
-const MAX_VARIANT_WIDTH: u32 = 4096;
 
 /// A RecordPosterVariants request, checked field by field.
 fn checked_variants(r: v1::RecordPosterVariantsRequest) -> Result<PosterVariants, ServiceError> {
@@ -166,10 +155,10 @@ fn checked_variants(r: v1::RecordPosterVariantsRequest) -> Result<PosterVariants
                 format!("must be {expected_key:?}, got {:?}", variant.key),
             ));
         }
-        if variant.size_bytes == 0 || variant.size_bytes > MAX_POSTER_BYTES {
+        if variant.size_bytes == 0 || variant.size_bytes > MAX_BYTES {
             return Err(ServiceError::invalid(
                 &field("size_bytes"),
-                format!("must be 1..={MAX_POSTER_BYTES}, got {}", variant.size_bytes),
+                format!("must be 1..={MAX_BYTES}, got {}", variant.size_bytes),
             ));
         }
         sha256(&field("sha256"), &variant.sha256)?;

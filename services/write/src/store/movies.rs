@@ -13,6 +13,14 @@ use super::{
 use crate::convert;
 use crate::request_ids::RequestKey;
 
+/// The order poster sizes are listed in: "original" first, then the variants by width ("w92"
+/// before "w185").
+macro_rules! by_poster_size {
+    () => {
+        " ORDER BY size != 'original', CAST(substr(size, 2) AS INTEGER)"
+    };
+}
+
 impl Store {
     pub async fn discover_movie(
         &self,
@@ -65,16 +73,12 @@ impl Store {
     /// where the original came from (empty when none is stored).
     pub async fn posters(&self, id: MovieId) -> Result<(Vec<String>, String)> {
         let rows: Vec<(String, String)> =
-            sqlx::query_as("SELECT size, source_url FROM movie_posters WHERE movie_id = ?")
+            sqlx::query_as(concat!("SELECT size, source_url FROM movie_posters WHERE movie_id = ?", by_poster_size!()))
                 .bind(id.to_string())
                 .fetch_all(&self.db.reads)
                 .await?;
         let source = rows.iter().find(|(size, _)| size == "original").map(|(_, url)| url.clone()).unwrap_or_default();
-        let mut sizes: Vec<String> = rows.into_iter().map(|(size, _)| size).collect();
-        sizes.sort_by_key(|s| {
-            (s != "original", s.trim_start_matches('w').parse::<u32>().unwrap_or(u32::MAX), s.clone())
-        });
-        Ok((sizes, source))
+        Ok((rows.into_iter().map(|(size, _)| size).collect(), source))
     }
 
     pub async fn get_person(&self, person_id: &str) -> Result<v1::Person> {
@@ -291,10 +295,10 @@ impl Store {
             if !changed {
                 return Ok(v1::RecordPosterVariantsResponse::default());
             }
-            let sizes: Vec<String> = sqlx::query_scalar(
-                "SELECT size FROM movie_posters WHERE movie_id = ? AND size != 'original' \
-                 ORDER BY CAST(substr(size, 2) AS INTEGER)",
-            )
+            let sizes: Vec<String> = sqlx::query_scalar(concat!(
+                "SELECT size FROM movie_posters WHERE movie_id = ? AND size != 'original'",
+                by_poster_size!()
+            ))
             .bind(&movie)
             .fetch_all(tx.conn())
             .await?;
