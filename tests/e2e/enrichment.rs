@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use reelay_contracts::v1::{self, event::Payload, search_client::SearchClient};
 use reelay_harness::{
-    AuthedChannel, Backend, Clients, Cluster, MotoServer, Reelay, TMDB_API_KEY, TMDB_TOKEN, TmdbServer, events_of,
-    films, http_request, movie_ref, outbox_rows, query_strings, temp_dir,
+    AuthedChannel, Backend, Clients, Cluster, MotoServer, Reelay, TMDB_API_KEY, TMDB_POSTER_WIDTH, TMDB_TOKEN,
+    TmdbServer, events_of, films, http_request, movie_ref, outbox_rows, query_strings, temp_dir,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
@@ -127,6 +127,20 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
     assert_eq!((event.title.as_str(), event.year), ("Heat", 1995));
     assert_eq!(event.profile.as_ref().unwrap().poster_url, profile.poster_url);
     assert!(events_for(&db, "MovieEnriched", &unknown.movie_id).await.is_empty(), "an unknown film raises nothing");
+
+    // The media handlers take it from there: TMDB's image host serves the poster, stored as
+    // downloaded, and its variants are made.
+    let sizes = reelay_harness::eventually_some("Heat's poster and its variants are stored", LIMIT, || {
+        let (mut movies, heat) = (c.movies.clone(), heat.clone());
+        async move {
+            let movie = movies.get_movie(v1::GetMovieRequest { movie_id: heat }).await.ok()?.into_inner();
+            (movie.poster_sizes.len() > 1).then_some(movie.poster_sizes)
+        }
+    })
+    .await;
+    assert_eq!(sizes, ["original", "w92", "w185", "w342", "w500"], "{TMDB_POSTER_WIDTH} px wide: every width");
+    let original = std::fs::read(dir.path().join(format!("objects/posters/{heat}/original"))).unwrap();
+    assert_eq!(original, tmdb.poster(), "the stored original is the served poster");
 
     // Search indexes what enrichment added.
     let mut search = SearchClient::new(reelay.handlers_channel().await);
@@ -347,7 +361,10 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     assert_eq!(done.status(), v1::WrapUpStatus::Completed);
     let summary = done.summary.unwrap();
     assert_eq!((summary.films, summary.entries, summary.minutes_watched), (1, 1, 170));
-    let cards: Vec<_> = walk(&dir.path().join("objects")).into_iter().filter(|p| p.ends_with("card.svg")).collect();
+    let cards: Vec<_> = reelay_harness::files_under(&dir.path().join("objects"))
+        .into_iter()
+        .filter(|p| p.ends_with("card.svg"))
+        .collect();
     assert_eq!(cards.len(), 1, "one card: {cards:?}");
     write.stop().await;
 }
@@ -356,21 +373,6 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
 fn current_year() -> i32 {
     let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     reelay_domain::validate::civil_from_days(ms.div_euclid(86_400_000)).0 as i32
-}
-
-fn walk(dir: &std::path::Path) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                out.extend(walk(&path));
-            } else {
-                out.push(path.display().to_string());
-            }
-        }
-    }
-    out
 }
 
 /// One diary row of the fixture.

@@ -15,7 +15,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use reelay_contracts::v1::{self, admin_client::AdminClient, search_client::SearchClient};
 use reelay_harness::images::{decoded_size, jpeg, png};
-use reelay_harness::{Backend, Cluster, MotoServer, Reelay, TEST_TOKEN, eventually, http_request, temp_dir};
+use reelay_harness::{Backend, Cluster, MotoServer, Reelay, eventually, files_under, http_request, temp_dir};
 use reelay_objects::{Objects, ObjectsSettings};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
@@ -132,13 +132,10 @@ struct InProcess {
 }
 
 impl InProcess {
-    async fn build(write: &Reelay, data_dir: &std::path::Path, objects: ObjectsSettings) -> Self {
+    /// On `objects`, beside `write`'s database (its data dir).
+    async fn build(write: &Reelay, objects: ObjectsSettings) -> Self {
         reelay_objects::install_tls_provider();
-        let context = reelay_delivery::HandlerContext {
-            data_dir: data_dir.to_owned(),
-            write: reelay_kit::client::connect_lazy(&format!("http://{}", write.addr), Some(TEST_TOKEN), LIMIT)
-                .unwrap(),
-        };
+        let context = crate::handler_context(write);
         let settings = reelay_handlers::HandlerSettings { objects: objects.clone(), ..Default::default() };
         let names = ["poster-sync", "image-conversion", "image-cleanup"].map(str::to_owned);
         let mut built = reelay_handlers::build(&names, &settings, &context).await.unwrap().into_iter();
@@ -146,7 +143,7 @@ impl InProcess {
             sync: built.next().unwrap().handler,
             conversion: built.next().unwrap().handler,
             cleanup: built.next().unwrap().handler,
-            objects: Objects::open(&objects, data_dir).unwrap(),
+            objects: Objects::open(&objects, &context.data_dir).unwrap(),
         }
     }
 }
@@ -211,7 +208,7 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     let mut write = Reelay::start_write(BIN, &db, &[]).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
-    let media = InProcess::build(&write, dir, objects).await;
+    let media = InProcess::build(&write, objects).await;
 
     for (title, path, served, content_type, (width, height)) in [
         ("Heat", "/poster.jpg", &posters.jpeg, "image/jpeg", (600, 900)),
@@ -313,13 +310,7 @@ async fn posters_are_stored_and_converted_once_in_an_s3_compatible_server() {
     let dir = temp_dir();
     let moto = MotoServer::start(&dir.path().join("moto")).await;
     moto.create_bucket("reelay-media").await;
-    let settings = ObjectsSettings {
-        url: Some("s3://reelay-media/prod".into()),
-        s3_endpoint: Some(moto.endpoint()),
-        s3_region: reelay_harness::S3_REGION.into(),
-        s3_access_key_id: Some(reelay_harness::S3_ACCESS_KEY_ID.into()),
-        s3_secret_access_key: Some(reelay_harness::S3_SECRET_ACCESS_KEY.into()),
-    };
+    let settings = moto.settings("reelay-media", "prod");
     posters_are_stored_and_converted_once(settings, dir.path()).await;
     let keys = moto.keys("reelay-media", "prod/posters/").await;
     assert_eq!(keys.iter().filter(|k| k.ends_with(".webp")).count(), 4 + 3, "{keys:?}");
@@ -330,7 +321,7 @@ async fn posters_are_stored_and_converted_once_in_an_s3_compatible_server() {
 async fn bad_posters_are_dead_letters_of_poster_sync_alone_under_the_data_dir() {
     let dir = temp_dir();
     bad_posters_are_dead_letters_of_poster_sync_alone(dir.path(), ObjectsSettings::default(), Vec::new()).await;
-    let files = walk(&dir.path().join("objects"));
+    let files = files_under(&dir.path().join("objects"));
     assert!(!files.is_empty() && files.iter().all(|f| f.ends_with("original") || f.ends_with(".webp")), "{files:?}");
 }
 
@@ -339,13 +330,7 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone_in_an_s3_compatible_s
     let dir = temp_dir();
     let moto = MotoServer::start(&dir.path().join("moto")).await;
     moto.create_bucket("reelay-media").await;
-    let settings = ObjectsSettings {
-        url: Some("s3://reelay-media/prod".into()),
-        s3_endpoint: Some(moto.endpoint()),
-        s3_region: reelay_harness::S3_REGION.into(),
-        s3_access_key_id: Some(reelay_harness::S3_ACCESS_KEY_ID.into()),
-        s3_secret_access_key: Some(reelay_harness::S3_SECRET_ACCESS_KEY.into()),
-    };
+    let settings = moto.settings("reelay-media", "prod");
     let env = moto.env("reelay-media", "prod");
     bad_posters_are_dead_letters_of_poster_sync_alone(dir.path(), settings, env).await;
     assert!(!dir.path().join("objects").exists(), "nothing stored locally");
@@ -369,7 +354,7 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone(
     let mut reelay = Reelay::start_all(BIN, &db, &env).await;
     let mut c = reelay.clients().await;
     let ana = c.user("ana").await;
-    let media = InProcess::build(&reelay, dir, settings).await;
+    let media = InProcess::build(&reelay, settings).await;
     let objects = media.objects.clone();
 
     let mut good = Vec::new();
@@ -480,20 +465,6 @@ async fn eventually_sizes(c: &mut reelay_harness::Clients, movie: &str) -> Vec<S
         }
     })
     .await
-}
-
-/// Every file under `dir`, as paths.
-fn walk(dir: &std::path::Path) -> Vec<String> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            files.extend(walk(&path));
-        } else {
-            files.push(path.display().to_string());
-        }
-    }
-    files
 }
 
 /// The crash windows in real processes. `poster-sync` aborts at its failpoint after the object

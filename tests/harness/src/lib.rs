@@ -37,7 +37,7 @@ pub use db::{
 };
 pub use faults::{CuttingProxy, Strace, Tmpfs};
 pub use nats::{NatsServer, nats_server_binary};
-pub use s3::{MotoServer, S3_ACCESS_KEY_ID, S3_REGION, S3_SECRET_ACCESS_KEY};
+pub use s3::MotoServer;
 pub use tmdb::{TMDB_API_KEY, TMDB_POSTER_WIDTH, TMDB_TOKEN, TmdbFilm, TmdbPerson, TmdbServer};
 pub mod films {
     //! The films the TMDB test server knows.
@@ -466,6 +466,20 @@ impl Metrics {
     pub fn declares(&self, name: &str) -> bool {
         self.0.lines().any(|l| l.starts_with(&format!("# TYPE {name} ")))
     }
+}
+
+/// Every file under `dir` (none when it does not exist), as paths.
+pub fn files_under(dir: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(files_under(&path));
+        } else {
+            files.push(path.display().to_string());
+        }
+    }
+    files
 }
 
 /// [`http_get`], or `None` when nothing answers at `addr` (yet).

@@ -92,6 +92,17 @@ impl MotoServer {
         ]
     }
 
+    /// The same store as [`MotoServer::env`], as settings for object storage opened in-process.
+    pub fn settings(&self, bucket: &str, prefix: &str) -> reelay_objects::ObjectsSettings {
+        reelay_objects::ObjectsSettings {
+            url: Some(format!("s3://{bucket}/{prefix}")),
+            s3_endpoint: Some(self.endpoint()),
+            s3_region: S3_REGION.into(),
+            s3_access_key_id: Some(S3_ACCESS_KEY_ID.into()),
+            s3_secret_access_key: Some(S3_SECRET_ACCESS_KEY.into()),
+        }
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

@@ -260,9 +260,8 @@ async fn configuration(State(data): State<Arc<Data>>, Query(q): Params, headers:
     .into_response()
 }
 
-/// A poster, as the image host serves it (no key needed there); counted under `/t/p`.
+/// A poster, as the image host serves it (no key needed there).
 async fn poster(State(data): State<Arc<Data>>) -> Response {
-    *data.counters.lock().unwrap().requests.entry("/t/p".to_owned()).or_default() += 1;
     ([(header::CONTENT_TYPE, "image/jpeg")], data.poster.clone()).into_response()
 }
 
