@@ -210,11 +210,13 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     let ana = c.user("ana").await;
     let media = InProcess::build(&write, objects).await;
 
+    let mut movies = Vec::new();
     for (title, path, served, content_type, (width, height)) in [
         ("Heat", "/poster.jpg", &posters.jpeg, "image/jpeg", (600, 900)),
         ("Thief", "/poster.png", &posters.png, "image/png", (400, 600)),
     ] {
         let movie = c.movie(&ana, title, 1981).await;
+        movies.push(movie.clone());
         let enriched = enrich(&mut c, &db, &movie, &host.url(path)).await;
         thrice(&media.sync, &enriched).await;
         assert_eq!(events(&db, "PosterSynced", &movie).await.len(), 1, "{title}: one PosterSynced");
@@ -255,6 +257,20 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
         }
         assert_eq!(events(&db, "PosterConverted", &movie).await.len(), 1, "{title}: still one PosterConverted");
     }
+
+    // A new poster replaces Heat's 600-pixel JPEG with a 400-pixel PNG: the old variants go
+    // before the new original is written (no stale w500 stays), and the new ones are made.
+    let heat = &movies[0];
+    let enriched = enrich(&mut c, &db, heat, &host.url("/poster.png")).await;
+    media.sync.handle(&enriched).await.unwrap();
+    assert_eq!(events(&db, "PosterSynced", heat).await.len(), 2, "a new poster is a new PosterSynced");
+    assert_eq!(poster_sizes(&mut c, heat).await, ["original"], "the old variants are no longer recorded");
+    assert_eq!(media.objects.list(&format!("posters/{heat}")).await.unwrap(), [format!("posters/{heat}/original")]);
+    let stored = events(&db, "ImageStored", heat).await.pop().unwrap();
+    media.conversion.handle(&stored).await.unwrap();
+    assert_eq!(poster_sizes(&mut c, heat).await, sizes_of(400));
+    let w185 = media.objects.get(&format!("posters/{heat}/w185.webp")).await.unwrap().unwrap();
+    assert_eq!(decoded_size(&w185.bytes), (185, 278, "WebP".to_owned()));
 
     // A missing original means done: nothing made, nothing recorded.
     let ronin = c.movie(&ana, "Ronin", 1998).await;
@@ -313,7 +329,8 @@ async fn posters_are_stored_and_converted_once_in_an_s3_compatible_server() {
     let settings = moto.settings("reelay-media", "prod");
     posters_are_stored_and_converted_once(settings, dir.path()).await;
     let keys = moto.keys("reelay-media", "prod/posters/").await;
-    assert_eq!(keys.iter().filter(|k| k.ends_with(".webp")).count(), 4 + 3, "{keys:?}");
+    // Three variants each: Heat's poster was replaced by the 400-pixel PNG.
+    assert_eq!(keys.iter().filter(|k| k.ends_with(".webp")).count(), 3 + 3, "{keys:?}");
     assert!(!dir.path().join("objects").exists(), "nothing stored locally");
 }
 

@@ -58,6 +58,18 @@ enum DownloadError {
 }
 
 impl PosterSync {
+    /// The usable poster stored under `key`, if there is one.
+    async fn stored(&self, key: &str) -> Result<Option<Poster>, HandlerError> {
+        let Some(object) = self.objects.get(key).await.map_err(HandlerError::retryable)? else { return Ok(None) };
+        match check_image(&object.bytes) {
+            Ok(content_type) => Ok(Some(Poster { bytes: object.bytes, content_type })),
+            Err(reason) => {
+                tracing::warn!(key, %reason, "a stored poster is unusable; downloading again");
+                Ok(None)
+            }
+        }
+    }
+
     /// Downloads `url`, waiting out a few 429s.
     async fn download(&self, url: &str) -> Result<Poster, HandlerError> {
         let mut tries = 0;
@@ -201,20 +213,7 @@ impl Handler for PosterSync {
         let key = original_key(movie_id);
         // Nothing recorded yet but the object is there: a crash after the write and before
         // RecordPoster. Record what was stored rather than downloading again.
-        let found = if recorded {
-            None
-        } else {
-            match self.objects.get(&key).await.map_err(HandlerError::retryable)? {
-                Some(object) => match check_image(&object.bytes) {
-                    Ok(content_type) => Some(Poster { bytes: object.bytes, content_type }),
-                    Err(reason) => {
-                        tracing::warn!(movie_id, %key, %reason, "a stored poster is unusable; downloading again");
-                        None
-                    }
-                },
-                None => None,
-            }
-        };
+        let found = if recorded { None } else { self.stored(&key).await? };
         let poster = match found {
             Some(poster) => poster,
             None => {
