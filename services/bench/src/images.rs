@@ -21,8 +21,7 @@ const HEIGHT: u32 = 3000;
 
 pub async fn conversion(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("poster conversion");
-    let quick = b.measure.as_secs() < 5;
-    let posters = if quick { 3 } else { 10 };
+    let posters = b.posters;
     let original = tokio::task::spawn_blocking(|| jpeg(WIDTH, HEIGHT)).await?;
     let encodings = [
         ("lossy webp q80 (libwebp)", WebpEncoding::Lossy { quality: DEFAULT_WEBP_QUALITY }),

@@ -23,6 +23,8 @@ pub struct Bench {
     pub measure: Duration,
     pub warmup: Duration,
     pub relay_backlog: usize,
+    /// Posters converted per line of the images scenario.
+    pub posters: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,6 +48,7 @@ fn main() -> anyhow::Result<()> {
         measure: if quick { Duration::from_secs(2) } else { Duration::from_secs(5) },
         warmup: if quick { Duration::from_millis(300) } else { Duration::from_secs(1) },
         relay_backlog: if quick { 20_000 } else { 100_000 },
+        posters: if quick { 3 } else { 10 },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = runtime.block_on(async {
