@@ -138,12 +138,10 @@ pub async fn register(tx: &mut WriteTx, handlers: &[String], now: i64) -> Result
     Ok(added)
 }
 
-/// An outbox row as the claim sees it before deciding.
+/// An outbox row a handler is to be handed.
 struct Candidate {
     id: i64,
     event_id: Option<String>,
-    event_type: String,
-    status: String,
     length: i64,
 }
 
@@ -155,17 +153,105 @@ pub async fn claim(
     policy: HandlerPolicy,
     request: &HandlerClaim,
 ) -> Result<Vec<ClaimedDelivery>, ClaimError> {
-    let position: Option<i64> = sqlx::query_scalar("SELECT position FROM handler_cursors WHERE handler = ?")
-        .bind(&request.handler)
-        .fetch_optional(tx.conn())
-        .await?;
-    let Some(position) = position else { return Err(ClaimError::UnknownHandler(request.handler.clone())) };
-    let mut budget = Budget { rows: request.max_rows as usize, bytes: request.max_bytes };
-    let mut claimed = claim_open(tx, now, policy, request, &mut budget).await?;
-    if budget.rows > 0 {
-        claimed.extend(claim_new(tx, now, position, request, &mut budget).await?);
+    let mut answers = claim_many(tx, now, policy, std::slice::from_ref(request)).await?;
+    answers.pop().expect("one answer per request")
+}
+
+/// What [`claim`] does for each request, with the statements shared between handlers: one
+/// read of the cursors, one of the open claims, one scan of new rows for the handlers that
+/// stand at the same position, one insert of every handler's claims, one cursor update and one
+/// read of the payloads. With many handlers per event this keeps the single writer's work per
+/// event nearly flat. Requests for the same handler (replicas) are served one after the other,
+/// the later one from where the earlier left the cursor. Answers are in request order.
+pub async fn claim_many(
+    tx: &mut WriteTx,
+    now: i64,
+    policy: HandlerPolicy,
+    requests: &[HandlerClaim],
+) -> Result<Vec<Result<Vec<ClaimedDelivery>, ClaimError>>, sqlx::Error> {
+    // Rounds of distinct handlers: a handler's second request goes to a later round.
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (index, request) in requests.iter().enumerate() {
+        match rounds.iter_mut().find(|round| round.iter().all(|&i| requests[i].handler != request.handler)) {
+            Some(round) => round.push(index),
+            None => rounds.push(vec![index]),
+        }
     }
-    Ok(claimed)
+    let mut answers: Vec<Option<Result<Vec<ClaimedDelivery>, ClaimError>>> = requests.iter().map(|_| None).collect();
+    for round in rounds {
+        let claims: Vec<&HandlerClaim> = round.iter().map(|&i| &requests[i]).collect();
+        for (index, answer) in round.into_iter().zip(claim_round(tx, now, policy, &claims).await?) {
+            answers[index] = Some(answer);
+        }
+    }
+    Ok(answers.into_iter().map(|answer| answer.expect("every request is in a round")).collect())
+}
+
+/// One handler's part of a claim while it is being decided.
+struct Claiming<'r> {
+    request: &'r HandlerClaim,
+    position: i64,
+    moved_to: i64,
+    budget: Budget,
+    /// (row id, key, attempt, token) of what it is handed.
+    taken: Vec<(i64, String, u32, i64)>,
+    /// New rows it is to be handed (their ledger rows not yet created).
+    handed: Vec<Candidate>,
+}
+
+/// Claims for handlers that are all distinct.
+async fn claim_round(
+    tx: &mut WriteTx,
+    now: i64,
+    policy: HandlerPolicy,
+    requests: &[&HandlerClaim],
+) -> Result<Vec<Result<Vec<ClaimedDelivery>, ClaimError>>, sqlx::Error> {
+    let sql = format!(
+        "SELECT handler, position FROM handler_cursors WHERE handler IN ({})",
+        vec!["?"; requests.len()].join(", ")
+    );
+    let mut query = sqlx::query_as(AssertSqlSafe(sql));
+    for request in requests {
+        query = query.bind(&request.handler);
+    }
+    let positions: HashMap<String, i64> = query.fetch_all(tx.conn()).await?.into_iter().collect();
+    let mut claiming: Vec<Claiming> = requests
+        .iter()
+        .filter_map(|&request| {
+            let position = *positions.get(&request.handler)?;
+            Some(Claiming {
+                request,
+                position,
+                moved_to: position,
+                budget: Budget { rows: request.max_rows as usize, bytes: request.max_bytes },
+                taken: Vec::new(),
+                handed: Vec::new(),
+            })
+        })
+        .collect();
+    if !claiming.is_empty() {
+        claim_open(tx, now, policy, &mut claiming).await?;
+        claim_new(tx, now, &mut claiming).await?;
+    }
+    let row_ids: Vec<i64> = claiming.iter().flat_map(|c| c.taken.iter().map(|t| t.0)).collect();
+    let loaded = load(tx, row_ids).await?;
+    let mut answers = Vec::with_capacity(requests.len());
+    for request in requests {
+        let Some(c) = claiming.iter_mut().find(|c| c.request.handler == request.handler) else {
+            answers.push(Err(ClaimError::UnknownHandler(request.handler.clone())));
+            continue;
+        };
+        let mut claimed: Vec<ClaimedDelivery> = std::mem::take(&mut c.taken)
+            .into_iter()
+            .filter_map(|(row_id, key, attempt, token)| {
+                let (event_type, aggregate_id, payload) = loaded.get(&row_id)?.clone();
+                Some(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token })
+            })
+            .collect();
+        claimed.sort_by_key(|d| d.row_id);
+        answers.push(Ok(claimed));
+    }
+    Ok(answers)
 }
 
 struct Budget {
@@ -187,32 +273,37 @@ impl Budget {
     }
 }
 
-/// Due retries and expired claims of the handler, taken over under a new token.
+/// Due retries and expired claims of the handlers, taken over under a new token.
 async fn claim_open(
     tx: &mut WriteTx,
     now: i64,
     policy: HandlerPolicy,
-    request: &HandlerClaim,
-    budget: &mut Budget,
-) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
+    claiming: &mut [Claiming<'_>],
+) -> Result<(), sqlx::Error> {
     let stale = now - policy.lease.as_millis() as i64;
-    let open: Vec<(String, i64, i64, String, Option<String>)> = sqlx::query_as(
-        "SELECT event_id, attempts, started_at, status, owner FROM processed_events \
-         WHERE handler = ?1 AND ((status = 'retry' AND available_at <= ?2) OR (status = 'in_progress' AND renewed_at < ?3)) \
-         ORDER BY started_at LIMIT ?4",
-    )
-    .bind(&request.handler)
-    .bind(now)
-    .bind(stale)
-    .bind(budget.rows as i64)
-    .fetch_all(tx.conn())
-    .await?;
-    if open.is_empty() {
-        return Ok(Vec::new());
+    let most = claiming.iter().map(|c| c.budget.rows).max().unwrap_or(0);
+    // At most `most` per handler, oldest first.
+    let sql = format!(
+        "SELECT handler, event_id, attempts, started_at, status, owner FROM ( \
+             SELECT handler, event_id, attempts, started_at, status, owner, \
+                 row_number() OVER (PARTITION BY handler ORDER BY started_at) AS n \
+             FROM processed_events WHERE handler IN ({}) \
+                 AND ((status = 'retry' AND available_at <= ?) OR (status = 'in_progress' AND renewed_at < ?))) \
+         WHERE n <= ? ORDER BY handler, n",
+        vec!["?"; claiming.len()].join(", ")
+    );
+    let mut query = sqlx::query_as(AssertSqlSafe(sql));
+    for c in claiming.iter() {
+        query = query.bind(&c.request.handler);
     }
-    let rows = outbox_rows_of(tx, open.iter().map(|o| o.0.as_str())).await?;
-    let mut taken = Vec::new();
-    for (key, attempts, started_at, status, owner) in open {
+    let open: Vec<(String, String, i64, i64, String, Option<String>)> =
+        query.bind(now).bind(stale).bind(most as i64).fetch_all(tx.conn()).await?;
+    if open.is_empty() {
+        return Ok(());
+    }
+    let rows = outbox_rows_of(tx, open.iter().map(|o| o.1.as_str())).await?;
+    for (handler, key, attempts, started_at, status, owner) in open {
+        let c = claiming.iter_mut().find(|c| c.request.handler == handler).expect("asked for by handler");
         let Some(&(row_id, length)) = rows.get(&key) else {
             // The outbox row is gone (deleted by hand or by retention): nothing left to deliver.
             sqlx::query(
@@ -222,16 +313,19 @@ async fn claim_open(
             .bind("the event is no longer in the outbox")
             .bind(now)
             .bind(&key)
-            .bind(&request.handler)
+            .bind(&handler)
             .execute(tx.conn())
             .await?;
             continue;
         };
-        if !budget.take(length, request.max_bytes, taken.is_empty()) {
-            break;
+        let first = c.taken.is_empty();
+        if !c.budget.take(length, c.request.max_bytes, first) {
+            // This handler's answer is full; its other open rows wait for its next claim.
+            c.budget.rows = 0;
+            continue;
         }
         if status == "in_progress" {
-            tracing::warn!(event_id = %key, handler = %request.handler, stale_owner = owner.unwrap_or_default(),
+            tracing::warn!(event_id = %key, %handler, stale_owner = owner.unwrap_or_default(),
                 "taking over a delivery whose owner stopped renewing its claim");
         }
         let token = now.max(started_at + 1);
@@ -241,15 +335,15 @@ async fn claim_open(
         )
         .bind(token)
         .bind(now)
-        .bind(&request.owner)
+        .bind(&c.request.owner)
         .bind(&key)
-        .bind(&request.handler)
+        .bind(&handler)
         .bind(started_at)
         .execute(tx.conn())
         .await?;
-        taken.push((row_id, key, attempts as u32 + 1, token));
+        c.taken.push((row_id, key, attempts as u32 + 1, token));
     }
-    load(tx, taken).await
+    Ok(())
 }
 
 /// The outbox row id and payload length of each delivery key.
@@ -293,58 +387,70 @@ async fn outbox_rows_of<'k>(
     Ok(found)
 }
 
-/// Rows after the handler's cursor: each of its types is handed over (its `processed_events`
-/// row created), others are passed; the cursor then moves past everything decided.
-async fn claim_new(
-    tx: &mut WriteTx,
-    now: i64,
-    position: i64,
-    request: &HandlerClaim,
-    budget: &mut Budget,
-) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
-    // Look at more rows than can be claimed: most may be of types this handler does not take. A
-    // window with nothing for this handler moves the cursor and looks at the next one at once
-    // (a few per claim), so a handler far behind on rows it does not take catches up in one call.
-    let scan = (budget.rows * 4).max(512) as i64;
-    let mut moved_to = position;
-    let mut handed: Vec<Candidate> = Vec::new();
-    let mut oversized: Vec<Candidate> = Vec::new();
-    for _ in 0..SCAN_WINDOWS {
-        let candidates: Vec<Candidate> = sqlx::query(
-            "SELECT id, event_id, event_type, status, length(payload) FROM event_queue WHERE id > ? ORDER BY id LIMIT ?",
-        )
-        .bind(moved_to)
-        .bind(scan)
-        .fetch_all(tx.conn())
-        .await?
-        .into_iter()
-        .map(|r| Candidate { id: r.get(0), event_id: r.get(1), event_type: r.get(2), status: r.get(3), length: r.get(4) })
-        .collect();
-        let full = candidates.len() as i64 == scan;
-        let mut budget_spent = false;
-        for candidate in candidates {
-            // Settled before per-handler delivery (upgraded databases), or not this handler's.
-            let passed = matches!(candidate.status.as_str(), "done" | "dead_lettered")
-                || !request.event_types.contains(&candidate.event_type);
-            let id = candidate.id;
-            if !passed {
-                let cost = candidate.length as usize + CLAIM_ROW_OVERHEAD;
-                if cost > request.max_bytes {
-                    oversized.push(candidate);
-                } else if !budget.take(candidate.length, request.max_bytes, handed.is_empty()) {
-                    budget_spent = true;
-                    break;
-                } else {
-                    handed.push(candidate);
+/// Rows after each handler's cursor: each of its types is handed over (its `processed_events`
+/// row created), others are passed; the cursor then moves past everything decided. Handlers at
+/// the same position share each read of the outbox.
+async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) -> Result<(), sqlx::Error> {
+    let mut starts: Vec<i64> = claiming.iter().filter(|c| c.budget.rows > 0).map(|c| c.position).collect();
+    starts.sort_unstable();
+    starts.dedup();
+    let mut oversized: Vec<(usize, Candidate)> = Vec::new();
+    for start in starts {
+        let mut active: Vec<usize> =
+            (0..claiming.len()).filter(|&i| claiming[i].position == start && claiming[i].budget.rows > 0).collect();
+        // Look at more rows than can be claimed: most may be of types a handler does not take.
+        // A window with nothing for a handler moves its cursor and looks at the next one at once
+        // (a few per claim), so a handler far behind on rows it does not take catches up in one
+        // call.
+        let scan = active.iter().map(|&i| (claiming[i].budget.rows * 4).max(512)).max().unwrap_or(512) as i64;
+        let mut from = start;
+        for _ in 0..SCAN_WINDOWS {
+            let candidates: Vec<(i64, Option<String>, String, String, i64)> = sqlx::query_as(
+                "SELECT id, event_id, event_type, status, length(payload) FROM event_queue WHERE id > ? ORDER BY id LIMIT ?",
+            )
+            .bind(from)
+            .bind(scan)
+            .fetch_all(tx.conn())
+            .await?;
+            let full = candidates.len() as i64 == scan;
+            active.retain(|&i| {
+                let c = &mut claiming[i];
+                let mut budget_spent = false;
+                let mut found = false;
+                for (id, event_id, event_type, status, length) in &candidates {
+                    // Settled before per-handler delivery (upgraded databases), or not this
+                    // handler's.
+                    let passed = matches!(status.as_str(), "done" | "dead_lettered")
+                        || !c.request.event_types.contains(event_type);
+                    if !passed {
+                        let candidate = Candidate { id: *id, event_id: event_id.clone(), length: *length };
+                        found = true;
+                        if *length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes {
+                            oversized.push((i, candidate));
+                        } else if !c.budget.take(
+                            *length,
+                            c.request.max_bytes,
+                            c.taken.is_empty() && c.handed.is_empty(),
+                        ) {
+                            budget_spent = true;
+                            break;
+                        } else {
+                            c.handed.push(candidate);
+                        }
+                    }
+                    c.moved_to = *id;
                 }
+                !(budget_spent || !full || found)
+            });
+            let Some(&last) = candidates.last().map(|c| &c.0) else { break };
+            if active.is_empty() {
+                break;
             }
-            moved_to = id;
-        }
-        if budget_spent || !full || !handed.is_empty() || !oversized.is_empty() {
-            break;
+            from = last;
         }
     }
-    for candidate in oversized {
+    for (i, candidate) in oversized {
+        let request = claiming[i].request;
         let reason = format!(
             "undeliverable: the event is {} bytes and a claim answer holds at most {} bytes of event \
              (REELAY_GRPC_MAX_MESSAGE_BYTES)",
@@ -366,15 +472,21 @@ async fn claim_new(
         .execute(tx.conn())
         .await?;
     }
-    let mut taken = Vec::new();
+    // Every handler's new claims in one insert (a few, for large claims).
+    let handed: Vec<(usize, Candidate)> = claiming
+        .iter_mut()
+        .enumerate()
+        .flat_map(|(i, c)| std::mem::take(&mut c.handed).into_iter().map(move |candidate| (i, candidate)))
+        .collect();
     for chunk in handed.chunks(200) {
         let sql = format!(
             "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner, attempts) VALUES {} \
-             ON CONFLICT DO NOTHING RETURNING event_id",
+             ON CONFLICT DO NOTHING RETURNING event_id, handler",
             vec!["(?, ?, 'in_progress', ?, ?, ?, 0)"; chunk.len()].join(", ")
         );
-        let mut insert = sqlx::query(AssertSqlSafe(sql));
-        for candidate in chunk {
+        let mut insert = sqlx::query_as(AssertSqlSafe(sql));
+        for (i, candidate) in chunk {
+            let request = claiming[*i].request;
             insert = insert
                 .bind(delivery_key(candidate.id, candidate.event_id.as_deref()))
                 .bind(&request.handler)
@@ -382,63 +494,53 @@ async fn claim_new(
                 .bind(now)
                 .bind(&request.owner);
         }
-        let inserted: Vec<String> = insert.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get(0)).collect();
+        let inserted: Vec<(String, String)> = insert.fetch_all(tx.conn()).await?;
         // A key that already had a row was handled before (or is claimed elsewhere, and comes
         // back through its lease): it is passed.
-        for candidate in chunk {
+        for (i, candidate) in chunk {
             let key = delivery_key(candidate.id, candidate.event_id.as_deref());
-            if inserted.contains(&key) {
-                taken.push((candidate.id, key, 1, now));
+            let c = &mut claiming[*i];
+            if inserted.iter().any(|(k, h)| *k == key && *h == c.request.handler) {
+                c.taken.push((candidate.id, key, 1, now));
             }
         }
     }
-    if moved_to != position {
-        sqlx::query("UPDATE handler_cursors SET position = ?, updated_at = ? WHERE handler = ?")
-            .bind(moved_to)
-            .bind(now)
-            .bind(&request.handler)
-            .execute(tx.conn())
-            .await?;
+    let moved: Vec<&Claiming> = claiming.iter().filter(|c| c.moved_to != c.position).collect();
+    if !moved.is_empty() {
+        let sql = format!(
+            "UPDATE handler_cursors SET position = v.column2, updated_at = ? FROM (VALUES {}) AS v \
+             WHERE handler_cursors.handler = v.column1",
+            vec!["(?, ?)"; moved.len()].join(", ")
+        );
+        let mut update = sqlx::query(AssertSqlSafe(sql)).bind(now);
+        for c in moved {
+            update = update.bind(&c.request.handler).bind(c.moved_to);
+        }
+        update.execute(tx.conn()).await?;
     }
-    load(tx, taken).await
+    Ok(())
 }
 
 /// Windows of rows one claim looks through while it finds nothing for the handler.
 const SCAN_WINDOWS: usize = 16;
 
-/// Reads the claimed rows' contents, in outbox order.
-async fn load(tx: &mut WriteTx, taken: Vec<(i64, String, u32, i64)>) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
-    if taken.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut claimed = Vec::with_capacity(taken.len());
-    for chunk in taken.chunks(500) {
+/// Reads the contents of the claimed rows: row id → (type, aggregate, payload).
+async fn load(tx: &mut WriteTx, mut row_ids: Vec<i64>) -> Result<HashMap<i64, (String, String, Vec<u8>)>, sqlx::Error> {
+    row_ids.sort_unstable();
+    row_ids.dedup();
+    let mut rows = HashMap::with_capacity(row_ids.len());
+    for chunk in row_ids.chunks(500) {
         let sql = format!(
             "SELECT id, event_type, aggregate_id, payload FROM event_queue WHERE id IN ({})",
             vec!["?"; chunk.len()].join(", ")
         );
         let mut query = sqlx::query(AssertSqlSafe(sql));
-        for (row_id, ..) in chunk {
+        for row_id in chunk {
             query = query.bind(row_id);
         }
-        let mut rows: HashMap<i64, (String, String, Vec<u8>)> =
-            query.fetch_all(tx.conn()).await?.into_iter().map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3)))).collect();
-        for (row_id, key, attempt, token) in chunk {
-            if let Some((event_type, aggregate_id, payload)) = rows.remove(row_id) {
-                claimed.push(ClaimedDelivery {
-                    row_id: *row_id,
-                    key: key.clone(),
-                    event_type,
-                    aggregate_id,
-                    payload,
-                    attempt: *attempt,
-                    token: *token,
-                });
-            }
-        }
+        rows.extend(query.fetch_all(tx.conn()).await?.into_iter().map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3)))));
     }
-    claimed.sort_by_key(|d| d.row_id);
-    Ok(claimed)
+    Ok(rows)
 }
 
 /// Settles deliveries of one handler, each conditioned on its token.
@@ -449,79 +551,106 @@ pub async fn settle(
     now: i64,
     policy: HandlerPolicy,
 ) -> Result<Settled, sqlx::Error> {
-    let mut settled = Settled::default();
-    for s in settlements {
-        let changed = match &s.outcome {
-            DeliveryOutcome::Done => sqlx::query(
-                "UPDATE processed_events SET status = 'done', processed_at = ?, owner = NULL \
-                     WHERE event_id = ? AND handler = ? AND started_at = ? AND status = 'in_progress'",
-            )
-            .bind(now)
-            .bind(&s.key)
-            .bind(handler)
-            .bind(s.token)
-            .execute(tx.conn())
-            .await?
-            .rows_affected(),
-            DeliveryOutcome::Deferred { until_ms } => sqlx::query(
-                "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
-                     WHERE event_id = ? AND handler = ? AND started_at = ? AND status = 'in_progress'",
-            )
-            .bind(until_ms)
-            .bind(&s.key)
-            .bind(handler)
-            .bind(s.token)
-            .execute(tx.conn())
-            .await?
-            .rows_affected(),
-            DeliveryOutcome::Failed { error, terminal } => {
-                let held: Option<i64> = sqlx::query_scalar(
-                    "SELECT attempts FROM processed_events \
+    let mut settled = settle_many(tx, &[(handler, settlements)], now, policy).await?;
+    Ok(settled.pop().expect("one answer per request"))
+}
+
+/// What [`settle`] does for each (handler, settlements), with every `Done` of them in one
+/// statement (a few, for large batches): the common case, once per (event, handler).
+pub async fn settle_many(
+    tx: &mut WriteTx,
+    requests: &[(&str, &[Settlement])],
+    now: i64,
+    policy: HandlerPolicy,
+) -> Result<Vec<Settled>, sqlx::Error> {
+    let done: Vec<(&str, &Settlement)> = requests
+        .iter()
+        .flat_map(|(handler, settlements)| settlements.iter().map(move |s| (*handler, s)))
+        .filter(|(_, s)| s.outcome == DeliveryOutcome::Done)
+        .collect();
+    let mut marked: std::collections::HashSet<(String, String, i64)> = std::collections::HashSet::new();
+    for chunk in done.chunks(300) {
+        let sql = format!(
+            "UPDATE processed_events SET status = 'done', processed_at = ?, owner = NULL FROM (VALUES {}) AS v \
+             WHERE processed_events.event_id = v.column1 AND processed_events.handler = v.column2 \
+             AND processed_events.started_at = v.column3 AND processed_events.status = 'in_progress' \
+             RETURNING event_id, handler, started_at",
+            vec!["(?, ?, ?)"; chunk.len()].join(", ")
+        );
+        let mut update = sqlx::query_as(AssertSqlSafe(sql)).bind(now);
+        for (handler, s) in chunk {
+            update = update.bind(&s.key).bind(*handler).bind(s.token);
+        }
+        let rows: Vec<(String, String, i64)> = update.fetch_all(tx.conn()).await?;
+        marked.extend(rows);
+    }
+    let mut answers = Vec::with_capacity(requests.len());
+    for (handler, settlements) in requests {
+        let mut settled = Settled::default();
+        for s in settlements.iter() {
+            let changed = match &s.outcome {
+                DeliveryOutcome::Done => u64::from(marked.contains(&(s.key.clone(), handler.to_string(), s.token))),
+                DeliveryOutcome::Deferred { until_ms } => sqlx::query(
+                    "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
                      WHERE event_id = ? AND handler = ? AND started_at = ? AND status = 'in_progress'",
                 )
+                .bind(until_ms)
                 .bind(&s.key)
                 .bind(handler)
                 .bind(s.token)
-                .fetch_optional(tx.conn())
-                .await?;
-                match held {
-                    None => 0,
-                    Some(attempts) => {
-                        let attempts = attempts as u32 + 1;
-                        let error: String = error.chars().take(2000).collect();
-                        let dead = *terminal || attempts >= policy.max_attempts;
-                        let (status, due) = if dead {
-                            tracing::error!(event_id = %s.key, handler, attempts, %error, "delivery dead-lettered for this handler");
-                            settled.dead_lettered.push(s.key.clone());
-                            ("dead_lettered", None)
-                        } else {
-                            ("retry", Some(now + policy.retry.delay(attempts).as_millis() as i64))
-                        };
-                        sqlx::query(
-                            "UPDATE processed_events SET status = ?, attempts = ?, available_at = ?, last_error = ?, owner = NULL, \
-                             processed_at = COALESCE(?, processed_at) WHERE event_id = ? AND handler = ?",
-                        )
-                        .bind(status)
-                        .bind(i64::from(attempts))
-                        .bind(due)
-                        .bind(error)
-                        .bind(dead.then_some(now))
-                        .bind(&s.key)
-                        .bind(handler)
-                        .execute(tx.conn())
-                        .await?
-                        .rows_affected()
+                .execute(tx.conn())
+                .await?
+                .rows_affected(),
+                DeliveryOutcome::Failed { error, terminal } => {
+                    let held: Option<i64> = sqlx::query_scalar(
+                        "SELECT attempts FROM processed_events \
+                         WHERE event_id = ? AND handler = ? AND started_at = ? AND status = 'in_progress'",
+                    )
+                    .bind(&s.key)
+                    .bind(handler)
+                    .bind(s.token)
+                    .fetch_optional(tx.conn())
+                    .await?;
+                    match held {
+                        None => 0,
+                        Some(attempts) => {
+                            let attempts = attempts as u32 + 1;
+                            let error: String = error.chars().take(2000).collect();
+                            let dead = *terminal || attempts >= policy.max_attempts;
+                            let (status, due) = if dead {
+                                tracing::error!(event_id = %s.key, handler, attempts, %error, "delivery dead-lettered for this handler");
+                                settled.dead_lettered.push(s.key.clone());
+                                ("dead_lettered", None)
+                            } else {
+                                ("retry", Some(now + policy.retry.delay(attempts).as_millis() as i64))
+                            };
+                            sqlx::query(
+                                "UPDATE processed_events SET status = ?, attempts = ?, available_at = ?, last_error = ?, owner = NULL, \
+                                 processed_at = COALESCE(?, processed_at) WHERE event_id = ? AND handler = ?",
+                            )
+                            .bind(status)
+                            .bind(i64::from(attempts))
+                            .bind(due)
+                            .bind(error)
+                            .bind(dead.then_some(now))
+                            .bind(&s.key)
+                            .bind(handler)
+                            .execute(tx.conn())
+                            .await?
+                            .rows_affected()
+                        }
                     }
                 }
+            };
+            if changed == 0 {
+                settled.lost.push(s.key.clone());
+            } else {
+                settled.settled += 1;
             }
-        };
-        if changed == 0 {
-            settled.lost.push(s.key.clone());
-        } else {
-            settled.settled += 1;
         }
+        answers.push(settled);
     }
-    Ok(settled)
+    Ok(answers)
 }
 
 /// The owner is still at work on these claims: pushes their leases out. Returns the keys no

@@ -417,3 +417,110 @@ async fn a_cursor_behind_thousands_of_other_rows_catches_up_in_one_claim() {
     let claimed = claim(&db, &request("wrap", &["WrapUpRequested"], "p#1"), T0).await.unwrap();
     assert_eq!(claimed.len(), 1, "the one WrapUpRequested behind 3,000 other rows");
 }
+
+/// Several handlers' claims in one job (as the write service merges concurrent claims) hand
+/// each request exactly what claiming for it alone, one after the other, hands it: handlers at
+/// different positions, a due retry, the same handler twice and an unknown handler. Settling
+/// them together marks each (event, handler) once and reports a stale token as lost.
+#[tokio::test]
+async fn claims_of_many_handlers_in_one_job_equal_one_claim_each() {
+    let all = ["MovieDeleted", "UserRegistered"];
+    let asked = |max: u32| {
+        let mut requests = vec![
+            request("x", &["MovieDeleted"], "p#1"),
+            request("y", &all, "p#1"),
+            request("z", &["UserRegistered"], "p#1"),
+            request("y", &all, "p#2"),
+            request("w", &all, "p#1"),
+        ];
+        requests[1].max_rows = max;
+        requests
+    };
+    // The same history on two databases: y is ahead of x and z, and has a retry due.
+    let mut answers = Vec::new();
+    for merged in [true, false] {
+        let (dir, db) = open().await;
+        register(&db, &["x", "y", "z"], T0).await;
+        enqueue(&db, 40).await;
+        let mut first = request("y", &all, "p#1");
+        first.max_rows = 5;
+        let early = claim(&db, &first, T0).await.unwrap();
+        let failed = outcome(&early[0], DeliveryOutcome::Failed { error: "boom".into(), terminal: false });
+        let done: Vec<Settlement> = early[1..].iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect();
+        settle(&db, "y", [vec![failed], done].concat(), T0).await;
+        let now = T0 + 60_000;
+        let claimed: Vec<Result<Vec<ClaimedDelivery>, String>> = if merged {
+            let requests = asked(7);
+            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, now, POLICY, &requests).await?) }))
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|answer| answer.map_err(|e| e.to_string()))
+                .collect()
+        } else {
+            let mut one_by_one = Vec::new();
+            for request in asked(7) {
+                one_by_one.push(claim(&db, &request, now).await.map_err(|e| match e {
+                    Error::Claim(e) => e.to_string(),
+                    other => panic!("{other:?}"),
+                }));
+            }
+            one_by_one
+        };
+        // Event ids differ between the databases; rows, types and attempts do not.
+        let shape: Vec<Result<Vec<(i64, String, u32)>, bool>> = claimed
+            .iter()
+            .map(|answer| match answer {
+                Ok(deliveries) => Ok(deliveries.iter().map(|d| (d.row_id, d.event_type.clone(), d.attempt)).collect()),
+                Err(error) => Err(error.contains("is not registered")),
+            })
+            .collect();
+        let cursors: Vec<(String, i64)> =
+            sqlx::query_as("SELECT handler, position FROM handler_cursors ORDER BY handler")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        if merged {
+            // Settle x's and both of y's answers together, plus one of x's under a stale token.
+            let x: Vec<Settlement> =
+                claimed[0].as_ref().unwrap().iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect();
+            let mut stale = x[0].clone();
+            stale.token -= 1;
+            let y: Vec<Settlement> = [&claimed[1], &claimed[3]]
+                .iter()
+                .flat_map(|a| a.as_ref().unwrap().iter().map(|d| outcome(d, DeliveryOutcome::Done)))
+                .collect();
+            let (xs, ys) = (x.clone(), y.clone());
+            let settled = job(&db, move |tx| {
+                Box::pin(async move {
+                    let requests: [(&str, &[Settlement]); 3] =
+                        [("x", &xs), ("y", &ys), ("x", std::slice::from_ref(&stale))];
+                    Ok(deliveries::settle_many(tx, &requests, now, POLICY).await?)
+                })
+            })
+            .await
+            .unwrap();
+            assert_eq!(settled[0].settled, x.len());
+            assert_eq!(settled[1].settled, y.len());
+            assert_eq!(settled[2].lost, vec![x[0].key.clone()], "a stale token changes nothing");
+            for s in x.iter() {
+                assert_eq!(state(&db, &s.key, "x").await.0, "done");
+            }
+            for s in y.iter() {
+                assert_eq!(state(&db, &s.key, "y").await.0, "done");
+            }
+        }
+        answers.push((shape, cursors));
+        drop(dir);
+    }
+    let (merged, one_by_one) = (&answers[0], &answers[1]);
+    assert_eq!(merged, one_by_one);
+    let shape = &merged.0;
+    assert_eq!(shape[0].as_ref().unwrap().len(), 20, "x: every MovieDeleted");
+    let y = shape[1].as_ref().unwrap();
+    assert_eq!(y.len(), 7);
+    assert_eq!(y[0].2, 2, "y's due retry comes first, on its second attempt");
+    assert_eq!(shape[2].as_ref().unwrap().len(), 20, "z: every UserRegistered");
+    assert_eq!(shape[3].as_ref().unwrap().len(), 40 - 5 - 6, "y's second request: the rest");
+    assert_eq!(shape[4], Err(true), "w is not registered");
+}

@@ -29,7 +29,7 @@ pub enum WriteError {
 
 impl WriteError {
     /// What the caller is told.
-    fn answer(&self) -> ServiceError {
+    pub(crate) fn answer(&self) -> ServiceError {
         match self {
             Self::Service(error) => error.clone(),
             Self::Storage(error) => storage_answer(error),

@@ -105,10 +105,12 @@ impl OutboxApi {
 
     async fn claim_deliveries_now(&self, request: HandlerClaim) -> Result<Vec<ClaimedDelivery>, WriteError> {
         let policy = self.deliveries;
-        self.db
-            .writer
-            .transact::<_, WriteError, _>("claim_deliveries", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(deliveries::claim(tx, tx.now_ms(), policy, &request).await?) })
+        self.delivery_claims
+            .submit(&self.db, "claim_deliveries", request, move |tx: &mut WriteTx, requests| {
+                Box::pin(async move {
+                    let answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?;
+                    Ok(answers.into_iter().map(|answer| answer.map_err(WriteError::from)).collect())
+                })
             })
             .await
     }
@@ -159,10 +161,16 @@ impl OutboxApi {
             .collect::<Result<Vec<_>, ServiceError>>()?;
         let policy = self.deliveries;
         let settled = self
-            .db
-            .writer
-            .transact::<_, WriteError, _>("settle_deliveries", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(deliveries::settle(tx, &handler, &settlements, tx.now_ms(), policy).await?) })
+            .delivery_settlements
+            .submit(&self.db, "settle_deliveries", (handler, settlements), move |tx: &mut WriteTx, requests| {
+                Box::pin(async move {
+                    let requests: Vec<(&str, &[Settlement])> = requests
+                        .iter()
+                        .map(|(handler, settlements)| (handler.as_str(), settlements.as_slice()))
+                        .collect();
+                    let answers = deliveries::settle_many(tx, &requests, tx.now_ms(), policy).await?;
+                    Ok(answers.into_iter().map(Ok).collect())
+                })
             })
             .await?;
         Ok(v1::SettleDeliveriesResponse {

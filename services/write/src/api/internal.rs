@@ -49,6 +49,8 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         deliveries: policy.deliveries,
         shutdown,
         max_message_bytes: limit,
+        delivery_claims: Default::default(),
+        delivery_settlements: Default::default(),
     };
     let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
     let admin = AdminApi { db, bus: policy.bus };

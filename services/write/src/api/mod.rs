@@ -19,6 +19,7 @@ mod federation;
 mod integrations;
 mod internal;
 mod ledger;
+mod merge;
 mod movies;
 mod outbox;
 mod reviews;

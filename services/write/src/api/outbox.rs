@@ -4,13 +4,16 @@ use std::time::Duration;
 
 use reelay_contracts::v1;
 use reelay_kit::{ServiceError, Shutdown, now_ms};
-use reelay_outbox::deliveries::{self, HandlerPolicy};
+use reelay_outbox::deliveries::{
+    self, ClaimedDelivery, HandlerClaim, HandlerPolicy, Settled as DeliveriesSettled, Settlement as DeliverySettlement,
+};
 use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy, RowClaim, Settled};
 use reelay_outbox::{Database, WriteTx};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::internal::MAX_BATCH_KEYS;
+use super::merge::Merged;
 use crate::WriteError;
 
 /// How long an idle claimer sleeps at most before looking again, even without a commit: rows
@@ -27,6 +30,9 @@ pub(super) struct OutboxApi {
     pub(super) shutdown: Shutdown,
     /// The largest message this server sends: no claim answer may be larger.
     pub(super) max_message_bytes: usize,
+    /// Handlers' delivery claims and settlements arriving together share a write job.
+    pub(super) delivery_claims: Merged<HandlerClaim, Vec<ClaimedDelivery>>,
+    pub(super) delivery_settlements: Merged<(String, Vec<DeliverySettlement>), DeliveriesSettled>,
 }
 
 fn published(rows: Vec<v1::RowClaim>) -> Result<Vec<Published>, ServiceError> {
