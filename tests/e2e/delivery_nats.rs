@@ -367,3 +367,57 @@ async fn core_nats_mode_delivers_to_live_subscribers() {
     eventually("rows are marked done after the flush", Duration::from_secs(10), || drained(&c)).await;
     reelay.stop().await;
 }
+
+/// The write service answers concurrent Ledger claims and completions in shared write jobs
+/// (many handlers' consumers ask at once). However they are merged, each key is acquired by
+/// exactly one of the requests naming it, whoever the owner, and completing settles each key
+/// once; a later claim finds every key done.
+#[tokio::test]
+async fn concurrent_ledger_claims_acquire_each_key_once() {
+    let dir = temp_dir();
+    let mut write = Reelay::start_write(BIN, &dir.path().join("reelay.db"), &[]).await;
+    let c = write.clients().await;
+    let events: Vec<String> = (0..6).map(|i| format!("00000000-0000-4000-8000-{i:012}")).collect();
+    let key = |i: usize| v1::LedgerKey { event_id: events[i % 6].clone(), handler: format!("h{}", i % 4) };
+    for round in 0..3 {
+        // 48 requests at once, each naming 3 of 24 keys, from two owners.
+        let calls = (0..48).map(|r| {
+            let mut c = c.clone();
+            let keys: Vec<v1::LedgerKey> = (0..3).map(|k| key((r * 7 + k * 5) % 24)).collect();
+            let owner = format!("owner{}#1", r % 2);
+            async move { c.ledger.claim(v1::LedgerClaimRequest { keys, owner }).await.unwrap().into_inner().claims }
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        let mut acquired: Vec<v1::OwnedKey> = Vec::new();
+        let mut named = HashSet::new();
+        for claim in answers.into_iter().flatten() {
+            let k = claim.key.clone().unwrap();
+            named.insert((k.event_id.clone(), k.handler.clone()));
+            match claim.outcome.unwrap() {
+                v1::ledger_claim::Outcome::AcquiredToken(token) => {
+                    acquired.push(v1::OwnedKey { key: claim.key, token })
+                }
+                v1::ledger_claim::Outcome::Done(_) => assert!(round > 0, "nothing is done before the first completion"),
+                v1::ledger_claim::Outcome::HeldUntilMs(_) => assert_eq!(round, 0, "held only while claimed"),
+            }
+        }
+        let distinct: HashSet<(String, String)> =
+            acquired.iter().map(|o| (o.key.clone().unwrap().event_id, o.key.clone().unwrap().handler)).collect();
+        assert_eq!(distinct.len(), acquired.len(), "a key was acquired twice at once: {acquired:?}");
+        if round == 0 {
+            assert_eq!(distinct, named, "every key named is acquired by one request");
+            // Complete them in concurrent calls of one key each.
+            let calls = acquired.into_iter().map(|owned| {
+                let mut c = c.clone();
+                async move {
+                    c.ledger.complete(v1::LedgerSettleRequest { keys: vec![owned] }).await.unwrap().into_inner().owned
+                }
+            });
+            let owned: Vec<bool> = futures_util::future::join_all(calls).await.into_iter().flatten().collect();
+            assert!(owned.iter().all(|o| *o), "{owned:?}");
+        } else {
+            assert!(acquired.is_empty(), "done keys are not acquired again: {acquired:?}");
+        }
+    }
+    write.stop().await;
+}
