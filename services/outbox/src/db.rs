@@ -125,7 +125,10 @@ impl Database {
             let options = options.clone();
             Box::pin(async move { options.connect().await })
         });
-        let writer = Writer::start(conn, WriterConfig { reopen, max_event_bytes: config.max_event_bytes });
+        let writer = Writer::start(
+            conn,
+            WriterConfig { reopen, max_event_bytes: config.max_event_bytes, synchronous: config.synchronous },
+        );
         Ok(Self { reads, writer })
     }
 

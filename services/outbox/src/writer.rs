@@ -69,6 +69,21 @@ const QUEUE_DEPTH: usize = 4096;
 const REOPEN_FIRST_DELAY: Duration = Duration::from_millis(100);
 const REOPEN_MAX_DELAY: Duration = Duration::from_secs(5);
 
+/// How durable a job's commit must be before its caller hears of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// On disk (fsynced at the configured `synchronous` level, FULL by default) before the
+    /// caller hears: every domain write, every claim.
+    Synced,
+    /// Bookkeeping whose loss in a power failure only repeats work, never loses it or runs it
+    /// twice at once: a handler's settled deliveries (lost, the delivery comes back after its
+    /// lease and the idempotent handler skips or redoes it). A batch of only such jobs commits
+    /// without its own fsync (`synchronous=NORMAL`); the WAL is appended in order, so the next
+    /// synced commit makes it durable along with itself. A process crash loses nothing either
+    /// way: the commit is in the operating system's cache.
+    Deferred,
+}
+
 /// Why a write did not commit, for reasons outside the job itself.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CommitError {
@@ -191,6 +206,7 @@ trait Job: Send {
     fn name(&self) -> &'static str;
     /// Whether a failure of this job must be rolled back to a savepoint.
     fn needs_savepoint(&self) -> bool;
+    fn durability(&self) -> Durability;
     fn take_traceparent(&mut self) -> String;
     /// Runs the job's statements; true when it succeeded.
     fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool>;
@@ -205,6 +221,7 @@ struct TypedJob<T, E, F> {
     /// False for jobs that change the database with at most one statement and do not fail
     /// after it: SQLite undoes a failed statement by itself.
     savepoint: bool,
+    durability: Durability,
     traceparent: String,
     work: Option<F>,
     outcome: Option<Result<T, E>>,
@@ -223,6 +240,10 @@ where
 
     fn take_traceparent(&mut self) -> String {
         std::mem::take(&mut self.traceparent)
+    }
+
+    fn durability(&self) -> Durability {
+        self.durability
     }
 
     fn needs_savepoint(&self) -> bool {
@@ -272,6 +293,9 @@ pub struct WriterConfig {
     pub reopen: Opener,
     /// The largest encoded event `enqueue_events` accepts.
     pub max_event_bytes: usize,
+    /// The configured `synchronous` level: batches of [`Durability::Deferred`] jobs commit at
+    /// NORMAL, the others at this.
+    pub synchronous: crate::Synchronous,
 }
 
 impl Writer {
@@ -295,7 +319,22 @@ impl Writer {
         E: From<CommitError> + Send + 'static,
         F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
     {
-        self.submit(name, true, work)
+        self.submit(name, true, Durability::Synced, work)
+    }
+
+    /// Like [`Writer::transact`], committed with the given durability.
+    pub fn transact_as<T, E, F>(
+        &self,
+        name: &'static str,
+        durability: Durability,
+        work: F,
+    ) -> impl Future<Output = Result<T, E>> + Send + 'static
+    where
+        T: Send + 'static,
+        E: From<CommitError> + Send + 'static,
+        F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
+    {
+        self.submit(name, true, durability, work)
     }
 
     /// Like [`Writer::transact`], for a job that changes the database with at most one
@@ -312,13 +351,14 @@ impl Writer {
         E: From<CommitError> + Send + 'static,
         F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
     {
-        self.submit(name, false, work)
+        self.submit(name, false, Durability::Synced, work)
     }
 
     fn submit<T, E, F>(
         &self,
         name: &'static str,
         savepoint: bool,
+        durability: Durability,
         work: F,
     ) -> impl Future<Output = Result<T, E>> + Send + 'static
     where
@@ -329,7 +369,7 @@ impl Writer {
         let (reply, receive) = oneshot::channel();
         let traceparent = TRACEPARENT.try_with(Clone::clone).unwrap_or_default();
         let job: Box<dyn Job> =
-            Box::new(TypedJob { name, savepoint, traceparent, work: Some(work), outcome: None, reply });
+            Box::new(TypedJob { name, savepoint, durability, traceparent, work: Some(work), outcome: None, reply });
         let jobs = self.jobs.clone();
         async move {
             jobs.send(job).await.map_err(|_| CommitError::Closed)?;
@@ -357,6 +397,10 @@ impl Writer {
 struct OpenConn {
     tx: WriteTx,
     hooks: Arc<Hooks>,
+    /// The level synced batches commit at (the configured one).
+    synced: crate::Synchronous,
+    /// The connection's `synchronous` level now; `None` after a failed change.
+    level: Option<crate::Synchronous>,
 }
 
 /// The writer's hold on the database: a trusted connection, or none while it reopens one.
@@ -384,7 +428,8 @@ impl Session {
             now_ms: 0,
             max_event_bytes: self.config.max_event_bytes,
         };
-        self.current = Some(OpenConn { tx, hooks });
+        let synced = self.config.synchronous;
+        self.current = Some(OpenConn { tx, hooks, synced, level: Some(synced) });
         Ok(())
     }
 
@@ -519,7 +564,7 @@ fn failpoint_fires(name: &str) -> bool {
 }
 
 async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
-    let OpenConn { tx, hooks } = connection;
+    let OpenConn { tx, hooks, synced, level } = connection;
     // Any whole-transaction rollback from here on that the writer did not issue means SQLite
     // ended the transaction after an error: nothing more may run in this batch.
     let rollbacks = hooks.rollbacks.load(Ordering::SeqCst);
@@ -533,7 +578,26 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
     let needs: Vec<bool> = batch.iter().map(|job| !lone && job.needs_savepoint()).collect();
     tx.batch_rows.clear();
     let begin = if needs[0] { "BEGIN IMMEDIATE; SAVEPOINT job" } else { "BEGIN IMMEDIATE" };
-    tx.conn.execute(begin).await.map_err(CommitError::storage)?;
+    // A batch of deferred bookkeeping alone commits without its own fsync (set before the
+    // transaction begins, in the same round trip).
+    let wanted = if batch.iter().all(|job| job.durability() == Durability::Deferred) {
+        crate::Synchronous::Normal
+    } else {
+        *synced
+    };
+    if *level != Some(wanted) {
+        let switch_and_begin = match (wanted, needs[0]) {
+            (crate::Synchronous::Full, true) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE; SAVEPOINT job",
+            (crate::Synchronous::Full, false) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE",
+            (crate::Synchronous::Normal, true) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE; SAVEPOINT job",
+            (crate::Synchronous::Normal, false) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE",
+        };
+        *level = None;
+        tx.conn.execute(switch_and_begin).await.map_err(CommitError::storage)?;
+        *level = Some(wanted);
+    } else {
+        tx.conn.execute(begin).await.map_err(CommitError::storage)?;
+    }
     let mut succeeded = 0;
     for (index, job) in batch.iter_mut().enumerate() {
         tx.begin_job(job.take_traceparent());
@@ -633,6 +697,44 @@ mod tests {
 
     fn event(n: i64) -> NewEvent {
         NewEvent::new(n, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: n.to_string() }))
+    }
+
+    /// The level a job's batch commits at, read inside the job.
+    async fn level_seen(writer: &Writer, durability: Durability) -> i64 {
+        writer
+            .transact_as::<_, TestError, _>("test", durability, |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(sqlx::query_scalar("PRAGMA synchronous").fetch_one(tx.conn()).await?) })
+            })
+            .await
+            .unwrap()
+    }
+
+    /// A batch of deferred bookkeeping alone commits at NORMAL (no fsync of its own); a batch
+    /// with any synced job commits at the configured FULL, also right after a deferred one; a
+    /// database configured NORMAL stays NORMAL.
+    #[tokio::test]
+    async fn deferred_batches_skip_the_fsync_and_synced_ones_keep_it() {
+        const NORMAL: i64 = 1;
+        const FULL: i64 = 2;
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("w.db"))).await.unwrap();
+        assert_eq!(level_seen(&db.writer, Durability::Synced).await, FULL);
+        assert_eq!(level_seen(&db.writer, Durability::Deferred).await, NORMAL);
+        assert_eq!(level_seen(&db.writer, Durability::Deferred).await, NORMAL);
+        assert_eq!(level_seen(&db.writer, Durability::Synced).await, FULL);
+        // Both kinds in one batch: the synced job decides.
+        let (deferred, synced) =
+            tokio::join!(level_seen(&db.writer, Durability::Deferred), level_seen(&db.writer, Durability::Synced));
+        assert!(deferred == synced || deferred == NORMAL && synced == FULL, "{deferred} {synced}");
+        assert_eq!(synced, FULL);
+        db.close().await;
+
+        let mut config = DbConfig::new(dir.path().join("n.db"));
+        config.synchronous = crate::Synchronous::Normal;
+        let db = Database::open(&config).await.unwrap();
+        assert_eq!(level_seen(&db.writer, Durability::Synced).await, NORMAL);
+        assert_eq!(level_seen(&db.writer, Durability::Deferred).await, NORMAL);
+        db.close().await;
     }
 
     /// Many concurrent jobs, every third failing after it wrote: the failures roll back alone,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, Settlement};
-use reelay_outbox::{Database, WriteTx};
+use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
 
 use super::internal::{MAX_BATCH_KEYS, handler_name};
@@ -106,7 +106,7 @@ impl OutboxApi {
     async fn claim_deliveries_now(&self, request: HandlerClaim) -> Result<Vec<ClaimedDelivery>, WriteError> {
         let policy = self.deliveries;
         self.delivery_claims
-            .submit(&self.db, "claim_deliveries", request, move |tx: &mut WriteTx, requests| {
+            .submit(&self.db, ("claim_deliveries", Durability::Synced), request, move |tx: &mut WriteTx, requests| {
                 Box::pin(async move {
                     let answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?;
                     Ok(answers.into_iter().map(|answer| answer.map_err(WriteError::from)).collect())
@@ -162,16 +162,21 @@ impl OutboxApi {
         let policy = self.deliveries;
         let settled = self
             .delivery_settlements
-            .submit(&self.db, "settle_deliveries", (handler, settlements), move |tx: &mut WriteTx, requests| {
-                Box::pin(async move {
-                    let requests: Vec<(&str, &[Settlement])> = requests
-                        .iter()
-                        .map(|(handler, settlements)| (handler.as_str(), settlements.as_slice()))
-                        .collect();
-                    let answers = deliveries::settle_many(tx, &requests, tx.now_ms(), policy).await?;
-                    Ok(answers.into_iter().map(Ok).collect())
-                })
-            })
+            .submit(
+                &self.db,
+                ("settle_deliveries", Durability::Deferred),
+                (handler, settlements),
+                move |tx: &mut WriteTx, requests| {
+                    Box::pin(async move {
+                        let requests: Vec<(&str, &[Settlement])> = requests
+                            .iter()
+                            .map(|(handler, settlements)| (handler.as_str(), settlements.as_slice()))
+                            .collect();
+                        let answers = deliveries::settle_many(tx, &requests, tx.now_ms(), policy).await?;
+                        Ok(answers.into_iter().map(Ok).collect())
+                    })
+                },
+            )
             .await?;
         Ok(v1::SettleDeliveriesResponse {
             settled: settled.settled as u32,

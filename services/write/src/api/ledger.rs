@@ -8,7 +8,7 @@ use reelay_domain::EventId;
 use reelay_kit::ServiceError;
 use reelay_kit::metrics::{self, Counter};
 use reelay_outbox::ledger::{self, ClaimOutcome, DeadLetter, LedgerKey, LedgerPolicy, OwnedKey};
-use reelay_outbox::{Database, WriteTx};
+use reelay_outbox::{Database, Durability, WriteTx};
 use tonic::{Request, Response, Status};
 
 use super::internal::{MAX_BATCH_KEYS, handler_name};
@@ -111,9 +111,16 @@ impl v1::ledger_server::Ledger for LedgerApi {
         let claims = keys.clone();
         let outcomes = self
             .claims
-            .submit(&self.db, "ledger_claim", (claims, owner), move |tx: &mut WriteTx, requests| {
-                Box::pin(async move { Ok(claim_merged(tx, &requests, policy).await?.into_iter().map(Ok).collect()) })
-            })
+            .submit(
+                &self.db,
+                ("ledger_claim", Durability::Synced),
+                (claims, owner),
+                move |tx: &mut WriteTx, requests| {
+                    Box::pin(
+                        async move { Ok(claim_merged(tx, &requests, policy).await?.into_iter().map(Ok).collect()) },
+                    )
+                },
+            )
             .await?;
         for outcome in &outcomes {
             LEDGER_CLAIMS.inc(&[match outcome {
@@ -217,7 +224,7 @@ impl LedgerApi {
         if let Settle::Complete = how {
             let owned = self
                 .completions
-                .submit(&self.db, job, keys, |tx: &mut WriteTx, requests| {
+                .submit(&self.db, (job, Durability::Synced), keys, |tx: &mut WriteTx, requests| {
                     Box::pin(async move {
                         let all: Vec<OwnedKey> = requests.iter().flatten().cloned().collect();
                         let mut owned = ledger::complete(tx, &all, tx.now_ms()).await?.into_iter();

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use reelay_kit::{ErrorCode, ServiceError};
-use reelay_outbox::{Database, WriteTx};
+use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::sync::oneshot;
 
 use crate::WriteError;
@@ -41,12 +41,13 @@ impl<R, A> Default for Merged<R, A> {
 }
 
 impl<R: Send + 'static, A: Send + 'static> Merged<R, A> {
-    /// Answers `request` in a job named `name` that runs `work` over every request waiting
-    /// when it starts; `work` returns one answer per request, in order.
+    /// Answers `request` in a job named `name`, committed with `durability`, that runs `work`
+    /// over every request waiting when it starts; `work` returns one answer per request, in
+    /// order.
     pub(super) async fn submit<F>(
         &self,
         db: &Database,
-        name: &'static str,
+        (name, durability): (&'static str, Durability),
         request: R,
         work: F,
     ) -> Result<A, WriteError>
@@ -63,14 +64,14 @@ impl<R: Send + 'static, A: Send + 'static> Merged<R, A> {
         };
         if first {
             // Its own task: a caller that goes away must not strand the requests that joined.
-            tokio::spawn(self.clone().run(db.clone(), name, work));
+            tokio::spawn(self.clone().run(db.clone(), name, durability, work));
         }
         answer.await.unwrap_or_else(|_| {
             Err(ServiceError::new(ErrorCode::Unavailable, "the write job was dropped; try again").into())
         })
     }
 
-    async fn run<F>(self, db: Database, name: &'static str, work: F)
+    async fn run<F>(self, db: Database, name: &'static str, durability: Durability, work: F)
     where
         F: for<'t> FnOnce(&'t mut WriteTx, Vec<R>) -> BoxFuture<'t, Result<Vec<Result<A, WriteError>>, WriteError>>
             + Send
@@ -80,7 +81,7 @@ impl<R: Send + 'static, A: Send + 'static> Merged<R, A> {
         let (waiting, taken) = (self.waiting.clone(), replies.clone());
         let outcome = db
             .writer
-            .transact::<_, WriteError, _>(name, move |tx: &mut WriteTx| {
+            .transact_as::<_, WriteError, _>(name, durability, move |tx: &mut WriteTx| {
                 let (requests, replies): (Vec<R>, Vec<Reply<A>>) =
                     std::mem::take(&mut *waiting.lock().expect("never poisoned")).into_iter().unzip();
                 *taken.lock().expect("never poisoned") = Some(replies);
