@@ -85,6 +85,10 @@ async fn counters_agree_with_the_database(backend: Backend) {
     assert!(
         write.declares("reelay_writer_commit_seconds") && write.sum("reelay_writer_commit_seconds_count", &[]) > 0.0
     );
+    assert!(
+        write.value(r#"reelay_writer_job_seconds_count{job="create_user"}"#) >= Some(USERS as f64),
+        "every CreateUser is a timed write job"
+    );
     let rows = outbox_rows(&cluster.db).await.len() as f64;
     assert_eq!(rows, USERS as f64);
     for status in ["pending", "processing", "done", "dead_lettered"] {

@@ -389,64 +389,60 @@ async fn outbox_rows_of<'k>(
 
 /// Rows after each handler's cursor: each of its types is handed over (its `processed_events`
 /// row created), others are passed; the cursor then moves past everything decided. Handlers at
-/// the same position share each read of the outbox.
+/// the same position share one read of the outbox.
 async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) -> Result<(), sqlx::Error> {
     let mut starts: Vec<i64> = claiming.iter().filter(|c| c.budget.rows > 0).map(|c| c.position).collect();
     starts.sort_unstable();
     starts.dedup();
     let mut oversized: Vec<(usize, Candidate)> = Vec::new();
     for start in starts {
-        let mut active: Vec<usize> =
+        let members: Vec<usize> =
             (0..claiming.len()).filter(|&i| claiming[i].position == start && claiming[i].budget.rows > 0).collect();
-        // Look at more rows than can be claimed: most may be of types a handler does not take.
-        // A window with nothing for a handler moves its cursor and looks at the next one at once
-        // (a few per claim), so a handler far behind on rows it does not take catches up in one
-        // call.
-        let scan = active.iter().map(|&i| (claiming[i].budget.rows * 4).max(512)).max().unwrap_or(512) as i64;
-        let mut from = start;
-        for _ in 0..SCAN_WINDOWS {
-            let candidates: Vec<(i64, Option<String>, String, String, i64)> = sqlx::query_as(
-                "SELECT id, event_id, event_type, status, length(payload) FROM event_queue WHERE id > ? ORDER BY id LIMIT ?",
-            )
-            .bind(from)
-            .bind(scan)
-            .fetch_all(tx.conn())
-            .await?;
-            let full = candidates.len() as i64 == scan;
-            active.retain(|&i| {
-                let c = &mut claiming[i];
-                let mut budget_spent = false;
-                let mut found = false;
-                for (id, event_id, event_type, status, length) in &candidates {
-                    // Settled before per-handler delivery (upgraded databases), or not this
-                    // handler's.
-                    let passed = matches!(status.as_str(), "done" | "dead_lettered")
-                        || !c.request.event_types.contains(event_type);
-                    if !passed {
-                        let candidate = Candidate { id: *id, event_id: event_id.clone(), length: *length };
-                        found = true;
-                        if *length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes {
-                            oversized.push((i, candidate));
-                        } else if !c.budget.take(
-                            *length,
-                            c.request.max_bytes,
-                            c.taken.is_empty() && c.handed.is_empty(),
-                        ) {
-                            budget_spent = true;
-                            break;
-                        } else {
-                            c.handed.push(candidate);
-                        }
-                    }
-                    c.moved_to = *id;
+        let mut types: Vec<&str> =
+            members.iter().flat_map(|&i| claiming[i].request.event_types.iter().map(String::as_str)).collect();
+        types.sort_unstable();
+        types.dedup();
+        let limit = members.iter().map(|&i| claiming[i].budget.rows).max().unwrap_or(1);
+        // The rows after the position of a type one of them takes (rows settled before
+        // per-handler delivery, on upgraded databases, are passed), as many as the largest
+        // budget, and the newest row's id (length -1): SQLite steps over the other types itself,
+        // so a handler far behind on rows it does not take catches up in this one read, and one
+        // that finds nothing more moves past everything there is.
+        let sql = format!(
+            "SELECT id, event_id, event_type, length(payload) FROM (SELECT id, event_id, event_type, payload \
+                 FROM event_queue WHERE id > ? AND status NOT IN ('done', 'dead_lettered') AND event_type IN ({}) \
+                 ORDER BY id LIMIT ?) \
+             UNION ALL SELECT COALESCE(MAX(id), 0), NULL, '', -1 FROM event_queue",
+            vec!["?"; types.len()].join(", ")
+        );
+        let mut query = sqlx::query_as(AssertSqlSafe(sql)).bind(start);
+        for event_type in &types {
+            query = query.bind(*event_type);
+        }
+        let mut candidates: Vec<(i64, Option<String>, String, i64)> =
+            query.bind(limit as i64).fetch_all(tx.conn()).await?;
+        let newest = candidates.iter().find(|c| c.3 < 0).map_or(start, |c| c.0);
+        candidates.retain(|c| c.3 >= 0);
+        // Everything up to here has been seen for every member.
+        let seen_to = if candidates.len() == limit { candidates.last().map_or(start, |c| c.0) } else { newest };
+        for i in members {
+            let c = &mut claiming[i];
+            c.moved_to = seen_to.max(start);
+            for (id, event_id, event_type, length) in &candidates {
+                if !c.request.event_types.contains(event_type) {
+                    continue;
                 }
-                !(budget_spent || !full || found)
-            });
-            let Some(&last) = candidates.last().map(|c| &c.0) else { break };
-            if active.is_empty() {
-                break;
+                let candidate = Candidate { id: *id, event_id: event_id.clone(), length: *length };
+                if *length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes {
+                    oversized.push((i, candidate));
+                } else if c.budget.take(*length, c.request.max_bytes, c.taken.is_empty() && c.handed.is_empty()) {
+                    c.handed.push(candidate);
+                } else {
+                    // Its answer is full: this row and what follows wait for its next claim.
+                    c.moved_to = id - 1;
+                    break;
+                }
             }
-            from = last;
         }
     }
     for (i, candidate) in oversized {
@@ -520,9 +516,6 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
     }
     Ok(())
 }
-
-/// Windows of rows one claim looks through while it finds nothing for the handler.
-const SCAN_WINDOWS: usize = 16;
 
 /// Reads the contents of the claimed rows: row id → (type, aggregate, payload).
 async fn load(tx: &mut WriteTx, mut row_ids: Vec<i64>) -> Result<HashMap<i64, (String, String, Vec<u8>)>, sqlx::Error> {

@@ -55,9 +55,18 @@ static COMMIT_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     metrics::histogram("reelay_writer_commit_seconds", "Time of one batch's COMMIT (its fsync).", &[], metrics::SECONDS)
 });
 
+static JOB_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram(
+        "reelay_writer_job_seconds",
+        "Time one write job's statements took inside its batch, by job (what the single writer spends its time on).",
+        &["job"],
+        metrics::SECONDS,
+    )
+});
+
 /// Declares the writer's metrics, so they are scraped before the first write.
 pub fn register_metrics() {
-    for metric in [&BATCH_JOBS, &BATCH_SECONDS, &COMMIT_SECONDS] {
+    for metric in [&BATCH_JOBS, &BATCH_SECONDS, &COMMIT_SECONDS, &JOB_SECONDS] {
         LazyLock::force(metric);
     }
 }
@@ -601,10 +610,12 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
     let mut succeeded = 0;
     for (index, job) in batch.iter_mut().enumerate() {
         tx.begin_job(job.take_traceparent());
+        let started = Instant::now();
         let mut ok = AssertUnwindSafe(job.run(tx)).catch_unwind().await.unwrap_or_else(|_| {
             tracing::error!(job = job.name(), "write job panicked; rolled back");
             false
         });
+        JOB_SECONDS.observe_duration(&[job.name()], started.elapsed());
         still_open()?;
         // `*` arms every write job (not the other, named hooks).
         if ok && failpoint_fires(job.name()) {
