@@ -7,6 +7,7 @@
 
 mod enrichment;
 mod images;
+mod many;
 mod report;
 mod scenarios;
 
@@ -53,28 +54,25 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = runtime.block_on(async {
         let mut report = Report::default();
-        let wanted = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
-        if wanted("write") {
-            scenarios::write_path(&bench, &mut report).await?;
+        // Runs a scenario when it is wanted and says how long it took.
+        macro_rules! scenario {
+            ($name:literal, $run:expr) => {
+                if only.is_empty() || only.iter().any(|o| o == $name) {
+                    let started = std::time::Instant::now();
+                    $run(&bench, &mut report).await?;
+                    eprintln!("({} took {:.0} s)", $name, started.elapsed().as_secs_f64());
+                }
+            };
         }
-        if wanted("relay") {
-            scenarios::relay_drain(&bench, &mut report).await?;
-        }
-        if wanted("latency") {
-            scenarios::latency(&bench, &mut report).await?;
-        }
-        if wanted("ledger") {
-            scenarios::ledger(&bench, &mut report).await?;
-        }
-        if wanted("e2e") {
-            scenarios::sustained(&bench, &mut report).await?;
-        }
-        if wanted("enrichment") {
-            enrichment::enrichment_and_wrap_up(&bench, &mut report).await?;
-        }
-        if wanted("images") {
-            images::conversion(&bench, &mut report).await?;
-        }
+        scenario!("write", scenarios::write_path);
+        scenario!("relay", scenarios::relay_drain);
+        scenario!("latency", scenarios::latency);
+        scenario!("ledger", scenarios::ledger);
+        scenario!("e2e", scenarios::sustained);
+        scenario!("many", many::many_handlers);
+        scenario!("replicas", many::replicas);
+        scenario!("enrichment", enrichment::enrichment_and_wrap_up);
+        scenario!("images", images::conversion);
         anyhow::Ok(report)
     })?;
     report.print();

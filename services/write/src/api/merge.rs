@@ -22,10 +22,12 @@ use tokio::sync::oneshot;
 use crate::WriteError;
 
 type Reply<A> = oneshot::Sender<Result<A, WriteError>>;
+/// Requests waiting for a job, each with where its answer goes.
+type Waiting<R, A> = Arc<Mutex<Vec<(R, Reply<A>)>>>;
 
 /// Requests of one kind waiting for the next job. Cheap to clone (shared).
 pub(super) struct Merged<R, A> {
-    waiting: Arc<Mutex<Vec<(R, Reply<A>)>>>,
+    waiting: Waiting<R, A>,
 }
 
 impl<R, A> Clone for Merged<R, A> {
