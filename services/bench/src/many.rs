@@ -118,7 +118,7 @@ async fn probes_sustained(b: &Bench, backend: &str, handlers: usize) -> anyhow::
     let mut run = Deployment::start(b, backend, env, 0).await?;
     run.add_handlers(b, "handlers", &[]).await;
     let mut c = run.write.clients().await;
-    let (users, movie) = fixtures(&mut c, &run.db, 64).await;
+    let (users, movie) = fixtures(&mut c, &run.db, 8).await;
     // Only probes run, and they take every event type: every outbox row is `handlers` pairs,
     // and every `done` row of the ledger is a probe's. (The cheap count, through the index of
     // done rows, is what is polled; the exact count per review follows.)

@@ -65,7 +65,8 @@ fn rss_mb(pid: u32) -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// Users and one movie to review, so the measured calls create nothing else.
+/// Users and one movie to review, so the measured calls create nothing else. Few users (the
+/// clients share them): each costs the write service an RSA key generation first.
 pub(crate) async fn fixtures(c: &mut Clients, db: &Path, users: usize) -> (Vec<String>, String) {
     let mut ids = Vec::with_capacity(users);
     for i in 0..users {
@@ -336,7 +337,7 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let db = dir.path().join("reelay.db");
         let mut reelay = start(b, &db, &["write"], &env).await;
         let mut c = reelay.clients().await;
-        let (users, movie) = fixtures(&mut c, &db, 64).await;
+        let (users, movie) = fixtures(&mut c, &db, 8).await;
         for clients in [1, 8, 64] {
             let rate = throughput(b, &c, &users, &movie, clients).await;
             if events {
@@ -519,7 +520,7 @@ pub async fn latency(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let db = dir.path().join("reelay.db");
         let mut reelay = start(b, &db, &[], &env).await;
         let mut c = reelay.clients().await;
-        let (users, movie) = fixtures(&mut c, &db, 32).await;
+        let (users, movie) = fixtures(&mut c, &db, 8).await;
         let rates: &[usize] = if handlers == 1 { &[200, 2000] } else { &[200] };
         for &rate in rates {
             let (sent, achieved) = paced(b, &c, &users, &movie, rate).await;
@@ -901,7 +902,7 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
             None => None,
         };
         let mut c = write.clients().await;
-        let (users, movie) = fixtures(&mut c, &db, 64).await;
+        let (users, movie) = fixtures(&mut c, &db, 8).await;
         // The fixtures' events (users, the movie, its enrichment and what follows) are handled
         // before the load starts.
         wait_for_handlers(&mut c, js.as_ref(), Instant::now()).await?;
