@@ -368,10 +368,9 @@ async fn core_nats_mode_delivers_to_live_subscribers() {
     reelay.stop().await;
 }
 
-/// The write service answers concurrent Ledger claims and completions in shared write jobs
-/// (many handlers' consumers ask at once). However they are merged, each key is acquired by
-/// exactly one of the requests naming it, whoever the owner, and completing settles each key
-/// once; a later claim finds every key done.
+/// Many handlers' consumers claim through the Ledger at once: of concurrent requests naming a
+/// key, from either owner, exactly one acquires it, completing settles each key once, and a
+/// later claim finds every key done.
 #[tokio::test]
 async fn concurrent_ledger_claims_acquire_each_key_once() {
     let dir = temp_dir();

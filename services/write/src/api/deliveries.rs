@@ -106,7 +106,7 @@ impl OutboxApi {
     async fn claim_deliveries_now(&self, request: HandlerClaim) -> Result<Vec<ClaimedDelivery>, WriteError> {
         let policy = self.deliveries;
         self.delivery_claims
-            .submit(&self.db, ("claim_deliveries", Durability::Synced), request, move |tx: &mut WriteTx, requests| {
+            .submit(&self.db, "claim_deliveries", Durability::Synced, request, move |tx: &mut WriteTx, requests| {
                 Box::pin(async move {
                     let answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?;
                     Ok(answers.into_iter().map(|answer| answer.map_err(WriteError::from)).collect())
@@ -164,7 +164,8 @@ impl OutboxApi {
             .delivery_settlements
             .submit(
                 &self.db,
-                ("settle_deliveries", Durability::Deferred),
+                "settle_deliveries",
+                Durability::Deferred,
                 (handler, settlements),
                 move |tx: &mut WriteTx, requests| {
                     Box::pin(async move {

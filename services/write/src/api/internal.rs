@@ -52,12 +52,7 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         delivery_claims: Default::default(),
         delivery_settlements: Default::default(),
     };
-    let ledger = LedgerApi {
-        db: db.clone(),
-        policy: policy.ledger,
-        claims: Default::default(),
-        completions: Default::default(),
-    };
+    let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
     let admin = AdminApi { db, bus: policy.bus };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))

@@ -1,6 +1,5 @@
 //! The Ledger service: claim and settle (event, handler) pairs.
 
-use std::collections::HashSet;
 use std::sync::LazyLock;
 
 use reelay_contracts::v1;
@@ -8,11 +7,10 @@ use reelay_domain::EventId;
 use reelay_kit::ServiceError;
 use reelay_kit::metrics::{self, Counter};
 use reelay_outbox::ledger::{self, ClaimOutcome, DeadLetter, LedgerKey, LedgerPolicy, OwnedKey};
-use reelay_outbox::{Database, Durability, WriteTx};
+use reelay_outbox::{Database, WriteTx};
 use tonic::{Request, Response, Status};
 
 use super::internal::{MAX_BATCH_KEYS, handler_name};
-use super::merge::Merged;
 use crate::WriteError;
 
 static LEDGER_CLAIMS: LazyLock<Counter> = LazyLock::new(|| {
@@ -40,41 +38,6 @@ pub fn register_metrics() {
 pub(super) struct LedgerApi {
     pub(super) db: Database,
     pub(super) policy: LedgerPolicy,
-    /// Claims and completions of many handlers arriving together share a write job.
-    pub(super) claims: Merged<(Vec<LedgerKey>, String), Vec<ClaimOutcome>>,
-    pub(super) completions: Merged<Vec<OwnedKey>, Vec<bool>>,
-}
-
-/// Claims several requests' keys in one job: the requests of one owner whose keys do not
-/// overlap go in one `ledger::claim` (one insert for all their keys); a request that names a
-/// key another request of the job already names is claimed after it, so of two requests for
-/// the same key exactly one acquires it, as when they come one at a time.
-async fn claim_merged(
-    tx: &mut WriteTx,
-    requests: &[(Vec<LedgerKey>, String)],
-    policy: LedgerPolicy,
-) -> Result<Vec<Vec<ClaimOutcome>>, sqlx::Error> {
-    // (owner, its requests, the keys they name)
-    let mut groups: Vec<(&str, Vec<usize>, HashSet<&LedgerKey>)> = Vec::new();
-    for (index, (keys, owner)) in requests.iter().enumerate() {
-        let joins = groups.iter_mut().find(|(o, _, named)| *o == owner && keys.iter().all(|k| !named.contains(k)));
-        match joins {
-            Some((_, members, named)) => {
-                members.push(index);
-                named.extend(keys);
-            }
-            None => groups.push((owner, vec![index], keys.iter().collect())),
-        }
-    }
-    let mut answers: Vec<Vec<ClaimOutcome>> = vec![Vec::new(); requests.len()];
-    for (owner, members, _) in groups {
-        let keys: Vec<LedgerKey> = members.iter().flat_map(|&i| requests[i].0.iter().cloned()).collect();
-        let mut outcomes = ledger::claim(tx, &keys, owner, tx.now_ms(), policy).await?.into_iter();
-        for i in members {
-            answers[i] = outcomes.by_ref().take(requests[i].0.len()).collect();
-        }
-    }
-    Ok(answers)
 }
 
 fn ledger_key(field: &str, key: Option<v1::LedgerKey>) -> Result<LedgerKey, ServiceError> {
@@ -110,17 +73,11 @@ impl v1::ledger_server::Ledger for LedgerApi {
         let policy = self.policy;
         let claims = keys.clone();
         let outcomes = self
-            .claims
-            .submit(
-                &self.db,
-                ("ledger_claim", Durability::Synced),
-                (claims, owner),
-                move |tx: &mut WriteTx, requests| {
-                    Box::pin(
-                        async move { Ok(claim_merged(tx, &requests, policy).await?.into_iter().map(Ok).collect()) },
-                    )
-                },
-            )
+            .db
+            .writer
+            .transact::<_, WriteError, _>("ledger_claim", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(ledger::claim(tx, &claims, &owner, tx.now_ms(), policy).await?) })
+            })
             .await?;
         for outcome in &outcomes {
             LEDGER_CLAIMS.inc(&[match outcome {
@@ -221,19 +178,6 @@ impl LedgerApi {
             Settle::Release => "ledger_release",
             Settle::Renew => "ledger_renew",
         };
-        if let Settle::Complete = how {
-            let owned = self
-                .completions
-                .submit(&self.db, (job, Durability::Synced), keys, |tx: &mut WriteTx, requests| {
-                    Box::pin(async move {
-                        let all: Vec<OwnedKey> = requests.iter().flatten().cloned().collect();
-                        let mut owned = ledger::complete(tx, &all, tx.now_ms()).await?.into_iter();
-                        Ok(requests.iter().map(|keys| Ok(owned.by_ref().take(keys.len()).collect())).collect())
-                    })
-                })
-                .await?;
-            return Ok(Response::new(v1::LedgerSettleResponse { owned }));
-        }
         let owned = self
             .db
             .writer
