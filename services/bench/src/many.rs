@@ -20,11 +20,12 @@ async fn count(db: &Path, sql: &str) -> anyhow::Result<u64> {
 
 /// The processes of one run: the write service, on nats the relay and the server, and handlers.
 /// (Fields drop in this order: the processes before the server, the directory last.)
-struct Deployment {
-    write: Reelay,
-    others: Vec<Reelay>,
-    nats: Option<NatsServer>,
-    db: std::path::PathBuf,
+pub(crate) struct Deployment {
+    pub(crate) write: Reelay,
+    /// The relay (on nats) and the handlers processes, in the order they were started.
+    pub(crate) others: Vec<Reelay>,
+    pub(crate) nats: Option<NatsServer>,
+    pub(crate) db: std::path::PathBuf,
     /// Every process's environment (the write service's URL included).
     env: Env,
     /// The run's directory (databases, logs), removed when the run is dropped.
@@ -35,7 +36,7 @@ impl Deployment {
     /// A write service on a fresh database (with `rows` review events already in its outbox) and
     /// on nats a server and the relay, each process with `env` added. The probes' effects file
     /// is `effects.db` in the run's directory unless a process's own environment says otherwise.
-    async fn start(b: &Bench, backend: &str, env: Env, rows: usize) -> anyhow::Result<Self> {
+    pub(crate) async fn start(b: &Bench, backend: &str, env: Env, rows: usize) -> anyhow::Result<Self> {
         let dir = scratch()?;
         let db = dir.path().join("reelay.db");
         if rows > 0 {
@@ -58,7 +59,7 @@ impl Deployment {
     }
 
     /// Starts a handlers process in its own data dir, `extra` added to the environment.
-    async fn add_handlers(&mut self, b: &Bench, name: &str, extra: &[(String, String)]) {
+    pub(crate) async fn add_handlers(&mut self, b: &Bench, name: &str, extra: &[(String, String)]) {
         let mut env = self.env.clone();
         env.extend_from_slice(extra);
         let data = self.dir.path().join(name);
@@ -67,7 +68,7 @@ impl Deployment {
 
     /// Stops the handlers and the relay together (an idle one may be in a long poll), then the
     /// write service.
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         futures_util::future::join_all(self.others.iter_mut().map(Reelay::stop)).await;
         self.write.stop().await;
         drop(self.nats);

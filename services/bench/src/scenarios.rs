@@ -16,6 +16,7 @@ use reelay_outbox::{Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::{ConnectOptions, Connection, Executor};
 
 use crate::Bench;
+use crate::many::Deployment;
 use crate::report::Report;
 
 pub(crate) type Env = Vec<(String, String)>;
@@ -883,21 +884,10 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let raw = raw_sqlite(b, true).await?;
     for backend in ["db", "nats"] {
         eprintln!("sustained end to end, {backend} backend");
-        let dir = scratch()?;
-        let db = dir.path().join("reelay.db");
-        let nats = (backend == "nats").then(|| NatsServer::start(&dir.path().join("nats")));
-        let mut env: Env = match &nats {
-            Some(nats) => nats_env(nats),
-            None => vec![("RUST_LOG".into(), "warn".into())],
-        };
-        let mut write = start(b, &db, &["write"], &env).await;
-        env.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));
-        let mut others = Vec::new();
-        if nats.is_some() {
-            others.push(("relay", start(b, &dir.path().join("relay/x.db"), &["relay"], &env).await));
-        }
-        others.push(("handlers", start(b, &dir.path().join("handlers/x.db"), &["handlers"], &env).await));
-        let js = match &nats {
+        let mut run = Deployment::start(b, backend, Vec::new(), 0).await?;
+        run.add_handlers(b, "handlers", &[]).await;
+        let (db, write) = (run.db.clone(), &run.write);
+        let js = match &run.nats {
             Some(nats) => Some(async_nats::jetstream::new(async_nats::connect(nats.url()).await?)),
             None => None,
         };
@@ -907,11 +897,13 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         // before the load starts.
         wait_for_handlers(&mut c, js.as_ref(), Instant::now()).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
+        // The relay (on nats) is started before the handlers.
+        let names = if run.nats.is_some() { ["relay", "handlers"].as_slice() } else { ["handlers"].as_slice() };
         let mut processes: Vec<(&str, u32)> = vec![("write", write.pid())];
-        processes.extend(others.iter().map(|(name, p)| (*name, p.pid())));
+        processes.extend(names.iter().zip(&run.others).map(|(name, p)| (*name, p.pid())));
         let idle: Vec<(&str, f64)> = processes.iter().map(|(name, pid)| (*name, rss_mb(*pid).0)).collect();
 
-        let (busy, jobs) = (writer_seconds(&write).await, writer_jobs(&write).await);
+        let (busy, jobs) = (writer_seconds(write).await, writer_jobs(write).await);
         let started = Instant::now();
         let written = throughput(b, &c, &users, &movie, 64).await * b.measure.as_secs_f64();
         let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'")
@@ -919,7 +911,7 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
             .parse::<u64>()?;
         wait_for_handlers(&mut c, js.as_ref(), started).await?;
         let elapsed = started.elapsed().as_secs_f64();
-        let busy = (writer_seconds(&write).await - busy) / elapsed;
+        let busy = (writer_seconds(write).await - busy) / elapsed;
         let dead = query_strings(
             &db,
             "SELECT handler || ': ' || COUNT(*) FROM processed_events WHERE status = 'dead_lettered' GROUP BY handler",
@@ -940,15 +932,12 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         }
         report.add(format!("{backend}: reviews written during the load"), written, "ev");
         report.add(format!("{backend}: write service's writer busy until then"), 100.0 * busy, "%");
-        report_writer_jobs(report, backend, &jobs, &writer_jobs(&write).await, elapsed);
+        report_writer_jobs(report, backend, &jobs, &writer_jobs(write).await, elapsed);
         for ((name, pid), (_, idle_mb)) in processes.iter().zip(idle) {
             report.add(format!("{backend}: {name} RSS idle"), idle_mb, "MB").at_most(64.0);
             report.add(format!("{backend}: {name} peak RSS under load"), rss_mb(*pid).1, "MB").at_most(64.0);
         }
-        for (_, mut process) in others {
-            process.stop().await;
-        }
-        write.stop().await;
+        run.stop().await;
     }
     Ok(())
 }
