@@ -662,3 +662,97 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
     assert!(faulty.log_text().contains("failpoints armed"));
     assert_eq!(table_snapshot(&db).await, before, "a failed write left rows behind");
 }
+
+/// Concurrent reviews of known movies are logged together, several callers' in one write job
+/// and one statement. Each caller still gets exactly its own outcome: an accepted review has its
+/// row and exactly one `ReviewLogged` carrying its caller's trace context; a review of a missing
+/// movie, by a missing user, or whose event is over the size limit is refused with its own reason
+/// and leaves neither a row nor an event, whatever its batch-mates did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reviews_each_get_their_own_outcome_when_logged_together() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_write(BIN, &db, &[("REELAY_MAX_EVENT_BYTES", "20000")]).await;
+    let mut c = reelay.clients().await;
+    let (ana, ben) = (c.user("ana").await, c.user("ben").await);
+    let movie = c.review(&ana, movie_ref("Heat", 1995), 8).await.movie_id;
+    let jobs_before = reelay.metrics().await.sum("reelay_writer_job_seconds_count", &["job=\"log_review\""]);
+    let (missing_movie, missing_user) =
+        ("0190a5c3-0000-7000-8000-000000000001", "0190a5c3-0000-7000-8000-000000000002");
+
+    const CALLS: usize = 96;
+    let mut calls = Vec::new();
+    for n in 0..CALLS {
+        let mut reviews = c.reviews.clone();
+        let (actor, movie) = match n % 8 {
+            3 => (ana.clone(), missing_movie.to_owned()),
+            5 => (missing_user.to_owned(), movie.clone()),
+            _ => (if n % 2 == 0 { ana.clone() } else { ben.clone() }, movie.clone()),
+        };
+        // 36 KB: within the body limit, but its event is over REELAY_MAX_EVENT_BYTES.
+        let body = if n % 8 == 6 { format!("call {n} {}", "𝄞".repeat(9_000)) } else { format!("call {n}") };
+        let traceparent = format!("00-{:032x}-00f067aa0ba902b7-01", n + 1);
+        let mut request = tonic::Request::new(v1::LogReviewRequest {
+            actor_user_id: actor,
+            movie: movie_id_ref(&movie),
+            rating: (n % 10 + 1) as u32,
+            body,
+            ..Default::default()
+        });
+        request.metadata_mut().insert("traceparent", traceparent.parse().unwrap());
+        calls.push(tokio::spawn(async move { (n, traceparent, reviews.log_review(request).await) }));
+    }
+    let mut accepted = Vec::new();
+    for call in calls {
+        let (n, traceparent, result) = call.await.unwrap();
+        match (n % 8, result) {
+            (3, Err(status)) => {
+                assert_eq!(status.code(), Code::NotFound, "call {n}: {status:?}");
+                assert!(status.message().contains(missing_movie), "call {n}: {status:?}");
+            }
+            (5, Err(status)) => {
+                assert_eq!(status.code(), Code::NotFound, "call {n}: {status:?}");
+                assert!(status.message().contains(missing_user), "call {n}: {status:?}");
+            }
+            (6, Err(status)) => {
+                assert_eq!(status.code(), Code::InvalidArgument, "call {n}: {status:?}");
+                assert!(status.message().contains("REELAY_MAX_EVENT_BYTES"), "call {n}: {status:?}");
+            }
+            (3 | 5 | 6, Ok(answer)) => panic!("call {n} should have been refused: {answer:?}"),
+            (_, Ok(answer)) => accepted.push((n, traceparent, answer.into_inner().review.unwrap())),
+            (_, Err(status)) => panic!("call {n}: {status:?}"),
+        }
+    }
+    assert_eq!(accepted.len(), CALLS / 8 * 5);
+
+    // Exactly the accepted reviews were written, each with exactly its own event.
+    let bodies = query_strings(&db, "SELECT body FROM reviews WHERE body LIKE 'call %' ORDER BY body").await;
+    let mut expected: Vec<String> = accepted.iter().map(|(n, ..)| format!("call {n}")).collect();
+    expected.sort();
+    // Only "call <n>" of each body, so a failure does not print the 36 KB ones whole.
+    let written: Vec<String> =
+        bodies.iter().map(|row| row[0].split(' ').take(2).collect::<Vec<_>>().join(" ")).collect();
+    assert_eq!(written, expected);
+    let logged: Vec<v1::Event> = outbox_rows(&db)
+        .await
+        .into_iter()
+        .filter(|row| row.event_type == "ReviewLogged")
+        .filter_map(|row| row.envelope)
+        .collect();
+    assert_eq!(logged.len(), accepted.len() + 1, "one event per accepted review, and the first review's");
+    for (n, traceparent, review) in &accepted {
+        let events: Vec<&v1::Event> = logged.iter().filter(|e| e.aggregate_id == review.review_id).collect();
+        assert_eq!(events.len(), 1, "call {n}");
+        assert_eq!(&events[0].traceparent, traceparent, "call {n} carries its own trace context");
+        let Some(Payload::ReviewLogged(e)) = &events[0].payload else { panic!("call {n}") };
+        assert_eq!(
+            (e.body.as_str(), e.rating, e.movie_title.as_str(), e.movie_year),
+            (format!("call {n}").as_str(), review.rating, "Heat", 1995)
+        );
+        assert_eq!((review.body.as_str(), review.movie_id.as_str()), (format!("call {n}").as_str(), movie.as_str()));
+    }
+    // They were logged together: fewer jobs than calls.
+    let jobs = reelay.metrics().await.sum("reelay_writer_job_seconds_count", &["job=\"log_review\""]) - jobs_before;
+    assert!(jobs < CALLS as f64, "{jobs} log_review jobs for {CALLS} calls");
+    reelay.stop().await;
+}

@@ -12,6 +12,11 @@ tokio::task_local! {
     pub static TRACEPARENT: String;
 }
 
+/// The `traceparent` of the request this task serves; empty outside one.
+pub fn current_traceparent() -> String {
+    TRACEPARENT.try_with(Clone::clone).unwrap_or_default()
+}
+
 pub fn init(json: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

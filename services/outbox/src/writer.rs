@@ -29,7 +29,7 @@ use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use reelay_kit::failpoint_armed;
 use reelay_kit::metrics::{self, Histogram};
-use reelay_kit::telemetry::TRACEPARENT;
+use reelay_kit::telemetry::current_traceparent;
 use sqlx::{Connection, Executor, SqliteConnection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -204,6 +204,12 @@ impl WriteTx {
         self.now_ms
     }
 
+    /// Sets the trace context that the events enqueued from now on carry. A job that answers
+    /// several callers' requests sets each caller's before enqueueing that caller's events.
+    pub fn set_traceparent(&mut self, traceparent: String) {
+        self.traceparent = traceparent;
+    }
+
     fn begin_job(&mut self, traceparent: String) {
         self.traceparent = traceparent;
         self.job_rows.clear();
@@ -213,8 +219,6 @@ impl WriteTx {
 
 trait Job: Send {
     fn name(&self) -> &'static str;
-    /// Whether a failure of this job must be rolled back to a savepoint.
-    fn needs_savepoint(&self) -> bool;
     fn durability(&self) -> Durability;
     fn take_traceparent(&mut self) -> String;
     /// Runs the job's statements; true when it succeeded.
@@ -227,9 +231,6 @@ trait Job: Send {
 
 struct TypedJob<T, E, F> {
     name: &'static str,
-    /// False for jobs that change the database with at most one statement and do not fail
-    /// after it: SQLite undoes a failed statement by itself.
-    savepoint: bool,
     durability: Durability,
     traceparent: String,
     work: Option<F>,
@@ -253,11 +254,6 @@ where
 
     fn durability(&self) -> Durability {
         self.durability
-    }
-
-    fn needs_savepoint(&self) -> bool {
-        // An armed failpoint fails the job after its statements ran: they must be undone.
-        self.savepoint || failpoint_fires(self.name)
     }
 
     fn run<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, bool> {
@@ -328,7 +324,7 @@ impl Writer {
         E: From<CommitError> + Send + 'static,
         F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
     {
-        self.submit(name, true, Durability::Synced, work)
+        self.transact_as(name, Durability::Synced, work)
     }
 
     /// Like [`Writer::transact`], committed with the given durability.
@@ -343,42 +339,10 @@ impl Writer {
         E: From<CommitError> + Send + 'static,
         F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
     {
-        self.submit(name, true, durability, work)
-    }
-
-    /// Like [`Writer::transact`], for a job that changes the database with at most one
-    /// statement and cannot fail after that statement succeeded (events it enqueues are
-    /// dropped with it if it fails). SQLite undoes a failed statement by itself, so the job
-    /// needs no savepoint: a round trip to SQLite saved on the hottest write paths.
-    pub fn transact_single_statement<T, E, F>(
-        &self,
-        name: &'static str,
-        work: F,
-    ) -> impl Future<Output = Result<T, E>> + Send + 'static
-    where
-        T: Send + 'static,
-        E: From<CommitError> + Send + 'static,
-        F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
-    {
-        self.submit(name, false, Durability::Synced, work)
-    }
-
-    fn submit<T, E, F>(
-        &self,
-        name: &'static str,
-        savepoint: bool,
-        durability: Durability,
-        work: F,
-    ) -> impl Future<Output = Result<T, E>> + Send + 'static
-    where
-        T: Send + 'static,
-        E: From<CommitError> + Send + 'static,
-        F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
-    {
         let (reply, receive) = oneshot::channel();
-        let traceparent = TRACEPARENT.try_with(Clone::clone).unwrap_or_default();
+        let traceparent = current_traceparent();
         let job: Box<dyn Job> =
-            Box::new(TypedJob { name, savepoint, durability, traceparent, work: Some(work), outcome: None, reply });
+            Box::new(TypedJob { name, durability, traceparent, work: Some(work), outcome: None, reply });
         let jobs = self.jobs.clone();
         async move {
             jobs.send(job).await.map_err(|_| CommitError::Closed)?;
@@ -580,13 +544,12 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
     let still_open = || {
         if hooks.rollbacks.load(Ordering::SeqCst) == rollbacks { Ok(()) } else { Err(CommitError::RolledBack) }
     };
-    // Each job that needs one runs in its own savepoint, so a failing job is rolled back alone.
-    // Savepoint moves ride along with the statement before them (one round trip); a lone job
-    // needs none (if it fails, the whole transaction is rolled back).
-    let lone = batch.len() == 1;
-    let needs: Vec<bool> = batch.iter().map(|job| !lone && job.needs_savepoint()).collect();
+    // Each job runs in its own savepoint, so a failing job is rolled back alone. Savepoint
+    // moves ride along with the statement before them (one round trip); a lone job needs none
+    // (if it fails, the whole transaction is rolled back).
+    let savepoints = batch.len() > 1;
     tx.batch_rows.clear();
-    let begin = if needs[0] { "BEGIN IMMEDIATE; SAVEPOINT job" } else { "BEGIN IMMEDIATE" };
+    let begin = if savepoints { "BEGIN IMMEDIATE; SAVEPOINT job" } else { "BEGIN IMMEDIATE" };
     // A batch of deferred bookkeeping alone commits without its own fsync (set before the
     // transaction begins, in the same round trip).
     let wanted = if batch.iter().all(|job| job.durability() == Durability::Deferred) {
@@ -595,7 +558,7 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
         *synced
     };
     if *level != Some(wanted) {
-        let switch_and_begin = match (wanted, needs[0]) {
+        let switch_and_begin = match (wanted, savepoints) {
             (crate::Synchronous::Full, true) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE; SAVEPOINT job",
             (crate::Synchronous::Full, false) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE",
             (crate::Synchronous::Normal, true) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE; SAVEPOINT job",
@@ -608,6 +571,7 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
         tx.conn.execute(begin).await.map_err(CommitError::storage)?;
     }
     let mut succeeded = 0;
+    let last = batch.len() - 1;
     for (index, job) in batch.iter_mut().enumerate() {
         tx.begin_job(job.take_traceparent());
         let started = Instant::now();
@@ -627,14 +591,12 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
             let rows = std::mem::take(&mut tx.job_rows);
             tx.batch_rows.extend(rows);
         }
-        let next_needs = needs.get(index + 1).copied().unwrap_or(false);
-        let step = match (needs[index], ok, next_needs) {
+        let step = match (savepoints, ok, index < last) {
+            (false, _, _) => "",
             (true, true, true) => "RELEASE job; SAVEPOINT job",
             (true, true, false) => "RELEASE job",
             (true, false, true) => "ROLLBACK TO job; RELEASE job; SAVEPOINT job",
             (true, false, false) => "ROLLBACK TO job; RELEASE job",
-            (false, _, true) => "SAVEPOINT job",
-            (false, _, false) => "",
         };
         if !step.is_empty() {
             let stepped = tx.conn.execute(step).await;
@@ -815,41 +777,6 @@ mod tests {
                 Ok(n)
             })
         }
-    }
-
-    /// Single-statement jobs (no savepoint) mixed with savepoint jobs in the same batches: a
-    /// single statement that fails changes nothing and its batch-mates commit.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn single_statement_jobs_fail_alone_without_savepoints() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(&DbConfig::new(dir.path().join("s.db"))).await.unwrap();
-        db.writer.transact("taken", insert_user(-1, "taken".into())).await.unwrap();
-        let mut tasks = Vec::new();
-        for n in 0..300i64 {
-            let writer = db.writer.clone();
-            tasks.push(tokio::spawn(async move {
-                // Every third job inserts a handle that is already taken: its one statement fails.
-                let handle = if n % 3 == 0 { "taken".to_owned() } else { format!("u{n}") };
-                if n % 2 == 0 {
-                    writer.transact_single_statement("single", insert_user(n, handle)).await
-                } else {
-                    writer.transact("multi", insert_user(n, handle)).await
-                }
-            }));
-        }
-        let mut failed = 0;
-        for (n, task) in tasks.into_iter().enumerate() {
-            match task.await.unwrap() {
-                Ok(value) => assert_eq!(value, n as i64),
-                Err(TestError::Sql(_)) if n % 3 == 0 => failed += 1,
-                Err(other) => panic!("job {n}: {other:?}"),
-            }
-        }
-        assert_eq!(failed, 100);
-        let users: i64 = sqlx::query("SELECT COUNT(*) FROM users").fetch_one(&db.reads).await.unwrap().get(0);
-        let events: i64 = sqlx::query("SELECT COUNT(*) FROM event_queue").fetch_one(&db.reads).await.unwrap().get(0);
-        assert_eq!((users, events), (201, 201), "failed jobs left no row and no event");
-        db.close().await;
     }
 
     /// SQLite ends a transaction by itself after some errors (an I/O error, a full disk); here a

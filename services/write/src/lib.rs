@@ -12,6 +12,7 @@ mod actor_keys;
 mod api;
 mod convert;
 mod error;
+mod merge;
 mod request_ids;
 mod retention;
 mod store;

@@ -19,7 +19,6 @@ mod federation;
 mod integrations;
 mod internal;
 mod ledger;
-mod merge;
 mod movies;
 mod outbox;
 mod reviews;

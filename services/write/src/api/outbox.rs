@@ -13,8 +13,8 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::internal::MAX_BATCH_KEYS;
-use super::merge::Merged;
 use crate::WriteError;
+use crate::merge::Merged;
 
 /// How long an idle claimer sleeps at most before looking again, even without a commit: rows
 /// also become due when a retry delay or a claim lease runs out.

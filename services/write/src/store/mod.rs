@@ -11,6 +11,7 @@ use reelay_outbox::{Database, WriteTx, enqueue_events};
 use sqlx::{Row, SqliteConnection};
 
 use crate::WriteError;
+use crate::merge::Merged;
 
 mod federation;
 mod integrations;
@@ -386,6 +387,8 @@ async fn commit_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<Vec<Ev
 #[derive(Clone)]
 pub struct Store {
     db: Database,
+    /// Reviews of movies named by id, waiting for the next job that logs them.
+    review_logs: Merged<reviews::KnownMovieReview, v1::LogReviewResponse>,
 }
 
 /// Runs a write job; the closure body is an async block over `tx`.
@@ -393,36 +396,16 @@ macro_rules! write_job {
     ($store:expr, $name:literal, |$tx:ident| $body:block) => {
         $store.db.writer.transact::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
     };
-    ($store:expr, single_statement $name:literal, |$tx:ident| $body:block) => {
-        $store
-            .db
-            .writer
-            .transact_single_statement::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| Box::pin(async move $body))
-    };
 }
 pub(crate) use write_job;
 
 /// Runs a write job under the caller's idempotency key (`Option<RequestKey>`): a key seen before
 /// returns the answer recorded then and writes nothing; otherwise the body runs, and the answer
-/// it returns (the gRPC response) is recorded in the same transaction. `single_statement` jobs
-/// keep their savepoint-free path only when there is no key to record.
+/// it returns (the gRPC response) is recorded in the same transaction.
 macro_rules! keyed_job {
-    ($store:expr, $name:literal, $key:expr, |$tx:ident| $body:block) => {
-        keyed_job!(@job $store, transact, $name, $key, |$tx| $body)
-    };
-    ($store:expr, single_statement $name:literal, $key:expr, |$tx:ident| $body:block) => {{
+    ($store:expr, $name:literal, $key:expr, |$tx:ident| $body:block) => {{
         let key: Option<$crate::request_ids::RequestKey> = $key;
-        async move {
-            if key.is_none() {
-                keyed_job!(@job $store, transact_single_statement, $name, key, |$tx| $body).await
-            } else {
-                keyed_job!(@job $store, transact, $name, key, |$tx| $body).await
-            }
-        }
-    }};
-    (@job $store:expr, $submit:ident, $name:literal, $key:expr, |$tx:ident| $body:block) => {{
-        let key: Option<$crate::request_ids::RequestKey> = $key;
-        $store.db.writer.$submit::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| {
+        $store.db.writer.transact::<_, $crate::WriteError, _>($name, move |$tx: &mut WriteTx| {
             Box::pin(async move {
                 if let Some(key) = &key {
                     if let Some(answer) = key.recorded($tx).await? {
@@ -443,7 +426,7 @@ pub(crate) use keyed_job;
 
 impl Store {
     pub fn new(db: Database) -> Self {
-        Self { db }
+        Self { db, review_logs: Merged::default() }
     }
 
     pub fn database(&self) -> &Database {

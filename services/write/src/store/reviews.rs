@@ -1,10 +1,14 @@
 //! Reviews: logging, editing and deleting a user's reviews (a movie goes with its last
 //! reference), and reading them back.
 
+use std::collections::HashMap;
+
+use futures_util::future::BoxFuture;
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, ReviewId, UserId};
+use reelay_kit::telemetry::current_traceparent;
 use reelay_kit::{ServiceError, now_ms};
-use reelay_outbox::WriteTx;
+use reelay_outbox::{Durability, WriteTx};
 use sqlx::{Row, SqliteConnection};
 
 use super::{
@@ -29,45 +33,85 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
     Ok(review)
 }
 
-/// Inserts a review of the movie `movie` only if both the actor and the movie exist, returning
-/// the movie; when either is missing, says which.
-async fn insert_review_of_known_movie(
-    conn: &mut SqliteConnection,
-    review: &mut ReviewRow,
+/// A review of a movie named by id, waiting to be logged (see [`log_known_movie_reviews`]).
+pub(super) struct KnownMovieReview {
+    review: ReviewRow,
     actor: UserId,
     movie: MovieId,
-) -> Result<MovieRow> {
-    let inserted = sqlx::query(
-        "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
-         SELECT ?1, ?2, m.id, ?4, ?5, ?6, ?7, ?8, ?9, ?9 FROM movies m \
-         WHERE m.id = ?3 AND EXISTS (SELECT 1 FROM users WHERE id = ?2) \
-         RETURNING (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id), \
-                   (SELECT external_id FROM movies WHERE id = movie_id), (SELECT created_at FROM movies WHERE id = movie_id)",
-    )
-    .bind(review.id.clone())
-    .bind(review.user_id.clone())
-    .bind(movie.to_string())
-    .bind(review.rating)
-    .bind(review.body.clone())
-    .bind(review.watched_on.clone())
-    .bind(review.rewatch)
-    .bind(review.source.clone())
-    .bind(review.created_at)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(row) = inserted else {
-        // Nothing was written; find out what was missing.
-        actor_and_movie(conn, actor, movie).await?;
-        return Err(ServiceError::internal("the review was not inserted though its user and movie exist").into());
-    };
-    review.movie_id = movie.to_string();
-    Ok(MovieRow {
-        id: movie.to_string(),
-        title: row.get(0),
-        year: row.get(1),
-        external_id: row.get(2),
-        created_at: row.get(3),
-        ..MovieRow::default()
+    /// The caller's trace context, for its event.
+    traceparent: String,
+}
+
+/// Logs reviews of movies named by id, any number of callers' at once, in the caller's write
+/// job; one answer per request, in order.
+///
+/// One statement inserts every review whose user and movie exist (the writer is bound by its
+/// round trips to SQLite, not by the rows). Each inserted review raises its `ReviewLogged` with
+/// its caller's trace context; a review whose event is refused (over the size limit) is deleted
+/// again in the same transaction, so it is answered with the refusal and leaves nothing behind.
+/// A review that was not inserted is answered with what was missing. A failed statement fails
+/// every request of the job.
+fn log_known_movie_reviews(
+    tx: &mut WriteTx,
+    requests: Vec<KnownMovieReview>,
+) -> BoxFuture<'_, Result<Vec<Result<v1::LogReviewResponse>>>> {
+    Box::pin(async move {
+        let rows: Vec<serde_json::Value> = requests
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "id": r.review.id, "user": r.review.user_id, "movie": r.movie.to_string(),
+                    "rating": r.review.rating, "body": r.review.body, "watched_on": r.review.watched_on,
+                    "rewatch": r.review.rewatch, "at": r.review.created_at,
+                })
+            })
+            .collect();
+        let inserted: HashMap<String, MovieRow> = sqlx::query(
+            "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
+             SELECT r.value ->> 'id', r.value ->> 'user', m.id, r.value ->> 'rating', r.value ->> 'body', \
+                    r.value ->> 'watched_on', r.value ->> 'rewatch', 'local', r.value ->> 'at', r.value ->> 'at' \
+             FROM json_each(?1) r JOIN movies m ON m.id = r.value ->> 'movie' \
+             WHERE EXISTS (SELECT 1 FROM users u WHERE u.id = r.value ->> 'user') \
+             RETURNING id, (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id)",
+        )
+        .bind(serde_json::Value::Array(rows).to_string())
+        .fetch_all(tx.conn())
+        .await?
+        .into_iter()
+        .map(|row| (row.get(0), MovieRow { title: row.get(1), year: row.get(2), ..MovieRow::default() }))
+        .collect();
+        let mut answers = Vec::with_capacity(requests.len());
+        let mut refused = Vec::new();
+        for KnownMovieReview { mut review, actor, movie, traceparent } in requests {
+            let Some(movie_row) = inserted.get(&review.id) else {
+                // Nothing was written for it; find out what was missing.
+                answers.push(match actor_and_movie(tx.conn(), actor, movie).await {
+                    Err(missing) => Err(missing),
+                    Ok(_) => {
+                        Err(ServiceError::internal("the review was not inserted though its user and movie exist")
+                            .into())
+                    }
+                });
+                continue;
+            };
+            review.movie_id = movie.to_string();
+            tx.set_traceparent(traceparent);
+            match commit_events(tx, vec![review_logged(&review, movie_row, v1::ReviewSource::Local)]).await {
+                Ok(_) => answers
+                    .push(Ok(v1::LogReviewResponse { review: Some(convert::review(review)), movie_created: false })),
+                Err(error) => {
+                    refused.push(review.id);
+                    answers.push(Err(error));
+                }
+            }
+        }
+        if !refused.is_empty() {
+            sqlx::query("DELETE FROM reviews WHERE id IN (SELECT value FROM json_each(?1))")
+                .bind(serde_json::Value::from(refused).to_string())
+                .execute(tx.conn())
+                .await?;
+        }
+        Ok(answers)
     })
 }
 
@@ -107,12 +151,18 @@ impl Store {
             updated_at: now,
         };
         if let MovieSpec::Id(movie) = spec {
-            // The common case, a known movie by id, is one statement (the writer is bound by
-            // statement round trips, not by SQLite), so it needs no savepoint either.
-            return keyed_job!(self, single_statement "log_review", key, |tx| {
-                let movie = insert_review_of_known_movie(tx.conn(), &mut review, actor, movie).await?;
-                commit_events(tx, vec![review_logged(&review, &movie, v1::ReviewSource::Local)]).await?;
-                Ok(v1::LogReviewResponse { review: Some(convert::review(review)), movie_created: false })
+            let request = KnownMovieReview { review, actor, movie, traceparent: current_traceparent() };
+            if key.is_none() {
+                // The common case. Reviews that arrive while the writer is busy are logged
+                // together, in one job and one statement.
+                return self
+                    .review_logs
+                    .submit(&self.db, "log_review", Durability::Synced, request, log_known_movie_reviews)
+                    .await;
+            }
+            return keyed_job!(self, "log_review", key, |tx| {
+                let mut answers = log_known_movie_reviews(tx, vec![request]).await?;
+                answers.pop().expect("one answer per request")
             })
             .await;
         }

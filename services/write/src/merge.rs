@@ -1,11 +1,14 @@
 //! Merging concurrent requests of one kind into one write job.
 //!
-//! On the db backend every (event, handler) pair is a claim and a settlement for the single
-//! writer, and each handler's consumer asks on its own: eight handlers woken by one commit send
-//! eight claims at once, then eight settlements. Answered one job each they cost the writer
-//! eight times the statements; merged, the statements they can share run once for all of them
-//! (`claim_many`, `settle_many`): with eight handlers, about 45 % more events per second
-//! (BENCHMARKS.md).
+//! The single writer is bound by its round trips to SQLite, not by rows, so requests that can
+//! share their statements are answered together:
+//! - On the db backend every (event, handler) pair is a claim and a settlement, and each
+//!   handler's consumer asks on its own: eight handlers woken by one commit send eight claims at
+//!   once, then eight settlements. Merged, the statements they can share run once for all of
+//!   them (`claim_many`, `settle_many`): with eight handlers, about 45 % more events per second
+//!   (BENCHMARKS.md).
+//! - Reviews of known movies, the commonest write, are inserted by one statement per job
+//!   (`store::reviews`).
 //!
 //! The first request of a kind that finds none waiting submits a job; requests arriving before
 //! that job starts join it. The job answers each request, in order, and the answers are handed
@@ -26,7 +29,7 @@ type Reply<A> = oneshot::Sender<Result<A, WriteError>>;
 type Waiting<R, A> = Arc<Mutex<Vec<(R, Reply<A>)>>>;
 
 /// Requests of one kind waiting for the next job. Cheap to clone (shared).
-pub(super) struct Merged<R, A> {
+pub(crate) struct Merged<R, A> {
     waiting: Waiting<R, A>,
 }
 
@@ -46,7 +49,7 @@ impl<R: Send + 'static, A: Send + 'static> Merged<R, A> {
     /// Answers `request` in a job named `name`, committed with `durability`, that runs `work`
     /// over every request waiting when it starts; `work` returns one answer per request, in
     /// order.
-    pub(super) async fn submit<F>(
+    pub(crate) async fn submit<F>(
         &self,
         db: &Database,
         name: &'static str,
