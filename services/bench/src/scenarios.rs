@@ -340,7 +340,20 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let mut c = reelay.clients().await;
         let (users, movie) = fixtures(&mut c, &db, 8).await;
         for clients in [1, 8, 64] {
+            let before = (writer_seconds(&reelay).await, writer_batches(&reelay).await, writer_commits(&reelay).await);
+            let (jobs, started) = (writer_jobs(&reelay).await, Instant::now());
             let rate = throughput(b, &c, &users, &movie, clients).await;
+            let elapsed = started.elapsed().as_secs_f64();
+            let batches = writer_batches(&reelay).await - before.1;
+            let label =
+                if events { format!("{clients} clients") } else { format!("{clients} clients, events skipped") };
+            let busy = (writer_seconds(&reelay).await - before.0) / elapsed;
+            let committing = (writer_commits(&reelay).await - before.2) / elapsed;
+            let label = format!("LogReview over gRPC, {label}");
+            report.add(format!("{label}: writer busy"), 100.0 * busy, "%");
+            report.add(format!("{label}: writer time in COMMIT"), 100.0 * committing, "%");
+            report_writer_jobs(report, &label, &jobs, &writer_jobs(&reelay).await, elapsed);
+            report.add(format!("{label}: calls per commit"), rate * elapsed / batches, "calls");
             if events {
                 let line = report.add(format!("LogReview over gRPC, {clients} clients"), rate, "ops/s");
                 line.against("raw review+outbox txn", raw_with);
@@ -766,6 +779,16 @@ async fn start_quiet_write(b: &Bench, dir: &Path) -> Reelay {
 /// metrics: the difference over a window, divided by the window, is how busy it was.
 pub(crate) async fn writer_seconds(write: &Reelay) -> f64 {
     write.metrics().await.sum("reelay_writer_batch_seconds_sum", &[])
+}
+
+/// Write batches (one commit each) the write service's writer has run.
+pub(crate) async fn writer_batches(write: &Reelay) -> f64 {
+    write.metrics().await.sum("reelay_writer_batch_seconds_count", &[])
+}
+
+/// Seconds the writer has spent in `COMMIT` (its fsync).
+pub(crate) async fn writer_commits(write: &Reelay) -> f64 {
+    write.metrics().await.sum("reelay_writer_commit_seconds_sum", &[])
 }
 
 /// Seconds the writer has spent in each kind of write job (`reelay_writer_job_seconds`, by job).
