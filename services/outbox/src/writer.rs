@@ -799,7 +799,7 @@ mod tests {
                 let insert = insert_user(n, format!("u{n}"));
                 let result = if saboteur {
                     writer
-                        .transact_single_statement("saboteur", move |tx: &mut WriteTx| {
+                        .transact("saboteur", move |tx: &mut WriteTx| {
                             Box::pin(async move {
                                 let value = insert(tx).await?;
                                 tx.conn().execute("ROLLBACK").await?;
@@ -816,10 +816,8 @@ mod tests {
                             })
                         })
                         .await
-                } else if n % 2 == 0 {
-                    writer.transact_single_statement("single", insert).await
                 } else {
-                    writer.transact("multi", insert).await
+                    writer.transact("job", insert).await
                 };
                 (n, saboteur, result)
             }));
