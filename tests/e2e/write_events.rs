@@ -754,5 +754,23 @@ async fn concurrent_reviews_each_get_their_own_outcome_when_logged_together() {
     // They were logged together: fewer jobs than calls.
     let jobs = reelay.metrics().await.sum("reelay_writer_job_seconds_count", &["job=\"log_review\""]) - jobs_before;
     assert!(jobs < CALLS as f64, "{jobs} log_review jobs for {CALLS} calls");
+
+    // A review of a known movie with a request_id is logged on its own, once: the retry gets the
+    // first answer and writes nothing.
+    let keyed = v1::LogReviewRequest {
+        actor_user_id: ben.clone(),
+        movie: movie_id_ref(&movie),
+        rating: 4,
+        body: "keyed".into(),
+        request_id: "ben-keyed-1".into(),
+        ..Default::default()
+    };
+    let first = c.reviews.log_review(keyed.clone()).await.unwrap().into_inner();
+    let retried = c.reviews.log_review(keyed).await.unwrap().into_inner();
+    assert_eq!(retried, first);
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM reviews WHERE body = 'keyed'").await, 1);
+    let review_id = first.review.unwrap().review_id;
+    let events = outbox_rows(&db).await.into_iter().filter(|row| row.aggregate_id == review_id).count();
+    assert_eq!(events, 1, "one ReviewLogged for the keyed review");
     reelay.stop().await;
 }

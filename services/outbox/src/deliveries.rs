@@ -282,17 +282,7 @@ async fn claim_open(
 ) -> Result<(), sqlx::Error> {
     let stale = now - policy.lease.as_millis() as i64;
     let most = claiming.iter().map(|c| c.budget.rows).max().unwrap_or(0);
-    // At most `most` per handler, oldest first.
-    let sql = format!(
-        "SELECT handler, event_id, attempts, started_at, status, owner FROM ( \
-             SELECT handler, event_id, attempts, started_at, status, owner, \
-                 row_number() OVER (PARTITION BY handler ORDER BY started_at) AS n \
-             FROM processed_events WHERE handler IN ({}) \
-                 AND ((status = 'retry' AND available_at <= ?) OR (status = 'in_progress' AND renewed_at < ?))) \
-         WHERE n <= ? ORDER BY handler, n",
-        vec!["?"; claiming.len()].join(", ")
-    );
-    let mut query = sqlx::query_as(AssertSqlSafe(sql));
+    let mut query = sqlx::query_as(AssertSqlSafe(claim_open_sql(claiming.len())));
     for c in claiming.iter() {
         query = query.bind(&c.request.handler);
     }
@@ -680,7 +670,7 @@ pub async fn release_instance(tx: &mut WriteTx, instance: &str, me: &str, now: i
     let pattern = format!("{}#%", escape_like(instance));
     let deliveries = sqlx::query(
         "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
-         WHERE status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?",
+         WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?",
     )
     .bind(now)
     .bind(&pattern)
@@ -715,17 +705,17 @@ pub struct HandlerStats {
     pub dead_lettered: u64,
 }
 
+const STATS: &str = "SELECT c.handler, \
+        (SELECT COUNT(*) FROM event_queue q WHERE q.id > c.position), \
+        (SELECT COUNT(*) FROM processed_events p \
+             WHERE p.handler = c.handler AND p.status IN ('in_progress', 'retry') AND p.status = 'in_progress'), \
+        (SELECT COUNT(*) FROM processed_events p \
+             WHERE p.handler = c.handler AND p.status IN ('in_progress', 'retry') AND p.status = 'retry'), \
+        (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status = 'dead_lettered') \
+     FROM handler_cursors c ORDER BY c.handler";
+
 pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT c.handler, \
-            (SELECT COUNT(*) FROM event_queue q WHERE q.id > c.position), \
-            (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status = 'in_progress'), \
-            (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status = 'retry'), \
-            (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status = 'dead_lettered') \
-         FROM handler_cursors c ORDER BY c.handler",
-    )
-    .fetch_all(conn)
-    .await?;
+    let rows = sqlx::query(STATS).fetch_all(conn).await?;
     Ok(rows
         .into_iter()
         .map(|r| HandlerStats {
@@ -738,6 +728,31 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats
         .collect())
 }
 
+/// The open deliveries (due retries and claims whose lease ran out) of `handlers` handlers,
+/// at most `?` per handler, oldest first.
+fn claim_open_sql(handlers: usize) -> String {
+    format!(
+        "SELECT handler, event_id, attempts, started_at, status, owner FROM ( \
+             SELECT handler, event_id, attempts, started_at, status, owner, \
+                 row_number() OVER (PARTITION BY handler ORDER BY started_at) AS n \
+             FROM processed_events WHERE handler IN ({}) AND status IN ('in_progress', 'retry') \
+                 AND ((status = 'retry' AND available_at <= ?) OR (status = 'in_progress' AND renewed_at < ?))) \
+         WHERE n <= ? ORDER BY handler, n",
+        vec!["?"; handlers].join(", ")
+    )
+}
+
+// Every query for open deliveries says `status IN ('in_progress', 'retry')`, the condition of
+// the ledger's index of them (`processed_events_open`), even next to a narrower one: SQLite uses
+// a partial index only for a query whose WHERE contains its condition as written, and without
+// it `status = 'retry'` reads every row the ledger ever kept (most of them done).
+
+const PEEK: &str = "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
+         OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND \
+             ((status = 'retry' AND available_at <= ?2) OR (status = 'in_progress' AND renewed_at < ?3))), \
+        (SELECT MIN(available_at) FROM processed_events \
+             WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND status = 'retry')";
+
 /// A read-only look for an idle claimer: whether the handler has anything to claim now, and
 /// when its next retry is due.
 pub async fn peek(
@@ -746,16 +761,42 @@ pub async fn peek(
     now: i64,
     policy: HandlerPolicy,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
-             OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND \
-                 ((status = 'retry' AND available_at <= ?2) OR (status = 'in_progress' AND renewed_at < ?3))), \
-                (SELECT MIN(available_at) FROM processed_events WHERE handler = ?1 AND status = 'retry')",
-    )
-    .bind(handler)
-    .bind(now)
-    .bind(now - policy.lease.as_millis() as i64)
-    .fetch_one(conn)
-    .await?;
+    let row =
+        sqlx::query(PEEK).bind(handler).bind(now).bind(now - policy.lease.as_millis() as i64).fetch_one(conn).await?;
     Ok((row.get(0), row.get(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::{AssertSqlSafe, Row};
+
+    use super::*;
+    use crate::{Database, DbConfig};
+
+    /// The statements that look for open deliveries run on every claim (in the writer) and on
+    /// every wake of an idle claimer: each must find them through the ledger's index of open
+    /// deliveries, never by reading the ledger's done rows, which grow with every event.
+    #[tokio::test]
+    async fn open_deliveries_are_found_through_their_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("plans.db"))).await.unwrap();
+        let mut conn = db.reads.acquire().await.unwrap();
+        for sql in [PEEK.to_owned(), STATS.to_owned(), claim_open_sql(1), claim_open_sql(3)] {
+            let plan: Vec<String> = sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get::<String, _>(3))
+                .collect();
+            let ledger_steps: Vec<&String> =
+                plan.iter().filter(|step| step.contains(" processed_events") || step.contains(" p ")).collect();
+            assert!(!ledger_steps.is_empty(), "{sql}\n{plan:#?}");
+            for step in ledger_steps {
+                assert!(step.contains("INDEX processed_events_"), "{step}\n{sql}\n{plan:#?}");
+            }
+        }
+        drop(conn);
+        db.close().await;
+    }
 }

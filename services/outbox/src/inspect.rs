@@ -70,7 +70,8 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
                  SELECT MIN(created_at) AS t FROM event_queue \
                      WHERE id > (SELECT COALESCE(MIN(position), 0) FROM handler_cursors) AND status = 'pending' \
                  UNION ALL \
-                 SELECT MIN(available_at) FROM processed_events WHERE status = 'retry' AND available_at <= ?1)",
+                 SELECT MIN(available_at) FROM processed_events \
+                     WHERE status IN ('in_progress', 'retry') AND status = 'retry' AND available_at <= ?1)",
         )
         .bind(now)
         .fetch_one(&mut *conn)
