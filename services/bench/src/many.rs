@@ -9,8 +9,7 @@ use reelay_harness::{NatsServer, Reelay, query_strings};
 use crate::Bench;
 use crate::report::Report;
 use crate::scenarios::{
-    Env, backlog, fixtures, nats_env, report_writer_jobs, scratch, start, stats, throughput, writer_jobs,
-    writer_seconds,
+    Env, WriterSample, backlog, fixtures, nats_env, report_writer_jobs, scratch, start, stats, throughput,
 };
 
 /// One number from a query that returns one.
@@ -22,8 +21,9 @@ async fn count(db: &Path, sql: &str) -> anyhow::Result<u64> {
 /// (Fields drop in this order: the processes before the server, the directory last.)
 pub(crate) struct Deployment {
     pub(crate) write: Reelay,
-    /// The relay (on nats) and the handlers processes, in the order they were started.
-    pub(crate) others: Vec<Reelay>,
+    /// The relay (on nats) and the handlers processes, each with its name, in the order they
+    /// were started.
+    pub(crate) others: Vec<(String, Reelay)>,
     pub(crate) nats: Option<NatsServer>,
     pub(crate) db: std::path::PathBuf,
     /// Every process's environment (the write service's URL included).
@@ -53,7 +53,7 @@ impl Deployment {
         all.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));
         let mut others = Vec::new();
         if nats.is_some() {
-            others.push(start(b, &dir.path().join("relay/x.db"), &["relay"], &all).await);
+            others.push(("relay".to_owned(), start(b, &dir.path().join("relay/x.db"), &["relay"], &all).await));
         }
         Ok(Self { write, others, nats, db, env: all, dir })
     }
@@ -63,13 +63,13 @@ impl Deployment {
         let mut env = self.env.clone();
         env.extend_from_slice(extra);
         let data = self.dir.path().join(name);
-        self.others.push(start(b, &data.join("x.db"), &["handlers"], &env).await);
+        self.others.push((name.to_owned(), start(b, &data.join("x.db"), &["handlers"], &env).await));
     }
 
     /// Stops the handlers and the relay together (an idle one may be in a long poll), then the
     /// write service.
     pub(crate) async fn stop(mut self) {
-        futures_util::future::join_all(self.others.iter_mut().map(Reelay::stop)).await;
+        futures_util::future::join_all(self.others.iter_mut().map(|(_, process)| process.stop())).await;
         self.write.stop().await;
         drop(self.nats);
     }
@@ -87,7 +87,7 @@ pub async fn many_handlers(b: &Bench, report: &mut Report) -> anyhow::Result<()>
         let mut one = 0.0;
         for handlers in [1, 8] {
             eprintln!("many handlers, {backend} backend, {handlers} probe handler(s)");
-            let (reviews, elapsed, busy, jobs) = probes_sustained(b, backend, handlers).await?;
+            let (reviews, elapsed, (before, after)) = probes_sustained(b, backend, handlers).await?;
             let rate = reviews as f64 / elapsed;
             let label =
                 if handlers == 1 { format!("{backend}, 1 handler") } else { format!("{backend}, {handlers} handlers") };
@@ -101,8 +101,11 @@ pub async fn many_handlers(b: &Bench, report: &mut Report) -> anyhow::Result<()>
                     .against("1 handler, events/s", one)
                     .ratio_at_least(4.0);
             }
-            report.add(format!("{label}: write service's writer busy"), 100.0 * busy, "%");
-            let (before, after) = jobs;
+            report.add(
+                format!("{label}: write service's writer busy"),
+                100.0 * after.busy_since(&before, elapsed),
+                "%",
+            );
             report_writer_jobs(report, &label, &before, &after, elapsed);
         }
     }
@@ -110,8 +113,12 @@ pub async fn many_handlers(b: &Bench, report: &mut Report) -> anyhow::Result<()>
 }
 
 /// One run of [`many_handlers`]: the reviews written, the seconds from the first call until
-/// every pair was done, and the share of that time the write service's writer was busy.
-async fn probes_sustained(b: &Bench, backend: &str, handlers: usize) -> anyhow::Result<(u64, f64, f64, JobTimes)> {
+/// every pair was done, and the write service's writer sampled at both ends of that time.
+async fn probes_sustained(
+    b: &Bench,
+    backend: &str,
+    handlers: usize,
+) -> anyhow::Result<(u64, f64, (WriterSample, WriterSample))> {
     // Only the probes (the default set's real handlers would add their own work per event), and
     // the write service must know them too: it delivers to the handlers it lists.
     let probes = reelay_probe::PROBES[..handlers].join(",");
@@ -145,15 +152,13 @@ async fn probes_sustained(b: &Bench, backend: &str, handlers: usize) -> anyhow::
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    // The fixtures' events (64 users, the movie) are handled before the load.
+    // The fixtures' events (the users, the movie) are handled before the load.
     all_done(run.db.clone(), Instant::now()).await?;
-    let (busy, jobs) = (writer_seconds(&run.write).await, writer_jobs(&run.write).await);
-    let started = Instant::now();
+    let (before, started) = (WriterSample::read(&run.write).await, Instant::now());
     throughput(b, &c, &users, &movie, 64).await;
     all_done(run.db.clone(), started).await?;
     let elapsed = started.elapsed().as_secs_f64();
-    let busy = (writer_seconds(&run.write).await - busy) / elapsed;
-    let jobs = (jobs, writer_jobs(&run.write).await);
+    let after = WriterSample::read(&run.write).await;
     let reviews = count(&run.db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'").await?;
     let pairs = count(
         &run.db,
@@ -166,11 +171,8 @@ async fn probes_sustained(b: &Bench, backend: &str, handlers: usize) -> anyhow::
         "{pairs} (ReviewLogged, probe) pairs done, expected {reviews} reviews x {handlers} handlers"
     );
     run.stop().await;
-    Ok((reviews, elapsed, busy, jobs))
+    Ok((reviews, elapsed, (before, after)))
 }
-
-/// The writer's seconds per kind of job before and after a measured window.
-type JobTimes = (std::collections::HashMap<String, f64>, std::collections::HashMap<String, f64>);
 
 /// Per-event wait of the replicas scenario's handler.
 const HANDLER_WAIT_MS: u64 = 10;
@@ -250,11 +252,11 @@ async fn replica_rate(b: &Bench, backend: &str, n: usize) -> anyhow::Result<(f64
     }
     let done = "SELECT COUNT(*) || '' FROM processed_events WHERE status = 'done'";
     tokio::time::sleep(b.warmup).await;
-    let busy = writer_seconds(&run.write).await;
+    let before = WriterSample::read(&run.write).await;
     let (from, at) = (count(&run.db, done).await?, Instant::now());
     tokio::time::sleep(b.measure).await;
     let (to, elapsed) = (count(&run.db, done).await?, at.elapsed().as_secs_f64());
-    let busy = (writer_seconds(&run.write).await - busy) / elapsed;
+    let busy = WriterSample::read(&run.write).await.busy_since(&before, elapsed);
     anyhow::ensure!(
         to < rows as u64,
         "the replicas finished the backlog of {rows} events within the measured time; make it larger"

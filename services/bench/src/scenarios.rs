@@ -340,20 +340,18 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let mut c = reelay.clients().await;
         let (users, movie) = fixtures(&mut c, &db, 8).await;
         for clients in [1, 8, 64] {
-            let before = (writer_seconds(&reelay).await, writer_batches(&reelay).await, writer_commits(&reelay).await);
-            let (jobs, started) = (writer_jobs(&reelay).await, Instant::now());
+            let (before, started) = (WriterSample::read(&reelay).await, Instant::now());
             let rate = throughput(b, &c, &users, &movie, clients).await;
             let elapsed = started.elapsed().as_secs_f64();
-            let batches = writer_batches(&reelay).await - before.1;
-            let label =
-                if events { format!("{clients} clients") } else { format!("{clients} clients, events skipped") };
-            let busy = (writer_seconds(&reelay).await - before.0) / elapsed;
-            let committing = (writer_commits(&reelay).await - before.2) / elapsed;
-            let label = format!("LogReview over gRPC, {label}");
-            report.add(format!("{label}: writer busy"), 100.0 * busy, "%");
+            let after = WriterSample::read(&reelay).await;
+            let skipped = if events { "" } else { ", events skipped" };
+            let label = format!("LogReview over gRPC, {clients} clients{skipped}");
+            report.add(format!("{label}: writer busy"), 100.0 * after.busy_since(&before, elapsed), "%");
+            let committing = (after.committing - before.committing) / elapsed;
             report.add(format!("{label}: writer time in COMMIT"), 100.0 * committing, "%");
-            report_writer_jobs(report, &label, &jobs, &writer_jobs(&reelay).await, elapsed);
-            report.add(format!("{label}: calls per commit"), rate * elapsed / batches, "calls");
+            report_writer_jobs(report, &label, &before, &after, elapsed);
+            let commits = after.batches - before.batches;
+            report.add(format!("{label}: calls per commit"), rate * elapsed / commits, "calls");
             if events {
                 let line = report.add(format!("LogReview over gRPC, {clients} clients"), rate, "ops/s");
                 line.against("raw review+outbox txn", raw_with);
@@ -775,48 +773,58 @@ async fn start_quiet_write(b: &Bench, dir: &Path) -> Reelay {
     start(b, &dir.join("reelay.db"), &["write"], &vec![("RUST_LOG".into(), "warn".into())]).await
 }
 
-/// Seconds the write service's single writer has spent running its transactions, from its own
-/// metrics: the difference over a window, divided by the window, is how busy it was.
-pub(crate) async fn writer_seconds(write: &Reelay) -> f64 {
-    write.metrics().await.sum("reelay_writer_batch_seconds_sum", &[])
+/// The write service's single writer, from one reading of its metrics. Two samples bracket a
+/// window: their difference, divided by the window, is how the writer spent it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct WriterSample {
+    /// Seconds in write batches, BEGIN to COMMIT.
+    pub(crate) busy: f64,
+    /// Batches run (one commit each).
+    pub(crate) batches: f64,
+    /// Seconds in `COMMIT` (its fsync).
+    pub(crate) committing: f64,
+    /// Seconds per kind of write job (`reelay_writer_job_seconds`, by job).
+    pub(crate) jobs: HashMap<String, f64>,
 }
 
-/// Write batches (one commit each) the write service's writer has run.
-pub(crate) async fn writer_batches(write: &Reelay) -> f64 {
-    write.metrics().await.sum("reelay_writer_batch_seconds_count", &[])
+impl WriterSample {
+    pub(crate) async fn read(write: &Reelay) -> Self {
+        let metrics = write.metrics().await;
+        let jobs = metrics
+            .0
+            .lines()
+            .filter_map(|line| {
+                let (job, value) = line.strip_prefix("reelay_writer_job_seconds_sum{job=\"")?.split_once("\"} ")?;
+                Some((job.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect();
+        Self {
+            busy: metrics.sum("reelay_writer_batch_seconds_sum", &[]),
+            batches: metrics.sum("reelay_writer_batch_seconds_count", &[]),
+            committing: metrics.sum("reelay_writer_commit_seconds_sum", &[]),
+            jobs,
+        }
+    }
+
+    /// The share of `elapsed` the writer was busy since `before`.
+    pub(crate) fn busy_since(&self, before: &Self, elapsed: f64) -> f64 {
+        (self.busy - before.busy) / elapsed
+    }
 }
 
-/// Seconds the writer has spent in `COMMIT` (its fsync).
-pub(crate) async fn writer_commits(write: &Reelay) -> f64 {
-    write.metrics().await.sum("reelay_writer_commit_seconds_sum", &[])
-}
-
-/// Seconds the writer has spent in each kind of write job (`reelay_writer_job_seconds`, by job).
-pub(crate) async fn writer_jobs(write: &Reelay) -> HashMap<String, f64> {
-    let metrics = write.metrics().await;
-    metrics
-        .0
-        .lines()
-        .filter_map(|line| {
-            let (job, value) = line.strip_prefix("reelay_writer_job_seconds_sum{job=\"")?.split_once("\"} ")?;
-            Some((job.to_owned(), value.trim().parse().ok()?))
-        })
-        .collect()
-}
-
-/// What the writer spent its time on between two readings of [`writer_jobs`]: the four largest
-/// kinds of job, each as a share of `elapsed` (the rest of its busy time is BEGIN, savepoints
-/// and COMMIT).
+/// What the writer spent its time on between two samples: the four largest kinds of job, each as
+/// a share of `elapsed` (the rest of its busy time is BEGIN, savepoints and COMMIT).
 pub(crate) fn report_writer_jobs(
     report: &mut Report,
     label: &str,
-    before: &HashMap<String, f64>,
-    after: &HashMap<String, f64>,
+    before: &WriterSample,
+    after: &WriterSample,
     elapsed: f64,
 ) {
     let mut spent: Vec<(&String, f64)> = after
+        .jobs
         .iter()
-        .map(|(job, s)| (job, s - before.get(job).copied().unwrap_or(0.0)))
+        .map(|(job, s)| (job, s - before.jobs.get(job).copied().unwrap_or(0.0)))
         .filter(|(_, s)| *s > 0.0)
         .collect();
     spent.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -920,21 +928,18 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         // before the load starts.
         wait_for_handlers(&mut c, js.as_ref(), Instant::now()).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
-        // The relay (on nats) is started before the handlers.
-        let names = if run.nats.is_some() { ["relay", "handlers"].as_slice() } else { ["handlers"].as_slice() };
         let mut processes: Vec<(&str, u32)> = vec![("write", write.pid())];
-        processes.extend(names.iter().zip(&run.others).map(|(name, p)| (*name, p.pid())));
+        processes.extend(run.others.iter().map(|(name, p)| (name.as_str(), p.pid())));
         let idle: Vec<(&str, f64)> = processes.iter().map(|(name, pid)| (*name, rss_mb(*pid).0)).collect();
 
-        let (busy, jobs) = (writer_seconds(write).await, writer_jobs(write).await);
-        let started = Instant::now();
+        let (before, started) = (WriterSample::read(write).await, Instant::now());
         let written = throughput(b, &c, &users, &movie, 64).await * b.measure.as_secs_f64();
         let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'")
             .await[0][0]
             .parse::<u64>()?;
         wait_for_handlers(&mut c, js.as_ref(), started).await?;
         let elapsed = started.elapsed().as_secs_f64();
-        let busy = (writer_seconds(write).await - busy) / elapsed;
+        let after = WriterSample::read(write).await;
         let dead = query_strings(
             &db,
             "SELECT handler || ': ' || COUNT(*) FROM processed_events WHERE status = 'dead_lettered' GROUP BY handler",
@@ -954,8 +959,12 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
             line.ratio_at_least(3.0);
         }
         report.add(format!("{backend}: reviews written during the load"), written, "ev");
-        report.add(format!("{backend}: write service's writer busy until then"), 100.0 * busy, "%");
-        report_writer_jobs(report, backend, &jobs, &writer_jobs(write).await, elapsed);
+        report.add(
+            format!("{backend}: write service's writer busy until then"),
+            100.0 * after.busy_since(&before, elapsed),
+            "%",
+        );
+        report_writer_jobs(report, backend, &before, &after, elapsed);
         for ((name, pid), (_, idle_mb)) in processes.iter().zip(idle) {
             report.add(format!("{backend}: {name} RSS idle"), idle_mb, "MB").at_most(64.0);
             report.add(format!("{backend}: {name} peak RSS under load"), rss_mb(*pid).1, "MB").at_most(64.0);
