@@ -121,7 +121,7 @@ macro_rules! movie_columns {
 }
 pub(crate) use movie_columns;
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
 pub struct ReviewRow {
     pub id: String,
     pub user_id: String,

@@ -35,6 +35,7 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
 
 /// A review of a movie named by id, waiting to be logged (see [`log_known_movie_reviews`]).
 pub(super) struct KnownMovieReview {
+    /// Its row, `movie_id` included.
     review: ReviewRow,
     actor: UserId,
     movie: MovieId,
@@ -56,25 +57,18 @@ fn log_known_movie_reviews(
     requests: Vec<KnownMovieReview>,
 ) -> BoxFuture<'_, Result<Vec<Result<v1::LogReviewResponse>>>> {
     Box::pin(async move {
-        let rows: Vec<serde_json::Value> = requests
-            .iter()
-            .map(|r| {
-                serde_json::json!({
-                    "id": r.review.id, "user": r.review.user_id, "movie": r.movie.to_string(),
-                    "rating": r.review.rating, "body": r.review.body, "watched_on": r.review.watched_on,
-                    "rewatch": r.review.rewatch, "at": r.review.created_at,
-                })
-            })
-            .collect();
+        let rows: Vec<&ReviewRow> = requests.iter().map(|r| &r.review).collect();
+        let rows = serde_json::to_string(&rows).expect("strings and integers encode as JSON");
         let inserted: HashMap<String, MovieRow> = sqlx::query(
             "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
-             SELECT r.value ->> 'id', r.value ->> 'user', m.id, r.value ->> 'rating', r.value ->> 'body', \
-                    r.value ->> 'watched_on', r.value ->> 'rewatch', 'local', r.value ->> 'at', r.value ->> 'at' \
-             FROM json_each(?1) r JOIN movies m ON m.id = r.value ->> 'movie' \
-             WHERE EXISTS (SELECT 1 FROM users u WHERE u.id = r.value ->> 'user') \
+             SELECT r.value ->> 'id', r.value ->> 'user_id', m.id, r.value ->> 'rating', r.value ->> 'body', \
+                    r.value ->> 'watched_on', r.value ->> 'rewatch', r.value ->> 'source', r.value ->> 'created_at', \
+                    r.value ->> 'updated_at' \
+             FROM json_each(?1) r JOIN movies m ON m.id = r.value ->> 'movie_id' \
+             WHERE EXISTS (SELECT 1 FROM users u WHERE u.id = r.value ->> 'user_id') \
              RETURNING id, (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id)",
         )
-        .bind(serde_json::Value::Array(rows).to_string())
+        .bind(rows)
         .fetch_all(tx.conn())
         .await?
         .into_iter()
@@ -82,7 +76,7 @@ fn log_known_movie_reviews(
         .collect();
         let mut answers = Vec::with_capacity(requests.len());
         let mut refused = Vec::new();
-        for KnownMovieReview { mut review, actor, movie, traceparent } in requests {
+        for KnownMovieReview { review, actor, movie, traceparent } in requests {
             let Some(movie_row) = inserted.get(&review.id) else {
                 // Nothing was written for it; find out what was missing.
                 answers.push(match actor_and_movie(tx.conn(), actor, movie).await {
@@ -94,7 +88,6 @@ fn log_known_movie_reviews(
                 });
                 continue;
             };
-            review.movie_id = movie.to_string();
             tx.set_traceparent(traceparent);
             match commit_events(tx, vec![review_logged(&review, movie_row, v1::ReviewSource::Local)]).await {
                 Ok(_) => answers
@@ -151,6 +144,7 @@ impl Store {
             updated_at: now,
         };
         if let MovieSpec::Id(movie) = spec {
+            review.movie_id = movie.to_string();
             let request = KnownMovieReview { review, actor, movie, traceparent: current_traceparent() };
             if key.is_none() {
                 // The common case. Reviews that arrive while the writer is busy are logged
