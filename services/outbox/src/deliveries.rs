@@ -661,6 +661,9 @@ pub async fn renew(
     Ok(lost)
 }
 
+const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
+     WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?";
+
 /// Claims still held by an earlier run of `instance` (its process died): handed back at once,
 /// without spending an attempt, instead of waiting out their leases. Covers per-handler
 /// deliveries, ledger claims (nats backend) and the relay's outbox rows. Returns how many.
@@ -668,16 +671,8 @@ pub async fn renew(
 /// Only sound if no two live processes share an instance name.
 pub async fn release_instance(tx: &mut WriteTx, instance: &str, me: &str, now: i64) -> Result<u64, sqlx::Error> {
     let pattern = format!("{}#%", escape_like(instance));
-    let deliveries = sqlx::query(
-        "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
-         WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?",
-    )
-    .bind(now)
-    .bind(&pattern)
-    .bind(me)
-    .execute(tx.conn())
-    .await?
-    .rows_affected();
+    let deliveries =
+        sqlx::query(RELEASE_DELIVERIES).bind(now).bind(&pattern).bind(me).execute(tx.conn()).await?.rows_affected();
     let rows = sqlx::query(
         "UPDATE event_queue SET status = 'pending', claimed_by = NULL \
          WHERE status = 'processing' AND claimed_by LIKE ? ESCAPE '\\' AND claimed_by != ?",
@@ -728,6 +723,11 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats
         .collect())
 }
 
+// Every query for open deliveries says `status IN ('in_progress', 'retry')`, the condition of
+// the ledger's index of them (`processed_events_open`), even next to a narrower one: SQLite uses
+// a partial index only for a query whose WHERE contains its condition as written, and without
+// it `status = 'retry'` reads every row the ledger ever kept (most of them done).
+
 /// The open deliveries (due retries and claims whose lease ran out) of `handlers` handlers,
 /// at most `?` per handler, oldest first.
 fn claim_open_sql(handlers: usize) -> String {
@@ -741,11 +741,6 @@ fn claim_open_sql(handlers: usize) -> String {
         vec!["?"; handlers].join(", ")
     )
 }
-
-// Every query for open deliveries says `status IN ('in_progress', 'retry')`, the condition of
-// the ledger's index of them (`processed_events_open`), even next to a narrower one: SQLite uses
-// a partial index only for a query whose WHERE contains its condition as written, and without
-// it `status = 'retry'` reads every row the ledger ever kept (most of them done).
 
 const PEEK: &str = "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
          OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND \
@@ -773,15 +768,17 @@ mod tests {
     use super::*;
     use crate::{Database, DbConfig};
 
-    /// The statements that look for open deliveries run on every claim (in the writer) and on
-    /// every wake of an idle claimer: each must find them through the ledger's index of open
-    /// deliveries, never by reading the ledger's done rows, which grow with every event.
+    /// The statements that look for open deliveries run on every claim (in the writer), on
+    /// every wake of an idle claimer, for Stats and the status, and at a restart: each must find
+    /// them through the ledger's index of open deliveries, never by reading the ledger's done
+    /// rows, which grow with every event.
     #[tokio::test]
     async fn open_deliveries_are_found_through_their_index() {
         let dir = tempfile::tempdir().unwrap();
         let db = Database::open(&DbConfig::new(dir.path().join("plans.db"))).await.unwrap();
         let mut conn = db.reads.acquire().await.unwrap();
-        for sql in [PEEK.to_owned(), STATS.to_owned(), claim_open_sql(1), claim_open_sql(3)] {
+        let statements = [PEEK, STATS, RELEASE_DELIVERIES, crate::inspect::OLDEST_DUE].map(str::to_owned);
+        for sql in statements.into_iter().chain([claim_open_sql(1), claim_open_sql(3)]) {
             let plan: Vec<String> = sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
                 .fetch_all(&mut *conn)
                 .await

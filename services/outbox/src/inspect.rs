@@ -10,6 +10,15 @@ use sqlx::{Row, SqliteConnection};
 use crate::deliveries;
 use crate::queue;
 
+/// The oldest due moment on db: of the outbox rows some handler has not been handed yet, and of
+/// the due retries (through the ledger's index of open deliveries).
+pub(crate) const OLDEST_DUE: &str = "SELECT MIN(t) FROM ( \
+         SELECT MIN(created_at) AS t FROM event_queue \
+             WHERE id > (SELECT COALESCE(MIN(position), 0) FROM handler_cursors) AND status = 'pending' \
+         UNION ALL \
+         SELECT MIN(available_at) FROM processed_events \
+             WHERE status IN ('in_progress', 'retry') AND status = 'retry' AND available_at <= ?1)";
+
 /// Where the outbox and each handler stand.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Status {
@@ -65,17 +74,7 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
     if cursors {
         // Rows stay `pending` on db: what waits is what some handler has not been handed yet,
         // or a retry that is due.
-        let oldest: Option<i64> = sqlx::query_scalar(
-            "SELECT MIN(t) FROM ( \
-                 SELECT MIN(created_at) AS t FROM event_queue \
-                     WHERE id > (SELECT COALESCE(MIN(position), 0) FROM handler_cursors) AND status = 'pending' \
-                 UNION ALL \
-                 SELECT MIN(available_at) FROM processed_events \
-                     WHERE status IN ('in_progress', 'retry') AND status = 'retry' AND available_at <= ?1)",
-        )
-        .bind(now)
-        .fetch_one(&mut *conn)
-        .await?;
+        let oldest: Option<i64> = sqlx::query_scalar(OLDEST_DUE).bind(now).fetch_one(&mut *conn).await?;
         outbox.oldest_due_age_ms = oldest.map_or(0, |t| (now - t).max(0));
     }
     Ok(Status { outbox, handlers })
