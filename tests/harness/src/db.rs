@@ -12,14 +12,19 @@ async fn open(path: &Path) -> SqliteConnection {
     SqliteConnectOptions::new().filename(path).read_only(true).connect().await.expect("open the test database")
 }
 
-/// Every row of every table (including sqlx's bookkeeping), rendered as text in rowid order:
+/// Every row of every table but `actor_keys` (including sqlx's bookkeeping), rendered as text in rowid order:
 /// two snapshots are equal exactly when the tables hold the same data.
 pub type Snapshot = BTreeMap<String, Vec<String>>;
 
 pub async fn table_snapshot(path: &Path) -> Snapshot {
     let mut conn = open(path).await;
     let tables: Vec<String> =
-        sqlx::query("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+        // Not `actor_keys`: the write service makes each new user's key pair in the background,
+        // at a moment no call controls, so it would land between two snapshots by chance.
+        sqlx::query(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' \
+             AND name != 'actor_keys' ORDER BY name",
+        )
             .fetch_all(&mut conn)
             .await
             .unwrap()
