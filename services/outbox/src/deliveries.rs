@@ -661,7 +661,7 @@ pub async fn renew(
     Ok(lost)
 }
 
-const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
+pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
      WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?";
 
 /// Claims still held by an earlier run of `instance` (its process died): handed back at once,
@@ -700,7 +700,7 @@ pub struct HandlerStats {
     pub dead_lettered: u64,
 }
 
-const STATS: &str = "SELECT c.handler, \
+pub(crate) const STATS: &str = "SELECT c.handler, \
         (SELECT COUNT(*) FROM event_queue q WHERE q.id > c.position), \
         (SELECT COUNT(*) FROM processed_events p \
              WHERE p.handler = c.handler AND p.status IN ('in_progress', 'retry') AND p.status = 'in_progress'), \
@@ -730,7 +730,7 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats
 
 /// The open deliveries (due retries and claims whose lease ran out) of `handlers` handlers,
 /// at most `?` per handler, oldest first.
-fn claim_open_sql(handlers: usize) -> String {
+pub(crate) fn claim_open_sql(handlers: usize) -> String {
     format!(
         "SELECT handler, event_id, attempts, started_at, status, owner FROM ( \
              SELECT handler, event_id, attempts, started_at, status, owner, \
@@ -742,7 +742,7 @@ fn claim_open_sql(handlers: usize) -> String {
     )
 }
 
-const PEEK: &str = "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
+pub(crate) const PEEK: &str = "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
          OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND \
              ((status = 'retry' AND available_at <= ?2) OR (status = 'in_progress' AND renewed_at < ?3))), \
         (SELECT MIN(available_at) FROM processed_events \
@@ -759,41 +759,4 @@ pub async fn peek(
     let row =
         sqlx::query(PEEK).bind(handler).bind(now).bind(now - policy.lease.as_millis() as i64).fetch_one(conn).await?;
     Ok((row.get(0), row.get(1)))
-}
-
-#[cfg(test)]
-mod tests {
-    use sqlx::{AssertSqlSafe, Row};
-
-    use super::*;
-    use crate::{Database, DbConfig};
-
-    /// The statements that look for open deliveries run on every claim (in the writer), on
-    /// every wake of an idle claimer, for Stats and the status, and at a restart: each must find
-    /// them through the ledger's index of open deliveries, never by reading the ledger's done
-    /// rows, which grow with every event.
-    #[tokio::test]
-    async fn open_deliveries_are_found_through_their_index() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(&DbConfig::new(dir.path().join("plans.db"))).await.unwrap();
-        let mut conn = db.reads.acquire().await.unwrap();
-        let statements = [PEEK, STATS, RELEASE_DELIVERIES, crate::inspect::OLDEST_DUE].map(str::to_owned);
-        for sql in statements.into_iter().chain([claim_open_sql(1), claim_open_sql(3)]) {
-            let plan: Vec<String> = sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap()
-                .iter()
-                .map(|row| row.get::<String, _>(3))
-                .collect();
-            let ledger_steps: Vec<&String> =
-                plan.iter().filter(|step| step.contains(" processed_events") || step.contains(" p ")).collect();
-            assert!(!ledger_steps.is_empty(), "{sql}\n{plan:#?}");
-            for step in ledger_steps {
-                assert!(step.contains("INDEX processed_events_"), "{step}\n{sql}\n{plan:#?}");
-            }
-        }
-        drop(conn);
-        db.close().await;
-    }
 }

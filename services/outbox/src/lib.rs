@@ -12,6 +12,8 @@ mod enqueue;
 pub mod inspect;
 pub mod ledger;
 mod migrate;
+#[cfg(test)]
+mod plans;
 pub mod queue;
 mod writer;
 

@@ -228,6 +228,15 @@ async fn purge_removes_only_rows_older_than_the_retention() {
         .await;
     let fresh = vec![key("new", "search")];
     job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, "w#a", T0, policy).await })).await;
+    // Dead letters an operator discarded are purged like done rows: two old ones, one recent.
+    job(&db, |tx| {
+        Box::pin(async move {
+            sqlx::query("UPDATE processed_events SET status = 'discarded' WHERE event_id IN ('e0', 'e1', 'e60')")
+                .execute(tx.conn())
+                .await
+        })
+    })
+    .await;
 
     let mut total = 0;
     loop {
@@ -249,6 +258,7 @@ async fn purge_removes_only_rows_older_than_the_retention() {
     assert_eq!(left.len(), 51);
     assert!(left.contains(&"new".to_string()) && !left.contains(&"old".to_string()));
     assert!(left.iter().filter(|e| e.starts_with('e')).all(|e| e[1..].parse::<u32>().unwrap() >= 50));
+    assert!(left.contains(&"e60".to_string()), "a dead letter discarded 10 days ago stays");
 }
 
 /// Claims stay within the claimer's answer size, and a row no answer can hold (a foreign

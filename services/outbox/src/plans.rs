@@ -1,0 +1,73 @@
+//! The query plans of the statements that run all the time over tables that grow with every
+//! event (the ledger keeps each done pair for 30 days, the outbox each row for a week): each must
+//! find its rows through an index, read from the bundled SQLite's `EXPLAIN QUERY PLAN`.
+
+use sqlx::{AssertSqlSafe, Row, SqliteConnection};
+
+use crate::{Database, DbConfig, deliveries, inspect, ledger, queue};
+
+async fn plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
+    sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+        .fetch_all(conn)
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get::<String, _>(3))
+        .collect()
+}
+
+/// Reads each statement's plan and checks every step on a table `SQLite` names as one of `tables`,
+/// and that none sorts what it read when `sorts` is false.
+async fn check_plans(statements: Vec<String>, tables: &[&str], sorts: bool, step_is_fine: impl Fn(&str) -> bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Database::open(&DbConfig::new(dir.path().join("plans.db"))).await.unwrap();
+    let mut conn = db.reads.acquire().await.unwrap();
+    for sql in statements {
+        let plan = plan(&mut conn, &sql).await;
+        let steps: Vec<&String> =
+            plan.iter().filter(|step| tables.iter().any(|table| step.contains(&format!(" {table} ")))).collect();
+        assert!(!steps.is_empty(), "{sql}\n{plan:#?}");
+        for step in steps {
+            assert!(step_is_fine(step), "{step}\n{sql}\n{plan:#?}");
+        }
+        let sorted = plan.iter().any(|step| step.contains("TEMP B-TREE"));
+        assert!(sorts || !sorted, "sorts what it reads: {sql}\n{plan:#?}");
+    }
+    drop(conn);
+    db.close().await;
+}
+
+/// Every claim (in the writer), every wake of an idle claimer, Stats, the status and a restart
+/// look for open deliveries: through the ledger's index of them, never by reading its done rows.
+#[tokio::test]
+async fn open_deliveries_are_found_through_their_index() {
+    let statements = [deliveries::PEEK, deliveries::STATS, deliveries::RELEASE_DELIVERIES, inspect::OLDEST_DUE]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([deliveries::claim_open_sql(1), deliveries::claim_open_sql(3)])
+        .collect();
+    check_plans(statements, &["processed_events", "p"], true, |step| step.contains("INDEX processed_events_")).await;
+}
+
+/// Retention runs once a minute in the writer: it finds what it deletes by key or through an
+/// index of what is past retention, never by reading every row kept.
+#[tokio::test]
+async fn retention_reads_only_what_it_deletes() {
+    let ledger = ledger::PURGE.map(str::to_owned).to_vec();
+    check_plans(ledger, &["processed_events"], false, |step| {
+        step.starts_with("SEARCH processed_events USING PRIMARY KEY")
+            || step.contains("INDEX processed_events_done (processed_at<?)")
+            || step.contains("INDEX processed_events_discarded (processed_at<?)")
+            // The open claims and retries: few, whatever the ledger keeps.
+            || step.contains("USING INDEX processed_events_open")
+    })
+    .await;
+    let outbox = vec![queue::purge_finished_sql(true), queue::purge_finished_sql(false)];
+    check_plans(outbox, &["event_queue", "q", "p", "handler_cursors"], false, |step| {
+        step.starts_with("SEARCH event_queue USING INTEGER PRIMARY KEY")
+            || step.starts_with("SEARCH q USING INDEX event_queue_created (created_at<?)")
+            || step.starts_with("SEARCH p USING PRIMARY KEY")
+            || step.starts_with("SEARCH handler_cursors")
+    })
+    .await;
+}
