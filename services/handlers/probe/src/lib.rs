@@ -98,7 +98,7 @@ mod enabled {
     use reelay_domain::EVENT_TYPES;
     use sqlx::Row;
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
-    use tokio::sync::OnceCell;
+    use tokio::sync::{OnceCell, mpsc, oneshot};
 
     use super::ProbeSettings;
 
@@ -114,17 +114,37 @@ mod enabled {
 
     struct Probe {
         name: &'static str,
-        effects: SqlitePool,
+        effects: Effects,
         failure: Failure,
         delay: Duration,
     }
 
-    /// One effects file per process, shared by its probes.
-    static EFFECTS: OnceCell<SqlitePool> = OnceCell::const_new();
+    /// Rows for one table, recorded together with whatever the other probes send meanwhile.
+    struct Record {
+        table: &'static str,
+        handler: &'static str,
+        event_ids: Vec<String>,
+        at_us: i64,
+        recorded: oneshot::Sender<Result<(), String>>,
+    }
 
-    async fn effects(settings: &ProbeSettings) -> anyhow::Result<SqlitePool> {
+    /// The process's effects file: one connection, and one task that records the rows every
+    /// probe sends in one transaction per wake, so that probes (eight, in the many-handler
+    /// benchmark) never queue behind each other's commits and are not what a benchmark measures.
+    #[derive(Clone)]
+    struct Effects {
+        pool: SqlitePool,
+        records: mpsc::UnboundedSender<Record>,
+    }
+
+    /// One effects file per process, shared by its probes.
+    static EFFECTS: OnceCell<Effects> = OnceCell::const_new();
+
+    const TABLES: [&str; 2] = ["attempts", "effects"];
+
+    async fn effects(settings: &ProbeSettings) -> anyhow::Result<Effects> {
         let path = settings.db.clone().context("REELAY_PROBE_DB must name the probes' effects file")?;
-        let pool = EFFECTS
+        let effects = EFFECTS
             .get_or_try_init(|| async {
                 let options = SqliteConnectOptions::new()
                     .filename(&path)
@@ -134,17 +154,58 @@ mod enabled {
                     .synchronous(sqlx::sqlite::SqliteSynchronous::Off)
                     .busy_timeout(Duration::from_secs(30));
                 let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-                for table in ["effects", "attempts"] {
+                for table in TABLES {
                     let sql = format!(
                         "CREATE TABLE IF NOT EXISTS {table} (event_id TEXT NOT NULL, handler TEXT NOT NULL, \
                          pid INTEGER NOT NULL, at INTEGER NOT NULL, at_us INTEGER NOT NULL)"
                     );
                     sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await?;
                 }
-                Ok::<_, sqlx::Error>(pool)
+                let (records, queue) = mpsc::unbounded_channel();
+                tokio::spawn(record_all(pool.clone(), queue));
+                Ok::<_, sqlx::Error>(Effects { pool, records })
             })
             .await?;
-        Ok(pool.clone())
+        Ok(effects.clone())
+    }
+
+    /// Records what the probes send: everything waiting goes into one transaction, one insert
+    /// per table (a few for large batches), and every sender hears the outcome.
+    async fn record_all(pool: SqlitePool, mut queue: mpsc::UnboundedReceiver<Record>) {
+        while let Some(first) = queue.recv().await {
+            let mut records = vec![first];
+            while let Ok(record) = queue.try_recv() {
+                records.push(record);
+            }
+            let outcome = insert_all(&pool, &records).await.map_err(|e| e.to_string());
+            for record in records {
+                let _ = record.recorded.send(outcome.clone());
+            }
+        }
+    }
+
+    async fn insert_all(pool: &SqlitePool, records: &[Record]) -> Result<(), sqlx::Error> {
+        let pid = i64::from(std::process::id());
+        let mut tx = pool.begin().await?;
+        for table in TABLES {
+            let rows: Vec<(&str, &str, i64)> = records
+                .iter()
+                .filter(|r| r.table == table)
+                .flat_map(|r| r.event_ids.iter().map(move |id| (id.as_str(), r.handler, r.at_us)))
+                .collect();
+            for chunk in rows.chunks(500) {
+                let sql = format!(
+                    "INSERT INTO {table} (event_id, handler, pid, at, at_us) VALUES {}",
+                    vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ")
+                );
+                let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
+                for (event_id, handler, at_us) in chunk {
+                    insert = insert.bind(*event_id).bind(*handler).bind(pid).bind(at_us / 1000).bind(at_us);
+                }
+                insert.execute(&mut *tx).await?;
+            }
+        }
+        tx.commit().await
     }
 
     pub(super) async fn build(name: &'static str, settings: &ProbeSettings) -> anyhow::Result<BuiltHandler> {
@@ -170,28 +231,18 @@ mod enabled {
 
     impl Probe {
         /// One row per event and call: `attempts` for every run, `effects` for every effect.
-        /// One transaction per batch, so the probe is never what limits a benchmark.
-        async fn record(&self, table: &str, events: &[&v1::Event]) -> Result<(), HandlerError> {
+        async fn record(&self, table: &'static str, events: &[&v1::Event]) -> Result<(), HandlerError> {
             if events.is_empty() {
                 return Ok(());
             }
-            let failed = |e: sqlx::Error| HandlerError::retryable(format!("probe could not record into {table}: {e}"));
-            let now_us =
+            let failed = |e: String| HandlerError::retryable(format!("probe could not record into {table}: {e}"));
+            let at_us =
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64);
-            let mut tx = self.effects.begin().await.map_err(failed)?;
-            for event in events {
-                let sql = format!("INSERT INTO {table} (event_id, handler, pid, at, at_us) VALUES (?, ?, ?, ?, ?)");
-                sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(event.event_id.clone())
-                    .bind(self.name)
-                    .bind(i64::from(std::process::id()))
-                    .bind(now_us / 1000)
-                    .bind(now_us)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(failed)?;
-            }
-            tx.commit().await.map_err(failed)
+            let (recorded, outcome) = oneshot::channel();
+            let event_ids = events.iter().map(|e| e.event_id.clone()).collect();
+            let record = Record { table, handler: self.name, event_ids, at_us, recorded };
+            self.effects.records.send(record).map_err(|_| failed("the recorder stopped".into()))?;
+            outcome.await.map_err(|_| failed("the recorder stopped".into()))?.map_err(failed)
         }
 
         /// How this probe's failure rule treats `event`, now that its attempt is recorded.
@@ -211,7 +262,7 @@ mod enabled {
                     let attempts: i64 = sqlx::query("SELECT COUNT(*) FROM attempts WHERE event_id = ? AND handler = ?")
                         .bind(event.event_id.clone())
                         .bind(self.name)
-                        .fetch_one(&self.effects)
+                        .fetch_one(&self.effects.pool)
                         .await
                         .map(|r| r.get(0))
                         .map_err(|e| HandlerError::retryable(e.to_string()))?;
