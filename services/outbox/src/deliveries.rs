@@ -10,7 +10,7 @@
 //!
 //! Every function runs inside a writer job and takes the clock as an argument.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use reelay_domain::RetryPolicy;
@@ -378,26 +378,29 @@ async fn outbox_rows_of<'k>(
 }
 
 /// Rows after each handler's cursor: each of its types is handed over (its `processed_events`
-/// row created), others are passed; the cursor then moves past everything decided. Handlers at
-/// the same position share one read of the outbox.
+/// row created), others are passed; the cursor then moves past everything decided. Handlers
+/// whose positions are close share one read of the outbox, from the lowest of them.
 async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) -> Result<(), sqlx::Error> {
     let mut starts: Vec<i64> = claiming.iter().filter(|c| c.budget.rows > 0).map(|c| c.position).collect();
     starts.sort_unstable();
     starts.dedup();
     let mut oversized: Vec<(usize, Candidate)> = Vec::new();
-    for start in starts {
-        let members: Vec<usize> =
-            (0..claiming.len()).filter(|&i| claiming[i].position == start && claiming[i].budget.rows > 0).collect();
+    for (start, last_start) in shared_reads(&starts) {
+        let members: Vec<usize> = (0..claiming.len())
+            .filter(|&i| (start..=last_start).contains(&claiming[i].position) && claiming[i].budget.rows > 0)
+            .collect();
         let mut types: Vec<&str> =
             members.iter().flat_map(|&i| claiming[i].request.event_types.iter().map(String::as_str)).collect();
         types.sort_unstable();
         types.dedup();
-        let limit = members.iter().map(|&i| claiming[i].budget.rows).max().unwrap_or(1);
-        // The rows after the position of a type one of them takes (rows settled before
-        // per-handler delivery, on upgraded databases, are passed), as many as the largest
-        // budget, and the newest row's id (length -1): SQLite steps over the other types itself,
-        // so a handler far behind on rows it does not take catches up in this one read, and one
-        // that finds nothing more moves past everything there is.
+        // Enough rows for the largest budget after the highest position: at most
+        // `last_start - start` rows lie between the lowest position and the highest.
+        let limit = members.iter().map(|&i| claiming[i].budget.rows).max().unwrap_or(1) + (last_start - start) as usize;
+        // The rows after the lowest position of a type one of them takes (rows settled before
+        // per-handler delivery, on upgraded databases, are passed), as many as `limit`, and the
+        // newest row's id (length -1): SQLite steps over the other types itself, so a handler
+        // far behind on rows it does not take catches up in this one read, and one that finds
+        // nothing more moves past everything there is.
         let sql = format!(
             "SELECT id, event_id, event_type, length(payload) FROM (SELECT id, event_id, event_type, payload \
                  FROM event_queue WHERE id > ? AND status NOT IN ('done', 'dead_lettered') AND event_type IN ({}) \
@@ -417,9 +420,9 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
         let seen_to = if candidates.len() == limit { candidates.last().map_or(start, |c| c.0) } else { newest };
         for i in members {
             let c = &mut claiming[i];
-            c.moved_to = seen_to.max(start);
+            c.moved_to = seen_to.max(c.position);
             for (id, event_id, event_type, length) in &candidates {
-                if !c.request.event_types.contains(event_type) {
+                if *id <= c.position || !c.request.event_types.contains(event_type) {
                     continue;
                 }
                 let candidate = Candidate { id: *id, event_id: event_id.clone(), length: *length };
@@ -480,13 +483,13 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
                 .bind(now)
                 .bind(&request.owner);
         }
-        let inserted: Vec<(String, String)> = insert.fetch_all(tx.conn()).await?;
+        let inserted: HashSet<(String, String)> = insert.fetch_all(tx.conn()).await?.into_iter().collect();
         // A key that already had a row was handled before (or is claimed elsewhere, and comes
         // back through its lease): it is passed.
         for (i, candidate) in chunk {
             let key = delivery_key(candidate.id, candidate.event_id.as_deref());
             let c = &mut claiming[*i];
-            if inserted.iter().any(|(k, h)| *k == key && *h == c.request.handler) {
+            if inserted.contains(&(key.clone(), c.request.handler.clone())) {
                 c.taken.push((candidate.id, key, 1, now));
             }
         }
@@ -505,6 +508,23 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
         update.execute(tx.conn()).await?;
     }
     Ok(())
+}
+
+/// How far apart (in row ids) the positions of handlers claiming together may be for one read
+/// of the outbox to serve them all; farther ones are read apart, so that a handler far behind
+/// does not make the others read what it has to catch up on.
+const SHARED_READ_SPAN: i64 = 1024;
+
+/// Groups sorted, distinct positions into `(lowest, highest)` ranges, each served by one read.
+fn shared_reads(starts: &[i64]) -> Vec<(i64, i64)> {
+    let mut reads: Vec<(i64, i64)> = Vec::new();
+    for &start in starts {
+        match reads.last_mut() {
+            Some((first, last)) if start - *first <= SHARED_READ_SPAN => *last = start,
+            _ => reads.push((start, start)),
+        }
+    }
+    reads
 }
 
 /// Reads the contents of the claimed rows: row id → (type, aggregate, payload).
@@ -551,7 +571,7 @@ pub async fn settle_many(
         .flat_map(|(handler, settlements)| settlements.iter().map(move |s| (*handler, s)))
         .filter(|(_, s)| s.outcome == DeliveryOutcome::Done)
         .collect();
-    let mut marked: std::collections::HashSet<(String, String, i64)> = std::collections::HashSet::new();
+    let mut marked: HashSet<(String, String, i64)> = HashSet::new();
     for chunk in done.chunks(300) {
         let sql = format!(
             "UPDATE processed_events SET status = 'done', processed_at = ?, owner = NULL FROM (VALUES {}) AS v \

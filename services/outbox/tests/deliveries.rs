@@ -524,3 +524,62 @@ async fn claims_of_many_handlers_in_one_job_equal_one_claim_each() {
     assert_eq!(shape[3].as_ref().unwrap().len(), 40 - 5 - 6, "y's second request: the rest");
     assert_eq!(shape[4], Err(true), "w is not registered");
 }
+
+/// Handlers whose positions are close share one read of the outbox, from the lowest; one far
+/// behind is read apart. With budgets smaller than what there is, each still gets exactly the
+/// rows and cursor that claiming for it alone gives.
+#[tokio::test]
+async fn handlers_at_near_and_far_positions_claimed_together_get_their_own_rows() {
+    let all = ["MovieDeleted", "UserRegistered"];
+    let mut outcomes = Vec::new();
+    for merged in [true, false] {
+        let (dir, db) = open().await;
+        register(&db, &["near", "nearer", "far", "types"], T0).await;
+        enqueue(&db, 3000).await;
+        // Move `nearer` 8 rows and `far` 2,500 rows on; `near` and `types` stay at the start.
+        for (handler, rows) in [("nearer", 8), ("far", 2500)] {
+            let mut ahead = request(handler, &all, "p#1");
+            ahead.max_rows = rows;
+            claim(&db, &ahead, T0).await.unwrap();
+        }
+        let requests: Vec<HandlerClaim> = [("near", &all[..]), ("nearer", &all), ("far", &all), ("types", &all[1..])]
+            .into_iter()
+            .map(|(handler, types)| HandlerClaim { max_rows: 5, ..request(handler, types, "p#2") })
+            .collect();
+        let claimed: Vec<Vec<ClaimedDelivery>> = if merged {
+            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, T0, POLICY, &requests).await?) }))
+                .await
+                .unwrap()
+                .into_iter()
+                .map(Result::unwrap)
+                .collect()
+        } else {
+            let mut one_by_one = Vec::new();
+            for request in &requests {
+                one_by_one.push(claim(&db, request, T0).await.unwrap());
+            }
+            one_by_one
+        };
+        let rows: Vec<Vec<i64>> = claimed.iter().map(|c| c.iter().map(|d| d.row_id).collect()).collect();
+        let cursors: Vec<(String, i64)> =
+            sqlx::query_as("SELECT handler, position FROM handler_cursors ORDER BY handler")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        outcomes.push((rows, cursors));
+        drop(dir);
+    }
+    let ((rows, cursors), (alone, alone_cursors)) = (&outcomes[0], &outcomes[1]);
+    assert_eq!(rows, alone);
+    // The shared read may move `types` past a row of the other type that claiming alone had not
+    // yet looked at (11): never past one of its own (12).
+    let at = |cursors: &[(String, i64)], handler: &str| cursors.iter().find(|c| c.0 == handler).unwrap().1;
+    for (cursors, types) in [(cursors, 10..=11), (alone_cursors, 10..=10)] {
+        assert_eq!([at(cursors, "near"), at(cursors, "nearer"), at(cursors, "far")], [5, 13, 2505]);
+        assert!(types.contains(&at(cursors, "types")), "{cursors:?}");
+    }
+    assert_eq!(rows[0], vec![1, 2, 3, 4, 5], "near: from the start");
+    assert_eq!(rows[1], vec![9, 10, 11, 12, 13], "nearer: after its 8");
+    assert_eq!(rows[2], vec![2501, 2502, 2503, 2504, 2505], "far: after its 2,500");
+    assert!(rows[3].iter().all(|id| id % 2 == 0) && rows[3].len() == 5, "types: its own type only: {:?}", rows[3]);
+}
