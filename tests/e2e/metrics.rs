@@ -89,6 +89,12 @@ async fn counters_agree_with_the_database(backend: Backend) {
         write.value(r#"reelay_writer_job_seconds_count{job="create_user"}"#) >= Some(USERS as f64),
         "every CreateUser is a timed write job"
     );
+    if backend == Backend::Db {
+        // The probes' claims are merged jobs: each answers one or more of them.
+        let jobs = write.value(r#"reelay_writer_merged_requests_count{job="claim_deliveries"}"#);
+        let answered = write.value(r#"reelay_writer_merged_requests_sum{job="claim_deliveries"}"#);
+        assert!(jobs > Some(0.0) && answered >= jobs, "merged claims: {jobs:?} jobs answered {answered:?}");
+    }
     let rows = outbox_rows(&cluster.db).await.len() as f64;
     assert_eq!(rows, USERS as f64);
     for status in ["pending", "processing", "done", "dead_lettered"] {

@@ -159,7 +159,7 @@ async fn raw_connection(path: &Path) -> anyhow::Result<sqlx::SqliteConnection> {
 
 fn review_event(n: u64) -> Vec<u8> {
     v1::Event {
-        event_id: uuid::Uuid::new_v4().to_string(),
+        event_id: uuid::Uuid::now_v7().to_string(),
         event_type: "ReviewLogged".into(),
         aggregate_id: uuid::Uuid::now_v7().to_string(),
         occurred_at_ms: 1,
@@ -204,7 +204,7 @@ async fn raw_sqlite(b: &Bench, with_outbox: bool) -> anyhow::Result<f64> {
                 "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, available_at, created_at) \
                  VALUES (?, 'ReviewLogged', 'r', ?, 'pending', 0, 0, 0)",
             )
-            .bind(uuid::Uuid::new_v4().to_string())
+            .bind(uuid::Uuid::now_v7().to_string())
             .bind(review_event(n))
             .execute(&mut *tx)
             .await?;
@@ -296,7 +296,7 @@ async fn raw_group_commit(b: &Bench, tasks: usize) -> anyhow::Result<f64> {
                     body: format!(
                         "Review number {n}: the diner scene still works, and the score carries the last act."
                     ),
-                    event_id: uuid::Uuid::new_v4().to_string(),
+                    event_id: uuid::Uuid::now_v7().to_string(),
                     payload: review_event(n),
                     committed,
                 };
@@ -347,8 +347,6 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
             let skipped = if events { "" } else { ", events skipped" };
             let label = format!("LogReview over gRPC, {clients} clients{skipped}");
             report.add(format!("{label}: writer busy"), 100.0 * after.busy_since(&before, elapsed), "%");
-            let committing = (after.committing - before.committing) / elapsed;
-            report.add(format!("{label}: writer time in COMMIT"), 100.0 * committing, "%");
             report_writer_jobs(report, &label, &before, &after, elapsed);
             let commits = after.batches - before.batches;
             report.add(format!("{label}: calls per commit"), rate * elapsed / commits, "calls");
@@ -448,7 +446,7 @@ async fn raw_publish(nats: &NatsServer, rows: usize, in_flight: usize) -> anyhow
     let mut pending = FuturesUnordered::new();
     for i in 0..rows {
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", uuid::Uuid::new_v4().to_string().as_str());
+        headers.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
         let ack = js.publish_with_headers("baseline.ReviewLogged", headers, payloads[i % 1000].clone().into()).await?;
         pending.push(ack.into_future());
         if pending.len() >= in_flight {
@@ -691,7 +689,7 @@ pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
     let mut counted = 0u64;
     while Instant::now() < until {
-        let id = uuid::Uuid::new_v4().to_string();
+        let id = uuid::Uuid::now_v7().to_string();
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
         sqlx::query("INSERT INTO processed_events (event_id, handler, status, started_at) VALUES (?, 'bench', 'in_progress', 1) ON CONFLICT DO NOTHING")
             .bind(id.clone())
@@ -722,7 +720,7 @@ pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
             let mut counted = 0u64;
             while Instant::now() < until {
                 let keys: Vec<v1::LedgerKey> = (0..batch)
-                    .map(|_| v1::LedgerKey { event_id: uuid::Uuid::new_v4().to_string(), handler: "bench".into() })
+                    .map(|_| v1::LedgerKey { event_id: uuid::Uuid::now_v7().to_string(), handler: "bench".into() })
                     .collect();
                 let claims = c
                     .ledger
@@ -785,24 +783,32 @@ pub(crate) struct WriterSample {
     pub(crate) committing: f64,
     /// Seconds per kind of write job (`reelay_writer_job_seconds`, by job).
     pub(crate) jobs: HashMap<String, f64>,
+    /// Jobs run, by kind.
+    pub(crate) job_counts: HashMap<String, f64>,
+    /// Requests answered by merged jobs, by kind (`reelay_writer_merged_requests`).
+    pub(crate) merged: HashMap<String, f64>,
 }
 
 impl WriterSample {
     pub(crate) async fn read(write: &Reelay) -> Self {
         let metrics = write.metrics().await;
-        let jobs = metrics
-            .0
-            .lines()
-            .filter_map(|line| {
-                let (job, value) = line.strip_prefix("reelay_writer_job_seconds_sum{job=\"")?.split_once("\"} ")?;
-                Some((job.to_owned(), value.trim().parse().ok()?))
-            })
-            .collect();
+        let by_job = |prefix: &str| -> HashMap<String, f64> {
+            metrics
+                .0
+                .lines()
+                .filter_map(|line| {
+                    let (job, value) = line.strip_prefix(prefix)?.strip_prefix("{job=\"")?.split_once("\"} ")?;
+                    Some((job.to_owned(), value.trim().parse().ok()?))
+                })
+                .collect()
+        };
         Self {
             busy: metrics.sum("reelay_writer_batch_seconds_sum", &[]),
             batches: metrics.sum("reelay_writer_batch_seconds_count", &[]),
             committing: metrics.sum("reelay_writer_commit_seconds_sum", &[]),
-            jobs,
+            jobs: by_job("reelay_writer_job_seconds_sum"),
+            job_counts: by_job("reelay_writer_job_seconds_count"),
+            merged: by_job("reelay_writer_merged_requests_sum"),
         }
     }
 
@@ -812,8 +818,9 @@ impl WriterSample {
     }
 }
 
-/// What the writer spent its time on between two samples: the four largest kinds of job, each as
-/// a share of `elapsed` (the rest of its busy time is BEGIN, savepoints and COMMIT).
+/// What the writer spent its time on between two samples: its time in `COMMIT` and the four
+/// largest kinds of job, each as a share of `elapsed` (the rest of its busy time is BEGIN and
+/// savepoints), with each kind's time per job and, for merged jobs, the requests each answered.
 pub(crate) fn report_writer_jobs(
     report: &mut Report,
     label: &str,
@@ -821,15 +828,24 @@ pub(crate) fn report_writer_jobs(
     after: &WriterSample,
     elapsed: f64,
 ) {
-    let mut spent: Vec<(&String, f64)> = after
-        .jobs
-        .iter()
-        .map(|(job, s)| (job, s - before.jobs.get(job).copied().unwrap_or(0.0)))
-        .filter(|(_, s)| *s > 0.0)
-        .collect();
+    let committing = (after.committing - before.committing) / elapsed;
+    report.add(format!("{label}: writer time in COMMIT"), 100.0 * committing, "%");
+    let since = |now: &HashMap<String, f64>, then: &HashMap<String, f64>, job: &str| {
+        now.get(job).copied().unwrap_or(0.0) - then.get(job).copied().unwrap_or(0.0)
+    };
+    let mut spent: Vec<(&String, f64)> =
+        after.jobs.keys().map(|job| (job, since(&after.jobs, &before.jobs, job))).filter(|(_, s)| *s > 0.0).collect();
     spent.sort_by(|a, b| b.1.total_cmp(&a.1));
     for (job, seconds) in spent.into_iter().take(4) {
         report.add(format!("{label}: writer time in {job} jobs"), 100.0 * seconds / elapsed, "%");
+        let count = since(&after.job_counts, &before.job_counts, job);
+        if count > 0.0 {
+            report.add(format!("{label}: {job} job, writer time each"), 1000.0 * seconds / count, "ms");
+            let merged = since(&after.merged, &before.merged, job);
+            if merged > 0.0 {
+                report.add(format!("{label}: {job} job, requests each"), merged / count, "calls");
+            }
+        }
     }
 }
 

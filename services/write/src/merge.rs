@@ -15,14 +15,29 @@
 //! out only after the batch committed, so nobody acts on a claim that was not written. A job
 //! that fails fails every request in it with the same answer.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use futures_util::future::BoxFuture;
+use reelay_kit::metrics::{self, Histogram};
 use reelay_kit::{ErrorCode, ServiceError};
 use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::sync::oneshot;
 
 use crate::WriteError;
+
+static MERGED_REQUESTS: LazyLock<Histogram> = LazyLock::new(|| {
+    metrics::histogram(
+        "reelay_writer_merged_requests",
+        "Requests answered by one merged write job, by job (how well concurrent callers share it).",
+        &["job"],
+        metrics::BATCH_SIZES,
+    )
+});
+
+/// Declares the merging's metrics, so they are scraped before the first merged job.
+pub(crate) fn register_metrics() {
+    LazyLock::force(&MERGED_REQUESTS);
+}
 
 type Reply<A> = oneshot::Sender<Result<A, WriteError>>;
 /// Requests waiting for a job, each with where its answer goes.
@@ -90,6 +105,7 @@ impl<R: Send + 'static, A: Send + 'static> Merged<R, A> {
             .transact_as::<_, WriteError, _>(name, durability, move |tx: &mut WriteTx| {
                 let (requests, replies): (Vec<R>, Vec<Reply<A>>) =
                     std::mem::take(&mut *waiting.lock().expect("never poisoned")).into_iter().unzip();
+                MERGED_REQUESTS.observe(&[name], requests.len() as f64);
                 *taken.lock().expect("never poisoned") = Some(replies);
                 work(tx, requests)
             })
