@@ -56,7 +56,7 @@ pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<V
     let at = tx.now_ms();
     let mut enqueued = Vec::with_capacity(events.len());
     for event in events {
-        let event_id = EventId::random();
+        let event_id = EventId::new();
         let event_type = event.event_type();
         let envelope = v1::Event {
             event_id: event_id.to_string(),
