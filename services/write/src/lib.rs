@@ -19,7 +19,14 @@ mod store;
 
 pub use actor_keys::ActorKeys;
 pub use api::mount;
-pub use api::{Bus, DeliveryPolicy, mount_internal, register_handlers, register_metrics, sample_status};
+pub use api::{Bus, DeliveryPolicy, mount_internal, register_handlers, sample_status};
 pub use error::WriteError;
 pub use retention::{Retention, purge_expired};
 pub use store::Store;
+
+/// Declares the write service's metrics (the ledger's and the merged jobs'), so they are scraped
+/// before the first request.
+pub fn register_metrics() {
+    api::register_ledger_metrics();
+    merge::register_metrics();
+}

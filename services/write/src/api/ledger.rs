@@ -28,12 +28,10 @@ static LEDGER_DEAD_LETTERS: LazyLock<Counter> = LazyLock::new(|| {
     )
 });
 
-/// Declares the write service's metrics (the ledger's and its merged jobs'), so they are
-/// scraped before the first claim.
-pub fn register_metrics() {
+/// Declares the ledger's metrics, so they are scraped before the first claim.
+pub(crate) fn register_metrics() {
     LazyLock::force(&LEDGER_CLAIMS);
     LazyLock::force(&LEDGER_DEAD_LETTERS);
-    crate::merge::register_metrics();
 }
 
 #[derive(Clone)]

@@ -30,7 +30,7 @@ mod wrap_ups;
 pub use admin::{Bus, sample_status};
 pub use deliveries::register_handlers;
 pub use internal::{DeliveryPolicy, mount_internal};
-pub use ledger::register_metrics;
+pub(crate) use ledger::register_metrics as register_ledger_metrics;
 
 type Reply<T> = Result<Response<T>, Status>;
 
