@@ -12,8 +12,8 @@ async fn open(path: &Path) -> SqliteConnection {
     SqliteConnectOptions::new().filename(path).read_only(true).connect().await.expect("open the test database")
 }
 
-/// Every row of every table but `actor_keys` (including sqlx's bookkeeping), rendered as text in rowid order:
-/// two snapshots are equal exactly when the tables hold the same data.
+/// Every row of every table but `actor_keys` (sqlx's bookkeeping included), rendered as text in
+/// rowid order: two snapshots are equal exactly when those tables hold the same data.
 pub type Snapshot = BTreeMap<String, Vec<String>>;
 
 pub async fn table_snapshot(path: &Path) -> Snapshot {
