@@ -3,7 +3,7 @@
 //! no network. It knows runtimes, genres, directors and cast, but no person ids: people are
 //! keyed `catalog:<name>`, and a person's profile is the films the catalog credits them with.
 
-use std::collections::HashMap;
+use std::cmp::Ordering;
 use std::io::Read;
 use std::sync::{Arc, OnceLock};
 
@@ -14,26 +14,56 @@ use crate::provider::{MetadataProvider, MovieQuery, ProviderError};
 
 static CATALOG_GZ: &[u8] = include_bytes!("../catalog/films.tsv.gz");
 
-#[derive(Debug, Clone)]
-struct Film {
-    wikidata: String,
-    imdb: String,
-    title: String,
-    year: i32,
-    runtime: u32,
-    genres: Vec<String>,
-    directors: Vec<String>,
-    cast: Vec<String>,
+/// A piece of the catalog's text.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    start: u32,
+    len: u32,
 }
 
-/// The catalog, decoded once per process.
+/// A film: its line of the table, and the two numbers parsed once.
+#[derive(Debug, Clone, Copy)]
+struct Film {
+    line: Span,
+    year: i32,
+    runtime: u32,
+}
+
+/// One person credited on one film (directing or cast).
+#[derive(Debug, Clone, Copy)]
+struct Credit {
+    name: Span,
+    film: u32,
+}
+
+/// A film's fields, borrowed from the catalog's text.
+struct Fields<'a> {
+    wikidata: &'a str,
+    imdb: &'a str,
+    title: &'a str,
+    genres: &'a str,
+    directors: &'a str,
+    cast: &'a str,
+}
+
+/// The items of a `|`-separated list field.
+fn items(field: &str) -> impl Iterator<Item = &str> {
+    field.split('|').filter(|s| !s.is_empty())
+}
+
+/// The catalog, decoded once per process. It keeps the decompressed table (4 MB) and indexes
+/// of positions into it, not a string per field: as maps of owned strings it took about 40 MB,
+/// more than the rest of the handlers process together.
 pub struct Catalog {
+    text: Box<str>,
     films: Vec<Film>,
-    by_imdb: HashMap<String, usize>,
-    by_wikidata: HashMap<String, usize>,
-    by_title: HashMap<(String, i32), usize>,
-    /// person name → the films crediting them (directing first).
-    credits: HashMap<String, Vec<usize>>,
+    /// Film numbers sorted by IMDb id (films without one left out), by Wikidata id, and by title
+    /// key and year. Where two films share a key, the first in the table wins.
+    by_imdb: Vec<u32>,
+    by_wikidata: Vec<u32>,
+    by_title: Vec<u32>,
+    /// Every credit, sorted by name and then film: a person's films are one run of it.
+    credits: Vec<Credit>,
 }
 
 impl Catalog {
@@ -46,53 +76,76 @@ impl Catalog {
     fn parse(gz: &[u8]) -> Result<Self, String> {
         let mut text = String::new();
         flate2::read::GzDecoder::new(gz).read_to_string(&mut text).map_err(|e| format!("catalog: {e}"))?;
-        let list =
-            |field: &str| -> Vec<String> { field.split('|').filter(|s| !s.is_empty()).map(str::to_owned).collect() };
-        let mut films = Vec::new();
+        if u32::try_from(text.len()).is_err() {
+            return Err(format!("catalog: {} bytes is more than its positions can address", text.len()));
+        }
+        let mut catalog = Catalog {
+            text: text.into_boxed_str(),
+            films: Vec::new(),
+            by_imdb: Vec::new(),
+            by_wikidata: Vec::new(),
+            by_title: Vec::new(),
+            credits: Vec::new(),
+        };
+        let text = &catalog.text;
+        let span = |s: &str| Span { start: (s.as_ptr() as usize - text.as_ptr() as usize) as u32, len: s.len() as u32 };
         for line in text.lines().filter(|l| !l.starts_with('#')).skip(1) {
             let f: Vec<&str> = line.split('\t').collect();
             if f.len() != 8 {
                 return Err(format!("catalog: a line has {} fields, expected 8: {line:?}", f.len()));
             }
-            films.push(Film {
-                wikidata: f[0].to_owned(),
-                imdb: f[1].to_owned(),
-                title: f[2].to_owned(),
+            let film = catalog.films.len() as u32;
+            catalog.films.push(Film {
+                line: span(line),
                 year: f[3].parse().map_err(|_| format!("catalog: bad year in {line:?}"))?,
                 runtime: f[4].parse().map_err(|_| format!("catalog: bad runtime in {line:?}"))?,
-                genres: list(f[5]),
-                directors: list(f[6]),
-                cast: list(f[7]),
             });
+            catalog.credits.extend(items(f[6]).chain(items(f[7])).map(|name| Credit { name: span(name), film }));
         }
-        let mut catalog = Catalog {
-            by_imdb: HashMap::new(),
-            by_wikidata: HashMap::new(),
-            by_title: HashMap::new(),
-            credits: HashMap::new(),
-            films: Vec::new(),
-        };
-        for (i, film) in films.iter().enumerate() {
-            if !film.imdb.is_empty() {
-                catalog.by_imdb.insert(film.imdb.clone(), i);
-            }
-            catalog.by_wikidata.insert(film.wikidata.clone(), i);
-            // Two films with one title in one year: the first (by id order) wins the title.
-            catalog.by_title.entry((title_key(&film.title), film.year)).or_insert(i);
-            for name in film.directors.iter().chain(&film.cast) {
-                let credits = catalog.credits.entry(name.clone()).or_default();
-                if credits.last() != Some(&i) {
-                    credits.push(i);
-                }
-            }
-        }
-        catalog.films = films;
+        let all = 0..catalog.films.len() as u32;
+        // Stable sorts: among films with one key, table order stays, so the first wins.
+        let mut by_imdb: Vec<u32> = all.clone().filter(|&i| !catalog.fields(i).imdb.is_empty()).collect();
+        by_imdb.sort_by(|&a, &b| catalog.fields(a).imdb.cmp(catalog.fields(b).imdb));
+        let mut by_wikidata: Vec<u32> = all.clone().collect();
+        by_wikidata.sort_by(|&a, &b| catalog.fields(a).wikidata.cmp(catalog.fields(b).wikidata));
+        let mut by_title: Vec<u32> = all.collect();
+        by_title.sort_by_cached_key(|&i| catalog.title_key(i));
+        let mut credits = std::mem::take(&mut catalog.credits);
+        credits.sort_by(|a, b| catalog.str(a.name).cmp(catalog.str(b.name)).then(a.film.cmp(&b.film)));
+        // A person both directing and in the cast of one film is credited once.
+        credits.dedup_by(|a, b| a.film == b.film && catalog.str(a.name) == catalog.str(b.name));
+        credits.shrink_to_fit();
+        catalog.films.shrink_to_fit();
+        (catalog.by_imdb, catalog.by_wikidata, catalog.by_title, catalog.credits) =
+            (by_imdb, by_wikidata, by_title, credits);
         Ok(catalog)
+    }
+
+    fn str(&self, span: Span) -> &str {
+        &self.text[span.start as usize..(span.start + span.len) as usize]
+    }
+
+    fn fields(&self, film: u32) -> Fields<'_> {
+        let mut f = self.str(self.films[film as usize].line).split('\t');
+        let mut next = || f.next().unwrap_or_default();
+        let (wikidata, imdb, title) = (next(), next(), next());
+        let (_year, _runtime) = (next(), next());
+        Fields { wikidata, imdb, title, genres: next(), directors: next(), cast: next() }
+    }
+
+    fn title_key(&self, film: u32) -> (String, i32) {
+        (title_key(self.fields(film).title), self.films[film as usize].year)
+    }
+
+    /// The first film of `index` whose key (by `key`) equals `wanted`; `index` is sorted by it.
+    fn lookup<K: Ord>(index: &[u32], wanted: &K, key: impl Fn(u32) -> K) -> Option<u32> {
+        let at = index.partition_point(|&i| key(i).cmp(wanted) == Ordering::Less);
+        index.get(at).copied().filter(|&i| key(i) == *wanted)
     }
 
     /// Every film's title and year, in catalog order.
     pub fn titles(&self) -> impl Iterator<Item = (&str, i32)> {
-        self.films.iter().map(|f| (f.title.as_str(), f.year))
+        (0..self.films.len() as u32).map(|i| (self.fields(i).title, self.films[i as usize].year))
     }
 
     pub fn len(&self) -> usize {
@@ -103,31 +156,42 @@ impl Catalog {
         self.films.is_empty()
     }
 
-    fn find(&self, query: &MovieQuery) -> Option<&Film> {
+    fn find(&self, query: &MovieQuery) -> Option<u32> {
         let by_id = query.external_id.as_deref().and_then(|id| match id.split_once(':') {
-            Some(("imdb", imdb)) => self.by_imdb.get(imdb),
-            Some(("wikidata", q)) => self.by_wikidata.get(q),
+            Some(("imdb", imdb)) if !imdb.is_empty() => Self::lookup(&self.by_imdb, &imdb, |i| self.fields(i).imdb),
+            Some(("wikidata", q)) => Self::lookup(&self.by_wikidata, &q, |i| self.fields(i).wikidata),
             _ => None,
         });
-        by_id.or_else(|| self.by_title.get(&(title_key(&query.title), query.year))).map(|&i| &self.films[i])
+        by_id.or_else(|| {
+            let wanted = (title_key(&query.title), query.year);
+            Self::lookup(&self.by_title, &wanted, |i| self.title_key(i))
+        })
     }
 
-    fn profile(film: &Film) -> v1::MovieProfile {
-        let credit = |name: &String| v1::PersonCredit {
+    /// The films crediting `name`, in table order.
+    fn credits<'a>(&'a self, name: &'a str) -> impl Iterator<Item = u32> + 'a {
+        let at = self.credits.partition_point(|c| self.str(c.name) < name);
+        self.credits[at..].iter().take_while(move |c| self.str(c.name) == name).map(|c| c.film)
+    }
+
+    fn profile(&self, film: u32) -> v1::MovieProfile {
+        let f = self.fields(film);
+        let Film { year, runtime, .. } = self.films[film as usize];
+        let credit = |name: &str| v1::PersonCredit {
             person_id: format!("catalog:{name}"),
-            name: name.clone(),
+            name: name.to_owned(),
             role: String::new(),
         };
         v1::MovieProfile {
             provider: "catalog".into(),
-            provider_id: format!("wikidata:{}", film.wikidata),
-            imdb_id: film.imdb.clone(),
-            title: film.title.clone(),
-            year: film.year,
-            runtime_minutes: film.runtime,
-            genres: film.genres.clone(),
-            directors: film.directors.iter().map(credit).collect(),
-            cast: film.cast.iter().map(credit).collect(),
+            provider_id: format!("wikidata:{}", f.wikidata),
+            imdb_id: f.imdb.to_owned(),
+            title: f.title.to_owned(),
+            year,
+            runtime_minutes: runtime,
+            genres: items(f.genres).map(str::to_owned).collect(),
+            directors: items(f.directors).map(credit).collect(),
+            cast: items(f.cast).map(credit).collect(),
             poster_url: String::new(),
             overview: String::new(),
         }
@@ -141,14 +205,17 @@ impl MetadataProvider for Catalog {
     }
 
     async fn movie(&self, query: &MovieQuery) -> Result<Option<v1::MovieProfile>, ProviderError> {
-        Ok(self.find(query).map(Catalog::profile))
+        Ok(self.find(query).map(|film| self.profile(film)))
     }
 
     async fn person(&self, person_id: &str) -> Result<Option<v1::Person>, ProviderError> {
         let Some(name) = person_id.strip_prefix("catalog:") else { return Ok(None) };
-        let Some(credits) = self.credits.get(name) else { return Ok(None) };
+        let mut credits = self.credits(name).peekable();
+        if credits.peek().is_none() {
+            return Ok(None);
+        }
         let known_for =
-            credits.iter().take(20).map(|&i| format!("{} ({})", self.films[i].title, self.films[i].year)).collect();
+            credits.take(20).map(|i| format!("{} ({})", self.fields(i).title, self.films[i as usize].year)).collect();
         Ok(Some(v1::Person {
             person_id: person_id.to_owned(),
             name: name.to_owned(),
@@ -183,5 +250,12 @@ mod tests {
         let mann = catalog.person("catalog:Michael Mann").await.unwrap().unwrap();
         assert!(mann.known_for.contains(&"Heat (1995)".to_owned()), "{:?}", mann.known_for);
         assert!(catalog.person("catalog:Nobody At All").await.unwrap().is_none());
+        // Directing and acting in one film is one credit; the first twenty, in table order.
+        let eastwood = catalog.person("catalog:Clint Eastwood").await.unwrap().unwrap().known_for;
+        assert_eq!(eastwood.len(), 20);
+        assert_eq!(eastwood.iter().filter(|f| *f == "Play Misty for Me (1971)").count(), 1, "{eastwood:?}");
+        let mut unique = eastwood.clone();
+        unique.dedup();
+        assert_eq!(unique, eastwood);
     }
 }
