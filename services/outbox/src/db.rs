@@ -66,7 +66,7 @@ impl DbConfig {
         }
         // Switching a fresh file to WAL needs a moment alone with it; another process migrating
         // the same file can hold it, and that lock does not wait on the busy timeout.
-        let options = self.options().create_if_missing(true);
+        let options = self.writer_options().create_if_missing(true);
         let mut backoff = crate::migrate::startup_retry();
         let mut conn = loop {
             match options.connect().await {
@@ -82,6 +82,15 @@ impl DbConfig {
         Ok(conn)
     }
 
+    /// The writer's connection. Its statements hand their rows to the writer task through a
+    /// channel; with sqlx's default of 50 rows, a claim or settlement returning a few hundred
+    /// stopped SQLite every 50 rows until the writer task was next scheduled, inside the
+    /// transaction every other write waits on. The writer's largest statements return at most
+    /// 500 rows (they are chunked), so the channel holds a whole statement's rows.
+    fn writer_options(&self) -> SqliteConnectOptions {
+        self.options().row_buffer_size(WRITER_ROW_BUFFER)
+    }
+
     fn options(&self) -> SqliteConnectOptions {
         SqliteConnectOptions::new()
             .filename(&self.path)
@@ -94,6 +103,9 @@ impl DbConfig {
             .foreign_keys(true)
     }
 }
+
+/// Rows a writer statement may return before SQLite waits for the writer task to take them.
+const WRITER_ROW_BUFFER: usize = 512;
 
 fn is_busy(error: &sqlx::Error) -> bool {
     error.as_database_error().and_then(|e| e.code()).is_some_and(|code| {
@@ -120,7 +132,7 @@ impl Database {
             .connect_with(config.options().read_only(true))
             .await?;
         conn.ping().await?;
-        let options = config.options();
+        let options = config.writer_options();
         let reopen: Opener = std::sync::Arc::new(move || {
             let options = options.clone();
             Box::pin(async move { options.connect().await })
