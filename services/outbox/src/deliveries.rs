@@ -743,30 +743,39 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats
         .collect())
 }
 
-// Every query for open deliveries says `status IN ('in_progress', 'retry')`, the condition of
-// the ledger's index of them (`processed_events_open`), even next to a narrower one: SQLite uses
-// a partial index only for a query whose WHERE contains its condition as written, and without
-// it `status = 'retry'` reads every row the ledger ever kept (most of them done).
+// SQLite uses a partial index only for a query whose WHERE contains the index's condition as
+// written; without one, a look for open deliveries reads every row the ledger keeps (most of
+// them done). So queries for claims say `status IN ('in_progress', 'retry')`, the condition of
+// the index of open deliveries (`processed_events_open`: handler, status, renewed_at), even next
+// to a narrower one; queries for retries alone say `status = 'retry'`, the condition of the
+// index of retries by due time (`processed_events_retry`: handler, available_at).
 
 /// The open deliveries (due retries and claims whose lease ran out) of `handlers` handlers,
 /// at most `?` per handler, oldest first.
 pub(crate) fn claim_open_sql(handlers: usize) -> String {
+    // ?1..?n the handlers, then now, the lease's cutoff and the most rows per handler. Due
+    // retries and expired claims are read apart, each as one range of its index.
+    let names = (1..=handlers).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ");
+    let (now, stale, most) = (handlers + 1, handlers + 2, handlers + 3);
     format!(
         "SELECT handler, event_id, attempts, started_at, status, owner FROM ( \
              SELECT handler, event_id, attempts, started_at, status, owner, \
-                 row_number() OVER (PARTITION BY handler ORDER BY started_at) AS n \
-             FROM processed_events WHERE handler IN ({}) AND status IN ('in_progress', 'retry') \
-                 AND ((status = 'retry' AND available_at <= ?) OR (status = 'in_progress' AND renewed_at < ?))) \
-         WHERE n <= ? ORDER BY handler, n",
-        vec!["?"; handlers].join(", ")
+                 row_number() OVER (PARTITION BY handler ORDER BY started_at) AS n FROM ( \
+                 SELECT handler, event_id, attempts, started_at, status, owner FROM processed_events \
+                     WHERE handler IN ({names}) AND status = 'retry' AND available_at <= ?{now} \
+                 UNION ALL \
+                 SELECT handler, event_id, attempts, started_at, status, owner FROM processed_events \
+                     WHERE handler IN ({names}) AND status IN ('in_progress', 'retry') AND status = 'in_progress' \
+                         AND renewed_at < ?{stale})) \
+         WHERE n <= ?{most} ORDER BY handler, n"
     )
 }
 
 pub(crate) const PEEK: &str = "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
-         OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND \
-             ((status = 'retry' AND available_at <= ?2) OR (status = 'in_progress' AND renewed_at < ?3))), \
-        (SELECT MIN(available_at) FROM processed_events \
-             WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND status = 'retry')";
+         OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status = 'retry' AND available_at <= ?2) \
+         OR EXISTS (SELECT 1 FROM processed_events \
+             WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND renewed_at < ?3), \
+        (SELECT MIN(available_at) FROM processed_events WHERE handler = ?1 AND status = 'retry')";
 
 /// A read-only look for an idle claimer: whether the handler has anything to claim now, and
 /// when its next retry is due.

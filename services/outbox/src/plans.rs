@@ -50,6 +50,21 @@ async fn open_deliveries_are_found_through_their_index() {
     check_plans(statements, &["processed_events", "p"], true, |step| step.contains("INDEX processed_events_")).await;
 }
 
+/// Every claim and every look of an idle claimer asks for the handler's expired claims and due
+/// retries: each is one range of an index, not a read of every claim the handler holds (hundreds
+/// under load, none of them expired).
+#[tokio::test]
+async fn expired_claims_and_due_retries_are_sought() {
+    let statements = vec![deliveries::PEEK.to_owned(), deliveries::claim_open_sql(1), deliveries::claim_open_sql(3)];
+    check_plans(statements, &["processed_events"], true, |step| {
+        step.contains("INDEX processed_events_open (handler=? AND status=? AND renewed_at<?)")
+            || step.contains("INDEX processed_events_retry (handler=? AND available_at<?)")
+            // The earliest retry: the first entry of the handler's range.
+            || step.ends_with("INDEX processed_events_retry (handler=?)")
+    })
+    .await;
+}
+
 /// Retention runs once a minute in the writer: it finds what it deletes by key or through an
 /// index of what is past retention, never by reading every row kept.
 #[tokio::test]
