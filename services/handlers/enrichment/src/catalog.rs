@@ -3,7 +3,6 @@
 //! no network. It knows runtimes, genres, directors and cast, but no person ids: people are
 //! keyed `catalog:<name>`, and a person's profile is the films the catalog credits them with.
 
-use std::cmp::Ordering;
 use std::io::Read;
 use std::sync::{Arc, OnceLock};
 
@@ -105,13 +104,14 @@ impl Catalog {
         let all = 0..catalog.films.len() as u32;
         // Stable sorts: among films with one key, table order stays, so the first wins.
         let mut by_imdb: Vec<u32> = all.clone().filter(|&i| !catalog.fields(i).imdb.is_empty()).collect();
-        by_imdb.sort_by(|&a, &b| catalog.fields(a).imdb.cmp(catalog.fields(b).imdb));
+        by_imdb.sort_by_cached_key(|&i| catalog.fields(i).imdb);
         let mut by_wikidata: Vec<u32> = all.clone().collect();
-        by_wikidata.sort_by(|&a, &b| catalog.fields(a).wikidata.cmp(catalog.fields(b).wikidata));
+        by_wikidata.sort_by_cached_key(|&i| catalog.fields(i).wikidata);
         let mut by_title: Vec<u32> = all.collect();
-        by_title.sort_by_cached_key(|&i| catalog.title_key(i));
+        by_title.sort_by_cached_key(|&i| catalog.title_and_year(i));
         let mut credits = std::mem::take(&mut catalog.credits);
-        credits.sort_by(|a, b| catalog.str(a.name).cmp(catalog.str(b.name)).then(a.film.cmp(&b.film)));
+        // Name and film make the order total: an unstable sort gives the same result.
+        credits.sort_unstable_by(|a, b| catalog.str(a.name).cmp(catalog.str(b.name)).then(a.film.cmp(&b.film)));
         // A person both directing and in the cast of one film is credited once.
         credits.dedup_by(|a, b| a.film == b.film && catalog.str(a.name) == catalog.str(b.name));
         credits.shrink_to_fit();
@@ -133,13 +133,13 @@ impl Catalog {
         Fields { wikidata, imdb, title, genres: next(), directors: next(), cast: next() }
     }
 
-    fn title_key(&self, film: u32) -> (String, i32) {
+    fn title_and_year(&self, film: u32) -> (String, i32) {
         (title_key(self.fields(film).title), self.films[film as usize].year)
     }
 
     /// The first film of `index` whose key (by `key`) equals `wanted`; `index` is sorted by it.
     fn lookup<K: Ord>(index: &[u32], wanted: &K, key: impl Fn(u32) -> K) -> Option<u32> {
-        let at = index.partition_point(|&i| key(i).cmp(wanted) == Ordering::Less);
+        let at = index.partition_point(|&i| key(i) < *wanted);
         index.get(at).copied().filter(|&i| key(i) == *wanted)
     }
 
@@ -164,7 +164,7 @@ impl Catalog {
         });
         by_id.or_else(|| {
             let wanted = (title_key(&query.title), query.year);
-            Self::lookup(&self.by_title, &wanted, |i| self.title_key(i))
+            Self::lookup(&self.by_title, &wanted, |i| self.title_and_year(i))
         })
     }
 
