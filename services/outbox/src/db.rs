@@ -84,7 +84,7 @@ impl DbConfig {
 
     /// The writer's connection. Its statements hand their rows to the writer task through a
     /// channel; with sqlx's default of 50 rows, a claim or settlement returning a few hundred
-    /// stopped SQLite every 50 rows until the writer task was next scheduled, inside the
+    /// could stop SQLite every 50 rows until the writer task was next scheduled, inside the
     /// transaction every other write waits on. Its inserts, settlements and payload reads are
     /// chunked to at most 500 rows, so the channel holds all of such a statement's rows; a
     /// claim's read of candidates can return more (its budget plus a shared read's span), and
