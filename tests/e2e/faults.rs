@@ -376,3 +376,68 @@ async fn a_failed_fsync_answers_outcome_unknown_and_a_retry_with_the_request_id_
     assert!(ledger.split_writes().is_empty());
     write.stop().await;
 }
+
+/// A wrapper that runs `reelay` as a pod with a read-only root filesystem would: in its own
+/// mount namespace, with every directory SQLite could put a temporary file in read-only
+/// (`/var/tmp`, `/usr/tmp`, `/tmp`, the working directory, no `TMPDIR`). Only `dir`, holding
+/// the database and the log, stays writable. The wrapper execs, so the PID is reelay's.
+fn read_only_temp_dirs(dir: &std::path::Path) -> std::path::PathBuf {
+    let cwd = dir.join("read-only-cwd");
+    std::fs::create_dir_all(&cwd).unwrap();
+    let script = dir.join("reelay-read-only-temp");
+    let body = format!(
+        r#"#!/bin/sh
+exec unshare --mount --propagation private sh -c '
+set -e
+mount --bind "{dir}" "{dir}"
+for d in /var/tmp /usr/tmp /tmp; do
+  if [ -d "$d" ]; then mount --rbind "$d" "$d"; mount -o remount,bind,ro "$d"; fi
+done
+mount --bind "{cwd}" "{cwd}"
+mount -o remount,bind,ro "{cwd}"
+cd "{cwd}"
+exec env -u TMPDIR -u SQLITE_TMPDIR "$0" "$@"' "{bin}" "$@"
+"#,
+        dir = dir.display(),
+        cwd = cwd.display(),
+        bin = BIN,
+    );
+    std::fs::write(&script, body).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    script
+}
+
+/// The write service needs no writable temporary directory (Kubernetes runs it on a read-only
+/// root filesystem). SQLite journals the pages a many-row statement changes inside a
+/// transaction, and by default moved that journal to a temporary file past 64 KiB: with no
+/// writable directory for it, the statement failed with an I/O error. Here the outbox rows of a
+/// whole Letterboxd import are claimed and completed in one call each (statements that change
+/// hundreds of existing rows) with every temporary directory read-only.
+#[tokio::test]
+async fn large_statements_need_no_writable_temp_directory() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let wrapper = read_only_temp_dirs(dir.path());
+    let mut write = Reelay::start(Reelay::spec(wrapper.to_str().unwrap(), &db, &["write"], &[])).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    let imported = c.import(&ana, include_bytes!("../fixtures/letterboxd-diary.csv")).await.expect("the import");
+    assert!(imported.imported >= 300);
+    let claimed = c
+        .outbox
+        .claim(v1::ClaimRequest { consumer: "test#1".into(), max_rows: 1000, wait_ms: 0, max_bytes: 0 })
+        .await
+        .expect("claiming every row at once")
+        .into_inner()
+        .rows;
+    assert!(claimed.len() > 400, "every event of the import is claimed: {}", claimed.len());
+    let rows = claimed.iter().map(|r| v1::RowClaim { id: r.id, claimed_at_ms: r.claimed_at_ms, stream_sequence: 1 });
+    c.outbox.complete(v1::CompleteRequest { rows: rows.collect() }).await.expect("completing every row at once");
+    let open: i64 = reelay_harness::query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE status != 'done'")
+        .await[0][0]
+        .parse()
+        .unwrap();
+    assert_eq!(open, 0, "every claimed row is done");
+    assert!(!write.log_text().contains("disk I/O error"), "{}", write.log_text());
+    write.stop().await;
+}

@@ -93,6 +93,13 @@ impl DbConfig {
         self.options().row_buffer_size(WRITER_ROW_BUFFER)
     }
 
+    /// Every connection keeps its temporary structures in memory (`temp_store = MEMORY`). Inside
+    /// a transaction SQLite journals the pages a many-row statement changes, so a failing one can
+    /// be undone alone, and by default it moved that journal to a temporary file past 64 KiB. The
+    /// writer's merged statements crossed that dozens of times a second, and where no temporary
+    /// directory is writable (a read-only root filesystem, as in `k8s/`) each one failed with an
+    /// I/O error. Sorts too large for memory still spill to a file (the write Deployment mounts a
+    /// writable `/tmp`).
     fn options(&self) -> SqliteConnectOptions {
         SqliteConnectOptions::new()
             .filename(&self.path)
@@ -103,6 +110,7 @@ impl DbConfig {
             })
             .busy_timeout(self.busy_timeout)
             .foreign_keys(true)
+            .pragma("temp_store", "memory")
     }
 }
 
