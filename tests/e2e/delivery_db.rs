@@ -531,3 +531,68 @@ async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart()
     assert!(took < Duration::from_secs(15), "recovery took {took:?}");
     reelay.stop().await;
 }
+
+/// A handler waiting for events has its claim written in the same commit as the event it is
+/// handed: one batch for the write and the claim, no claim job of its own. A waiting claim for
+/// other event types is answered with nothing by the same batch (its cursor moves past the
+/// review there) and waits on until its deadline.
+#[tokio::test]
+async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    // No purge while the writer's batches are counted.
+    let env = [("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
+    let mut write = Reelay::start_write(BIN, &db, &env).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    let claim = |handler: &str, event_type: &str, wait_ms: u32| v1::ClaimDeliveriesRequest {
+        handler: handler.into(),
+        event_types: vec![event_type.into()],
+        owner: format!("{handler}-test#1"),
+        max_rows: 10,
+        wait_ms,
+        max_bytes: 0,
+    };
+    // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
+    for handler in ["probe-a", "probe-b"] {
+        let due = c.outbox.claim_deliveries(claim(handler, "ReviewLogged", 0)).await.unwrap().into_inner();
+        assert!(due.deliveries.is_empty(), "{due:?}");
+    }
+    let mut outbox = c.outbox.clone();
+    let reviews = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-a", "ReviewLogged", 20_000)).await });
+    let mut outbox = c.outbox.clone();
+    let deletions = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-b", "MovieDeleted", 1_500)).await });
+    eventually("both claims wait with the writer", Duration::from_secs(10), || {
+        let write = &write;
+        async move { write.metrics().await.value("reelay_delivery_claims_waiting") == Some(2.0) }
+    })
+    .await;
+    let metrics = write.metrics().await;
+    let (batches, claim_jobs) = (
+        metrics.sum("reelay_writer_batch_jobs_count", &[]),
+        metrics.value(r#"reelay_writer_job_seconds_count{job="claim_deliveries"}"#).unwrap_or(0.0),
+    );
+
+    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
+    let handed = reviews.await.unwrap().expect("the waiting claim is answered").into_inner().deliveries;
+    assert_eq!(handed.len(), 1, "{handed:?}");
+    let event = v1::Event::decode(handed[0].payload.as_slice()).unwrap();
+    match event.payload {
+        Some(v1::event::Payload::ReviewLogged(logged)) => assert_eq!(logged.review_id, review.review_id),
+        other => panic!("expected the review's event, got {other:?}"),
+    }
+    let (status, _, _) = delivery(&db, &handed[0].key, "probe-a").await.expect("its claim is written");
+    assert_eq!(status, "in_progress");
+    let metrics = write.metrics().await;
+    assert_eq!(metrics.sum("reelay_writer_batch_jobs_count", &[]), batches + 1.0, "the write and the claim: one batch");
+    assert_eq!(
+        metrics.value(r#"reelay_writer_job_seconds_count{job="claim_deliveries"}"#).unwrap_or(0.0),
+        claim_jobs,
+        "no claim job of its own"
+    );
+    // The claim for MovieDeleted was not handed the review, and waited out its deadline.
+    let nothing = deletions.await.unwrap().unwrap().into_inner().deliveries;
+    assert!(nothing.is_empty(), "{nothing:?}");
+    assert_eq!(write.metrics().await.value("reelay_delivery_claims_waiting"), Some(0.0));
+    write.stop().await;
+}

@@ -73,6 +73,8 @@ pub fn register_metrics() {
 
 /// Most jobs committed together. Bounds the time a batch holds the write lock.
 const MAX_BATCH: usize = 256;
+/// The rider's name in the writer's job metrics.
+const RIDER_JOB: &str = "rider";
 const QUEUE_DEPTH: usize = 4096;
 /// How soon, and at most how rarely, the writer tries to reopen a connection it stopped trusting.
 const REOPEN_FIRST_DELAY: Duration = Duration::from_millis(100);
@@ -149,6 +151,20 @@ fn is_lock_contention(error: &sqlx::Error) -> bool {
 
 /// Opens a fresh write connection (the writer's own after it stopped trusting the old one).
 pub type Opener = Arc<dyn Fn() -> BoxFuture<'static, Result<SqliteConnection, sqlx::Error>> + Send + Sync>;
+
+/// Told a batch's fate once it is known (after its `COMMIT`, or its failure).
+pub type AfterCommit = Box<dyn FnOnce(Result<(), CommitError>) + Send>;
+
+/// Work that rides in the synced batches that enqueue events, after the events are inserted
+/// and before the commit (see [`Writer::set_rider`]).
+pub trait Rider: Send + Sync {
+    /// Whether it has work now. Asked before anything runs for it, so it must be cheap.
+    fn wants(&self) -> bool;
+    /// Runs its statements in the batch's transaction (it must not enqueue events) and returns
+    /// what to do once the batch's fate is known. On an error its statements are rolled back,
+    /// the batch goes on, and it must have put its own affairs back in order.
+    fn ride<'t>(&'t self, tx: &'t mut WriteTx) -> BoxFuture<'t, Result<AfterCommit, sqlx::Error>>;
+}
 
 /// What the hooks installed on the write connection observed.
 #[derive(Default)]
@@ -290,6 +306,7 @@ pub struct Writer {
     commits: watch::Receiver<u64>,
     stop: watch::Sender<bool>,
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
+    rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
 }
 
 /// How the writer task is set up.
@@ -309,8 +326,19 @@ impl Writer {
         let (jobs, rx) = mpsc::channel(QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0);
         let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx));
-        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))) }
+        let rider = Arc::new(std::sync::OnceLock::new());
+        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, rider.clone()));
+        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider }
+    }
+
+    /// Sets the work that rides in every batch that enqueues events, committed at the
+    /// configured `synchronous` level: after the batch's outbox rows are inserted, inside a
+    /// savepoint of its own, in the same transaction and under the same fsync. The write service
+    /// uses it to hand new events to handlers that are waiting for them (their claims are
+    /// written with the events instead of in a batch and a commit of their own). One rider per
+    /// writer; false if one was set already.
+    pub fn set_rider(&self, rider: Arc<dyn Rider>) -> bool {
+        self.rider.set(rider).is_ok()
     }
 
     /// Runs `work` in a write transaction and returns its result once it is committed.
@@ -446,6 +474,7 @@ async fn run(
     mut jobs: mpsc::Receiver<Box<dyn Job>>,
     commits: watch::Sender<u64>,
     mut stop: watch::Receiver<bool>,
+    rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
 ) {
     let mut session = Session {
         config,
@@ -479,7 +508,7 @@ async fn run(
             }
             continue;
         };
-        match commit_batch(connection, &mut batch).await {
+        match commit_batch(connection, &mut batch, rider.get()).await {
             Ok(events) if events > 0 => commits.send_modify(|count| *count += events as u64),
             Ok(_) => {}
             Err(error) if error.distrusts_connection() => session.distrust(&error).await,
@@ -494,9 +523,14 @@ async fn run(
 
 /// Runs one batch in one transaction. Returns how many outbox rows it committed, or why the
 /// whole batch failed (every job of it has been told).
-async fn commit_batch(connection: &mut OpenConn, batch: &mut Vec<Box<dyn Job>>) -> Result<usize, CommitError> {
+async fn commit_batch(
+    connection: &mut OpenConn,
+    batch: &mut Vec<Box<dyn Job>>,
+    rider: Option<&Arc<dyn Rider>>,
+) -> Result<usize, CommitError> {
     let started = Instant::now();
-    let outcome = run_batch(connection, batch).await;
+    let mut after_commit = None;
+    let outcome = run_batch(connection, batch, rider, &mut after_commit).await;
     BATCH_JOBS.observe(&[], batch.len() as f64);
     BATCH_SECONDS.observe_duration(&[], started.elapsed());
     let stray = connection.hooks.stray_commits.swap(0, Ordering::SeqCst);
@@ -519,6 +553,9 @@ async fn commit_batch(connection: &mut OpenConn, batch: &mut Vec<Box<dyn Job>>) 
             Err(error.clone())
         }
     };
+    if let Some(after_commit) = after_commit {
+        after_commit(committed.clone());
+    }
     for mut job in batch.drain(..) {
         if let Err(error) = &committed {
             // A job's own error may have been caused by the same fault: the batch's error is
@@ -536,7 +573,12 @@ fn failpoint_fires(name: &str) -> bool {
     failpoint_armed(name) || (!name.starts_with("startup_") && failpoint_armed("*"))
 }
 
-async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Result<usize, CommitError> {
+async fn run_batch(
+    connection: &mut OpenConn,
+    batch: &mut [Box<dyn Job>],
+    rider: Option<&Arc<dyn Rider>>,
+    after_commit: &mut Option<AfterCommit>,
+) -> Result<usize, CommitError> {
     let OpenConn { tx, hooks, synced, level } = connection;
     // Any whole-transaction rollback from here on that the writer did not issue means SQLite
     // ended the transaction after an error: nothing more may run in this batch.
@@ -613,6 +655,27 @@ async fn run_batch(connection: &mut OpenConn, batch: &mut [Box<dyn Job>]) -> Res
     let inserted = crate::enqueue::insert_rows(&mut tx.conn, &rows).await;
     still_open()?;
     inserted.map_err(CommitError::storage)?;
+    if let Some(rider) = rider.filter(|rider| !rows.is_empty() && wanted == *synced && rider.wants()) {
+        tx.conn.execute("SAVEPOINT rider").await.map_err(CommitError::storage)?;
+        tx.begin_job(String::new());
+        let started = Instant::now();
+        let ridden = rider.ride(tx).await;
+        JOB_SECONDS.observe_duration(&[RIDER_JOB], started.elapsed());
+        still_open()?;
+        let step = match ridden {
+            Ok(done) => {
+                *after_commit = Some(done);
+                "RELEASE rider"
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the work riding on this batch failed and was rolled back; the batch goes on");
+                "ROLLBACK TO rider; RELEASE rider"
+            }
+        };
+        let stepped = tx.conn.execute(step).await;
+        still_open()?;
+        stepped.map_err(CommitError::storage)?;
+    }
     if failpoint_armed("commit_fails_after_write") {
         // Test builds: the commit reaches the disk, but its caller hears it failed.
         hooks.commit_allowed.store(true, Ordering::SeqCst);

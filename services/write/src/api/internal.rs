@@ -5,6 +5,8 @@
 //! `outbox`, `ledger` and `admin` implement them; this file mounts them and holds what they
 //! share.
 
+use std::sync::Arc;
+
 use reelay_contracts::v1::{admin_server::AdminServer, ledger_server::LedgerServer, outbox_server::OutboxServer};
 use reelay_kit::{GrpcServer, ServiceError, Shutdown};
 use reelay_outbox::Database;
@@ -13,6 +15,7 @@ use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 
 use super::admin::{AdminApi, Bus};
+use super::deliveries::WaitingClaims;
 use super::ledger::LedgerApi;
 use super::outbox::OutboxApi;
 
@@ -51,7 +54,13 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         max_message_bytes: limit,
         delivery_claims: Default::default(),
         delivery_settlements: Default::default(),
+        waiting: WaitingClaims::new(policy.deliveries),
     };
+    if policy.bus == Bus::Db && !db.writer.set_rider(Arc::new(outbox.waiting.clone())) {
+        tracing::warn!(
+            "the writer already hands events to another set of waiting claims; these wait for commits instead"
+        );
+    }
     let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
     let admin = AdminApi { db, bus: policy.bus };
     server

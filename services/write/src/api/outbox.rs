@@ -33,6 +33,8 @@ pub(super) struct OutboxApi {
     /// Handlers' delivery claims and settlements arriving together share a write job.
     pub(super) delivery_claims: Merged<HandlerClaim, Vec<ClaimedDelivery>>,
     pub(super) delivery_settlements: Merged<(String, Vec<DeliverySettlement>), DeliveriesSettled>,
+    /// Handlers' claims waiting for events, handed them in the batch that commits them.
+    pub(super) waiting: super::deliveries::WaitingClaims,
 }
 
 fn published(rows: Vec<v1::RowClaim>) -> Result<Vec<Published>, ServiceError> {
