@@ -532,6 +532,36 @@ async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart()
     reelay.stop().await;
 }
 
+/// A claim of up to 10 deliveries of `event_type` for `handler` by `owner`, waiting up to
+/// `wait_ms`.
+fn claim_of(handler: &str, event_type: &str, owner: &str, wait_ms: u32) -> v1::ClaimDeliveriesRequest {
+    v1::ClaimDeliveriesRequest {
+        handler: handler.into(),
+        event_types: vec![event_type.into()],
+        owner: owner.into(),
+        max_rows: 10,
+        wait_ms,
+        max_bytes: 0,
+    }
+}
+
+/// Waits until `n` delivery claims wait with the writer.
+async fn claims_waiting(write: &Reelay, n: f64) {
+    eventually(&format!("{n} claims wait with the writer"), Duration::from_secs(10), || async move {
+        write.metrics().await.value("reelay_delivery_claims_waiting") == Some(n)
+    })
+    .await;
+}
+
+/// Checks that `handed` is exactly the ReviewLogged of `review_id`.
+fn assert_review_event(handed: &[v1::Delivery], review_id: &str) {
+    assert_eq!(handed.len(), 1, "{handed:?}");
+    match v1::Event::decode(handed[0].payload.as_slice()).unwrap().payload {
+        Some(v1::event::Payload::ReviewLogged(logged)) => assert_eq!(logged.review_id, review_id),
+        other => panic!("expected the review's event, got {other:?}"),
+    }
+}
+
 /// A handler waiting for events has its claim written in the same commit as the event it is
 /// handed: one batch for the write and the claim, no claim job of its own. A waiting claim for
 /// other event types is answered with nothing by the same batch (its cursor moves past the
@@ -545,14 +575,7 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let mut write = Reelay::start_write(BIN, &db, &env).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
-    let claim = |handler: &str, event_type: &str, wait_ms: u32| v1::ClaimDeliveriesRequest {
-        handler: handler.into(),
-        event_types: vec![event_type.into()],
-        owner: format!("{handler}-test#1"),
-        max_rows: 10,
-        wait_ms,
-        max_bytes: 0,
-    };
+    let claim = |handler: &str, event_type: &str, wait_ms: u32| claim_of(handler, event_type, "test#1", wait_ms);
     // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
     for handler in ["probe-a", "probe-b"] {
         let due = c.outbox.claim_deliveries(claim(handler, "ReviewLogged", 0)).await.unwrap().into_inner();
@@ -562,11 +585,7 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let reviews = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-a", "ReviewLogged", 20_000)).await });
     let mut outbox = c.outbox.clone();
     let deletions = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-b", "MovieDeleted", 1_500)).await });
-    eventually("both claims wait with the writer", Duration::from_secs(10), || {
-        let write = &write;
-        async move { write.metrics().await.value("reelay_delivery_claims_waiting") == Some(2.0) }
-    })
-    .await;
+    claims_waiting(&write, 2.0).await;
     let metrics = write.metrics().await;
     let (batches, claim_jobs) = (
         metrics.sum("reelay_writer_batch_jobs_count", &[]),
@@ -575,12 +594,7 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
 
     let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
     let handed = reviews.await.unwrap().expect("the waiting claim is answered").into_inner().deliveries;
-    assert_eq!(handed.len(), 1, "{handed:?}");
-    let event = v1::Event::decode(handed[0].payload.as_slice()).unwrap();
-    match event.payload {
-        Some(v1::event::Payload::ReviewLogged(logged)) => assert_eq!(logged.review_id, review.review_id),
-        other => panic!("expected the review's event, got {other:?}"),
-    }
+    assert_review_event(&handed, &review.review_id);
     let (status, _, _) = delivery(&db, &handed[0].key, "probe-a").await.expect("its claim is written");
     assert_eq!(status, "in_progress");
     let metrics = write.metrics().await;
@@ -593,6 +607,34 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     // The claim for MovieDeleted was not handed the review, and waited out its deadline.
     let nothing = deletions.await.unwrap().unwrap().into_inner().deliveries;
     assert!(nothing.is_empty(), "{nothing:?}");
-    assert_eq!(write.metrics().await.value("reelay_delivery_claims_waiting"), Some(0.0));
+    claims_waiting(&write, 0.0).await;
+    write.stop().await;
+}
+
+/// A waiting claim whose caller goes away (its call cancelled, as when a handler is killed) is
+/// forgotten: the next event is not claimed for it, so nothing waits out a lease, and the next
+/// claimer gets the event at once.
+#[tokio::test]
+async fn a_waiting_claim_whose_caller_went_away_claims_nothing() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[("REELAY_PROBE_HANDLERS", "probe-a")]).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    let claim = |owner: &str, wait_ms: u32| claim_of("probe-a", "ReviewLogged", owner, wait_ms);
+    let mut outbox = c.outbox.clone();
+    let gone = tokio::spawn(async move { outbox.claim_deliveries(claim("gone#1", 20_000)).await });
+    claims_waiting(&write, 1.0).await;
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    // The server drops the cancelled call, and its claim with it.
+    claims_waiting(&write, 0.0).await;
+
+    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
+    let handed = c.outbox.claim_deliveries(claim("here#1", 5_000)).await.unwrap().into_inner().deliveries;
+    // Not held for the claimer that went away.
+    assert_review_event(&handed, &review.review_id);
+    let owners = query_strings(&db, "SELECT owner FROM processed_events WHERE handler = 'probe-a'").await;
+    assert_eq!(owners, vec![vec!["here#1".to_owned()]]);
     write.stop().await;
 }

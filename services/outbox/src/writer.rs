@@ -17,7 +17,9 @@
 //! connection and opens a fresh one.
 //!
 //! After a commit that wrote outbox rows the writer bumps a counter that claimers can wait on,
-//! so a waiting consumer learns about new events without polling.
+//! so a waiting consumer learns about new events without polling. Work can also ride in the
+//! batch that writes them ([`Writer::set_rider`]): the write service claims new events there
+//! for the handlers that are waiting, under the same fsync as the events.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -331,9 +333,9 @@ impl Writer {
         Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider }
     }
 
-    /// Sets the work that rides in every batch that enqueues events, committed at the
-    /// configured `synchronous` level: after the batch's outbox rows are inserted, inside a
-    /// savepoint of its own, in the same transaction and under the same fsync. The write service
+    /// Sets the work that rides in a batch that enqueues events, committed at the configured
+    /// `synchronous` level, when no other job is waiting: after the batch's outbox rows are
+    /// inserted, inside a savepoint of its own, in the same transaction and under the same fsync. The write service
     /// uses it to hand new events to handlers that are waiting for them (their claims are
     /// written with the events instead of in a batch and a commit of their own). One rider per
     /// writer; false if one was set already.
@@ -508,7 +510,7 @@ async fn run(
             }
             continue;
         };
-        match commit_batch(connection, &mut batch, rider.get()).await {
+        match commit_batch(connection, &mut batch, rider.get(), &jobs).await {
             Ok(events) if events > 0 => commits.send_modify(|count| *count += events as u64),
             Ok(_) => {}
             Err(error) if error.distrusts_connection() => session.distrust(&error).await,
@@ -527,10 +529,11 @@ async fn commit_batch(
     connection: &mut OpenConn,
     batch: &mut Vec<Box<dyn Job>>,
     rider: Option<&Arc<dyn Rider>>,
+    queued: &mpsc::Receiver<Box<dyn Job>>,
 ) -> Result<usize, CommitError> {
     let started = Instant::now();
     let mut after_commit = None;
-    let outcome = run_batch(connection, batch, rider, &mut after_commit).await;
+    let outcome = run_batch(connection, batch, rider, queued, &mut after_commit).await;
     BATCH_JOBS.observe(&[], batch.len() as f64);
     BATCH_SECONDS.observe_duration(&[], started.elapsed());
     let stray = connection.hooks.stray_commits.swap(0, Ordering::SeqCst);
@@ -577,6 +580,7 @@ async fn run_batch(
     connection: &mut OpenConn,
     batch: &mut [Box<dyn Job>],
     rider: Option<&Arc<dyn Rider>>,
+    queued: &mpsc::Receiver<Box<dyn Job>>,
     after_commit: &mut Option<AfterCommit>,
 ) -> Result<usize, CommitError> {
     let OpenConn { tx, hooks, synced, level } = connection;
@@ -655,20 +659,28 @@ async fn run_batch(
     let inserted = crate::enqueue::insert_rows(&mut tx.conn, &rows).await;
     still_open()?;
     inserted.map_err(CommitError::storage)?;
-    if let Some(rider) = rider.filter(|rider| !rows.is_empty() && wanted == *synced && rider.wants()) {
+    // Only while no other job waits: a busy writer would lengthen this batch for work that
+    // can as well wait for the next one, and claims made later take more events at once.
+    if let Some(rider) =
+        rider.filter(|rider| !rows.is_empty() && wanted == *synced && queued.is_empty() && rider.wants())
+    {
         tx.conn.execute("SAVEPOINT rider").await.map_err(CommitError::storage)?;
         tx.begin_job(String::new());
         let started = Instant::now();
-        let ridden = rider.ride(tx).await;
+        let ridden = AssertUnwindSafe(rider.ride(tx)).catch_unwind().await;
         JOB_SECONDS.observe_duration(&[RIDER_JOB], started.elapsed());
         still_open()?;
         let step = match ridden {
-            Ok(done) => {
+            Ok(Ok(done)) => {
                 *after_commit = Some(done);
                 "RELEASE rider"
             }
-            Err(error) => {
+            Ok(Err(error)) => {
                 tracing::warn!(%error, "the work riding on this batch failed and was rolled back; the batch goes on");
+                "ROLLBACK TO rider; RELEASE rider"
+            }
+            Err(_) => {
+                tracing::error!("the work riding on this batch panicked and was rolled back; the batch goes on");
                 "ROLLBACK TO rider; RELEASE rider"
             }
         };

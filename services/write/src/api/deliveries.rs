@@ -78,14 +78,14 @@ impl WaitingClaims {
         Self { parked: Arc::default(), policy }
     }
 
-    fn park(&self, request: HandlerClaim) -> (u64, oneshot::Receiver<ClaimAnswer>) {
+    fn park(&self, request: HandlerClaim) -> WaitingClaim {
         let (reply, answer) = oneshot::channel();
         let mut parked = self.parked.lock().expect("never poisoned: no panics while held");
         parked.0 += 1;
         let id = parked.0;
         parked.1.push(Parked { id, request, reply });
         WAITING.set(&[], parked.1.len() as f64);
-        (id, answer)
+        WaitingClaim { waiting: self.clone(), id, answer }
     }
 
     /// Takes a claim back; false when the writer has it (its answer is coming).
@@ -95,6 +95,28 @@ impl WaitingClaims {
         parked.1.retain(|p| p.id != id);
         WAITING.set(&[], parked.1.len() as f64);
         parked.1.len() < before
+    }
+}
+
+/// One parked claim, from the claimer's side. Dropped (its call cancelled, say), it takes the
+/// claim back: nothing is claimed for a claimer that went away, which would hold those
+/// deliveries until their lease ran out.
+struct WaitingClaim {
+    waiting: WaitingClaims,
+    id: u64,
+    answer: oneshot::Receiver<ClaimAnswer>,
+}
+
+impl WaitingClaim {
+    /// Takes the claim back; false when the writer has it (its answer is coming).
+    fn take_back(&self) -> bool {
+        self.waiting.unpark(self.id)
+    }
+}
+
+impl Drop for WaitingClaim {
+    fn drop(&mut self) {
+        self.take_back();
     }
 }
 
@@ -220,11 +242,11 @@ impl OutboxApi {
             if Instant::now() >= deadline || self.shutdown.is_requested() {
                 return Ok(Vec::new());
             }
-            let (id, mut answer) = self.waiting.park(request.clone());
+            let mut parked = self.waiting.park(request.clone());
             let mut closed = false;
             tokio::select! {
                 biased;
-                answered = &mut answer => match answered {
+                answered = &mut parked.answer => match answered {
                     Ok(Ok(claimed)) if claimed.is_empty() => continue,
                     Ok(answered) => return answered,
                     Err(_) => continue,
@@ -233,9 +255,9 @@ impl OutboxApi {
                 () = tokio::time::sleep_until(wake) => {}
                 () = self.shutdown.requested() => closed = true,
             }
-            if !self.waiting.unpark(id) {
+            if !parked.take_back() {
                 // The writer has it in a batch: its answer comes with that batch's commit.
-                match answer.await {
+                match (&mut parked.answer).await {
                     Ok(Ok(claimed)) if claimed.is_empty() => {}
                     Ok(answered) => return answered,
                     Err(_) => {}
