@@ -57,8 +57,9 @@ struct Parked {
 }
 
 /// Handlers' claims waiting for new events. The writer hands them the events in the batch that
-/// commits them (this is its [`Rider`]): the claims are written after the batch's events, in the
-/// same transaction and under the same fsync, and answered once that commits. Without it a
+/// commits them when no other job is waiting (this is its [`Rider`]): the claims are written
+/// after the batch's events, in the same transaction and under the same fsync, and answered
+/// once that commits. A busy writer leaves them to the commit signal, as before. Without it a
 /// waiting claim learned of the commit, looked, and claimed in a batch and a commit of its own:
 /// a second fsync between a write and its handlers, and a claim job for every handler that
 /// takes none of the new events (only to move its cursor past them).
