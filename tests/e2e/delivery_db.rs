@@ -575,6 +575,13 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let mut write = Reelay::start_write(BIN, &db, &env).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
+    // Her key pair is stored by a write job of its own, in the background: not while batches
+    // are counted.
+    eventually("ana's key pair is stored", Duration::from_secs(60), || {
+        let db = db.clone();
+        async move { query_strings(&db, "SELECT COUNT(*) || '' FROM actor_keys").await == [["1"]] }
+    })
+    .await;
     let claim = |handler: &str, event_type: &str, wait_ms: u32| claim_of(handler, event_type, "test#1", wait_ms);
     // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
     for handler in ["probe-a", "probe-b"] {
