@@ -23,7 +23,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
@@ -237,6 +237,8 @@ impl WriteTx {
 
 trait Job: Send {
     fn name(&self) -> &'static str;
+    /// The writer took it from the queue.
+    fn taken(&mut self);
     fn durability(&self) -> Durability;
     fn take_traceparent(&mut self) -> String;
     /// Runs the job's statements; true when it succeeded.
@@ -247,9 +249,26 @@ trait Job: Send {
     fn finish(self: Box<Self>, committed: Result<(), CommitError>);
 }
 
+/// Counts a synced job from when it is made until the writer takes it (or it is dropped unsent).
+struct Queued(Arc<AtomicUsize>);
+
+impl Queued {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 struct TypedJob<T, E, F> {
     name: &'static str,
     durability: Durability,
+    queued: Option<Queued>,
     traceparent: String,
     work: Option<F>,
     outcome: Option<Result<T, E>>,
@@ -264,6 +283,10 @@ where
 {
     fn name(&self) -> &'static str {
         self.name
+    }
+
+    fn taken(&mut self) {
+        self.queued = None;
     }
 
     fn take_traceparent(&mut self) -> String {
@@ -309,6 +332,8 @@ pub struct Writer {
     stop: watch::Sender<bool>,
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
     rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
+    /// Synced jobs made and not yet taken by the writer.
+    synced_queued: Arc<AtomicUsize>,
 }
 
 /// How the writer task is set up.
@@ -329,12 +354,13 @@ impl Writer {
         let (commits_tx, commits) = watch::channel(0);
         let (stop, stop_rx) = watch::channel(false);
         let rider = Arc::new(std::sync::OnceLock::new());
-        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, rider.clone()));
-        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider }
+        let synced_queued = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, rider.clone(), synced_queued.clone()));
+        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider, synced_queued }
     }
 
     /// Sets the work that rides in a batch that enqueues events, committed at the configured
-    /// `synchronous` level, when no other job is waiting: after the batch's outbox rows are
+    /// `synchronous` level, when no other synced job is waiting: after the batch's outbox rows are
     /// inserted, inside a savepoint of its own, in the same transaction and under the same fsync. The write service
     /// uses it to hand new events to handlers that are waiting for them (their claims are
     /// written with the events instead of in a batch and a commit of their own). One rider per
@@ -370,9 +396,10 @@ impl Writer {
         F: for<'t> FnOnce(&'t mut WriteTx) -> BoxFuture<'t, Result<T, E>> + Send + 'static,
     {
         let (reply, receive) = oneshot::channel();
+        let queued = (durability == Durability::Synced).then(|| Queued::new(&self.synced_queued));
         let traceparent = current_traceparent();
         let job: Box<dyn Job> =
-            Box::new(TypedJob { name, durability, traceparent, work: Some(work), outcome: None, reply });
+            Box::new(TypedJob { name, durability, queued, traceparent, work: Some(work), outcome: None, reply });
         let jobs = self.jobs.clone();
         async move {
             jobs.send(job).await.map_err(|_| CommitError::Closed)?;
@@ -477,6 +504,7 @@ async fn run(
     commits: watch::Sender<u64>,
     mut stop: watch::Receiver<bool>,
     rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
+    synced_queued: Arc<AtomicUsize>,
 ) {
     let mut session = Session {
         config,
@@ -496,6 +524,9 @@ async fn run(
                 if received == 0 {
                     break;
                 }
+                for job in &mut batch {
+                    job.taken();
+                }
             }
             _ = stop.wait_for(|stopped| *stopped) => {
                 jobs.close();
@@ -510,7 +541,7 @@ async fn run(
             }
             continue;
         };
-        match commit_batch(connection, &mut batch, rider.get(), &jobs).await {
+        match commit_batch(connection, &mut batch, rider.get(), &synced_queued).await {
             Ok(events) if events > 0 => commits.send_modify(|count| *count += events as u64),
             Ok(_) => {}
             Err(error) if error.distrusts_connection() => session.distrust(&error).await,
@@ -529,11 +560,11 @@ async fn commit_batch(
     connection: &mut OpenConn,
     batch: &mut Vec<Box<dyn Job>>,
     rider: Option<&Arc<dyn Rider>>,
-    queued: &mpsc::Receiver<Box<dyn Job>>,
+    synced_queued: &AtomicUsize,
 ) -> Result<usize, CommitError> {
     let started = Instant::now();
     let mut after_commit = None;
-    let outcome = run_batch(connection, batch, rider, queued, &mut after_commit).await;
+    let outcome = run_batch(connection, batch, rider, synced_queued, &mut after_commit).await;
     BATCH_JOBS.observe(&[], batch.len() as f64);
     BATCH_SECONDS.observe_duration(&[], started.elapsed());
     let stray = connection.hooks.stray_commits.swap(0, Ordering::SeqCst);
@@ -580,7 +611,7 @@ async fn run_batch(
     connection: &mut OpenConn,
     batch: &mut [Box<dyn Job>],
     rider: Option<&Arc<dyn Rider>>,
-    queued: &mpsc::Receiver<Box<dyn Job>>,
+    synced_queued: &AtomicUsize,
     after_commit: &mut Option<AfterCommit>,
 ) -> Result<usize, CommitError> {
     let OpenConn { tx, hooks, synced, level } = connection;
@@ -659,11 +690,12 @@ async fn run_batch(
     let inserted = crate::enqueue::insert_rows(&mut tx.conn, &rows).await;
     still_open()?;
     inserted.map_err(CommitError::storage)?;
-    // Only while no other job waits: a busy writer would lengthen this batch for work that
-    // can as well wait for the next one, and claims made later take more events at once.
-    if let Some(rider) =
-        rider.filter(|rider| !rows.is_empty() && wanted == *synced && queued.is_empty() && rider.wants())
-    {
+    // Only while no synced job waits (deferred settlements do not count): a busy writer would
+    // lengthen this batch for work that can as well wait for the next one, and claims made
+    // later take more events at once.
+    if let Some(rider) = rider.filter(|rider| {
+        !rows.is_empty() && wanted == *synced && synced_queued.load(Ordering::SeqCst) == 0 && rider.wants()
+    }) {
         tx.conn.execute("SAVEPOINT rider").await.map_err(CommitError::storage)?;
         tx.begin_job(String::new());
         let started = Instant::now();
@@ -755,6 +787,72 @@ mod tests {
             })
             .await
             .unwrap()
+    }
+
+    /// Counts the batches it rode in.
+    struct CountingRider(AtomicUsize);
+
+    impl Rider for CountingRider {
+        fn wants(&self) -> bool {
+            true
+        }
+
+        fn ride<'t>(&'t self, _tx: &'t mut WriteTx) -> BoxFuture<'t, Result<AfterCommit, sqlx::Error>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(Box::new(|_| {}) as AfterCommit) })
+        }
+    }
+
+    /// A job enqueueing event `n` that first waits for `release`, and says when it runs.
+    fn held_job(
+        writer: &Writer,
+        durability: Durability,
+        n: i64,
+    ) -> (tokio::task::JoinHandle<Result<(), TestError>>, oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (running, started) = oneshot::channel();
+        let (release, hold) = oneshot::channel::<()>();
+        let job = writer.transact_as::<_, TestError, _>("held", durability, move |tx: &mut WriteTx| {
+            Box::pin(async move {
+                enqueue_events(tx, vec![event(n)]).await?;
+                let _ = running.send(());
+                let _ = hold.await;
+                Ok(())
+            })
+        });
+        (tokio::spawn(job), started, release)
+    }
+
+    /// The rider runs in a synced batch that enqueued events only when no synced job waits
+    /// behind it; a deferred one waiting does not hold it back.
+    #[tokio::test]
+    async fn the_rider_gives_way_to_waiting_synced_jobs() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("w.db"))).await.unwrap();
+        let rider = Arc::new(CountingRider(AtomicUsize::new(0)));
+        assert!(db.writer.set_rider(rider.clone()));
+        let rides = || rider.0.load(Ordering::SeqCst);
+        // (the job behind, rides in the first batch, rides in the second: a batch of deferred
+        // jobs alone commits without an fsync of its own and carries no rider)
+        for (behind, rides_in_first, rides_in_second) in [(Durability::Synced, 0, 1), (Durability::Deferred, 1, 0)] {
+            let before = rides();
+            let (first, started, release) = held_job(&db.writer, Durability::Synced, 1);
+            started.await.unwrap();
+            let (second, _, release_second) = held_job(&db.writer, behind, 2);
+            drop(release_second);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            // The second job is made (and counted, if synced) before it is sent; wait until the
+            // writer's queue holds it.
+            while db.writer.jobs.capacity() == QUEUE_DEPTH {
+                assert!(Instant::now() < deadline, "the second job never reached the queue");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            release.send(()).unwrap();
+            first.await.unwrap().unwrap();
+            assert_eq!(rides() - before, rides_in_first, "{behind:?} job waiting");
+            second.await.unwrap().unwrap();
+            assert_eq!(rides() - before, rides_in_first + rides_in_second, "the second batch, nothing behind it");
+        }
+        assert!(!db.writer.set_rider(rider.clone()), "one rider per writer");
     }
 
     /// A batch of deferred bookkeeping alone commits at NORMAL (no fsync of its own); a batch

@@ -57,7 +57,7 @@ struct Parked {
 }
 
 /// Handlers' claims waiting for new events. The writer hands them the events in the batch that
-/// commits them when no other job is waiting (this is its [`Rider`]): the claims are written
+/// commits them when no synced job is waiting (this is its [`Rider`]): the claims are written
 /// after the batch's events, in the same transaction and under the same fsync, and answered
 /// once that commits. A busy writer leaves them to the commit signal, as before. Without it a
 /// waiting claim learned of the commit, looked, and claimed in a batch and a commit of its own:
