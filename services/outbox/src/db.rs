@@ -89,17 +89,20 @@ impl DbConfig {
     /// chunked to at most 500 rows, so the channel holds all of such a statement's rows; a
     /// claim's read of candidates can return more (its budget plus a shared read's span), and
     /// waits past 512 as before.
+    ///
+    /// It also keeps its temporary structures in memory (`temp_store = MEMORY`). Inside a
+    /// transaction SQLite journals the pages a many-row statement changes, so a failing one can
+    /// be undone alone, and by default it moved that journal to a temporary file past 64 KiB.
+    /// The writer's merged statements crossed that dozens of times a second, and where no
+    /// temporary directory is writable (a read-only root filesystem, as in `k8s/`) each one
+    /// failed with an I/O error. The writer's large statements are chunked, so their journals
+    /// stay small. The read connections keep the default: an operator's query over a large ledger
+    /// may need more temporary space than memory should hold, and spills to `/tmp` (the write
+    /// Deployment mounts a writable one).
     fn writer_options(&self) -> SqliteConnectOptions {
-        self.options().row_buffer_size(WRITER_ROW_BUFFER)
+        self.options().row_buffer_size(WRITER_ROW_BUFFER).pragma("temp_store", "memory")
     }
 
-    /// Every connection keeps its temporary structures in memory (`temp_store = MEMORY`). Inside
-    /// a transaction SQLite journals the pages a many-row statement changes, so a failing one can
-    /// be undone alone, and by default it moved that journal to a temporary file past 64 KiB. The
-    /// writer's merged statements crossed that dozens of times a second, and where no temporary
-    /// directory is writable (a read-only root filesystem, as in `k8s/`) each one failed with an
-    /// I/O error. Sorts too large for memory still spill to a file (the write Deployment mounts a
-    /// writable `/tmp`).
     fn options(&self) -> SqliteConnectOptions {
         SqliteConnectOptions::new()
             .filename(&self.path)
@@ -110,7 +113,6 @@ impl DbConfig {
             })
             .busy_timeout(self.busy_timeout)
             .foreign_keys(true)
-            .pragma("temp_store", "memory")
     }
 }
 
