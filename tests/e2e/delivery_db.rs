@@ -546,9 +546,19 @@ fn claim_of(handler: &str, event_type: &str, owner: &str, wait_ms: u32) -> v1::C
 }
 
 /// Waits until `n` delivery claims wait with the writer.
-async fn claims_waiting(write: &Reelay, n: f64) {
+pub(crate) async fn claims_waiting(write: &Reelay, n: f64) {
     eventually(&format!("{n} claims wait with the writer"), Duration::from_secs(10), || async move {
-        write.metrics().await.value("reelay_delivery_claims_waiting") == Some(n)
+        write.metrics().await.value("reelay_claims_waiting") == Some(n)
+    })
+    .await;
+}
+
+/// Waits until the write service has stored the key pairs of `users` users: each is a write
+/// job of its own, in the background, that must not land while a test counts batches.
+pub(crate) async fn key_pairs_stored(db: &Path, users: usize) {
+    let want = vec![vec![users.to_string()]];
+    eventually("the users' key pairs are stored", Duration::from_secs(60), || async {
+        query_strings(db, "SELECT COUNT(*) || '' FROM actor_keys").await == want
     })
     .await;
 }
@@ -575,13 +585,7 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let mut write = Reelay::start_write(BIN, &db, &env).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
-    // Her key pair is stored by a write job of its own, in the background: not while batches
-    // are counted.
-    eventually("ana's key pair is stored", Duration::from_secs(60), || {
-        let db = db.clone();
-        async move { query_strings(&db, "SELECT COUNT(*) || '' FROM actor_keys").await == [["1"]] }
-    })
-    .await;
+    key_pairs_stored(&db, 1).await;
     let claim = |handler: &str, event_type: &str, wait_ms: u32| claim_of(handler, event_type, "test#1", wait_ms);
     // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
     for handler in ["probe-a", "probe-b"] {

@@ -420,3 +420,50 @@ async fn concurrent_ledger_claims_acquire_each_key_once() {
     }
     write.stop().await;
 }
+
+/// A relay waiting for outbox rows has its claim written in the same commit as the event it is
+/// handed: one batch for the write and the claim, no claim job of its own, and the row is
+/// claimed by the relay that waited.
+#[tokio::test]
+async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    // The write service alone: the test is the relay. No purge while batches are counted.
+    let env = [("EVENT_BUS_BACKEND", "nats"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
+    let mut write = Reelay::start_write(BIN, &db, &env).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    crate::delivery_db::key_pairs_stored(&db, 1).await;
+    let claim = |wait_ms: u32| v1::ClaimRequest { consumer: "relay#1".into(), max_rows: 100, wait_ms, max_bytes: 0 };
+    // Take what is due (ana's registration), so the next claim waits.
+    let before = c.outbox.claim(claim(0)).await.unwrap().into_inner().rows;
+    assert!(!before.is_empty(), "ana's registration is due");
+    let mut outbox = c.outbox.clone();
+    let waiting = tokio::spawn(async move { outbox.claim(claim(20_000)).await });
+    crate::delivery_db::claims_waiting(&write, 1.0).await;
+    let metrics = write.metrics().await;
+    let batches = metrics.sum("reelay_writer_batch_jobs_count", &[]);
+    let claim_jobs = metrics.value(r#"reelay_writer_job_seconds_count{job="outbox_claim"}"#).unwrap_or(0.0);
+
+    c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
+    let rows = waiting.await.unwrap().expect("the waiting claim is answered").into_inner().rows;
+    let types: Vec<&str> = rows.iter().map(|r| r.event_type.as_str()).collect();
+    assert!(types.contains(&"ReviewLogged"), "the review's event is handed over: {types:?}");
+    for row in &rows {
+        let held = query_strings(
+            &db,
+            &format!("SELECT status, claimed_by, claimed_at || '' FROM event_queue WHERE id = {}", row.id),
+        )
+        .await;
+        assert_eq!(held, [["processing", "relay#1", &row.claimed_at_ms.to_string()]], "row {}", row.id);
+    }
+    let metrics = write.metrics().await;
+    assert_eq!(metrics.sum("reelay_writer_batch_jobs_count", &[]), batches + 1.0, "the write and the claim: one batch");
+    assert_eq!(
+        metrics.value(r#"reelay_writer_job_seconds_count{job="outbox_claim"}"#).unwrap_or(0.0),
+        claim_jobs,
+        "no claim job of its own"
+    );
+    crate::delivery_db::claims_waiting(&write, 0.0).await;
+    write.stop().await;
+}

@@ -310,17 +310,24 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64) -> Result<QueueS
 }
 
 /// A read-only look at the queue for an idle claimer: whether any row is claimable now, and
-/// when the next pending row becomes due (ms). Lets a claimer skip a write job (and its
+/// if not, when the next pending row becomes due (ms). Lets a claimer skip a write job (and its
 /// commit) when there is nothing to claim.
+///
+/// The next due time reads every pending row (no index has `available_at`), so it is looked up
+/// only when nothing is due: a relay draining a backlog peeks before every claim, and reading
+/// 100,000 pending rows took 17 ms each time.
 pub async fn peek(
     conn: &mut sqlx::SqliteConnection,
     now: i64,
     policy: QueuePolicy,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
     let row = sqlx::query(
-        "SELECT EXISTS (SELECT 1 FROM event_queue WHERE status = 'pending' AND available_at <= ?1) \
-             OR EXISTS (SELECT 1 FROM event_queue WHERE status = 'processing' AND claimed_at < ?2), \
-                (SELECT MIN(available_at) FROM event_queue WHERE status = 'pending')",
+        "WITH look(due) AS (\
+             SELECT EXISTS (SELECT 1 FROM event_queue WHERE status = 'pending' AND available_at <= ?1) \
+                 OR EXISTS (SELECT 1 FROM event_queue WHERE status = 'processing' AND claimed_at < ?2)) \
+         SELECT due, \
+             CASE WHEN due THEN NULL ELSE (SELECT MIN(available_at) FROM event_queue WHERE status = 'pending') END \
+         FROM look",
     )
     .bind(now)
     .bind(now - policy.lease.as_millis() as i64)

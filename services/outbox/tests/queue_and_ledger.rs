@@ -127,6 +127,12 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[first], T0 + 60_000).await })).await;
     assert_eq!(row_state(&db, first.id).await, ("pending".into(), 0, T0 + 60_000));
     assert!(claim(&db, T0 + 59_999, policy).await.is_empty());
+    // An idle claimer's look agrees: nothing due yet, the deferred row next; then due, and the
+    // next due time is not looked up.
+    let mut conn = db.reads.acquire().await.unwrap();
+    assert_eq!(queue::peek(&mut conn, T0 + 59_999, policy).await.unwrap(), (false, Some(T0 + 60_000)));
+    assert_eq!(queue::peek(&mut conn, T0 + 60_000, policy).await.unwrap(), (true, None));
+    drop(conn);
 
     // The second claimer dies; after the lease its row is claimed again under a new token.
     let second = claims[1];

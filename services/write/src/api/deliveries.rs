@@ -2,22 +2,19 @@
 //! deliveries (long-polling like `Claim`), settle, renew, and take back a dead predecessor's
 //! claims. The storage side is `reelay_outbox::deliveries`.
 
-use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
-use reelay_kit::metrics::{self, Gauge};
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
     self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
 };
-use reelay_outbox::{AfterCommit, Database, Durability, Rider, WriteTx};
-use tokio::sync::oneshot;
+use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
 
 use super::internal::{MAX_BATCH_KEYS, handler_name};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
+use super::waiting::WaitingClaims;
 use crate::WriteError;
 
 impl From<ClaimError> for WriteError {
@@ -39,127 +36,19 @@ pub async fn register_handlers(db: &Database, handlers: Vec<String>) -> Result<V
         .await
 }
 
-type ClaimAnswer = Result<Vec<ClaimedDelivery>, WriteError>;
+/// The handlers' claims waiting for new events (the writer's rider on the db backend).
+pub(super) type WaitingDeliveries = WaitingClaims<HandlerClaim, ClaimedDelivery>;
 
-static WAITING: LazyLock<Gauge> = LazyLock::new(|| {
-    metrics::gauge(
-        "reelay_delivery_claims_waiting",
-        "Handlers' delivery claims waiting with the writer for new events (db backend).",
-        &[],
-    )
-});
-
-/// A handler's claim waiting for new events.
-struct Parked {
-    id: u64,
-    request: HandlerClaim,
-    reply: oneshot::Sender<ClaimAnswer>,
-}
-
-/// Handlers' claims waiting for new events. The writer hands them the events in the batch that
-/// commits them when no synced job is waiting (this is its [`Rider`]): the claims are written
-/// after the batch's events, in the same transaction and under the same fsync, and answered
-/// once that commits. A busy writer leaves them to the commit signal, as before. Without it a
-/// waiting claim learned of the commit, looked, and claimed in a batch and a commit of its own:
-/// a second fsync between a write and its handlers, and a claim job for every handler that
-/// takes none of the new events (only to move its cursor past them).
-///
-/// A claim the writer took is always answered: with what it claimed, with the batch's failure,
-/// or with nothing (none of its types, another replica was first, or the claim's statements
-/// failed), and the claimer then looks again the ordinary way.
-#[derive(Clone)]
-pub(super) struct WaitingClaims {
-    parked: Arc<Mutex<(u64, Vec<Parked>)>>,
-    policy: HandlerPolicy,
-}
-
-impl WaitingClaims {
-    pub(super) fn new(policy: HandlerPolicy) -> Self {
-        WAITING.set(&[], 0.0);
-        Self { parked: Arc::default(), policy }
-    }
-
-    fn park(&self, request: HandlerClaim) -> WaitingClaim {
-        let (reply, answer) = oneshot::channel();
-        let mut parked = self.parked.lock().expect("never poisoned: no panics while held");
-        parked.0 += 1;
-        let id = parked.0;
-        parked.1.push(Parked { id, request, reply });
-        WAITING.set(&[], parked.1.len() as f64);
-        WaitingClaim { waiting: self.clone(), id, answer }
-    }
-
-    /// Takes a claim back; false when the writer has it (its answer is coming).
-    fn unpark(&self, id: u64) -> bool {
-        let mut parked = self.parked.lock().expect("never poisoned");
-        let before = parked.1.len();
-        parked.1.retain(|p| p.id != id);
-        WAITING.set(&[], parked.1.len() as f64);
-        parked.1.len() < before
-    }
-}
-
-/// One parked claim, from the claimer's side. Dropped (its call cancelled, say), it takes the
-/// claim back: nothing is claimed for a claimer that went away, which would hold those
-/// deliveries until their lease ran out.
-struct WaitingClaim {
-    waiting: WaitingClaims,
-    id: u64,
-    answer: oneshot::Receiver<ClaimAnswer>,
-}
-
-impl WaitingClaim {
-    /// Takes the claim back; false when the writer has it (its answer is coming).
-    fn take_back(&self) -> bool {
-        self.waiting.unpark(self.id)
-    }
-}
-
-impl Drop for WaitingClaim {
-    fn drop(&mut self) {
-        self.take_back();
-    }
-}
-
-impl Rider for WaitingClaims {
-    fn wants(&self) -> bool {
-        !self.parked.lock().expect("never poisoned").1.is_empty()
-    }
-
-    /// Claims for every waiting handler, also those that take none of the batch's event types:
-    /// their cursors move past the new rows here, not in a claim job after the commit.
-    fn ride<'t>(&'t self, tx: &'t mut WriteTx) -> BoxFuture<'t, Result<AfterCommit, sqlx::Error>> {
+/// Claims for the handlers waiting when a batch enqueues events, in that batch; also for those
+/// that take none of its event types (their cursors move past the new rows there, not in a
+/// claim job later).
+pub(super) fn waiting_deliveries(policy: HandlerPolicy) -> WaitingDeliveries {
+    WaitingClaims::new(move |tx: &mut WriteTx, requests: Vec<HandlerClaim>| {
         Box::pin(async move {
-            let taken = {
-                let mut parked = self.parked.lock().expect("never poisoned");
-                WAITING.set(&[], 0.0);
-                std::mem::take(&mut parked.1)
-            };
-            let requests: Vec<HandlerClaim> = taken.iter().map(|p| p.request.clone()).collect();
-            match deliveries::claim_many(tx, tx.now_ms(), self.policy, &requests).await {
-                Ok(answers) => {
-                    let replies: Vec<_> = taken.into_iter().map(|p| p.reply).zip(answers).collect();
-                    Ok(Box::new(move |committed: Result<(), reelay_outbox::CommitError>| {
-                        for (reply, answer) in replies {
-                            let answer = match (&committed, answer) {
-                                (_, Ok(claimed)) if claimed.is_empty() => Ok(claimed),
-                                (Err(error), _) => Err(error.clone().into()),
-                                (Ok(()), answer) => answer.map_err(WriteError::from),
-                            };
-                            let _ = reply.send(answer);
-                        }
-                    }) as AfterCommit)
-                }
-                Err(error) => {
-                    // Rolled back: nothing was claimed; the claimers look again.
-                    for p in taken {
-                        let _ = p.reply.send(Ok(Vec::new()));
-                    }
-                    Err(error)
-                }
-            }
+            let answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?;
+            Ok(answers.into_iter().map(|answer| answer.map_err(WriteError::from)).collect())
         })
-    }
+    })
 }
 
 fn claims(claims: Vec<v1::DeliveryClaim>) -> Result<Vec<(String, i64)>, ServiceError> {
@@ -220,54 +109,24 @@ impl OutboxApi {
         Ok(v1::ClaimDeliveriesResponse { deliveries })
     }
 
-    /// Claims as soon as there is something to claim, waiting up to `deadline`: it looks first
-    /// (an empty claim would still cost a write job), claims what is due, and otherwise waits
-    /// with the writer for the next batch with events (see [`WaitingClaims`]), for the next due
-    /// time, or for any commit that adds events.
+    /// Claims as soon as there is something to claim, waiting up to `deadline` (see
+    /// [`WaitingClaims::long_poll`]).
     async fn wait_for_deliveries(
         &self,
         deadline: Instant,
         request: HandlerClaim,
     ) -> Result<Vec<ClaimedDelivery>, WriteError> {
-        let mut commits = self.db.writer.subscribe_commits();
-        loop {
-            // Mark the commits seen before looking, so one landing after the look wakes us.
-            commits.borrow_and_update();
-            let (due, wake) = self.peek_deliveries(&request.handler, deadline).await?;
-            if due {
-                let claimed = self.claim_deliveries_now(request.clone()).await?;
-                if !claimed.is_empty() {
-                    return Ok(claimed);
-                }
-            }
-            if Instant::now() >= deadline || self.shutdown.is_requested() {
-                return Ok(Vec::new());
-            }
-            let mut parked = self.waiting.park(request.clone());
-            let mut closed = false;
-            tokio::select! {
-                biased;
-                answered = &mut parked.answer => match answered {
-                    Ok(Ok(claimed)) if claimed.is_empty() => continue,
-                    Ok(answered) => return answered,
-                    Err(_) => continue,
-                },
-                changed = commits.changed() => closed = changed.is_err(),
-                () = tokio::time::sleep_until(wake) => {}
-                () = self.shutdown.requested() => closed = true,
-            }
-            if !parked.take_back() {
-                // The writer has it in a batch: its answer comes with that batch's commit.
-                match (&mut parked.answer).await {
-                    Ok(Ok(claimed)) if claimed.is_empty() => {}
-                    Ok(answered) => return answered,
-                    Err(_) => {}
-                }
-            }
-            if closed {
-                return Ok(Vec::new());
-            }
-        }
+        let handler = request.handler.as_str();
+        self.waiting_deliveries
+            .long_poll(
+                &self.db.writer,
+                &self.shutdown,
+                deadline,
+                &request,
+                || self.peek_deliveries(handler, deadline),
+                || self.claim_deliveries_now(request.clone()),
+            )
+            .await
     }
 
     async fn claim_deliveries_now(&self, request: HandlerClaim) -> Result<Vec<ClaimedDelivery>, WriteError> {

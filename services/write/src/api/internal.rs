@@ -5,8 +5,6 @@
 //! `outbox`, `ledger` and `admin` implement them; this file mounts them and holds what they
 //! share.
 
-use std::sync::Arc;
-
 use reelay_contracts::v1::{admin_server::AdminServer, ledger_server::LedgerServer, outbox_server::OutboxServer};
 use reelay_kit::{GrpcServer, ServiceError, Shutdown};
 use reelay_outbox::Database;
@@ -15,9 +13,9 @@ use reelay_outbox::ledger::LedgerPolicy;
 use reelay_outbox::queue::QueuePolicy;
 
 use super::admin::{AdminApi, Bus};
-use super::deliveries::WaitingClaims;
+use super::deliveries::waiting_deliveries;
 use super::ledger::LedgerApi;
-use super::outbox::OutboxApi;
+use super::outbox::{OutboxApi, waiting_rows};
 
 pub(super) const MAX_BATCH_KEYS: usize = 1000;
 
@@ -54,13 +52,14 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         max_message_bytes: limit,
         delivery_claims: Default::default(),
         delivery_settlements: Default::default(),
-        waiting: WaitingClaims::new(policy.deliveries),
+        waiting_deliveries: waiting_deliveries(policy.deliveries),
+        waiting_rows: waiting_rows(policy.queue),
     };
-    if policy.bus == Bus::Db && !db.writer.set_rider(Arc::new(outbox.waiting.clone())) {
-        tracing::warn!(
-            "the writer already hands events to another set of waiting claims; these wait for commits instead"
-        );
-    }
+    // Whoever takes new events on this backend has its waiting claims written with them.
+    match policy.bus {
+        Bus::Db => outbox.waiting_deliveries.ride_with(&db.writer),
+        Bus::Nats => outbox.waiting_rows.ride_with(&db.writer),
+    };
     let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
     let admin = AdminApi { db, bus: policy.bus };
     server

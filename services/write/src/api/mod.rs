@@ -24,6 +24,7 @@ mod outbox;
 mod reviews;
 mod social;
 mod users;
+mod waiting;
 mod watchlist;
 mod wrap_ups;
 

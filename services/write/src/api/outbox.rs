@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::internal::MAX_BATCH_KEYS;
+use super::waiting::WaitingClaims;
 use crate::WriteError;
 use crate::merge::Merged;
 
@@ -33,8 +34,29 @@ pub(super) struct OutboxApi {
     /// Handlers' delivery claims and settlements arriving together share a write job.
     pub(super) delivery_claims: Merged<HandlerClaim, Vec<ClaimedDelivery>>,
     pub(super) delivery_settlements: Merged<(String, Vec<DeliverySettlement>), DeliveriesSettled>,
-    /// Handlers' claims waiting for events, handed them in the batch that commits them.
-    pub(super) waiting: super::deliveries::WaitingClaims,
+    /// Handlers' claims waiting for events (db backend), handed them in the batch that commits
+    /// them.
+    pub(super) waiting_deliveries: super::deliveries::WaitingDeliveries,
+    /// The relay's claims waiting for rows (nats backend), likewise.
+    pub(super) waiting_rows: WaitingRows,
+}
+
+/// The relay's claims waiting for outbox rows (the writer's rider on the nats backend).
+pub(super) type WaitingRows = WaitingClaims<ClaimLimits, queue::ClaimedRow>;
+
+/// Claims for the relays waiting when a batch enqueues events, in that batch: the rows are
+/// handed over claimed by the commit that writes them.
+pub(super) fn waiting_rows(policy: QueuePolicy) -> WaitingRows {
+    WaitingClaims::new(move |tx: &mut WriteTx, requests: Vec<ClaimLimits>| {
+        Box::pin(async move {
+            let now = tx.now_ms();
+            let mut answers = Vec::with_capacity(requests.len());
+            for limits in &requests {
+                answers.push(Ok(queue::claim_due(tx, now, policy, limits).await?));
+            }
+            Ok(answers)
+        })
+    })
 }
 
 fn published(rows: Vec<v1::RowClaim>) -> Result<Vec<Published>, ServiceError> {
@@ -62,41 +84,6 @@ fn settle_response(settled: Settled) -> v1::SettleResponse {
 }
 
 impl OutboxApi {
-    /// Claims with `claim` as soon as there is something to claim, waiting up to `deadline`:
-    /// it looks first (`peek` answers whether anything is due, and when to look again), since an
-    /// empty claim would still cost a write job, and wakes on every commit that adds events, at
-    /// the next due time, or at shutdown.
-    pub(super) async fn long_poll<T, P, C>(
-        &self,
-        deadline: Instant,
-        peek: impl Fn() -> P,
-        claim: impl Fn() -> C,
-    ) -> Result<Vec<T>, WriteError>
-    where
-        P: Future<Output = Result<(bool, Instant), WriteError>>,
-        C: Future<Output = Result<Vec<T>, WriteError>>,
-    {
-        let mut commits = self.db.writer.subscribe_commits();
-        loop {
-            // Mark the commits seen before looking, so one landing after the look wakes us.
-            commits.borrow_and_update();
-            let (due, wake) = peek().await?;
-            let claimed = if due { claim().await? } else { Vec::new() };
-            if !claimed.is_empty() || Instant::now() >= deadline || self.shutdown.is_requested() {
-                return Ok(claimed);
-            }
-            tokio::select! {
-                changed = commits.changed() => {
-                    if changed.is_err() {
-                        return Ok(Vec::new());
-                    }
-                }
-                () = tokio::time::sleep_until(wake) => {}
-                () = self.shutdown.requested() => return Ok(Vec::new()),
-            }
-        }
-    }
-
     /// The most bytes an answer may carry: what the claimer can read (0: no preference) and
     /// this server's limit, less room for the answer's own framing.
     pub(super) fn answer_bytes(&self, asked: u32) -> usize {
@@ -149,16 +136,14 @@ impl v1::outbox_server::Outbox for OutboxApi {
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
         let rows = self
+            .waiting_rows
             .long_poll(
+                &self.db.writer,
+                &self.shutdown,
                 deadline,
-                || {
-                    let this = self.clone();
-                    async move { this.peek(deadline).await }
-                },
-                || {
-                    let (this, limits) = (self.clone(), limits.clone());
-                    async move { this.claim_now(limits).await }
-                },
+                &limits,
+                || self.peek(deadline),
+                || self.claim_now(limits.clone()),
             )
             .await?;
         if !rows.is_empty() {

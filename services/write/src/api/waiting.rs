@@ -1,0 +1,241 @@
+//! Claims that wait with the writer for new events: the long poll of the Outbox API's `Claim`
+//! (the relay, nats backend) and `ClaimDeliveries` (the handlers, db backend).
+//!
+//! A claimer that finds nothing due parks its claim here. When this set is the writer's
+//! [`Rider`], the next batch that enqueues events claims for every parked claim after inserting
+//! the events, in the same transaction and under the same fsync, and answers once that batch
+//! commits; the writer does so only while no synced job waits, so a busy writer leaves the
+//! claims to the commit signal and a claim job of their own. Without it a waiting claim learned
+//! of the commit, looked, and claimed in a batch and a commit of its own: a second fsync between
+//! a write and whoever takes its events.
+//!
+//! A claim the writer took is always answered: with what it claimed, with the batch's failure,
+//! or with nothing (nothing for it, another claimer was first, or the claim's statements
+//! failed), and the claimer then looks again the ordinary way.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+
+use futures_util::future::BoxFuture;
+use reelay_kit::Shutdown;
+use reelay_kit::metrics::{self, Gauge};
+use reelay_outbox::{AfterCommit, CommitError, Rider, WriteTx, Writer};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::WriteError;
+
+static WAITING: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_claims_waiting",
+        "Claims waiting with the writer for new events: handlers' delivery claims (db backend) or the relay's outbox claims (nats backend).",
+        &[],
+    )
+});
+
+/// What a claim is answered with.
+pub(super) type Answer<A> = Result<Vec<A>, WriteError>;
+
+/// Claims for a batch of parked requests inside the writer's transaction: one answer per
+/// request, in order. An error rolls back everything it did.
+type ClaimMany<Q, A> =
+    Arc<dyn for<'t> Fn(&'t mut WriteTx, Vec<Q>) -> BoxFuture<'t, Result<Vec<Answer<A>>, sqlx::Error>> + Send + Sync>;
+
+/// The claims parked now, and the last id handed out.
+type ParkedClaims<Q, A> = Arc<Mutex<(u64, Vec<Parked<Q, A>>)>>;
+
+/// A claim waiting for new events.
+struct Parked<Q, A> {
+    id: u64,
+    request: Q,
+    reply: oneshot::Sender<Answer<A>>,
+}
+
+/// The claims of one API waiting for new events (see the module's comment).
+pub(super) struct WaitingClaims<Q, A> {
+    parked: ParkedClaims<Q, A>,
+    claim: ClaimMany<Q, A>,
+    /// Whether the writer hands these claims events (they are its rider); if not, a claimer
+    /// waits for the commit signal alone.
+    riding: Arc<AtomicBool>,
+}
+
+impl<Q, A> Clone for WaitingClaims<Q, A> {
+    fn clone(&self) -> Self {
+        Self { parked: self.parked.clone(), claim: self.claim.clone(), riding: self.riding.clone() }
+    }
+}
+
+impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
+    pub(super) fn new<F>(claim: F) -> Self
+    where
+        F: for<'t> Fn(&'t mut WriteTx, Vec<Q>) -> BoxFuture<'t, Result<Vec<Answer<A>>, sqlx::Error>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        WAITING.set(&[], 0.0);
+        Self { parked: Arc::default(), claim: Arc::new(claim), riding: Arc::default() }
+    }
+
+    /// Makes these claims the writer's rider; false (and a warning) when it has another.
+    pub(super) fn ride_with(&self, writer: &Writer) -> bool {
+        let riding = writer.set_rider(Arc::new(self.clone()));
+        if !riding {
+            tracing::warn!(
+                "the writer already hands events to another set of waiting claims; these wait for commits instead"
+            );
+        }
+        self.riding.store(riding, Ordering::SeqCst);
+        riding
+    }
+
+    fn park(&self, request: Q) -> WaitingClaim<Q, A> {
+        let (reply, answer) = oneshot::channel();
+        let mut parked = self.parked.lock().expect("never poisoned: no panics while held");
+        parked.0 += 1;
+        let id = parked.0;
+        parked.1.push(Parked { id, request, reply });
+        WAITING.set(&[], parked.1.len() as f64);
+        WaitingClaim { waiting: self.clone(), id, answer }
+    }
+
+    /// Takes a claim back; false when the writer has it (its answer is coming).
+    fn unpark(&self, id: u64) -> bool {
+        let mut parked = self.parked.lock().expect("never poisoned");
+        let before = parked.1.len();
+        parked.1.retain(|p| p.id != id);
+        WAITING.set(&[], parked.1.len() as f64);
+        parked.1.len() < before
+    }
+
+    /// Claims as soon as there is something to claim, waiting up to `deadline`: it looks first
+    /// (`peek` answers whether anything is due, and when to look again), since an empty claim
+    /// would still cost a write job, and claims what is due with `claim`. Otherwise it waits
+    /// with the writer for the next batch with events (when riding), for any commit that adds
+    /// events, for the next due time, or for shutdown.
+    pub(super) async fn long_poll<P, C>(
+        &self,
+        writer: &Writer,
+        shutdown: &Shutdown,
+        deadline: Instant,
+        request: &Q,
+        peek: impl Fn() -> P,
+        claim: impl Fn() -> C,
+    ) -> Answer<A>
+    where
+        P: Future<Output = Result<(bool, Instant), WriteError>>,
+        C: Future<Output = Answer<A>>,
+    {
+        let mut commits = writer.subscribe_commits();
+        loop {
+            // Mark the commits seen before looking, so one landing after the look wakes us.
+            commits.borrow_and_update();
+            let (due, wake) = peek().await?;
+            if due {
+                let claimed = claim().await?;
+                if !claimed.is_empty() {
+                    return Ok(claimed);
+                }
+            }
+            if Instant::now() >= deadline || shutdown.is_requested() {
+                return Ok(Vec::new());
+            }
+            let mut parked = self.riding.load(Ordering::SeqCst).then(|| self.park(request.clone()));
+            let answer = async {
+                match parked.as_mut() {
+                    Some(parked) => (&mut parked.answer).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let mut closed = false;
+            tokio::select! {
+                biased;
+                answered = answer => match answered {
+                    Ok(Ok(claimed)) if claimed.is_empty() => continue,
+                    Ok(answered) => return answered,
+                    Err(_) => continue,
+                },
+                changed = commits.changed() => closed = changed.is_err(),
+                () = tokio::time::sleep_until(wake) => {}
+                () = shutdown.requested() => closed = true,
+            }
+            if let Some(mut parked) = parked
+                && !parked.take_back()
+            {
+                // The writer has it in a batch: its answer comes with that batch's commit.
+                match (&mut parked.answer).await {
+                    Ok(Ok(claimed)) if claimed.is_empty() => {}
+                    Ok(answered) => return answered,
+                    Err(_) => {}
+                }
+            }
+            if closed {
+                return Ok(Vec::new());
+            }
+        }
+    }
+}
+
+/// One parked claim, from the claimer's side. Dropped (its call cancelled, say), it takes the
+/// claim back: nothing is claimed for a claimer that went away, which would hold what it was
+/// handed until its lease ran out.
+struct WaitingClaim<Q: Clone + Send + 'static, A: Send + 'static> {
+    waiting: WaitingClaims<Q, A>,
+    id: u64,
+    answer: oneshot::Receiver<Answer<A>>,
+}
+
+impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaim<Q, A> {
+    /// Takes the claim back; false when the writer has it (its answer is coming).
+    fn take_back(&self) -> bool {
+        self.waiting.unpark(self.id)
+    }
+}
+
+impl<Q: Clone + Send + 'static, A: Send + 'static> Drop for WaitingClaim<Q, A> {
+    fn drop(&mut self) {
+        self.take_back();
+    }
+}
+
+impl<Q: Clone + Send + 'static, A: Send + 'static> Rider for WaitingClaims<Q, A> {
+    fn wants(&self) -> bool {
+        !self.parked.lock().expect("never poisoned").1.is_empty()
+    }
+
+    /// Claims for every parked claim (on db also for handlers that take none of the batch's
+    /// event types: their cursors move past the new rows here, not in a claim job later).
+    fn ride<'t>(&'t self, tx: &'t mut WriteTx) -> BoxFuture<'t, Result<AfterCommit, sqlx::Error>> {
+        Box::pin(async move {
+            let taken = {
+                let mut parked = self.parked.lock().expect("never poisoned");
+                WAITING.set(&[], 0.0);
+                std::mem::take(&mut parked.1)
+            };
+            let (requests, replies): (Vec<Q>, Vec<_>) = taken.into_iter().map(|p| (p.request, p.reply)).unzip();
+            match (self.claim)(tx, requests).await {
+                Ok(answers) => {
+                    let replies: Vec<_> = replies.into_iter().zip(answers).collect();
+                    Ok(Box::new(move |committed: Result<(), CommitError>| {
+                        for (reply, answer) in replies {
+                            let answer = match (&committed, answer) {
+                                (_, Ok(claimed)) if claimed.is_empty() => Ok(claimed),
+                                (Err(error), _) => Err(error.clone().into()),
+                                (Ok(()), answer) => answer,
+                            };
+                            let _ = reply.send(answer);
+                        }
+                    }) as AfterCommit)
+                }
+                Err(error) => {
+                    // Rolled back: nothing was claimed; the claimers look again.
+                    for reply in replies {
+                        let _ = reply.send(Ok(Vec::new()));
+                    }
+                    Err(error)
+                }
+            }
+        })
+    }
+}
