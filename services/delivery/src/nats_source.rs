@@ -85,12 +85,15 @@ impl EventSource for JetStreamSource {
     /// Long-polls for one message (so a new event is handled as soon as it arrives, with no
     /// timer), then takes whatever else is already waiting without waiting again. No pull is
     /// left outstanding, so no message is delivered to this consumer that it is not holding.
+    /// The first message says how many more the consumer held when it was sent; when none, the
+    /// second pull (a round trip to the broker on the way to the handler) is skipped.
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<MessageToken>>, SourceError> {
         let mut messages = Vec::new();
         let first =
             self.consumer.batch().max_messages(1).expires(self.expires).messages().await.map_err(unavailable)?;
         collect(first, &mut messages, self.expires + PULL_GRACE).await?;
-        if !messages.is_empty() && max > 1 {
+        let more_waiting = messages.first().is_some_and(|m| m.info().map_or(true, |info| info.pending > 0));
+        if more_waiting && max > 1 {
             let rest = self.consumer.fetch().max_messages(max - 1).messages().await.map_err(unavailable)?;
             // What already arrived is ours to settle, whatever happens to the rest.
             if let Err(error) = collect(rest, &mut messages, PULL_GRACE).await {
