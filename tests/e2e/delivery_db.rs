@@ -553,6 +553,13 @@ pub(crate) async fn claims_waiting(write: &Reelay, n: f64) {
     .await;
 }
 
+/// The write service's batches so far, and its write jobs named `job`.
+pub(crate) async fn batches_and_jobs(write: &Reelay, job: &str) -> (f64, f64) {
+    let metrics = write.metrics().await;
+    let jobs = metrics.value(&format!(r#"reelay_writer_job_seconds_count{{job="{job}"}}"#)).unwrap_or(0.0);
+    (metrics.sum("reelay_writer_batch_jobs_count", &[]), jobs)
+}
+
 /// Waits until the write service has stored the key pairs of `users` users: each is a write
 /// job of its own, in the background, that must not land while a test counts batches.
 pub(crate) async fn key_pairs_stored(db: &Path, users: usize) {
@@ -597,23 +604,17 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let mut outbox = c.outbox.clone();
     let deletions = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-b", "MovieDeleted", 1_500)).await });
     claims_waiting(&write, 2.0).await;
-    let metrics = write.metrics().await;
-    let (batches, claim_jobs) = (
-        metrics.sum("reelay_writer_batch_jobs_count", &[]),
-        metrics.value(r#"reelay_writer_job_seconds_count{job="claim_deliveries"}"#).unwrap_or(0.0),
-    );
+    let (batches, claim_jobs) = batches_and_jobs(&write, "claim_deliveries").await;
 
     let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
     let handed = reviews.await.unwrap().expect("the waiting claim is answered").into_inner().deliveries;
     assert_review_event(&handed, &review.review_id);
     let (status, _, _) = delivery(&db, &handed[0].key, "probe-a").await.expect("its claim is written");
     assert_eq!(status, "in_progress");
-    let metrics = write.metrics().await;
-    assert_eq!(metrics.sum("reelay_writer_batch_jobs_count", &[]), batches + 1.0, "the write and the claim: one batch");
     assert_eq!(
-        metrics.value(r#"reelay_writer_job_seconds_count{job="claim_deliveries"}"#).unwrap_or(0.0),
-        claim_jobs,
-        "no claim job of its own"
+        batches_and_jobs(&write, "claim_deliveries").await,
+        (batches + 1.0, claim_jobs),
+        "the write and the claim: one batch, no claim job of its own"
     );
     // The claim for MovieDeleted was not handed the review, and waited out its deadline.
     let nothing = deletions.await.unwrap().unwrap().into_inner().deliveries;

@@ -441,9 +441,7 @@ async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
     let mut outbox = c.outbox.clone();
     let waiting = tokio::spawn(async move { outbox.claim(claim(20_000)).await });
     crate::delivery_db::claims_waiting(&write, 1.0).await;
-    let metrics = write.metrics().await;
-    let batches = metrics.sum("reelay_writer_batch_jobs_count", &[]);
-    let claim_jobs = metrics.value(r#"reelay_writer_job_seconds_count{job="outbox_claim"}"#).unwrap_or(0.0);
+    let (batches, claim_jobs) = crate::delivery_db::batches_and_jobs(&write, "outbox_claim").await;
 
     c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
     let rows = waiting.await.unwrap().expect("the waiting claim is answered").into_inner().rows;
@@ -457,12 +455,10 @@ async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
         .await;
         assert_eq!(held, [["processing", "relay#1", &row.claimed_at_ms.to_string()]], "row {}", row.id);
     }
-    let metrics = write.metrics().await;
-    assert_eq!(metrics.sum("reelay_writer_batch_jobs_count", &[]), batches + 1.0, "the write and the claim: one batch");
     assert_eq!(
-        metrics.value(r#"reelay_writer_job_seconds_count{job="outbox_claim"}"#).unwrap_or(0.0),
-        claim_jobs,
-        "no claim job of its own"
+        crate::delivery_db::batches_and_jobs(&write, "outbox_claim").await,
+        (batches + 1.0, claim_jobs),
+        "the write and the claim: one batch, no claim job of its own"
     );
     crate::delivery_db::claims_waiting(&write, 0.0).await;
     write.stop().await;
