@@ -66,6 +66,16 @@ fn rss_mb(pid: u32) -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// CPU seconds (user and system, all threads) a process has used so far: `pid`, or "self".
+pub(crate) fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name (which may hold spaces) the fields run from the 3rd (state): utime
+    // and stime are the 14th and 15th, in clock ticks of 1/100 s (Linux's USER_HZ).
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 /// Users and one movie to review, so the measured calls create nothing else. Few users (the
 /// clients share them): each costs the write service an RSA key generation first.
 pub(crate) async fn fixtures(c: &mut Clients, db: &Path, users: usize) -> (Vec<String>, String) {
@@ -328,10 +338,14 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     eprintln!("write path");
     let raw_with = raw_sqlite(b, true).await?;
     let raw_without = raw_sqlite(b, false).await?;
+    let (cpu, started) = (cpu_seconds("self"), Instant::now());
     let raw_group = raw_group_commit(b, 64).await?;
+    let group_cores = (cpu_seconds("self") - cpu) / started.elapsed().as_secs_f64();
     report.add("raw SQLite: review + outbox row, 1 txn each, FULL", raw_with, "ops/s");
     report.add("raw SQLite: review only, 1 txn each, FULL", raw_without, "ops/s");
     report.add("raw SQLite: review + outbox rows, 64 tasks, group commit, FULL", raw_group, "ops/s");
+    report.add("raw group commit, 64 tasks: CPU", group_cores, "cores");
+    report.add("raw group commit, 64 tasks: CPU per review", group_cores * 1e6 / raw_group, "us");
     for events in [true, false] {
         let dir = scratch()?;
         let env: Env = if events { vec![] } else { vec![("REELAY_FAILPOINTS".into(), "skip_events".into())] };
@@ -339,14 +353,26 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let mut reelay = start(b, &db, &["write"], &env).await;
         let mut c = reelay.clients().await;
         let (users, movie) = fixtures(&mut c, &db, 8).await;
+        let pid = reelay.pid().to_string();
         for clients in [1, 8, 64] {
             let (before, started) = (WriterSample::read(&reelay).await, Instant::now());
+            let (server_cpu, client_cpu) = (cpu_seconds(&pid), cpu_seconds("self"));
             let rate = throughput(b, &c, &users, &movie, clients).await;
             let elapsed = started.elapsed().as_secs_f64();
+            let server_cores = (cpu_seconds(&pid) - server_cpu) / elapsed;
+            let client_cores = (cpu_seconds("self") - client_cpu) / elapsed;
             let after = WriterSample::read(&reelay).await;
             let skipped = if events { "" } else { ", events skipped" };
             let label = format!("LogReview over gRPC, {clients} clients{skipped}");
             report.add(format!("{label}: writer busy"), 100.0 * after.busy_since(&before, elapsed), "%");
+            // On 2 cores the benchmark's own gRPC clients share the machine with the service.
+            report.add(format!("{label}: CPU, write service"), server_cores, "cores");
+            report.add(format!("{label}: CPU, the benchmark's clients"), client_cores, "cores");
+            report.add(
+                format!("{label}: CPU per call, service + clients"),
+                (server_cores + client_cores) * 1e6 / rate,
+                "us",
+            );
             report_writer_jobs(report, &label, &before, &after, elapsed);
             let commits = after.batches - before.batches;
             report.add(format!("{label}: calls per commit"), rate * elapsed / commits, "calls");
