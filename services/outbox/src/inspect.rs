@@ -10,15 +10,6 @@ use sqlx::{Row, SqliteConnection};
 use crate::deliveries;
 use crate::queue;
 
-/// The oldest due moment on db: of the outbox rows some handler has not been handed yet, and of
-/// the due retries (through the ledger's index of open deliveries).
-pub(crate) const OLDEST_DUE: &str = "SELECT MIN(t) FROM ( \
-         SELECT MIN(created_at) AS t FROM event_queue \
-             WHERE id > (SELECT COALESCE(MIN(position), 0) FROM handler_cursors) AND status = 'pending' \
-         UNION ALL \
-         SELECT MIN(available_at) FROM processed_events \
-             WHERE status IN ('in_progress', 'retry') AND status = 'retry' AND available_at <= ?1)";
-
 /// Where the outbox and each handler stand.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Status {
@@ -42,7 +33,7 @@ pub struct HandlerStatus {
 /// The outbox by status and every registered handler's standing. `cursors`: the db backend
 /// (handlers progress by cursor), else nats.
 pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Result<Status, sqlx::Error> {
-    let mut outbox = queue::stats(conn, now).await?;
+    let outbox = queue::stats(conn, now, cursors).await?;
     let mut handlers = Vec::new();
     for h in deliveries::stats(conn).await? {
         let (pending, oldest) = if cursors {
@@ -70,12 +61,6 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
             retrying: h.retrying,
             dead_lettered: h.dead_lettered,
         });
-    }
-    if cursors {
-        // Rows stay `pending` on db: what waits is what some handler has not been handed yet,
-        // or a retry that is due.
-        let oldest: Option<i64> = sqlx::query_scalar(OLDEST_DUE).bind(now).fetch_one(&mut *conn).await?;
-        outbox.oldest_due_age_ms = oldest.map_or(0, |t| (now - t).max(0));
     }
     Ok(Status { outbox, handlers })
 }

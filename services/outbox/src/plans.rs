@@ -42,7 +42,7 @@ async fn check_plans(statements: Vec<String>, tables: &[&str], sorts: bool, step
 /// look for open deliveries: through the ledger's index of them, never by reading its done rows.
 #[tokio::test]
 async fn open_deliveries_are_found_through_their_index() {
-    let statements = [deliveries::PEEK, deliveries::STATS, deliveries::RELEASE_DELIVERIES, inspect::OLDEST_DUE]
+    let statements = [deliveries::PEEK, deliveries::STATS, deliveries::RELEASE_DELIVERIES, queue::OLDEST_DUE_DB]
         .map(str::to_owned)
         .into_iter()
         .chain([deliveries::claim_open_sql(1), deliveries::claim_open_sql(3)])

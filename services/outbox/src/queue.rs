@@ -287,7 +287,22 @@ pub struct QueueStats {
     pub oldest_due_age_ms: i64,
 }
 
-pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64) -> Result<QueueStats, sqlx::Error> {
+/// The oldest due moment on db, where rows stay `pending`: of the outbox rows some handler has
+/// not been handed yet, and of the due retries (through the ledger's index of open deliveries).
+pub(crate) const OLDEST_DUE_DB: &str = "SELECT MIN(t) FROM ( \
+         SELECT MIN(created_at) AS t FROM event_queue \
+             WHERE id > (SELECT COALESCE(MIN(position), 0) FROM handler_cursors) AND status = 'pending' \
+         UNION ALL \
+         SELECT MIN(available_at) FROM processed_events \
+             WHERE status IN ('in_progress', 'retry') AND status = 'retry' AND available_at <= ?1)";
+
+/// The outbox by status, and the age of what has waited longest. `cursors`: the db backend,
+/// where rows stay `pending` and handlers progress by cursor: the oldest is what some handler
+/// has not been handed yet, or a due retry ([`OLDEST_DUE_DB`], which reads from the lowest
+/// cursor on). On nats it is the oldest due pending row (not yet published), found among the
+/// pending rows, which there are only the unpublished ones. (On db the same read would go
+/// through every retained row.)
+pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64, cursors: bool) -> Result<QueueStats, sqlx::Error> {
     let mut stats = QueueStats::default();
     for row in sqlx::query("SELECT status, COUNT(*) FROM event_queue GROUP BY status").fetch_all(&mut *conn).await? {
         let count = row.get::<i64, _>(1) as u64;
@@ -299,13 +314,13 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64) -> Result<QueueS
             _ => {}
         }
     }
-    let oldest: Option<i64> =
-        sqlx::query("SELECT MIN(available_at) FROM event_queue WHERE status = 'pending' AND available_at <= ?")
-            .bind(now)
-            .fetch_one(&mut *conn)
-            .await?
-            .get(0);
-    stats.oldest_due_age_ms = oldest.map_or(0, |t| now - t);
+    let oldest = if cursors {
+        OLDEST_DUE_DB
+    } else {
+        "SELECT MIN(available_at) FROM event_queue WHERE status = 'pending' AND available_at <= ?1"
+    };
+    let oldest: Option<i64> = sqlx::query_scalar(oldest).bind(now).fetch_one(&mut *conn).await?;
+    stats.oldest_due_age_ms = oldest.map_or(0, |t| (now - t).max(0));
     Ok(stats)
 }
 

@@ -837,8 +837,8 @@ mod tests {
             let before = rides();
             let (first, started, release) = held_job(&db.writer, Durability::Synced, 1);
             started.await.unwrap();
+            // Held too, so its batch cannot ride before the first batch's rides are counted.
             let (second, _, release_second) = held_job(&db.writer, behind, 2);
-            drop(release_second);
             let deadline = Instant::now() + Duration::from_secs(10);
             // The second job is made (and counted, if synced) before it is sent; wait until the
             // writer's queue holds it.
@@ -849,6 +849,7 @@ mod tests {
             release.send(()).unwrap();
             first.await.unwrap().unwrap();
             assert_eq!(rides() - before, rides_in_first, "{behind:?} job waiting");
+            release_second.send(()).unwrap();
             second.await.unwrap().unwrap();
             assert_eq!(rides() - before, rides_in_first + rides_in_second, "the second batch, nothing behind it");
         }

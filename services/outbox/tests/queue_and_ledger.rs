@@ -159,7 +159,7 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     assert_eq!(sequence, Some(7), "the PubAck's sequence is kept for `events explain`");
 
     let mut conn = db.reads.acquire().await.unwrap();
-    let stats = queue::stats(&mut conn, T0 + 600_001).await.unwrap();
+    let stats = queue::stats(&mut conn, T0 + 600_001, false).await.unwrap();
     assert_eq!((stats.pending, stats.processing, stats.done, stats.dead_lettered), (0, 2, 1, 0));
 }
 
@@ -316,4 +316,49 @@ async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
     assert_eq!(oversized.get::<String, _>(0), "dead_lettered");
     let reason: String = oversized.get(1);
     assert!(reason.contains("300000 bytes"), "the reason names the size: {reason}");
+}
+
+/// On the db backend outbox rows stay `pending`, so what has waited longest is the oldest row a
+/// handler has not been handed yet, not the oldest row kept; on nats it is the oldest pending row.
+#[tokio::test]
+async fn the_oldest_waiting_row_follows_the_handlers_cursors_on_db() {
+    use reelay_outbox::deliveries::{self, ClaimError, HandlerClaim, HandlerPolicy};
+    let (_dir, db) = open().await;
+    enqueue(&db, 1).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    enqueue(&db, 1).await;
+    let created: Vec<i64> =
+        sqlx::query_scalar("SELECT created_at FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
+    assert!(created[0] < created[1], "{created:?}");
+    let now = created[1] + 1_000;
+    job(&db, move |tx| Box::pin(async move { deliveries::register(tx, &["h".to_owned()], now).await })).await;
+    let age = |cursors: bool| {
+        let db = db.clone();
+        async move {
+            let mut conn = db.reads.acquire().await.unwrap();
+            queue::stats(&mut conn, now, cursors).await.unwrap().oldest_due_age_ms
+        }
+    };
+    assert_eq!((age(true).await, age(false).await), (now - created[0], now - created[0]));
+
+    // The handler is handed the first row: on db the second is now the oldest waiting.
+    let claim = HandlerClaim {
+        handler: "h".into(),
+        event_types: vec!["MovieDeleted".into()],
+        owner: "test#1".into(),
+        max_rows: 1,
+        max_bytes: 1 << 20,
+    };
+    let handed = job(&db, move |tx| {
+        Box::pin(async move {
+            deliveries::claim(tx, now, HandlerPolicy::default(), &claim).await.map_err(|error| match error {
+                ClaimError::Sql(error) => error,
+                other => panic!("{other}"),
+            })
+        })
+    })
+    .await;
+    assert_eq!(handed.len(), 1);
+    assert_eq!(age(true).await, now - created[1], "db: the row not yet handed");
+    assert_eq!(age(false).await, now - created[0], "nats reading: the oldest pending row");
 }

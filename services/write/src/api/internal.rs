@@ -54,6 +54,7 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         delivery_settlements: Default::default(),
         waiting_deliveries: waiting_deliveries(policy.deliveries),
         waiting_rows: waiting_rows(policy.queue),
+        bus: policy.bus,
     };
     // Whoever takes new events on this backend has its waiting claims written with them.
     match policy.bus {

@@ -12,6 +12,7 @@ use reelay_outbox::{Database, WriteTx};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
+use super::admin::Bus;
 use super::internal::MAX_BATCH_KEYS;
 use super::waiting::WaitingClaims;
 use crate::WriteError;
@@ -39,6 +40,8 @@ pub(super) struct OutboxApi {
     pub(super) waiting_deliveries: super::deliveries::WaitingDeliveries,
     /// The relay's claims waiting for rows (nats backend), likewise.
     pub(super) waiting_rows: WaitingRows,
+    /// The event bus: on db the outbox's rows stay `pending` and handlers progress by cursor.
+    pub(super) bus: Bus,
 }
 
 /// The relay's claims waiting for outbox rows (the writer's rider on the nats backend).
@@ -223,7 +226,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
 
     async fn stats(&self, _request: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
-        let s = queue::stats(&mut conn, now_ms()).await.map_err(WriteError::from)?;
+        let s = queue::stats(&mut conn, now_ms(), self.bus == Bus::Db).await.map_err(WriteError::from)?;
         let handlers = deliveries::stats(&mut conn)
             .await
             .map_err(WriteError::from)?
