@@ -988,13 +988,18 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         processes.extend(run.others.iter().map(|(name, p)| (name.as_str(), p.pid())));
         let idle: Vec<(&str, f64)> = processes.iter().map(|(name, pid)| (*name, rss_mb(*pid).0)).collect();
 
+        let cpu = |processes: &[(&str, u32)]| -> Vec<f64> {
+            processes.iter().map(|(_, pid)| cpu_seconds(&pid.to_string())).chain([cpu_seconds("self")]).collect()
+        };
         let (before, started) = (WriterSample::read(write).await, Instant::now());
+        let cpu_before = cpu(&processes);
         let written = throughput(b, &c, &users, &movie, 64).await * b.measure.as_secs_f64();
         let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'")
             .await[0][0]
             .parse::<u64>()?;
         wait_for_handlers(&mut c, js.as_ref(), started).await?;
         let elapsed = started.elapsed().as_secs_f64();
+        let cpu_after = cpu(&processes);
         let after = WriterSample::read(write).await;
         let dead = query_strings(
             &db,
@@ -1021,6 +1026,11 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
             "%",
         );
         report_writer_jobs(report, backend, &before, &after, elapsed);
+        // Where the 2 cores went until every handler was done (the benchmark: its 64 clients).
+        let names = processes.iter().map(|(name, _)| *name).chain(["benchmark"]);
+        for (name, (then, now)) in names.zip(cpu_before.iter().zip(&cpu_after)) {
+            report.add(format!("{backend}: CPU until then, {name}"), (now - then) / elapsed, "cores");
+        }
         for ((name, pid), (_, idle_mb)) in processes.iter().zip(idle) {
             report.add(format!("{backend}: {name} RSS idle"), idle_mb, "MB").at_most(64.0);
             report.add(format!("{backend}: {name} peak RSS under load"), rss_mb(*pid).1, "MB").at_most(64.0);
