@@ -545,31 +545,6 @@ fn claim_of(handler: &str, event_type: &str, owner: &str, wait_ms: u32) -> v1::C
     }
 }
 
-/// Waits until `n` delivery claims wait with the writer.
-pub(crate) async fn claims_waiting(write: &Reelay, n: f64) {
-    eventually(&format!("{n} claims wait with the writer"), Duration::from_secs(10), || async move {
-        write.metrics().await.value("reelay_claims_waiting") == Some(n)
-    })
-    .await;
-}
-
-/// The write service's batches so far, and its write jobs named `job`.
-pub(crate) async fn batches_and_jobs(write: &Reelay, job: &str) -> (f64, f64) {
-    let metrics = write.metrics().await;
-    let jobs = metrics.value(&format!(r#"reelay_writer_job_seconds_count{{job="{job}"}}"#)).unwrap_or(0.0);
-    (metrics.sum("reelay_writer_batch_jobs_count", &[]), jobs)
-}
-
-/// Waits until the write service has stored the key pairs of `users` users: each is a write
-/// job of its own, in the background, that must not land while a test counts batches.
-pub(crate) async fn key_pairs_stored(db: &Path, users: usize) {
-    let want = vec![vec![users.to_string()]];
-    eventually("the users' key pairs are stored", Duration::from_secs(60), || async {
-        query_strings(db, "SELECT COUNT(*) || '' FROM actor_keys").await == want
-    })
-    .await;
-}
-
 /// Checks that `handed` is exactly the ReviewLogged of `review_id`.
 fn assert_review_event(handed: &[v1::Delivery], review_id: &str) {
     assert_eq!(handed.len(), 1, "{handed:?}");
@@ -592,7 +567,7 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let mut write = Reelay::start_write(BIN, &db, &env).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
-    key_pairs_stored(&db, 1).await;
+    crate::key_pairs_stored(&db, 1).await;
     let claim = |handler: &str, event_type: &str, wait_ms: u32| claim_of(handler, event_type, "test#1", wait_ms);
     // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
     for handler in ["probe-a", "probe-b"] {
@@ -603,8 +578,8 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let reviews = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-a", "ReviewLogged", 20_000)).await });
     let mut outbox = c.outbox.clone();
     let deletions = tokio::spawn(async move { outbox.claim_deliveries(claim("probe-b", "MovieDeleted", 1_500)).await });
-    claims_waiting(&write, 2.0).await;
-    let (batches, claim_jobs) = batches_and_jobs(&write, "claim_deliveries").await;
+    crate::claims_waiting(&write, 2.0).await;
+    let (batches, claim_jobs) = crate::batches_and_jobs(&write, "claim_deliveries").await;
 
     let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
     let handed = reviews.await.unwrap().expect("the waiting claim is answered").into_inner().deliveries;
@@ -612,14 +587,14 @@ async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let (status, _, _) = delivery(&db, &handed[0].key, "probe-a").await.expect("its claim is written");
     assert_eq!(status, "in_progress");
     assert_eq!(
-        batches_and_jobs(&write, "claim_deliveries").await,
+        crate::batches_and_jobs(&write, "claim_deliveries").await,
         (batches + 1.0, claim_jobs),
         "the write and the claim: one batch, no claim job of its own"
     );
     // The claim for MovieDeleted was not handed the review, and waited out its deadline.
     let nothing = deletions.await.unwrap().unwrap().into_inner().deliveries;
     assert!(nothing.is_empty(), "{nothing:?}");
-    claims_waiting(&write, 0.0).await;
+    crate::claims_waiting(&write, 0.0).await;
     write.stop().await;
 }
 
@@ -636,11 +611,11 @@ async fn a_waiting_claim_whose_caller_went_away_claims_nothing() {
     let claim = |owner: &str, wait_ms: u32| claim_of("probe-a", "ReviewLogged", owner, wait_ms);
     let mut outbox = c.outbox.clone();
     let gone = tokio::spawn(async move { outbox.claim_deliveries(claim("gone#1", 20_000)).await });
-    claims_waiting(&write, 1.0).await;
+    crate::claims_waiting(&write, 1.0).await;
     gone.abort();
     assert!(gone.await.unwrap_err().is_cancelled());
     // The server drops the cancelled call, and its claim with it.
-    claims_waiting(&write, 0.0).await;
+    crate::claims_waiting(&write, 0.0).await;
 
     let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
     let handed = c.outbox.claim_deliveries(claim("here#1", 5_000)).await.unwrap().into_inner().deliveries;

@@ -433,15 +433,15 @@ async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
     let mut write = Reelay::start_write(BIN, &db, &env).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
-    crate::delivery_db::key_pairs_stored(&db, 1).await;
+    crate::key_pairs_stored(&db, 1).await;
     let claim = |wait_ms: u32| v1::ClaimRequest { consumer: "relay#1".into(), max_rows: 100, wait_ms, max_bytes: 0 };
     // Take what is due (ana's registration), so the next claim waits.
     let before = c.outbox.claim(claim(0)).await.unwrap().into_inner().rows;
     assert!(!before.is_empty(), "ana's registration is due");
     let mut outbox = c.outbox.clone();
     let waiting = tokio::spawn(async move { outbox.claim(claim(20_000)).await });
-    crate::delivery_db::claims_waiting(&write, 1.0).await;
-    let (batches, claim_jobs) = crate::delivery_db::batches_and_jobs(&write, "outbox_claim").await;
+    crate::claims_waiting(&write, 1.0).await;
+    let (batches, claim_jobs) = crate::batches_and_jobs(&write, "outbox_claim").await;
 
     c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
     let rows = waiting.await.unwrap().expect("the waiting claim is answered").into_inner().rows;
@@ -456,10 +456,10 @@ async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
         assert_eq!(held, [["processing", "relay#1", &row.claimed_at_ms.to_string()]], "row {}", row.id);
     }
     assert_eq!(
-        crate::delivery_db::batches_and_jobs(&write, "outbox_claim").await,
+        crate::batches_and_jobs(&write, "outbox_claim").await,
         (batches + 1.0, claim_jobs),
         "the write and the claim: one batch, no claim job of its own"
     );
-    crate::delivery_db::claims_waiting(&write, 0.0).await;
+    crate::claims_waiting(&write, 0.0).await;
     write.stop().await;
 }

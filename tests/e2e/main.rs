@@ -21,6 +21,11 @@ mod retention;
 mod search;
 mod write_events;
 
+use std::path::Path;
+use std::time::Duration;
+
+use reelay_harness::{Reelay, eventually, query_strings};
+
 /// What a handler of this build needs to run in the test process against `reelay`'s write
 /// service: its data dir (the process's) and an authenticated channel.
 fn handler_context(reelay: &reelay_harness::Reelay) -> reelay_delivery::HandlerContext {
@@ -29,4 +34,30 @@ fn handler_context(reelay: &reelay_harness::Reelay) -> reelay_delivery::HandlerC
         reelay_kit::client::connect_lazy(&url, Some(reelay_harness::TEST_TOKEN), std::time::Duration::from_secs(30))
             .expect("a channel to the write service");
     reelay_delivery::HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write }
+}
+
+/// Waits until `n` claims wait with the writer for new events (a handler's on db, the relay's on
+/// nats).
+async fn claims_waiting(write: &Reelay, n: f64) {
+    eventually(&format!("{n} claims wait with the writer"), Duration::from_secs(10), || async move {
+        write.metrics().await.value("reelay_claims_waiting") == Some(n)
+    })
+    .await;
+}
+
+/// The write service's batches so far, and its write jobs named `job`.
+async fn batches_and_jobs(write: &Reelay, job: &str) -> (f64, f64) {
+    let metrics = write.metrics().await;
+    let jobs = metrics.value(&format!(r#"reelay_writer_job_seconds_count{{job="{job}"}}"#)).unwrap_or(0.0);
+    (metrics.sum("reelay_writer_batch_jobs_count", &[]), jobs)
+}
+
+/// Waits until the write service has stored the key pairs of `users` users: each is a write
+/// job of its own, in the background, that must not land while a test counts batches.
+async fn key_pairs_stored(db: &Path, users: usize) {
+    let want = vec![vec![users.to_string()]];
+    eventually("the users' key pairs are stored", Duration::from_secs(60), || async {
+        query_strings(db, "SELECT COUNT(*) || '' FROM actor_keys").await == want
+    })
+    .await;
 }

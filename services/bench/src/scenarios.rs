@@ -501,7 +501,7 @@ pub async fn relay_drain(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let (before, started) = (WriterSample::read(&write).await, Instant::now());
     let mut relay = start(b, &dir.path().join("relay/x.db"), &["relay"], &env).await;
     // Progress is read off the broker while the backlog drains: the outbox's stats count every
-    // row, which costs the write service a core's worth of reads when asked every 20 ms.
+    // row, and asked every 20 ms they slowed the drain they measured (see BENCHMARKS.md).
     loop {
         let stored = match js.get_stream(STREAM).await {
             Ok(mut stream) => stream.info().await?.state.messages,

@@ -299,9 +299,9 @@ pub(crate) const OLDEST_DUE_DB: &str = "SELECT MIN(t) FROM ( \
 /// The outbox by status, and the age of what has waited longest. `cursors`: the db backend,
 /// where rows stay `pending` and handlers progress by cursor: the oldest is what some handler
 /// has not been handed yet, or a due retry ([`OLDEST_DUE_DB`], which reads from the lowest
-/// cursor on). On nats it is the oldest due pending row (not yet published), found among the
-/// pending rows, which there are only the unpublished ones. (On db the same read would go
-/// through every retained row.)
+/// cursor on). On nats it is the oldest due pending row (not yet published): the pending rows
+/// there are only the unpublished ones, while on db the same read would go through every
+/// retained row.
 pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64, cursors: bool) -> Result<QueueStats, sqlx::Error> {
     let mut stats = QueueStats::default();
     for row in sqlx::query("SELECT status, COUNT(*) FROM event_queue GROUP BY status").fetch_all(&mut *conn).await? {

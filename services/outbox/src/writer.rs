@@ -19,7 +19,8 @@
 //! After a commit that wrote outbox rows the writer bumps a counter that claimers can wait on,
 //! so a waiting consumer learns about new events without polling. Work can also ride in the
 //! batch that writes them ([`Writer::set_rider`]): the write service claims new events there
-//! for the handlers that are waiting, under the same fsync as the events.
+//! for whoever is waiting for them (the handlers on db, the relay on nats), under the same fsync
+//! as the events.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -360,11 +361,11 @@ impl Writer {
     }
 
     /// Sets the work that rides in a batch that enqueues events, committed at the configured
-    /// `synchronous` level, when no other synced job is waiting: after the batch's outbox rows are
-    /// inserted, inside a savepoint of its own, in the same transaction and under the same fsync. The write service
-    /// uses it to hand new events to handlers that are waiting for them (their claims are
-    /// written with the events instead of in a batch and a commit of their own). One rider per
-    /// writer; false if one was set already.
+    /// `synchronous` level, when no other synced job is waiting: after the batch's outbox rows
+    /// are inserted, inside a savepoint of its own, in the same transaction and under the same
+    /// fsync. The write service uses it to hand new events to the claimers waiting for them
+    /// (their claims are written with the events instead of in a batch and a commit of their
+    /// own). One rider per writer; false if one was set already.
     pub fn set_rider(&self, rider: Arc<dyn Rider>) -> bool {
         self.rider.set(rider).is_ok()
     }

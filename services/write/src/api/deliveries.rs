@@ -93,7 +93,17 @@ impl OutboxApi {
             max_bytes: self.answer_bytes(r.max_bytes),
         };
         let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
-        let claimed = self.wait_for_deliveries(deadline, request).await?;
+        let claimed = self
+            .waiting_deliveries
+            .long_poll(
+                &self.db.writer,
+                &self.shutdown,
+                deadline,
+                &request,
+                || self.peek_deliveries(&request.handler, deadline),
+                || self.claim_deliveries_now(request.clone()),
+            )
+            .await?;
         let deliveries = claimed
             .into_iter()
             .map(|d: ClaimedDelivery| v1::Delivery {
@@ -107,26 +117,6 @@ impl OutboxApi {
             })
             .collect();
         Ok(v1::ClaimDeliveriesResponse { deliveries })
-    }
-
-    /// Claims as soon as there is something to claim, waiting up to `deadline` (see
-    /// [`WaitingClaims::long_poll`]).
-    async fn wait_for_deliveries(
-        &self,
-        deadline: Instant,
-        request: HandlerClaim,
-    ) -> Result<Vec<ClaimedDelivery>, WriteError> {
-        let handler = request.handler.as_str();
-        self.waiting_deliveries
-            .long_poll(
-                &self.db.writer,
-                &self.shutdown,
-                deadline,
-                &request,
-                || self.peek_deliveries(handler, deadline),
-                || self.claim_deliveries_now(request.clone()),
-            )
-            .await
     }
 
     async fn claim_deliveries_now(&self, request: HandlerClaim) -> Result<Vec<ClaimedDelivery>, WriteError> {

@@ -60,7 +60,7 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
     match policy.bus {
         Bus::Db => outbox.waiting_deliveries.ride_with(&db.writer),
         Bus::Nats => outbox.waiting_rows.ride_with(&db.writer),
-    };
+    }
     let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
     let admin = AdminApi { db, bus: policy.bus };
     server

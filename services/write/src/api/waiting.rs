@@ -66,30 +66,7 @@ impl<Q, A> Clone for WaitingClaims<Q, A> {
     }
 }
 
-impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
-    pub(super) fn new<F>(claim: F) -> Self
-    where
-        F: for<'t> Fn(&'t mut WriteTx, Vec<Q>) -> BoxFuture<'t, Result<Vec<Answer<A>>, sqlx::Error>>
-            + Send
-            + Sync
-            + 'static,
-    {
-        WAITING.set(&[], 0.0);
-        Self { parked: Arc::default(), claim: Arc::new(claim), riding: Arc::default() }
-    }
-
-    /// Makes these claims the writer's rider; false (and a warning) when it has another.
-    pub(super) fn ride_with(&self, writer: &Writer) -> bool {
-        let riding = writer.set_rider(Arc::new(self.clone()));
-        if !riding {
-            tracing::warn!(
-                "the writer already hands events to another set of waiting claims; these wait for commits instead"
-            );
-        }
-        self.riding.store(riding, Ordering::SeqCst);
-        riding
-    }
-
+impl<Q, A> WaitingClaims<Q, A> {
     fn park(&self, request: Q) -> WaitingClaim<Q, A> {
         let (reply, answer) = oneshot::channel();
         let mut parked = self.parked.lock().expect("never poisoned: no panics while held");
@@ -107,6 +84,31 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
         parked.1.retain(|p| p.id != id);
         WAITING.set(&[], parked.1.len() as f64);
         parked.1.len() < before
+    }
+}
+
+impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
+    pub(super) fn new<F>(claim: F) -> Self
+    where
+        F: for<'t> Fn(&'t mut WriteTx, Vec<Q>) -> BoxFuture<'t, Result<Vec<Answer<A>>, sqlx::Error>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        WAITING.set(&[], 0.0);
+        Self { parked: Arc::default(), claim: Arc::new(claim), riding: Arc::default() }
+    }
+
+    /// Makes these claims the writer's rider (a warning if it has another: then these wait for
+    /// commits alone).
+    pub(super) fn ride_with(&self, writer: &Writer) {
+        let riding = writer.set_rider(Arc::new(self.clone()));
+        if !riding {
+            tracing::warn!(
+                "the writer already hands events to another set of waiting claims; these wait for commits instead"
+            );
+        }
+        self.riding.store(riding, Ordering::SeqCst);
     }
 
     /// Claims as soon as there is something to claim, waiting up to `deadline`: it looks first
@@ -180,20 +182,20 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
 /// One parked claim, from the claimer's side. Dropped (its call cancelled, say), it takes the
 /// claim back: nothing is claimed for a claimer that went away, which would hold what it was
 /// handed until its lease ran out.
-struct WaitingClaim<Q: Clone + Send + 'static, A: Send + 'static> {
+struct WaitingClaim<Q, A> {
     waiting: WaitingClaims<Q, A>,
     id: u64,
     answer: oneshot::Receiver<Answer<A>>,
 }
 
-impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaim<Q, A> {
+impl<Q, A> WaitingClaim<Q, A> {
     /// Takes the claim back; false when the writer has it (its answer is coming).
     fn take_back(&self) -> bool {
         self.waiting.unpark(self.id)
     }
 }
 
-impl<Q: Clone + Send + 'static, A: Send + 'static> Drop for WaitingClaim<Q, A> {
+impl<Q, A> Drop for WaitingClaim<Q, A> {
     fn drop(&mut self) {
         self.take_back();
     }
