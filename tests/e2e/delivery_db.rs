@@ -625,3 +625,92 @@ async fn a_waiting_claim_whose_caller_went_away_claims_nothing() {
     assert_eq!(owners, vec![vec!["here#1".to_owned()]]);
     write.stop().await;
 }
+
+/// What several handlers of one process take, for one ClaimDeliveriesForHandlers call.
+fn wants(handlers: &[&str]) -> Vec<v1::HandlerWants> {
+    handlers
+        .iter()
+        .map(|h| v1::HandlerWants { handler: (*h).into(), event_types: vec!["ReviewLogged".into()], max_rows: 10 })
+        .collect()
+}
+
+/// One call claims for several handlers: bad input is refused naming the field and writes
+/// nothing, a handler the write service does not know is refused alone, and a call waiting for
+/// events is answered, with every handler's delivery of the new event, by the batch that writes
+/// it (one parked claim for the whole call, no claim job of its own).
+#[tokio::test]
+async fn one_claim_call_serves_several_handlers() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let env = [("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
+    let mut write = Reelay::start_write(BIN, &db, &env).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    crate::key_pairs_stored(&db, 1).await;
+    let call = |handlers: Vec<v1::HandlerWants>, wait_ms: u32| v1::ClaimDeliveriesForHandlersRequest {
+        handlers,
+        owner: "test#1".into(),
+        wait_ms,
+        max_bytes: 0,
+    };
+    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 8).await;
+    let mut twice = wants(&["probe-a", "probe-a"]);
+    twice[1].event_types = vec!["MovieDeleted".into()];
+    let mut no_rows = wants(&["probe-a"]);
+    no_rows[0].max_rows = 0;
+    let mut no_types = wants(&["probe-b"]);
+    no_types[0].event_types.clear();
+    let bad = [
+        (call(Vec::new(), 0), "handlers"),
+        (call(twice, 0), "handlers.handler"),
+        (call(wants(&["Probe A"]), 0), "handlers.handler"),
+        (call(no_rows, 0), "handlers.max_rows"),
+        (call(no_types, 0), "handlers.event_types"),
+        (call(wants(&["probe-a"]), 60_001), "wait_ms"),
+        (v1::ClaimDeliveriesForHandlersRequest { owner: String::new(), ..call(wants(&["probe-a"]), 0) }, "owner"),
+    ];
+    for (request, field) in bad {
+        let refused = c.outbox.claim_deliveries_for_handlers(request).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().starts_with(&format!("{field}: ")), "{field}: {}", refused.message());
+    }
+    let claimed = query_strings(&db, "SELECT COUNT(*) || '' FROM processed_events").await;
+    assert_eq!(claimed, vec![vec!["0".to_owned()]], "bad calls claimed nothing");
+
+    // An unknown handler is refused on its own; the others are served in the same answer.
+    let answer =
+        c.outbox.claim_deliveries_for_handlers(call(wants(&["probe-a", "nobody"]), 0)).await.unwrap().into_inner();
+    let names: Vec<&str> = answer.handlers.iter().map(|h| h.handler.as_str()).collect();
+    assert_eq!(names, ["probe-a", "nobody"], "one part per handler, in the order asked");
+    assert_review_event(&answer.handlers[0].deliveries, &review.review_id);
+    assert!(answer.handlers[0].refused.is_empty(), "{answer:?}");
+    assert!(
+        answer.handlers[1].deliveries.is_empty() && answer.handlers[1].refused.contains("not registered"),
+        "{answer:?}"
+    );
+
+    // probe-b has the first review still to claim; once it has, both wait together.
+    let answer = c.outbox.claim_deliveries_for_handlers(call(wants(&["probe-b"]), 0)).await.unwrap().into_inner();
+    assert_review_event(&answer.handlers[0].deliveries, &review.review_id);
+    let mut outbox = c.outbox.clone();
+    let waiting = tokio::spawn(async move {
+        outbox.claim_deliveries_for_handlers(call(wants(&["probe-b", "probe-a"]), 20_000)).await
+    });
+    crate::claims_waiting(&write, 1.0).await;
+    let (batches, claim_jobs) = crate::batches_and_jobs(&write, "claim_deliveries").await;
+    let second = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
+    let answer = waiting.await.unwrap().expect("the waiting call is answered").into_inner();
+    assert_eq!(answer.handlers.len(), 2, "{answer:?}");
+    for (part, handler) in answer.handlers.iter().zip(["probe-b", "probe-a"]) {
+        assert_eq!(part.handler, handler);
+        assert_review_event(&part.deliveries, &second.review_id);
+        let (status, _, _) = delivery(&db, &part.deliveries[0].key, handler).await.expect("its claim is written");
+        assert_eq!(status, "in_progress");
+    }
+    assert_eq!(
+        crate::batches_and_jobs(&write, "claim_deliveries").await,
+        (batches + 1.0, claim_jobs),
+        "the write and both handlers' claims: one batch, no claim job of its own"
+    );
+    write.stop().await;
+}

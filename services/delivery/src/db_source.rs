@@ -1,6 +1,11 @@
 //! The `db` event source: one handler's deliveries, claimed from the outbox through the write
-//! service's Outbox API (`ClaimDeliveries`). Each (event, handler) has its own attempts, retry
-//! schedule and fate in the write service, so one handler never holds back another.
+//! service's Outbox API. Each (event, handler) has its own attempts, retry schedule and fate in
+//! the write service, so one handler never holds back another.
+//!
+//! The handlers of one process claim through one [`DeliveryClaimer`]: the fetches of handlers
+//! that ask at the same time go out as one `ClaimDeliveriesForHandlers` call, whose one answer
+//! carries each handler's deliveries. One event for eight handlers is then one write job, one
+//! answer to send and one to read, not eight of each.
 //!
 //! A delivery arrives with its ledger claim already held (the same `processed_events` row):
 //! settling it (done, failed, deferred) settles the claim too, and while the handler works the
@@ -12,6 +17,7 @@ use std::time::Duration;
 use reelay_contracts::v1::{self, delivery_settlement::Outcome, outbox_client::OutboxClient};
 use reelay_domain::EventId;
 use reelay_kit::client::{ServiceChannel, is_transport_failure};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::consumer::decode_envelope;
 use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
@@ -23,30 +29,153 @@ pub struct DeliveryClaim {
     pub token: i64,
 }
 
-/// Where one handler's deliveries come from.
+/// How this process claims deliveries, for all its handlers.
 #[derive(Debug, Clone)]
-pub struct DeliverySourceConfig {
-    pub handler: &'static str,
-    pub event_types: Vec<String>,
+pub struct ClaimerConfig {
     /// `<instance>#<incarnation>` of this process.
     pub owner: String,
     /// How long one claim waits for deliveries before returning empty.
     pub long_poll: Duration,
     /// The largest claim answer this process reads (its gRPC message limit).
     pub max_message_bytes: usize,
+}
+
+/// One handler's fetch, waiting to go out in the next claim call.
+struct Want {
+    handler: &'static str,
+    event_types: Vec<String>,
+    max_rows: u32,
+    reply: oneshot::Sender<Result<Vec<v1::Delivery>, SourceError>>,
+}
+
+/// Claims deliveries for the handlers of this process (see the module's comment). Cheap to
+/// clone; the calls stop when every clone is gone.
+#[derive(Clone)]
+pub struct DeliveryClaimer {
+    wants: mpsc::UnboundedSender<Want>,
+}
+
+impl DeliveryClaimer {
+    pub fn start(channel: ServiceChannel, config: ClaimerConfig) -> Self {
+        let client = OutboxClient::new(channel).max_decoding_message_size(config.max_message_bytes);
+        let (wants, queue) = mpsc::unbounded_channel();
+        tokio::spawn(claim_calls(client, config, queue));
+        Self { wants }
+    }
+
+    /// Up to `max_rows` deliveries for `handler`, waiting up to the long poll for some.
+    async fn claim(
+        &self,
+        handler: &'static str,
+        event_types: &[String],
+        max_rows: u32,
+    ) -> Result<Vec<v1::Delivery>, SourceError> {
+        let stopped = || SourceError::Unavailable("the delivery claimer stopped".into());
+        let (reply, answer) = oneshot::channel();
+        let want = Want { handler, event_types: event_types.to_vec(), max_rows, reply };
+        self.wants.send(want).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+/// Sends the waiting fetches as claim calls, each call on its own task: a call waits (long
+/// poll) until one of its handlers has deliveries, and handlers asking meanwhile go out in the
+/// next call.
+async fn claim_calls(
+    client: OutboxClient<ServiceChannel>,
+    config: ClaimerConfig,
+    mut queue: mpsc::UnboundedReceiver<Want>,
+) {
+    let mut turn = 0;
+    while let Some(first) = queue.recv().await {
+        // Handlers that finish their batches together ask together: let the others catch up.
+        tokio::task::yield_now().await;
+        let mut wants = vec![first];
+        while let Ok(want) = queue.try_recv() {
+            wants.push(want);
+        }
+        // Who goes first in a shared answer changes from call to call, so no handler's large
+        // rows keep waiting behind the others' (a row that does not fit waits for the next).
+        turn += 1;
+        let first = turn % wants.len();
+        wants.rotate_left(first);
+        // A handler asking twice (never, with one consumer per handler) goes in a call of its own.
+        let mut calls: Vec<Vec<Want>> = Vec::new();
+        for want in wants {
+            match calls.iter_mut().find(|call| call.iter().all(|w| w.handler != want.handler)) {
+                Some(call) => call.push(want),
+                None => calls.push(vec![want]),
+            }
+        }
+        for call in calls {
+            tokio::spawn(claim_call(client.clone(), config.clone(), call));
+        }
+    }
+}
+
+/// One `ClaimDeliveriesForHandlers` call; each handler hears its part of the answer.
+async fn claim_call(mut client: OutboxClient<ServiceChannel>, config: ClaimerConfig, wants: Vec<Want>) {
+    let handlers = wants
+        .iter()
+        .map(|w| v1::HandlerWants {
+            handler: w.handler.to_owned(),
+            event_types: w.event_types.clone(),
+            max_rows: w.max_rows,
+        })
+        .collect();
+    let mut request = tonic::Request::new(v1::ClaimDeliveriesForHandlersRequest {
+        handlers,
+        owner: config.owner.clone(),
+        wait_ms: config.long_poll.as_millis() as u32,
+        max_bytes: config.max_message_bytes as u32,
+    });
+    request.set_timeout(config.long_poll + Duration::from_secs(10));
+    match client.claim_deliveries_for_handlers(request).await {
+        Ok(answer) => {
+            let mut answers = answer.into_inner().handlers;
+            for want in wants {
+                let part = answers.iter_mut().find(|a| a.handler == want.handler);
+                let result = match part {
+                    Some(part) if !part.refused.is_empty() => {
+                        Err(SourceError::Rejected(format!("FailedPrecondition: {}", part.refused)))
+                    }
+                    Some(part) => Ok(std::mem::take(&mut part.deliveries)),
+                    None => {
+                        Err(SourceError::Rejected(format!("the claim's answer left out handler {:?}", want.handler)))
+                    }
+                };
+                let _ = want.reply.send(result);
+            }
+        }
+        Err(status) => {
+            for want in wants {
+                let _ = want.reply.send(Err(source_error(status.clone())));
+            }
+        }
+    }
+}
+
+/// Where one handler's deliveries come from.
+#[derive(Debug, Clone)]
+pub struct DeliverySourceConfig {
+    pub handler: &'static str,
+    pub event_types: Vec<String>,
+    /// The largest message this process reads (its gRPC message limit).
+    pub max_message_bytes: usize,
     /// The write service takes a claim over when it is not renewed for this long.
     pub lease: Duration,
 }
 
 pub struct DeliverySource {
+    claimer: DeliveryClaimer,
     client: OutboxClient<ServiceChannel>,
     config: DeliverySourceConfig,
 }
 
 impl DeliverySource {
-    pub fn new(channel: ServiceChannel, config: DeliverySourceConfig) -> Self {
+    pub fn new(claimer: DeliveryClaimer, channel: ServiceChannel, config: DeliverySourceConfig) -> Self {
         let client = OutboxClient::new(channel).max_decoding_message_size(config.max_message_bytes);
-        Self { client, config }
+        Self { claimer, client, config }
     }
 }
 
@@ -73,16 +202,7 @@ impl EventSource for DeliverySource {
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<DeliveryClaim>>, SourceError> {
         let config = &self.config;
-        let mut request = tonic::Request::new(v1::ClaimDeliveriesRequest {
-            handler: config.handler.to_owned(),
-            event_types: config.event_types.clone(),
-            owner: config.owner.clone(),
-            max_rows: max as u32,
-            wait_ms: config.long_poll.as_millis() as u32,
-            max_bytes: config.max_message_bytes as u32,
-        });
-        request.set_timeout(config.long_poll + Duration::from_secs(10));
-        let deliveries = self.client.claim_deliveries(request).await.map_err(source_error)?.into_inner().deliveries;
+        let deliveries = self.claimer.claim(config.handler, &config.event_types, max as u32).await?;
         Ok(deliveries
             .into_iter()
             .map(|d| {

@@ -11,6 +11,8 @@
 //! Every function runs inside a writer job and takes the clock as an argument.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use reelay_domain::RetryPolicy;
@@ -46,6 +48,27 @@ pub struct HandlerClaim {
     pub max_rows: u32,
     /// The largest answer the claimer can read.
     pub max_bytes: usize,
+    /// Set when this claim's deliveries go out in one answer with other handlers' (one call
+    /// claiming for several handlers of a process): the answer's bytes are drawn from here,
+    /// not from `max_bytes` each.
+    pub shared: Option<SharedAnswer>,
+}
+
+/// The bytes left in one answer that several handlers' claims fill together, so that the
+/// answer stays within what its reader can take. A row that does not fit what is left waits
+/// for the handler's next claim (the claimer varies which handler goes first).
+#[derive(Debug, Clone)]
+pub struct SharedAnswer(Arc<AtomicUsize>);
+
+impl SharedAnswer {
+    pub fn new(bytes: usize) -> Self {
+        Self(Arc::new(AtomicUsize::new(bytes)))
+    }
+
+    /// Takes `cost` bytes if that many are left.
+    fn take(&self, cost: usize) -> bool {
+        self.0.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(cost)).is_ok()
+    }
 }
 
 /// An event handed to a handler.
@@ -223,7 +246,13 @@ async fn claim_round(
                 request,
                 position,
                 moved_to: position,
-                budget: Budget { rows: request.max_rows as usize, bytes: request.max_bytes },
+                budget: Budget {
+                    rows: request.max_rows as usize,
+                    bytes: match &request.shared {
+                        Some(shared) => Bytes::Shared(shared.clone()),
+                        None => Bytes::Own(request.max_bytes),
+                    },
+                },
                 taken: Vec::new(),
                 handed: Vec::new(),
             })
@@ -256,20 +285,35 @@ async fn claim_round(
 
 struct Budget {
     rows: usize,
-    bytes: usize,
+    bytes: Bytes,
+}
+
+/// The bytes a claim's answer may still carry.
+enum Bytes {
+    Own(usize),
+    Shared(SharedAnswer),
 }
 
 impl Budget {
-    /// Takes a row of `length` bytes if it fits; an empty claim always takes one that fits an
-    /// answer at all.
+    /// Takes a row of `length` bytes if it fits; an empty claim of its own always takes one
+    /// that fits an answer at all.
     fn take(&mut self, length: i64, max_bytes: usize, first: bool) -> bool {
         let cost = length as usize + CLAIM_ROW_OVERHEAD;
-        if self.rows == 0 || cost > self.bytes && !(first && cost <= max_bytes) {
+        if self.rows == 0 {
             return false;
         }
-        self.rows -= 1;
-        self.bytes = self.bytes.saturating_sub(cost);
-        true
+        let fits = match &mut self.bytes {
+            Bytes::Own(bytes) if cost <= *bytes || first && cost <= max_bytes => {
+                *bytes = bytes.saturating_sub(cost);
+                true
+            }
+            Bytes::Own(_) => false,
+            Bytes::Shared(shared) => shared.take(cost),
+        };
+        if fits {
+            self.rows -= 1;
+        }
+        fits
     }
 }
 
@@ -771,21 +815,27 @@ pub(crate) fn claim_open_sql(handlers: usize) -> String {
     )
 }
 
-pub(crate) const PEEK: &str = "SELECT EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?1)) \
-         OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status = 'retry' AND available_at <= ?2) \
+/// Whether any of the handlers (a JSON array, ?1) has anything to claim now, and the earliest
+/// next retry of any of them.
+pub(crate) const PEEK: &str = "SELECT COALESCE(MAX(due), 0), MIN(next) FROM (SELECT \
+         EXISTS (SELECT 1 FROM event_queue WHERE id > (SELECT position FROM handler_cursors WHERE handler = h.value)) \
+         OR EXISTS (SELECT 1 FROM processed_events WHERE handler = h.value AND status = 'retry' AND available_at <= ?2) \
          OR EXISTS (SELECT 1 FROM processed_events \
-             WHERE handler = ?1 AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND renewed_at < ?3), \
-        (SELECT MIN(available_at) FROM processed_events WHERE handler = ?1 AND status = 'retry')";
+             WHERE handler = h.value AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND renewed_at < ?3) \
+             AS due, \
+        (SELECT MIN(available_at) FROM processed_events WHERE handler = h.value AND status = 'retry') AS next \
+     FROM json_each(?1) h)";
 
-/// A read-only look for an idle claimer: whether the handler has anything to claim now, and
-/// when its next retry is due.
+/// A read-only look for an idle claimer: whether any of the handlers has anything to claim
+/// now, and when the first of their next retries is due.
 pub async fn peek(
     conn: &mut sqlx::SqliteConnection,
-    handler: &str,
+    handlers: &[String],
     now: i64,
     policy: HandlerPolicy,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
+    let names = serde_json::to_string(handlers).expect("strings serialize");
     let row =
-        sqlx::query(PEEK).bind(handler).bind(now).bind(now - policy.lease.as_millis() as i64).fetch_one(conn).await?;
+        sqlx::query(PEEK).bind(names).bind(now).bind(now - policy.lease.as_millis() as i64).fetch_one(conn).await?;
     Ok((row.get(0), row.get(1)))
 }

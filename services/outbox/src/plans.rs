@@ -4,7 +4,7 @@
 
 use sqlx::{AssertSqlSafe, Row, SqliteConnection};
 
-use crate::{Database, DbConfig, deliveries, inspect, ledger, queue};
+use crate::{Database, DbConfig, deliveries, ledger, queue};
 
 async fn plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
     sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))

@@ -97,6 +97,7 @@ fn request(handler: &str, types: &[&str], owner: &str) -> HandlerClaim {
         owner: owner.into(),
         max_rows: 100,
         max_bytes: 4 * 1024 * 1024,
+        shared: None,
     }
 }
 
@@ -283,6 +284,49 @@ async fn claims_stay_within_the_answer_size() {
         total += claimed.len();
     }
     assert_eq!(total, 50);
+}
+
+/// Handlers claimed for in one answer share its size: together they never hand out more than
+/// it holds, and what did not fit comes in the next claims, each row once to each handler.
+#[tokio::test]
+async fn handlers_sharing_one_answer_stay_within_it_together() {
+    let (_dir, db) = open().await;
+    register(&db, &["a", "b", "c"], T0).await;
+    enqueue(&db, 40).await;
+    let limit = 10 * (deliveries_overhead() + 64);
+    let mut handed: Vec<Vec<String>> = vec![Vec::new(); 3];
+    let mut shared_answers = 0;
+    for round in 0.. {
+        assert!(round < 100, "the handlers never caught up");
+        let shared = deliveries::SharedAnswer::new(limit);
+        let requests: Vec<HandlerClaim> = ["a", "b", "c"]
+            .map(|h| HandlerClaim {
+                max_bytes: limit,
+                shared: Some(shared.clone()),
+                ..request(h, &["MovieDeleted", "UserRegistered"], "p#1")
+            })
+            .into_iter()
+            .collect();
+        let answers =
+            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, T0, POLICY, &requests).await?) }))
+                .await
+                .unwrap();
+        let claimed: Vec<Vec<ClaimedDelivery>> = answers.into_iter().map(Result::unwrap).collect();
+        if claimed.iter().all(Vec::is_empty) {
+            break;
+        }
+        let bytes: usize = claimed.iter().flatten().map(|d| d.payload.len() + deliveries_overhead()).sum();
+        assert!(bytes <= limit, "one answer of {bytes} bytes, its limit {limit}");
+        shared_answers += usize::from(claimed.iter().filter(|c| !c.is_empty()).count() > 1);
+        for (keys, claimed) in handed.iter_mut().zip(claimed) {
+            keys.extend(claimed.into_iter().map(|d| d.key));
+        }
+    }
+    assert!(shared_answers > 0, "no answer carried more than one handler's deliveries");
+    for keys in &handed {
+        let distinct: std::collections::HashSet<&String> = keys.iter().collect();
+        assert_eq!((keys.len(), distinct.len()), (40, 40), "each handler gets each event once");
+    }
 }
 
 fn deliveries_overhead() -> usize {

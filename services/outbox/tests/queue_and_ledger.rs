@@ -348,6 +348,7 @@ async fn the_oldest_waiting_row_follows_the_handlers_cursors_on_db() {
         owner: "test#1".into(),
         max_rows: 1,
         max_bytes: 1 << 20,
+        shared: None,
     };
     let handed = job(&db, move |tx| {
         Box::pin(async move {

@@ -9,7 +9,7 @@ use futures_util::FutureExt;
 use reelay_contracts::v1::{self, outbox_client::OutboxClient};
 use reelay_delivery::consumer::run_consumer;
 use reelay_delivery::core_source::CoreSource;
-use reelay_delivery::db_source::{DeliverySource, DeliverySourceConfig};
+use reelay_delivery::db_source::{ClaimerConfig, DeliveryClaimer, DeliverySource, DeliverySourceConfig};
 use reelay_delivery::dispatch::{DispatchConfig, Dispatcher};
 use reelay_delivery::jetstream::{self, JetStreamConfig};
 use reelay_delivery::nats_source::JetStreamSource;
@@ -278,6 +278,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let mut server =
             GrpcServer::new(grpc.clone()).readiness(Service::Handlers.as_str(), &ready[&Service::Handlers]);
         let record_dead_letters = nats_client.is_some() && args.nats.nats_mode == NatsMode::Jetstream;
+        // On db the handlers of this process claim together (one call for all that ask at once).
+        let mut claimer: Option<DeliveryClaimer> = None;
         for BuiltHandler { handler, grpc } in built {
             if let Some(mount) = grpc {
                 server = mount(server);
@@ -299,13 +301,24 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             // One consumer per handler on every backend: each handler progresses on its own.
             match (&nats_client, args.nats.nats_mode) {
                 (None, _) => {
+                    let claimer = claimer
+                        .get_or_insert_with(|| {
+                            DeliveryClaimer::start(
+                                write_channel.clone(),
+                                ClaimerConfig {
+                                    owner: identity.owner(),
+                                    long_poll: CLAIM_LONG_POLL,
+                                    max_message_bytes: args.grpc_max_message_bytes,
+                                },
+                            )
+                        })
+                        .clone();
                     let source = DeliverySource::new(
+                        claimer,
                         write_channel.clone(),
                         DeliverySourceConfig {
                             handler: handler.name(),
                             event_types: handler.event_types().iter().map(|t| t.to_string()).collect(),
-                            owner: identity.owner(),
-                            long_poll: CLAIM_LONG_POLL,
                             max_message_bytes: args.grpc_max_message_bytes,
                             lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                         },

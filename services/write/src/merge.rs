@@ -2,11 +2,12 @@
 //!
 //! The single writer is bound by its round trips to SQLite, not by rows, so requests that can
 //! share their statements are answered together:
-//! - On the db backend every (event, handler) pair is a claim and a settlement, and each
-//!   handler's consumer asks on its own: eight handlers woken by one commit send eight claims at
-//!   once, then eight settlements. Merged, the statements they can share run once for all of
-//!   them (`claim_many`, `settle_many`): with eight handlers, about 45 % more events per second
-//!   (BENCHMARKS.md).
+//! - On the db backend every (event, handler) pair is a claim and a settlement. The handlers of
+//!   one process claim in one call, but several processes (and calls a process sends while
+//!   another waits) claim at once, and each handler settles on its own: eight handlers woken by
+//!   one commit send eight settlements at once. Merged, the statements they can share run once
+//!   for all of them (`claim_many`, `settle_many`): with eight handlers, about 45 % more events
+//!   per second (BENCHMARKS.md).
 //! - Reviews of known movies, the commonest write, are inserted by one statement per job
 //!   (`store::reviews`).
 //!

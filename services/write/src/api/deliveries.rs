@@ -1,13 +1,14 @@
-//! Per-handler delivery on the db backend (part of the Outbox service): claim one handler's
-//! deliveries (long-polling like `Claim`), settle, renew, and take back a dead predecessor's
-//! claims. The storage side is `reelay_outbox::deliveries`.
+//! Per-handler delivery on the db backend (part of the Outbox service): claim the deliveries
+//! of one handler or of several handlers of a process in one call (long-polling like `Claim`),
+//! settle, renew, and take back a dead predecessor's claims. The storage side is
+//! `reelay_outbox::deliveries`.
 
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
-    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
+    self, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
 };
 use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
@@ -16,15 +17,6 @@ use super::internal::{MAX_BATCH_KEYS, handler_name};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
 use super::waiting::WaitingClaims;
 use crate::WriteError;
-
-impl From<ClaimError> for WriteError {
-    fn from(error: ClaimError) -> Self {
-        match error {
-            ClaimError::UnknownHandler(_) => ServiceError::failed_precondition(error.to_string()).into(),
-            ClaimError::Sql(error) => error.into(),
-        }
-    }
-}
 
 /// Registers the handlers this deployment delivers to (cursors for the new ones), before the
 /// write service takes writes, so no event written from now on is missed by any of them.
@@ -37,18 +29,55 @@ pub async fn register_handlers(db: &Database, handlers: Vec<String>) -> Result<V
 }
 
 /// The handlers' claims waiting for new events (the writer's rider on the db backend).
-pub(super) type WaitingDeliveries = WaitingClaims<HandlerClaim, ClaimedDelivery>;
+pub(super) type WaitingDeliveries = WaitingClaims<ClaimGroup, HandlerAnswer>;
+
+/// The claims of one call: one handler's (`ClaimDeliveries`) or those of several handlers of
+/// one process (`ClaimDeliveriesForHandlers`), answered together within `max_bytes`.
+#[derive(Debug, Clone)]
+pub(super) struct ClaimGroup {
+    claims: Vec<HandlerClaim>,
+    max_bytes: usize,
+}
+
+/// What one handler of a group was handed (by its index in the group), or why it was refused.
+/// An answer lists only the handlers with something in it, so an empty one means nothing for
+/// any of them (and a long poll goes on waiting).
+#[derive(Debug)]
+pub(super) struct HandlerAnswer {
+    index: usize,
+    claimed: Result<Vec<ClaimedDelivery>, String>,
+}
+
+/// Claims for every group in one `claim_many` (the statements shared between all their
+/// handlers); the handlers of a group share its answer's bytes.
+async fn claim_groups(
+    tx: &mut WriteTx,
+    policy: HandlerPolicy,
+    groups: Vec<ClaimGroup>,
+) -> Result<Vec<Result<Vec<HandlerAnswer>, WriteError>>, sqlx::Error> {
+    let mut requests = Vec::new();
+    for group in &groups {
+        let shared = (group.claims.len() > 1).then(|| SharedAnswer::new(group.max_bytes));
+        requests.extend(group.claims.iter().map(|claim| HandlerClaim { shared: shared.clone(), ..claim.clone() }));
+    }
+    let mut answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?.into_iter();
+    Ok(groups
+        .iter()
+        .map(|group| {
+            let answered = (0..group.claims.len()).filter_map(|index| {
+                let claimed = answers.next().expect("one answer per claim").map_err(|e| e.to_string());
+                (claimed.as_ref().map_or(true, |c| !c.is_empty())).then_some(HandlerAnswer { index, claimed })
+            });
+            Ok(answered.collect())
+        })
+        .collect())
+}
 
 /// Claims for the handlers waiting when a batch enqueues events, in that batch; also for those
 /// that take none of its event types (their cursors move past the new rows there, not in a
 /// claim job later).
 pub(super) fn waiting_deliveries(policy: HandlerPolicy) -> WaitingDeliveries {
-    WaitingClaims::new(move |tx: &mut WriteTx, requests: Vec<HandlerClaim>| {
-        Box::pin(async move {
-            let answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?;
-            Ok(answers.into_iter().map(|answer| answer.map_err(WriteError::from)).collect())
-        })
-    })
+    WaitingClaims::new(move |tx: &mut WriteTx, groups: Vec<ClaimGroup>| Box::pin(claim_groups(tx, policy, groups)))
 }
 
 fn claims(claims: Vec<v1::DeliveryClaim>) -> Result<Vec<(String, i64)>, ServiceError> {
@@ -61,81 +90,158 @@ fn claims(claims: Vec<v1::DeliveryClaim>) -> Result<Vec<(String, i64)>, ServiceE
     Ok(claims.into_iter().map(|c| (c.key, c.token)).collect())
 }
 
+/// Most handlers one `ClaimDeliveriesForHandlers` call claims for.
+const MAX_HANDLERS_PER_CLAIM: usize = 64;
+
+fn max_rows(field: &str, max_rows: u32) -> Result<u32, ServiceError> {
+    if !(1..=MAX_CLAIM_ROWS).contains(&max_rows) {
+        return Err(ServiceError::invalid(field, format!("must be 1..={MAX_CLAIM_ROWS}, got {max_rows}")));
+    }
+    Ok(max_rows)
+}
+
+fn delivery(d: ClaimedDelivery) -> v1::Delivery {
+    v1::Delivery {
+        row_id: d.row_id,
+        key: d.key,
+        event_type: d.event_type,
+        aggregate_id: d.aggregate_id,
+        payload: d.payload,
+        attempt: d.attempt,
+        token: d.token,
+    }
+}
+
 impl OutboxApi {
     pub(super) async fn claim_deliveries(
         &self,
         r: v1::ClaimDeliveriesRequest,
     ) -> Result<v1::ClaimDeliveriesResponse, WriteError> {
         let handler = handler_name("handler", &r.handler)?;
-        if !(1..=MAX_CLAIM_ROWS).contains(&r.max_rows) {
-            return Err(
-                ServiceError::invalid("max_rows", format!("must be 1..={MAX_CLAIM_ROWS}, got {}", r.max_rows)).into()
-            );
-        }
-        if r.wait_ms > MAX_CLAIM_WAIT_MS {
-            return Err(ServiceError::invalid(
-                "wait_ms",
-                format!("must be at most {MAX_CLAIM_WAIT_MS}, got {}", r.wait_ms),
-            )
-            .into());
-        }
+        let max_rows = max_rows("max_rows", r.max_rows)?;
         if r.event_types.is_empty() {
             return Err(ServiceError::invalid("event_types", "must name at least one event type").into());
         }
-        if r.owner.is_empty() {
-            return Err(ServiceError::invalid("owner", "is required (<instance>#<incarnation>)").into());
-        }
-        let request = HandlerClaim {
+        let claim = HandlerClaim {
             handler,
             event_types: r.event_types,
-            owner: r.owner,
-            max_rows: r.max_rows,
-            max_bytes: self.answer_bytes(r.max_bytes),
+            owner: String::new(),
+            max_rows,
+            max_bytes: 0,
+            shared: None,
         };
-        let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
-        let claimed = self
-            .waiting_deliveries
+        let mut answered = self.claim_group(vec![claim], r.owner, r.wait_ms, r.max_bytes).await?;
+        let deliveries = match answered.pop() {
+            None => Vec::new(),
+            Some(HandlerAnswer { claimed: Ok(claimed), .. }) => claimed.into_iter().map(delivery).collect(),
+            Some(HandlerAnswer { claimed: Err(refused), .. }) => {
+                return Err(ServiceError::failed_precondition(refused).into());
+            }
+        };
+        Ok(v1::ClaimDeliveriesResponse { deliveries })
+    }
+
+    pub(super) async fn claim_deliveries_for_handlers(
+        &self,
+        r: v1::ClaimDeliveriesForHandlersRequest,
+    ) -> Result<v1::ClaimDeliveriesForHandlersResponse, WriteError> {
+        if r.handlers.is_empty() || r.handlers.len() > MAX_HANDLERS_PER_CLAIM {
+            return Err(ServiceError::invalid(
+                "handlers",
+                format!("must hold 1..={MAX_HANDLERS_PER_CLAIM} handlers, got {}", r.handlers.len()),
+            )
+            .into());
+        }
+        let mut claims: Vec<HandlerClaim> = Vec::with_capacity(r.handlers.len());
+        for wants in r.handlers {
+            let handler = handler_name("handlers.handler", &wants.handler)?;
+            if claims.iter().any(|c| c.handler == handler) {
+                return Err(ServiceError::invalid("handlers.handler", format!("{handler:?} is named twice")).into());
+            }
+            if wants.event_types.is_empty() {
+                return Err(ServiceError::invalid(
+                    "handlers.event_types",
+                    format!("must name at least one event type (handler {handler:?})"),
+                )
+                .into());
+            }
+            claims.push(HandlerClaim {
+                max_rows: max_rows("handlers.max_rows", wants.max_rows)?,
+                handler,
+                event_types: wants.event_types,
+                owner: String::new(),
+                max_bytes: 0,
+                shared: None,
+            });
+        }
+        let names: Vec<String> = claims.iter().map(|c| c.handler.clone()).collect();
+        let mut handlers: Vec<v1::HandlerDeliveries> = names
+            .into_iter()
+            .map(|handler| v1::HandlerDeliveries { handler, deliveries: Vec::new(), refused: String::new() })
+            .collect();
+        for answer in self.claim_group(claims, r.owner, r.wait_ms, r.max_bytes).await? {
+            let entry = &mut handlers[answer.index];
+            match answer.claimed {
+                Ok(claimed) => entry.deliveries = claimed.into_iter().map(delivery).collect(),
+                Err(refused) => entry.refused = refused,
+            }
+        }
+        Ok(v1::ClaimDeliveriesForHandlersResponse { handlers })
+    }
+
+    /// Claims for a group of handlers as soon as any of them has something, waiting up to
+    /// `wait_ms` (the long poll both claim calls share).
+    async fn claim_group(
+        &self,
+        mut claims: Vec<HandlerClaim>,
+        owner: String,
+        wait_ms: u32,
+        max_bytes: u32,
+    ) -> Result<Vec<HandlerAnswer>, WriteError> {
+        if wait_ms > MAX_CLAIM_WAIT_MS {
+            return Err(ServiceError::invalid(
+                "wait_ms",
+                format!("must be at most {MAX_CLAIM_WAIT_MS}, got {wait_ms}"),
+            )
+            .into());
+        }
+        if owner.is_empty() {
+            return Err(ServiceError::invalid("owner", "is required (<instance>#<incarnation>)").into());
+        }
+        let max_bytes = self.answer_bytes(max_bytes);
+        for claim in &mut claims {
+            claim.owner = owner.clone();
+            claim.max_bytes = max_bytes;
+        }
+        let names: Vec<String> = claims.iter().map(|c| c.handler.clone()).collect();
+        let group = ClaimGroup { claims, max_bytes };
+        let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
+        self.waiting_deliveries
             .long_poll(
                 &self.db.writer,
                 &self.shutdown,
                 deadline,
-                &request,
-                || self.peek_deliveries(&request.handler, deadline),
-                || self.claim_deliveries_now(request.clone()),
+                &group,
+                || self.peek_deliveries(&names, deadline),
+                || self.claim_deliveries_now(group.clone()),
             )
-            .await?;
-        let deliveries = claimed
-            .into_iter()
-            .map(|d: ClaimedDelivery| v1::Delivery {
-                row_id: d.row_id,
-                key: d.key,
-                event_type: d.event_type,
-                aggregate_id: d.aggregate_id,
-                payload: d.payload,
-                attempt: d.attempt,
-                token: d.token,
-            })
-            .collect();
-        Ok(v1::ClaimDeliveriesResponse { deliveries })
+            .await
     }
 
-    async fn claim_deliveries_now(&self, request: HandlerClaim) -> Result<Vec<ClaimedDelivery>, WriteError> {
+    async fn claim_deliveries_now(&self, group: ClaimGroup) -> Result<Vec<HandlerAnswer>, WriteError> {
         let policy = self.deliveries;
         self.delivery_claims
-            .submit(&self.db, "claim_deliveries", Durability::Synced, request, move |tx: &mut WriteTx, requests| {
-                Box::pin(async move {
-                    let answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?;
-                    Ok(answers.into_iter().map(|answer| answer.map_err(WriteError::from)).collect())
-                })
+            .submit(&self.db, "claim_deliveries", Durability::Synced, group, move |tx: &mut WriteTx, groups| {
+                Box::pin(async move { Ok(claim_groups(tx, policy, groups).await?) })
             })
             .await
     }
 
-    /// Whether the handler has anything to claim, and when to look again if not.
-    async fn peek_deliveries(&self, handler: &str, deadline: Instant) -> Result<(bool, Instant), WriteError> {
+    /// Whether any of the handlers has anything to claim, and when to look again if not.
+    async fn peek_deliveries(&self, handlers: &[String], deadline: Instant) -> Result<(bool, Instant), WriteError> {
         let mut conn = self.db.reads.acquire().await?;
         let now = now_ms();
-        let (due, next_due) = deliveries::peek(&mut conn, handler, now, self.deliveries).await?;
+        let (due, next_due) = deliveries::peek(&mut conn, handlers, now, self.deliveries).await?;
         let fallback = Instant::now() + FALLBACK_POLL;
         let next = next_due.map_or(fallback, |at| Instant::now() + Duration::from_millis((at - now).max(0) as u64));
         Ok((due, next.min(fallback).min(deadline)))

@@ -4,9 +4,7 @@ use std::time::Duration;
 
 use reelay_contracts::v1;
 use reelay_kit::{ServiceError, Shutdown, now_ms};
-use reelay_outbox::deliveries::{
-    self, ClaimedDelivery, HandlerClaim, HandlerPolicy, Settled as DeliveriesSettled, Settlement as DeliverySettlement,
-};
+use reelay_outbox::deliveries::{self, HandlerPolicy, Settled as DeliveriesSettled, Settlement as DeliverySettlement};
 use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy, RowClaim, Settled};
 use reelay_outbox::{Database, WriteTx};
 use tokio::time::Instant;
@@ -33,7 +31,7 @@ pub(super) struct OutboxApi {
     /// The largest message this server sends: no claim answer may be larger.
     pub(super) max_message_bytes: usize,
     /// Handlers' delivery claims and settlements arriving together share a write job.
-    pub(super) delivery_claims: Merged<HandlerClaim, Vec<ClaimedDelivery>>,
+    pub(super) delivery_claims: Merged<super::deliveries::ClaimGroup, Vec<super::deliveries::HandlerAnswer>>,
     pub(super) delivery_settlements: Merged<(String, Vec<DeliverySettlement>), DeliveriesSettled>,
     /// Handlers' claims waiting for events (db backend), handed them in the batch that commits
     /// them.
@@ -254,6 +252,13 @@ impl v1::outbox_server::Outbox for OutboxApi {
         request: Request<v1::ClaimDeliveriesRequest>,
     ) -> Result<Response<v1::ClaimDeliveriesResponse>, Status> {
         Ok(Response::new(OutboxApi::claim_deliveries(self, request.into_inner()).await?))
+    }
+
+    async fn claim_deliveries_for_handlers(
+        &self,
+        request: Request<v1::ClaimDeliveriesForHandlersRequest>,
+    ) -> Result<Response<v1::ClaimDeliveriesForHandlersResponse>, Status> {
+        Ok(Response::new(OutboxApi::claim_deliveries_for_handlers(self, request.into_inner()).await?))
     }
 
     async fn settle_deliveries(

@@ -1,5 +1,6 @@
 //! Claims that wait with the writer for new events: the long poll of the Outbox API's `Claim`
-//! (the relay, nats backend) and `ClaimDeliveries` (the handlers, db backend).
+//! (the relay, nats backend) and `ClaimDeliveries` / `ClaimDeliveriesForHandlers` (the
+//! handlers, db backend; one parked claim per call, however many handlers it claims for).
 //!
 //! A claimer that finds nothing due parks its claim here. When this set is the writer's
 //! [`Rider`], the next batch that enqueues events claims for every parked claim after inserting
@@ -28,7 +29,7 @@ use crate::WriteError;
 static WAITING: LazyLock<Gauge> = LazyLock::new(|| {
     metrics::gauge(
         "reelay_claims_waiting",
-        "Claims waiting with the writer for new events: handlers' delivery claims (db backend) or the relay's outbox claims (nats backend).",
+        "Claims waiting with the writer for new events: handlers' delivery claim calls, each for one or more handlers (db backend), or the relay's outbox claims (nats backend).",
         &[],
     )
 });
