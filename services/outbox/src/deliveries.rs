@@ -514,10 +514,10 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
     for chunk in handed.chunks(200) {
         let sql = format!(
             "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner, attempts) VALUES {} \
-             ON CONFLICT DO NOTHING RETURNING event_id, handler",
+             ON CONFLICT DO NOTHING",
             vec!["(?, ?, 'in_progress', ?, ?, ?, 0)"; chunk.len()].join(", ")
         );
-        let mut insert = sqlx::query_as(AssertSqlSafe(sql));
+        let mut insert = sqlx::query(AssertSqlSafe(sql));
         for (i, candidate) in chunk {
             let request = claiming[*i].request;
             insert = insert
@@ -527,13 +527,30 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
                 .bind(now)
                 .bind(&request.owner);
         }
-        let inserted: HashSet<(String, String)> = insert.fetch_all(tx.conn()).await?.into_iter().collect();
-        // A key that already had a row was handled before (or is claimed elsewhere, and comes
-        // back through its lease): it is passed.
+        // Every row inserted is the common case, and needs no rows back; otherwise a key that
+        // already had a row was handled before (or is claimed elsewhere, and comes back through
+        // its lease) and is passed: the rows this insert created are read back.
+        let inserted = insert.execute(tx.conn()).await?.rows_affected() as usize;
+        let created = if inserted == chunk.len() {
+            None
+        } else {
+            let keys: Vec<(String, &str, &str)> = chunk
+                .iter()
+                .map(|(i, candidate)| {
+                    let request = claiming[*i].request;
+                    (
+                        delivery_key(candidate.id, candidate.event_id.as_deref()),
+                        request.handler.as_str(),
+                        request.owner.as_str(),
+                    )
+                })
+                .collect();
+            Some(created_now(tx, &keys, now).await?)
+        };
         for (i, candidate) in chunk {
             let key = delivery_key(candidate.id, candidate.event_id.as_deref());
             let c = &mut claiming[*i];
-            if inserted.contains(&(key.clone(), c.request.handler.clone())) {
+            if created.as_ref().is_none_or(|created| created.contains(&(key.clone(), c.request.handler.clone()))) {
                 c.taken.push((candidate.id, key, 1, now));
             }
         }
@@ -552,6 +569,27 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
         update.execute(tx.conn()).await?;
     }
     Ok(())
+}
+
+/// Which of the (key, handler, owner) claims were created by this job's insert at `now`: first
+/// deliveries held by their owner under the job's token (a row that existed before has another
+/// token, owner or attempt count).
+async fn created_now(
+    tx: &mut WriteTx,
+    claims: &[(String, &str, &str)],
+    now: i64,
+) -> Result<HashSet<(String, String)>, sqlx::Error> {
+    let sql = format!(
+        "SELECT p.event_id, p.handler FROM (VALUES {}) AS v JOIN processed_events p \
+             ON p.event_id = v.column1 AND p.handler = v.column2 \
+         WHERE p.owner = v.column3 AND p.started_at = ? AND p.status = 'in_progress' AND p.attempts = 0",
+        vec!["(?, ?, ?)"; claims.len()].join(", ")
+    );
+    let mut query = sqlx::query_as(AssertSqlSafe(sql));
+    for (key, handler, owner) in claims {
+        query = query.bind(key).bind(*handler).bind(*owner);
+    }
+    Ok(query.bind(now).fetch_all(tx.conn()).await?.into_iter().collect())
 }
 
 /// How far apart (in row ids) the positions of handlers claiming together may be for one read
@@ -617,18 +655,33 @@ pub async fn settle_many(
         .collect();
     let mut marked: HashSet<(String, String, i64)> = HashSet::new();
     for chunk in done.chunks(300) {
+        let values = vec!["(?, ?, ?)"; chunk.len()].join(", ");
         let sql = format!(
-            "UPDATE processed_events SET status = 'done', processed_at = ?, owner = NULL FROM (VALUES {}) AS v \
+            "UPDATE processed_events SET status = 'done', processed_at = ?, owner = NULL FROM (VALUES {values}) AS v \
              WHERE processed_events.event_id = v.column1 AND processed_events.handler = v.column2 \
-             AND processed_events.started_at = v.column3 AND processed_events.status = 'in_progress' \
-             RETURNING event_id, handler, started_at",
-            vec!["(?, ?, ?)"; chunk.len()].join(", ")
+             AND processed_events.started_at = v.column3 AND processed_events.status = 'in_progress'"
         );
-        let mut update = sqlx::query_as(AssertSqlSafe(sql)).bind(now);
+        let mut update = sqlx::query(AssertSqlSafe(sql)).bind(now);
         for (handler, s) in chunk {
             update = update.bind(&s.key).bind(*handler).bind(s.token);
         }
-        let rows: Vec<(String, String, i64)> = update.fetch_all(tx.conn()).await?;
+        let keys = chunk.iter().map(|(handler, s)| (s.key.clone(), handler.to_string(), s.token));
+        // Every delivery still held is the common case, and needs no rows back; otherwise the
+        // ones this update marked (done now, under their token) are read back.
+        if update.execute(tx.conn()).await?.rows_affected() as usize == chunk.len() {
+            marked.extend(keys);
+            continue;
+        }
+        let sql = format!(
+            "SELECT p.event_id, p.handler, p.started_at FROM (VALUES {values}) AS v JOIN processed_events p \
+                 ON p.event_id = v.column1 AND p.handler = v.column2 \
+             WHERE p.started_at = v.column3 AND p.status = 'done' AND p.processed_at = ?"
+        );
+        let mut query = sqlx::query_as(AssertSqlSafe(sql));
+        for (handler, s) in chunk {
+            query = query.bind(&s.key).bind(*handler).bind(s.token);
+        }
+        let rows: Vec<(String, String, i64)> = query.bind(now).fetch_all(tx.conn()).await?;
         marked.extend(rows);
     }
     let mut answers = Vec::with_capacity(requests.len());

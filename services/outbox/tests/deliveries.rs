@@ -329,6 +329,41 @@ async fn handlers_sharing_one_answer_stay_within_it_together() {
     }
 }
 
+/// A claim whose insert meets rows that exist already hands over only the rows it created, and
+/// a settlement with a stale token among live ones reports just that one lost: the uncommon
+/// paths that read back what a statement changed.
+#[tokio::test]
+async fn claims_and_settlements_that_meet_other_rows_report_only_their_own() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 4).await;
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT event_id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
+    let done_before = keys[1].clone();
+    // As an upgraded database has it: the second event done for `a` before its cursor existed.
+    job(&db, move |tx| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO processed_events (event_id, handler, status, started_at, processed_at) VALUES (?, 'a', 'done', 1, 2)")
+                .bind(done_before)
+                .execute(tx.conn())
+                .await?;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let a = request("a", &["MovieDeleted", "UserRegistered"], "p#1");
+    let claimed = claim(&db, &a, T0).await.unwrap();
+    let handed: Vec<&str> = claimed.iter().map(|d| d.key.as_str()).collect();
+    assert_eq!(handed, [&keys[0], &keys[2], &keys[3]], "the row done before is passed");
+    let mut settlements: Vec<Settlement> = claimed.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect();
+    settlements[1].token -= 1;
+    let settled = settle(&db, "a", settlements, T0 + 1).await;
+    assert_eq!((settled.settled, settled.lost), (2, vec![keys[2].clone()]));
+    assert_eq!(state(&db, &keys[2], "a").await.0, "in_progress", "a stale token changes nothing");
+    assert_eq!(state(&db, &keys[3], "a").await.0, "done");
+}
+
 fn deliveries_overhead() -> usize {
     reelay_outbox::queue::CLAIM_ROW_OVERHEAD
 }
