@@ -463,3 +463,52 @@ async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
     crate::claims_waiting(&write, 0.0).await;
     write.stop().await;
 }
+
+/// The dispatchers of one process claim in the ledger together: claims asked at the same time
+/// go out as one Ledger call, and each asker hears the answers for its own keys, in its order.
+#[tokio::test]
+async fn ledger_claims_asked_together_go_out_as_one_call() {
+    let dir = temp_dir();
+    let mut write = Reelay::start_write(BIN, &dir.path().join("reelay.db"), &[]).await;
+    let mut c = write.clients().await;
+    let url = format!("http://{}", write.addr);
+    let channel = reelay_kit::client::connect_lazy(&url, Some(reelay_harness::TEST_TOKEN), Duration::from_secs(10))
+        .expect("a valid URL");
+    let claims = reelay_delivery::dispatch::LedgerClaims::start(channel, "test#1".into());
+    let events = ["00000000-0000-4000-8000-000000000001", "00000000-0000-4000-8000-000000000002"];
+    let handlers: Vec<String> = (0..8).map(|h| format!("h{h}")).collect();
+    let keys_of = |handler: &str| -> Vec<v1::LedgerKey> {
+        events.iter().map(|e| v1::LedgerKey { event_id: (*e).into(), handler: handler.into() }).collect()
+    };
+    let calls =
+        |m: &reelay_harness::Metrics| m.sum("reelay_grpc_requests_total", &[r#"method="/reelay.v1.Ledger/Claim""#]);
+    let before = calls(&write.metrics().await);
+    let answers = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
+    assert_eq!(calls(&write.metrics().await) - before, 1.0, "eight asks, one call");
+    let mut held = Vec::new();
+    for (handler, answer) in handlers.iter().zip(answers) {
+        let answer = answer.expect("the ledger answers");
+        let keys: Vec<v1::LedgerKey> = answer.iter().map(|c| c.key.clone().unwrap()).collect();
+        assert_eq!(keys, keys_of(handler), "each asker gets its own keys back, in order");
+        for claim in answer {
+            match claim.outcome.unwrap() {
+                v1::ledger_claim::Outcome::AcquiredToken(token) => held.push(v1::OwnedKey { key: claim.key, token }),
+                other => panic!("{handler}: expected a fresh claim, got {other:?}"),
+            }
+        }
+    }
+    // h0's claims are completed; asked again together, h0's keys are done and the others held.
+    let h0: Vec<v1::OwnedKey> = held.into_iter().take(2).collect();
+    c.ledger.complete(v1::LedgerSettleRequest { keys: h0 }).await.unwrap();
+    let again = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
+    for (handler, answer) in handlers.iter().zip(again) {
+        for claim in answer.expect("the ledger answers") {
+            let outcome = claim.outcome.unwrap();
+            match handler.as_str() {
+                "h0" => assert!(matches!(outcome, v1::ledger_claim::Outcome::Done(_)), "{outcome:?}"),
+                _ => assert!(matches!(outcome, v1::ledger_claim::Outcome::HeldUntilMs(_)), "{handler}: {outcome:?}"),
+            }
+        }
+    }
+    write.stop().await;
+}

@@ -20,6 +20,7 @@ use reelay_kit::client::{ServiceChannel, is_transport_failure};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::consumer::decode_envelope;
+use crate::gather::gather;
 use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 /// One delivery's claim: its ledger key and token.
@@ -58,8 +59,27 @@ pub struct DeliveryClaimer {
 impl DeliveryClaimer {
     pub fn start(channel: ServiceChannel, config: ClaimerConfig) -> Self {
         let client = OutboxClient::new(channel).max_decoding_message_size(config.max_message_bytes);
-        let (wants, queue) = mpsc::unbounded_channel();
-        tokio::spawn(claim_calls(client, config, queue));
+        let mut turn = 0;
+        let split = move |mut wants: Vec<Want>| {
+            // Who goes first in a shared answer changes from call to call, so no handler's
+            // large rows keep waiting behind the others' (a row that does not fit waits).
+            turn += 1;
+            let first = turn % wants.len();
+            wants.rotate_left(first);
+            // A handler asking twice (never, with one consumer per handler) goes in a call of
+            // its own.
+            let mut calls: Vec<Vec<Want>> = Vec::new();
+            for want in wants {
+                match calls.iter_mut().find(|call| call.iter().all(|w| w.handler != want.handler)) {
+                    Some(call) => call.push(want),
+                    None => calls.push(vec![want]),
+                }
+            }
+            calls
+        };
+        // A call waits (long poll) until one of its handlers has deliveries; handlers asking
+        // meanwhile go out in the next call.
+        let wants = gather(split, move |wants| claim_call(client.clone(), config.clone(), wants));
         Self { wants }
     }
 
@@ -75,41 +95,6 @@ impl DeliveryClaimer {
         let want = Want { handler, event_types: event_types.to_vec(), max_rows, reply };
         self.wants.send(want).map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())?
-    }
-}
-
-/// Sends the waiting fetches as claim calls, each call on its own task: a call waits (long
-/// poll) until one of its handlers has deliveries, and handlers asking meanwhile go out in the
-/// next call.
-async fn claim_calls(
-    client: OutboxClient<ServiceChannel>,
-    config: ClaimerConfig,
-    mut queue: mpsc::UnboundedReceiver<Want>,
-) {
-    let mut turn = 0;
-    while let Some(first) = queue.recv().await {
-        // Handlers that finish their batches together ask together: let the others catch up.
-        tokio::task::yield_now().await;
-        let mut wants = vec![first];
-        while let Ok(want) = queue.try_recv() {
-            wants.push(want);
-        }
-        // Who goes first in a shared answer changes from call to call, so no handler's large
-        // rows keep waiting behind the others' (a row that does not fit waits for the next).
-        turn += 1;
-        let first = turn % wants.len();
-        wants.rotate_left(first);
-        // A handler asking twice (never, with one consumer per handler) goes in a call of its own.
-        let mut calls: Vec<Vec<Want>> = Vec::new();
-        for want in wants {
-            match calls.iter_mut().find(|call| call.iter().all(|w| w.handler != want.handler)) {
-                Some(call) => call.push(want),
-                None => calls.push(vec![want]),
-            }
-        }
-        for call in calls {
-            tokio::spawn(claim_call(client.clone(), config.clone(), call));
-        }
     }
 }
 

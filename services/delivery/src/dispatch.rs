@@ -1,6 +1,8 @@
 //! The ledger-guarded dispatch of a batch of deliveries to the hosted handlers.
 //!
-//! For every (event, subscribed handler) pair the ledger is asked first, in one batched call:
+//! For every (event, subscribed handler) pair the ledger is asked first, in one batched call
+//! (which goes out with the claims other dispatchers of the process ask at the same time, see
+//! [`LedgerClaims`]):
 //! `done` → skip; held by a fresh claim elsewhere → defer the delivery to the lease expiry;
 //! acquired → run the handler, then complete the claim (success) or release it (failure). A
 //! delivery is acked when all its handlers are done or skipped. Handlers run batched: each gets
@@ -30,7 +32,9 @@ use reelay_domain::{EventId, RetryPolicy};
 use reelay_kit::Shutdown;
 use reelay_kit::client::{ServiceChannel, is_transport_failure};
 use reelay_kit::metrics::{self, Counter, Histogram};
+use tokio::sync::{mpsc, oneshot};
 
+use crate::gather::gather;
 use crate::pause::Pause;
 use crate::source::Delivery;
 use crate::{Handler, HandlerError};
@@ -109,8 +113,73 @@ enum PairState {
 pub struct Dispatcher {
     handlers: Vec<Arc<dyn Handler>>,
     ledger: LedgerClient<ServiceChannel>,
+    claims: LedgerClaims,
     config: DispatchConfig,
     shutdown: Shutdown,
+}
+
+/// One ledger claim request of a dispatcher, waiting to go out with the others'.
+struct ClaimAsk {
+    keys: Vec<v1::LedgerKey>,
+    reply: oneshot::Sender<Result<Vec<v1::LedgerClaim>, tonic::Status>>,
+}
+
+/// The ledger claims of every dispatcher of this process: those asked at the same time (the
+/// handlers one message reaches, each through its own consumer) go out as one `Claim` call of
+/// at most the server's limit of keys, one write job and one answer in the write service
+/// instead of one per handler. Cheap to clone.
+#[derive(Clone)]
+pub struct LedgerClaims {
+    asks: mpsc::UnboundedSender<ClaimAsk>,
+}
+
+impl LedgerClaims {
+    /// Claims as `owner` (`<instance>#<incarnation>` of this process).
+    pub fn start(channel: ServiceChannel, owner: String) -> Self {
+        let client = LedgerClient::new(channel);
+        let split = |asks: Vec<ClaimAsk>| {
+            let mut calls: Vec<(usize, Vec<ClaimAsk>)> = Vec::new();
+            for ask in asks {
+                match calls.last_mut() {
+                    Some((keys, call)) if *keys + ask.keys.len() <= LEDGER_BATCH => {
+                        *keys += ask.keys.len();
+                        call.push(ask);
+                    }
+                    _ => calls.push((ask.keys.len(), vec![ask])),
+                }
+            }
+            calls.into_iter().map(|(_, call)| call).collect()
+        };
+        let asks = gather(split, move |asks| claim_call(client.clone(), owner.clone(), asks));
+        Self { asks }
+    }
+
+    /// The ledger's answer for each of `keys` (at most the server's limit), in order.
+    pub async fn claim(&self, keys: Vec<v1::LedgerKey>) -> Result<Vec<v1::LedgerClaim>, tonic::Status> {
+        let stopped = || tonic::Status::unavailable("the ledger claimer stopped");
+        let (reply, answer) = oneshot::channel();
+        self.asks.send(ClaimAsk { keys, reply }).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+/// One `Claim` call for several asks; each hears the answers for its own keys.
+async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, asks: Vec<ClaimAsk>) {
+    let keys = asks.iter().flat_map(|ask| ask.keys.iter().cloned()).collect();
+    match client.claim(v1::LedgerClaimRequest { keys, owner }).await {
+        Ok(answer) => {
+            let mut claims = answer.into_inner().claims.into_iter();
+            for ask in asks {
+                let mine = claims.by_ref().take(ask.keys.len()).collect();
+                let _ = ask.reply.send(Ok(mine));
+            }
+        }
+        Err(status) => {
+            for ask in asks {
+                let _ = ask.reply.send(Err(status.clone()));
+            }
+        }
+    }
 }
 
 /// How a dispatcher runs handlers and holds their claims.
@@ -119,8 +188,6 @@ pub struct DispatchConfig {
     /// A handler call that takes longer fails (retryable).
     pub handler_timeout: Duration,
     pub retry_policy: RetryPolicy,
-    /// `<instance>#<incarnation>` of this process, the owner of its ledger claims.
-    pub owner: String,
     /// Claims are renewed every third of this while handlers run.
     pub ledger_lease: Duration,
     /// Deliveries of one event before it is given up (`EVENT_QUEUE_MAX_ATTEMPTS`).
@@ -146,13 +213,15 @@ pub fn register_metrics() {
 }
 
 impl Dispatcher {
+    /// `claims` is shared by the dispatchers of this process (see [`LedgerClaims`]).
     pub fn new(
         handlers: Vec<Arc<dyn Handler>>,
         ledger: ServiceChannel,
+        claims: LedgerClaims,
         config: DispatchConfig,
         shutdown: Shutdown,
     ) -> Self {
-        Self { handlers, ledger: LedgerClient::new(ledger), config, shutdown }
+        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown }
     }
 
     pub fn handler_names(&self) -> Vec<&'static str> {
@@ -227,9 +296,8 @@ impl Dispatcher {
             }
         }
         for (chunk_index, chunk_keys) in index.chunks(LEDGER_BATCH).zip(keys.chunks(LEDGER_BATCH)) {
-            let request = v1::LedgerClaimRequest { keys: chunk_keys.to_vec(), owner: self.config.owner.clone() };
-            let claims = match self.ledger.claim(request).await {
-                Ok(response) => response.into_inner().claims,
+            let claims = match self.claims.claim(chunk_keys.to_vec()).await {
+                Ok(claims) => claims,
                 Err(status) if is_transport_failure(&status) => {
                     return Err(LedgerUnavailable(status.message().to_owned()));
                 }

@@ -9,6 +9,7 @@ pub mod consumer;
 pub mod core_source;
 pub mod db_source;
 pub mod dispatch;
+mod gather;
 pub mod handler;
 pub mod jetstream;
 pub mod nats_source;

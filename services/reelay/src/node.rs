@@ -10,7 +10,7 @@ use reelay_contracts::v1::{self, outbox_client::OutboxClient};
 use reelay_delivery::consumer::run_consumer;
 use reelay_delivery::core_source::CoreSource;
 use reelay_delivery::db_source::{ClaimerConfig, DeliveryClaimer, DeliverySource, DeliverySourceConfig};
-use reelay_delivery::dispatch::{DispatchConfig, Dispatcher};
+use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, LedgerClaims};
 use reelay_delivery::jetstream::{self, JetStreamConfig};
 use reelay_delivery::nats_source::JetStreamSource;
 use reelay_delivery::{BuiltHandler, HandlerContext};
@@ -280,6 +280,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let record_dead_letters = nats_client.is_some() && args.nats.nats_mode == NatsMode::Jetstream;
         // On db the handlers of this process claim together (one call for all that ask at once).
         let mut claimer: Option<DeliveryClaimer> = None;
+        // On nats their ledger claims go together the same way.
+        let ledger_claims = LedgerClaims::start(write_channel.clone(), identity.owner());
         for BuiltHandler { handler, grpc } in built {
             if let Some(mount) = grpc {
                 server = mount(server);
@@ -287,10 +289,10 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             let dispatcher = Dispatcher::new(
                 vec![handler.clone()],
                 write_channel.clone(),
+                ledger_claims.clone(),
                 DispatchConfig {
                     handler_timeout: Duration::from_millis(args.handlers.handler_timeout_ms),
                     retry_policy: args.delivery.retry(),
-                    owner: identity.owner(),
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                     max_attempts: args.delivery.max_attempts,
                     record_dead_letters,
