@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use prost::Message;
 use reelay_contracts::v1::{self, search_client::SearchClient};
-use reelay_harness::{Backend, Cluster, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir};
+use reelay_harness::{
+    Backend, Clients, Cluster, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
@@ -554,6 +556,18 @@ fn assert_review_event(handed: &[v1::Delivery], review_id: &str) {
     }
 }
 
+/// A write service on `db` delivering to probe-a and probe-b, with no ledger purge while a test
+/// counts the writer's batches, its clients, and a user whose key pair is stored (so that no
+/// background write lands in the batches counted).
+async fn write_for_two_probes(db: &Path) -> (Reelay, Clients, String) {
+    let env = [("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
+    let write = Reelay::start_write(BIN, db, &env).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    crate::key_pairs_stored(db, 1).await;
+    (write, c, ana)
+}
+
 /// A handler waiting for events has its claim written in the same commit as the event it is
 /// handed: one batch for the write and the claim, no claim job of its own. A waiting claim for
 /// other event types is answered with nothing by the same batch (its cursor moves past the
@@ -562,12 +576,7 @@ fn assert_review_event(handed: &[v1::Delivery], review_id: &str) {
 async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    // No purge while the writer's batches are counted.
-    let env = [("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
-    let mut write = Reelay::start_write(BIN, &db, &env).await;
-    let mut c = write.clients().await;
-    let ana = c.user("ana").await;
-    crate::key_pairs_stored(&db, 1).await;
+    let (mut write, mut c, ana) = write_for_two_probes(&db).await;
     let claim = |handler: &str, event_type: &str, wait_ms: u32| claim_of(handler, event_type, "test#1", wait_ms);
     // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
     for handler in ["probe-a", "probe-b"] {
@@ -642,11 +651,7 @@ fn wants(handlers: &[&str]) -> Vec<v1::HandlerWants> {
 async fn one_claim_call_serves_several_handlers() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let env = [("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
-    let mut write = Reelay::start_write(BIN, &db, &env).await;
-    let mut c = write.clients().await;
-    let ana = c.user("ana").await;
-    crate::key_pairs_stored(&db, 1).await;
+    let (mut write, mut c, ana) = write_for_two_probes(&db).await;
     let call = |handlers: Vec<v1::HandlerWants>, wait_ms: u32| v1::ClaimDeliveriesForHandlersRequest {
         handlers,
         owner: "test#1".into(),
