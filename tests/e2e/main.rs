@@ -36,8 +36,8 @@ fn handler_context(reelay: &reelay_harness::Reelay) -> reelay_delivery::HandlerC
     reelay_delivery::HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write }
 }
 
-/// Waits until `n` claims wait with the writer for new events (a handler's on db, the relay's on
-/// nats).
+/// Waits until `n` claims wait with the writer for new events (on db one per claim call, which
+/// may claim for several handlers; the relay's on nats).
 async fn claims_waiting(write: &Reelay, n: f64) {
     eventually(&format!("{n} claims wait with the writer"), Duration::from_secs(10), || async move {
         write.metrics().await.value("reelay_claims_waiting") == Some(n)

@@ -100,14 +100,14 @@ impl DeliveryClaimer {
 
 /// One `ClaimDeliveriesForHandlers` call; each handler hears its part of the answer.
 async fn claim_call(mut client: OutboxClient<ServiceChannel>, config: ClaimerConfig, wants: Vec<Want>) {
-    let handlers = wants
-        .iter()
-        .map(|w| v1::HandlerWants {
-            handler: w.handler.to_owned(),
-            event_types: w.event_types.clone(),
-            max_rows: w.max_rows,
+    let (handlers, replies): (Vec<v1::HandlerWants>, Vec<_>) = wants
+        .into_iter()
+        .map(|w| {
+            let asked =
+                v1::HandlerWants { handler: w.handler.to_owned(), event_types: w.event_types, max_rows: w.max_rows };
+            (asked, (w.handler, w.reply))
         })
-        .collect();
+        .unzip();
     let mut request = tonic::Request::new(v1::ClaimDeliveriesForHandlersRequest {
         handlers,
         owner: config.owner.clone(),
@@ -118,23 +118,20 @@ async fn claim_call(mut client: OutboxClient<ServiceChannel>, config: ClaimerCon
     match client.claim_deliveries_for_handlers(request).await {
         Ok(answer) => {
             let mut answers = answer.into_inner().handlers;
-            for want in wants {
-                let part = answers.iter_mut().find(|a| a.handler == want.handler);
-                let result = match part {
+            for (handler, reply) in replies {
+                let result = match answers.iter_mut().find(|a| a.handler == handler) {
                     Some(part) if !part.refused.is_empty() => {
                         Err(SourceError::Rejected(format!("FailedPrecondition: {}", part.refused)))
                     }
                     Some(part) => Ok(std::mem::take(&mut part.deliveries)),
-                    None => {
-                        Err(SourceError::Rejected(format!("the claim's answer left out handler {:?}", want.handler)))
-                    }
+                    None => Err(SourceError::Rejected(format!("the claim's answer left out handler {handler:?}"))),
                 };
-                let _ = want.reply.send(result);
+                let _ = reply.send(result);
             }
         }
         Err(status) => {
-            for want in wants {
-                let _ = want.reply.send(Err(source_error(status.clone())));
+            for (_, reply) in replies {
+                let _ = reply.send(Err(source_error(status.clone())));
             }
         }
     }

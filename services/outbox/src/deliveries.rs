@@ -54,9 +54,10 @@ pub struct HandlerClaim {
     pub shared: Option<SharedAnswer>,
 }
 
-/// The bytes left in one answer that several handlers' claims fill together, so that the
-/// answer stays within what its reader can take. A row that does not fit what is left waits
-/// for the handler's next claim (the claimer varies which handler goes first).
+/// The bytes left in one answer: a claim's own, or one that several handlers' claims fill
+/// together, so that the answer stays within what its reader can take. A row that does not fit
+/// what is left waits for the handler's next claim (a claimer for several handlers varies which
+/// goes first).
 #[derive(Debug, Clone)]
 pub struct SharedAnswer(Arc<AtomicUsize>);
 
@@ -248,10 +249,7 @@ async fn claim_round(
                 moved_to: position,
                 budget: Budget {
                     rows: request.max_rows as usize,
-                    bytes: match &request.shared {
-                        Some(shared) => Bytes::Shared(shared.clone()),
-                        None => Bytes::Own(request.max_bytes),
-                    },
+                    bytes: request.shared.clone().unwrap_or_else(|| SharedAnswer::new(request.max_bytes)),
                 },
                 taken: Vec::new(),
                 handed: Vec::new(),
@@ -285,31 +283,16 @@ async fn claim_round(
 
 struct Budget {
     rows: usize,
-    bytes: Bytes,
-}
-
-/// The bytes a claim's answer may still carry.
-enum Bytes {
-    Own(usize),
-    Shared(SharedAnswer),
+    /// The bytes the answer may still carry: the claim's own, or those it shares with other
+    /// handlers' claims in one answer.
+    bytes: SharedAnswer,
 }
 
 impl Budget {
-    /// Takes a row of `length` bytes if it fits; an empty claim of its own always takes one
-    /// that fits an answer at all.
-    fn take(&mut self, length: i64, max_bytes: usize, first: bool) -> bool {
-        let cost = length as usize + CLAIM_ROW_OVERHEAD;
-        if self.rows == 0 {
-            return false;
-        }
-        let fits = match &mut self.bytes {
-            Bytes::Own(bytes) if cost <= *bytes || first && cost <= max_bytes => {
-                *bytes = bytes.saturating_sub(cost);
-                true
-            }
-            Bytes::Own(_) => false,
-            Bytes::Shared(shared) => shared.take(cost),
-        };
+    /// Takes a row of `length` bytes if it fits. (A row too large for any answer never comes
+    /// here: it is dead-lettered.)
+    fn take(&mut self, length: i64) -> bool {
+        let fits = self.rows > 0 && self.bytes.take(length as usize + CLAIM_ROW_OVERHEAD);
         if fits {
             self.rows -= 1;
         }
@@ -352,8 +335,7 @@ async fn claim_open(
             .await?;
             continue;
         };
-        let first = c.taken.is_empty();
-        if !c.budget.take(length, c.request.max_bytes, first) {
+        if !c.budget.take(length) {
             // This handler's answer is full; its other open rows wait for its next claim.
             c.budget.rows = 0;
             continue;
@@ -472,7 +454,7 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
                 let candidate = Candidate { id: *id, event_id: event_id.clone(), length: *length };
                 if *length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes {
                     oversized.push((i, candidate));
-                } else if c.budget.take(*length, c.request.max_bytes, c.taken.is_empty() && c.handed.is_empty()) {
+                } else if c.budget.take(*length) {
                     c.handed.push(candidate);
                 } else {
                     // Its answer is full: this row and what follows wait for its next claim.

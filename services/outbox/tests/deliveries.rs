@@ -117,6 +117,18 @@ fn outcome(delivery: &ClaimedDelivery, outcome: DeliveryOutcome) -> Settlement {
     Settlement { key: delivery.key.clone(), token: delivery.token, outcome }
 }
 
+/// Puts a ledger row in place by hand: `sql` with the event id as ?1 and T0 as ?2.
+async fn put_ledger_row(db: &Database, sql: &'static str, key: String) {
+    job(db, move |tx| {
+        Box::pin(async move {
+            sqlx::query(sql).bind(key).bind(T0).execute(tx.conn()).await?;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+}
+
 async fn state(db: &Database, key: &str, handler: &str) -> (String, i64) {
     let r = sqlx::query("SELECT status, attempts FROM processed_events WHERE event_id = ? AND handler = ?")
         .bind(key)
@@ -341,17 +353,12 @@ async fn claims_and_settlements_that_meet_other_rows_report_only_their_own() {
         sqlx::query_scalar("SELECT event_id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
     let done_before = keys[1].clone();
     // As an upgraded database has it: the second event done for `a` before its cursor existed.
-    job(&db, move |tx| {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO processed_events (event_id, handler, status, started_at, processed_at) VALUES (?, 'a', 'done', 1, 2)")
-                .bind(done_before)
-                .execute(tx.conn())
-                .await?;
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+    put_ledger_row(
+        &db,
+        "INSERT INTO processed_events (event_id, handler, status, started_at, processed_at) VALUES (?1, 'a', 'done', ?2, ?2)",
+        done_before,
+    )
+    .await;
     let a = request("a", &["MovieDeleted", "UserRegistered"], "p#1");
     let claimed = claim(&db, &a, T0).await.unwrap();
     let handed: Vec<&str> = claimed.iter().map(|d| d.key.as_str()).collect();
@@ -447,21 +454,13 @@ async fn a_nats_replay_is_a_row_for_one_handler() {
     let key: String = sqlx::query_scalar("SELECT event_id FROM event_queue").fetch_one(&db.reads).await.unwrap();
     let key2 = key.clone();
     // As a nats handler's last failure leaves it: a dead letter in the ledger.
-    job(&db, move |tx| {
-        Box::pin(async move {
-            sqlx::query(
-                "INSERT INTO processed_events (event_id, handler, status, started_at, attempts, last_error) \
-                 VALUES (?, 'a', 'dead_lettered', ?, 8, 'exhausted')",
-            )
-            .bind(key2)
-            .bind(T0)
-            .execute(tx.conn())
-            .await?;
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+    put_ledger_row(
+        &db,
+        "INSERT INTO processed_events (event_id, handler, status, started_at, attempts, last_error) \
+         VALUES (?1, 'a', 'dead_lettered', ?2, 8, 'exhausted')",
+        key2,
+    )
+    .await;
     let target = Target::AllOf("a".into());
     assert_eq!(act(&db, target.clone(), Action::Replay { republish: true }).await.changed.len(), 1);
     assert!(act(&db, target, Action::Replay { republish: true }).await.changed.is_empty(), "once");

@@ -32,12 +32,9 @@ pub async fn register_handlers(db: &Database, handlers: Vec<String>) -> Result<V
 pub(super) type WaitingDeliveries = WaitingClaims<ClaimGroup, HandlerAnswer>;
 
 /// The claims of one call: one handler's (`ClaimDeliveries`) or those of several handlers of
-/// one process (`ClaimDeliveriesForHandlers`), answered together within `max_bytes`.
-#[derive(Debug, Clone)]
-pub(super) struct ClaimGroup {
-    claims: Vec<HandlerClaim>,
-    max_bytes: usize,
-}
+/// one process (`ClaimDeliveriesForHandlers`), never none, all with the call's owner and answer
+/// size, answered together within that size.
+pub(super) type ClaimGroup = Vec<HandlerClaim>;
 
 /// What one handler of a group was handed (by its index in the group), or why it was refused.
 /// An answer lists only the handlers with something in it, so an empty one means nothing for
@@ -57,16 +54,19 @@ async fn claim_groups(
 ) -> Result<Vec<Result<Vec<HandlerAnswer>, WriteError>>, sqlx::Error> {
     let mut requests = Vec::new();
     for group in &groups {
-        let shared = (group.claims.len() > 1).then(|| SharedAnswer::new(group.max_bytes));
-        requests.extend(group.claims.iter().map(|claim| HandlerClaim { shared: shared.clone(), ..claim.clone() }));
+        // A fresh answer for each attempt: bytes taken by a claim that was rolled back or
+        // answered nothing are not lost.
+        let answer = SharedAnswer::new(group.first().map_or(0, |claim| claim.max_bytes));
+        requests.extend(group.iter().map(|claim| HandlerClaim { shared: Some(answer.clone()), ..claim.clone() }));
     }
     let mut answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?.into_iter();
     Ok(groups
         .iter()
         .map(|group| {
-            let answered = (0..group.claims.len()).filter_map(|index| {
+            let answered = (0..group.len()).filter_map(|index| {
                 let claimed = answers.next().expect("one answer per claim").map_err(|e| e.to_string());
-                (claimed.as_ref().map_or(true, |c| !c.is_empty())).then_some(HandlerAnswer { index, claimed })
+                let nothing = matches!(&claimed, Ok(handed) if handed.is_empty());
+                (!nothing).then_some(HandlerAnswer { index, claimed })
             });
             Ok(answered.collect())
         })
@@ -122,15 +122,8 @@ impl OutboxApi {
         if r.event_types.is_empty() {
             return Err(ServiceError::invalid("event_types", "must name at least one event type").into());
         }
-        let claim = HandlerClaim {
-            handler,
-            event_types: r.event_types,
-            owner: String::new(),
-            max_rows,
-            max_bytes: 0,
-            shared: None,
-        };
-        let mut answered = self.claim_group(vec![claim], r.owner, r.wait_ms, r.max_bytes).await?;
+        let wants = v1::HandlerWants { handler, event_types: r.event_types, max_rows };
+        let mut answered = self.claim_group(vec![wants], r.owner, r.wait_ms, r.max_bytes).await?;
         let deliveries = match answered.pop() {
             None => Vec::new(),
             Some(HandlerAnswer { claimed: Ok(claimed), .. }) => claimed.into_iter().map(delivery).collect(),
@@ -152,10 +145,10 @@ impl OutboxApi {
             )
             .into());
         }
-        let mut claims: Vec<HandlerClaim> = Vec::with_capacity(r.handlers.len());
+        let mut checked: Vec<v1::HandlerWants> = Vec::with_capacity(r.handlers.len());
         for wants in r.handlers {
             let handler = handler_name("handlers.handler", &wants.handler)?;
-            if claims.iter().any(|c| c.handler == handler) {
+            if checked.iter().any(|w| w.handler == handler) {
                 return Err(ServiceError::invalid("handlers.handler", format!("{handler:?} is named twice")).into());
             }
             if wants.event_types.is_empty() {
@@ -165,21 +158,18 @@ impl OutboxApi {
                 )
                 .into());
             }
-            claims.push(HandlerClaim {
-                max_rows: max_rows("handlers.max_rows", wants.max_rows)?,
-                handler,
-                event_types: wants.event_types,
-                owner: String::new(),
-                max_bytes: 0,
-                shared: None,
-            });
+            let max_rows = max_rows("handlers.max_rows", wants.max_rows)?;
+            checked.push(v1::HandlerWants { handler, event_types: wants.event_types, max_rows });
         }
-        let names: Vec<String> = claims.iter().map(|c| c.handler.clone()).collect();
-        let mut handlers: Vec<v1::HandlerDeliveries> = names
-            .into_iter()
-            .map(|handler| v1::HandlerDeliveries { handler, deliveries: Vec::new(), refused: String::new() })
+        let mut handlers: Vec<v1::HandlerDeliveries> = checked
+            .iter()
+            .map(|w| v1::HandlerDeliveries {
+                handler: w.handler.clone(),
+                deliveries: Vec::new(),
+                refused: String::new(),
+            })
             .collect();
-        for answer in self.claim_group(claims, r.owner, r.wait_ms, r.max_bytes).await? {
+        for answer in self.claim_group(checked, r.owner, r.wait_ms, r.max_bytes).await? {
             let entry = &mut handlers[answer.index];
             match answer.claimed {
                 Ok(claimed) => entry.deliveries = claimed.into_iter().map(delivery).collect(),
@@ -189,11 +179,11 @@ impl OutboxApi {
         Ok(v1::ClaimDeliveriesForHandlersResponse { handlers })
     }
 
-    /// Claims for a group of handlers as soon as any of them has something, waiting up to
-    /// `wait_ms` (the long poll both claim calls share).
+    /// Claims for a group of handlers (their names checked, never none) as soon as any of them
+    /// has something, waiting up to `wait_ms` (the long poll both claim calls share).
     async fn claim_group(
         &self,
-        mut claims: Vec<HandlerClaim>,
+        wants: Vec<v1::HandlerWants>,
         owner: String,
         wait_ms: u32,
         max_bytes: u32,
@@ -209,12 +199,18 @@ impl OutboxApi {
             return Err(ServiceError::invalid("owner", "is required (<instance>#<incarnation>)").into());
         }
         let max_bytes = self.answer_bytes(max_bytes);
-        for claim in &mut claims {
-            claim.owner = owner.clone();
-            claim.max_bytes = max_bytes;
-        }
-        let names: Vec<String> = claims.iter().map(|c| c.handler.clone()).collect();
-        let group = ClaimGroup { claims, max_bytes };
+        let names: Vec<String> = wants.iter().map(|w| w.handler.clone()).collect();
+        let group: ClaimGroup = wants
+            .into_iter()
+            .map(|w| HandlerClaim {
+                handler: w.handler,
+                event_types: w.event_types,
+                owner: owner.clone(),
+                max_rows: w.max_rows,
+                max_bytes,
+                shared: None,
+            })
+            .collect();
         let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
         self.waiting_deliveries
             .long_poll(
