@@ -155,7 +155,7 @@ async fn probes_sustained(
     // The fixtures' events (the users, the movie) are handled before the load.
     all_done(run.db.clone(), Instant::now()).await?;
     let (before, started) = (WriterSample::read(&run.write).await, Instant::now());
-    throughput(b, &c, &users, &movie, 64).await;
+    throughput(b, &c, &users, &movie, 64, false).await;
     all_done(run.db.clone(), started).await?;
     let elapsed = started.elapsed().as_secs_f64();
     let after = WriterSample::read(&run.write).await;

@@ -126,8 +126,17 @@ fn log_review(user: &str, movie: &str, n: u64) -> v1::LogReviewRequest {
     }
 }
 
-/// Calls per second of `clients` concurrent callers over `b.measure`, after `b.warmup`.
-pub(crate) async fn throughput(b: &Bench, c: &Clients, users: &[String], movie: &str, clients: usize) -> f64 {
+/// Calls per second of `clients` concurrent callers over `b.measure`, after `b.warmup`. With
+/// `refused`, every call has a rating out of range, so the service refuses it before any write:
+/// what the same call costs in gRPC alone.
+pub(crate) async fn throughput(
+    b: &Bench,
+    c: &Clients,
+    users: &[String],
+    movie: &str,
+    clients: usize,
+    refused: bool,
+) -> f64 {
     let start = Instant::now();
     let (from, until) = (start + b.warmup, start + b.warmup + b.measure);
     let mut tasks = Vec::new();
@@ -138,7 +147,14 @@ pub(crate) async fn throughput(b: &Bench, c: &Clients, users: &[String], movie: 
             let mut counted = 0u64;
             let mut n = 0;
             while Instant::now() < until {
-                c.reviews.log_review(log_review(&user, &movie, n)).await.expect("LogReview");
+                let mut request = log_review(&user, &movie, n);
+                if refused {
+                    request.rating = 11;
+                    let status = c.reviews.log_review(request).await.expect_err("a rating of 11 is refused");
+                    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+                } else {
+                    c.reviews.log_review(request).await.expect("LogReview");
+                }
                 n += 1;
                 let done = Instant::now();
                 if done >= from && done <= until {
@@ -354,25 +370,27 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         let mut c = reelay.clients().await;
         let (users, movie) = fixtures(&mut c, &db, 8).await;
         let pid = reelay.pid().to_string();
+        // On 2 cores the benchmark's own gRPC clients share the machine with the service.
+        let measure_cpu = |report: &mut Report, label: &str, (server, client): (f64, f64), rate: f64| {
+            report.add(format!("{label}: CPU, write service"), server, "cores");
+            report.add(format!("{label}: CPU, the benchmark's clients"), client, "cores");
+            report.add(format!("{label}: CPU per call, service + clients"), (server + client) * 1e6 / rate, "us");
+        };
+        let cores_since = |(server, client): (f64, f64), started: Instant| {
+            let elapsed = started.elapsed().as_secs_f64();
+            ((cpu_seconds(&pid) - server) / elapsed, (cpu_seconds("self") - client) / elapsed)
+        };
         for clients in [1, 8, 64] {
             let (before, started) = (WriterSample::read(&reelay).await, Instant::now());
-            let (server_cpu, client_cpu) = (cpu_seconds(&pid), cpu_seconds("self"));
-            let rate = throughput(b, &c, &users, &movie, clients).await;
+            let cpu = (cpu_seconds(&pid), cpu_seconds("self"));
+            let rate = throughput(b, &c, &users, &movie, clients, false).await;
+            let cores = cores_since(cpu, started);
             let elapsed = started.elapsed().as_secs_f64();
-            let server_cores = (cpu_seconds(&pid) - server_cpu) / elapsed;
-            let client_cores = (cpu_seconds("self") - client_cpu) / elapsed;
             let after = WriterSample::read(&reelay).await;
             let skipped = if events { "" } else { ", events skipped" };
             let label = format!("LogReview over gRPC, {clients} clients{skipped}");
             report.add(format!("{label}: writer busy"), 100.0 * after.busy_since(&before, elapsed), "%");
-            // On 2 cores the benchmark's own gRPC clients share the machine with the service.
-            report.add(format!("{label}: CPU, write service"), server_cores, "cores");
-            report.add(format!("{label}: CPU, the benchmark's clients"), client_cores, "cores");
-            report.add(
-                format!("{label}: CPU per call, service + clients"),
-                (server_cores + client_cores) * 1e6 / rate,
-                "us",
-            );
+            measure_cpu(report, &label, cores, rate);
             report_writer_jobs(report, &label, &before, &after, elapsed);
             let commits = after.batches - before.batches;
             report.add(format!("{label}: calls per commit"), rate * elapsed / commits, "calls");
@@ -391,6 +409,15 @@ pub async fn write_path(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
                     .add(format!("LogReview over gRPC, {clients} clients, events skipped"), rate, "ops/s")
                     .against("raw review-only txn", raw_without);
             }
+        }
+        if events {
+            // What gRPC alone costs: the same calls from 64 clients, refused before any write.
+            let (cpu, started) = ((cpu_seconds(&pid), cpu_seconds("self")), Instant::now());
+            let rate = throughput(b, &c, &users, &movie, 64, true).await;
+            let cores = cores_since(cpu, started);
+            let label = "LogReview over gRPC, 64 clients, refused before any write";
+            measure_cpu(report, label, cores, rate);
+            report.add(label, rate, "ops/s").against("raw group commit, 64 tasks", raw_group);
         }
         reelay.stop().await;
     }
@@ -993,7 +1020,7 @@ pub async fn sustained(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
         };
         let (before, started) = (WriterSample::read(write).await, Instant::now());
         let cpu_before = cpu(&processes);
-        let written = throughput(b, &c, &users, &movie, 64).await * b.measure.as_secs_f64();
+        let written = throughput(b, &c, &users, &movie, 64, false).await * b.measure.as_secs_f64();
         let wanted = query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE event_type = 'ReviewLogged'")
             .await[0][0]
             .parse::<u64>()?;

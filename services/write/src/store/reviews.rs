@@ -9,7 +9,7 @@ use reelay_domain::{MovieId, NewEvent, ReviewId, UserId};
 use reelay_kit::telemetry::current_traceparent;
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::{Durability, WriteTx};
-use sqlx::{Row, SqliteConnection};
+use sqlx::{AssertSqlSafe, Row, SqliteConnection};
 
 use super::{
     MovieRow, MovieSpec, Result, ReviewFields, ReviewRow, Store, actor_and_movie, actor_and_resolved_movie,
@@ -33,6 +33,27 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
     Ok(review)
 }
 
+/// Reviews per insert statement of [`log_known_movie_reviews`] (ten parameters each, far below
+/// SQLite's limit of 32,766).
+const REVIEWS_PER_INSERT: usize = 500;
+
+/// The insert of `rows` reviews of [`log_known_movie_reviews`]: each review's values are bound
+/// (one row of `VALUES` each) and it is inserted only when its user and movie exist; the
+/// inserted reviews come back with their movie's title and year.
+fn insert_reviews_sql(rows: usize) -> String {
+    let mut sql = String::from(
+        "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
+         SELECT r.column1, r.column2, m.id, r.column4, r.column5, r.column6, r.column7, r.column8, r.column9, r.column10 \
+         FROM (VALUES ",
+    );
+    sql.push_str(&vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", "));
+    sql.push_str(
+        ") r JOIN movies m ON m.id = r.column3 WHERE EXISTS (SELECT 1 FROM users u WHERE u.id = r.column2) \
+         RETURNING id, (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id)",
+    );
+    sql
+}
+
 /// A review of a movie named by id, waiting to be logged (see [`log_known_movie_reviews`]).
 pub(super) struct KnownMovieReview {
     /// Its row, `movie_id` included.
@@ -46,8 +67,9 @@ pub(super) struct KnownMovieReview {
 /// Logs reviews of movies named by id, any number of callers' at once, in the caller's write
 /// job; one answer per request, in order.
 ///
-/// One statement inserts every review whose user and movie exist (the writer is bound by its
-/// round trips to SQLite, not by the rows). Each inserted review raises its `ReviewLogged` with
+/// One statement (per [`REVIEWS_PER_INSERT`] reviews) inserts every review whose user and movie
+/// exist (the writer is bound by its round trips to SQLite, not by the rows); the values are
+/// bound, not read out of a JSON document (which SQLite parsed again for every field). Each inserted review raises its `ReviewLogged` with
 /// its caller's trace context; a review whose event is refused (over the size limit) is deleted
 /// again in the same transaction, so it is answered with the refusal and leaves nothing behind.
 /// A review that was not inserted is answered with what was missing. A failed statement fails
@@ -57,23 +79,26 @@ fn log_known_movie_reviews(
     requests: Vec<KnownMovieReview>,
 ) -> BoxFuture<'_, Result<Vec<Result<v1::LogReviewResponse>>>> {
     Box::pin(async move {
-        let rows: Vec<&ReviewRow> = requests.iter().map(|r| &r.review).collect();
-        let rows = serde_json::to_string(&rows).expect("strings and integers encode as JSON");
-        let inserted: HashMap<String, MovieRow> = sqlx::query(
-            "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
-             SELECT r.value ->> 'id', r.value ->> 'user_id', m.id, r.value ->> 'rating', r.value ->> 'body', \
-                    r.value ->> 'watched_on', r.value ->> 'rewatch', r.value ->> 'source', r.value ->> 'created_at', \
-                    r.value ->> 'updated_at' \
-             FROM json_each(?1) r JOIN movies m ON m.id = r.value ->> 'movie_id' \
-             WHERE EXISTS (SELECT 1 FROM users u WHERE u.id = r.value ->> 'user_id') \
-             RETURNING id, (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id)",
-        )
-        .bind(rows)
-        .fetch_all(tx.conn())
-        .await?
-        .into_iter()
-        .map(|row| (row.get(0), MovieRow { title: row.get(1), year: row.get(2), ..MovieRow::default() }))
-        .collect();
+        let mut inserted: HashMap<String, MovieRow> = HashMap::with_capacity(requests.len());
+        for chunk in requests.chunks(REVIEWS_PER_INSERT) {
+            let mut query = sqlx::query(AssertSqlSafe(insert_reviews_sql(chunk.len())));
+            for KnownMovieReview { review, .. } in chunk {
+                query = query
+                    .bind(review.id.clone())
+                    .bind(review.user_id.clone())
+                    .bind(review.movie_id.clone())
+                    .bind(review.rating)
+                    .bind(review.body.clone())
+                    .bind(review.watched_on.clone())
+                    .bind(review.rewatch)
+                    .bind(review.source.clone())
+                    .bind(review.created_at)
+                    .bind(review.updated_at);
+            }
+            for row in query.fetch_all(tx.conn()).await? {
+                inserted.insert(row.get(0), MovieRow { title: row.get(1), year: row.get(2), ..MovieRow::default() });
+            }
+        }
         let mut answers = Vec::with_capacity(requests.len());
         let mut refused = Vec::new();
         for KnownMovieReview { review, actor, movie, traceparent } in requests {
@@ -269,5 +294,107 @@ impl Store {
             .bind(i64::from(limit))
             .fetch_all(&self.db.reads)
             .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use reelay_outbox::{Database, DbConfig};
+
+    use crate::WriteError;
+
+    use super::*;
+
+    fn review(n: usize, actor: UserId, movie: MovieId) -> KnownMovieReview {
+        let review = ReviewRow {
+            id: ReviewId::new().to_string(),
+            user_id: actor.to_string(),
+            movie_id: movie.to_string(),
+            rating: (n % 10 + 1) as i64,
+            body: format!("review {n}"),
+            watched_on: "2024-03-01".into(),
+            rewatch: n % 3 == 0,
+            source: "local".into(),
+            created_at: n as i64,
+            updated_at: n as i64,
+        };
+        KnownMovieReview { review, actor, movie, traceparent: String::new() }
+    }
+
+    /// More reviews than one insert statement takes, with missing users and movies among them
+    /// on both sides of the statement boundary: every review is answered by its own outcome, and
+    /// exactly the ones whose user and movie exist are written, each with its event.
+    #[tokio::test]
+    async fn a_job_larger_than_one_statement_answers_every_review() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let (user, movie) = (UserId::new(), MovieId::new());
+        let (user_id, movie_id) = (user.to_string(), movie.to_string());
+        db.writer
+            .transact::<_, WriteError, _>("fixtures", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES (?, 'ana', 'Ana', 0)")
+                        .bind(user_id)
+                        .execute(tx.conn())
+                        .await?;
+                    sqlx::query(
+                        "INSERT INTO movies (id, title, title_key, year, created_at) VALUES (?, 'Heat', 'heat', 1995, 0)",
+                    )
+                    .bind(movie_id)
+                    .execute(tx.conn())
+                    .await?;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let total = REVIEWS_PER_INSERT * 2 + 7;
+        let missing = |n: usize| n % 97 == 5 || n == REVIEWS_PER_INSERT || n == REVIEWS_PER_INSERT - 1;
+        let requests: Vec<KnownMovieReview> = (0..total)
+            .map(|n| match (missing(n), n % 2) {
+                (true, 0) => review(n, user, MovieId::new()),
+                (true, _) => review(n, UserId::new(), movie),
+                (false, _) => review(n, user, movie),
+            })
+            .collect();
+        let answers = db
+            .writer
+            .transact::<_, WriteError, _>("log_review", move |tx: &mut WriteTx| {
+                Box::pin(async move { log_known_movie_reviews(tx, requests).await })
+            })
+            .await
+            .unwrap();
+        assert_eq!(answers.len(), total);
+        for (n, answer) in answers.iter().enumerate() {
+            match (missing(n), answer) {
+                (true, Err(error)) => {
+                    let answer = error.answer();
+                    assert_eq!(answer.code, reelay_kit::ErrorCode::NotFound, "review {n}: {answer:?}");
+                    let what = if n % 2 == 0 { "movie" } else { "user" };
+                    assert!(answer.message.starts_with(what), "review {n}: {answer:?}");
+                }
+                (false, Ok(answer)) => {
+                    let logged = answer.review.as_ref().unwrap();
+                    assert_eq!(
+                        (logged.body.as_str(), logged.rating),
+                        (format!("review {n}").as_str(), (n % 10 + 1) as u32)
+                    );
+                }
+                (_, answer) => panic!("review {n}: {answer:?}"),
+            }
+        }
+        let expected = (0..total).filter(|n| !missing(*n)).count() as i64;
+        let count = |sql: &'static str| sqlx::query_scalar::<_, i64>(sql).fetch_one(&db.reads);
+        assert_eq!(count("SELECT COUNT(*) FROM reviews").await.unwrap(), expected);
+        // Each value in its own column.
+        let consistent = "SELECT COUNT(*) FROM reviews WHERE body = 'review ' || created_at \
+             AND rating = created_at % 10 + 1 AND rewatch = (created_at % 3 = 0) AND updated_at = created_at \
+             AND watched_on = '2024-03-01' AND source = 'local'";
+        assert_eq!(count(consistent).await.unwrap(), expected);
+        assert_eq!(
+            count("SELECT COUNT(*) FROM event_queue WHERE event_type = 'ReviewLogged'").await.unwrap(),
+            expected
+        );
+        db.close().await;
     }
 }
