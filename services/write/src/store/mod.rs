@@ -329,24 +329,31 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
     }
 }
 
+/// A query with `review`'s values bound after what it has, in the column order
+/// `id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at`.
+fn bind_review<'q>(
+    query: sqlx::query::Query<'q, sqlx::Sqlite, <sqlx::Sqlite as sqlx::Database>::Arguments>,
+    review: &ReviewRow,
+) -> sqlx::query::Query<'q, sqlx::Sqlite, <sqlx::Sqlite as sqlx::Database>::Arguments> {
+    query
+        .bind(review.id.clone())
+        .bind(review.user_id.clone())
+        .bind(review.movie_id.clone())
+        .bind(review.rating)
+        .bind(review.body.clone())
+        .bind(review.watched_on.clone())
+        .bind(review.rewatch)
+        .bind(review.source.clone())
+        .bind(review.created_at)
+        .bind(review.updated_at)
+}
+
 async fn insert_review(conn: &mut SqliteConnection, review: &ReviewRow, import_key: Option<String>) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, import_key, created_at, updated_at) \
+    let insert = sqlx::query(
+        "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at, import_key) \
          VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(review.id.clone())
-    .bind(review.user_id.clone())
-    .bind(review.movie_id.clone())
-    .bind(review.rating)
-    .bind(review.body.clone())
-    .bind(review.watched_on.clone())
-    .bind(review.rewatch)
-    .bind(review.source.clone())
-    .bind(import_key)
-    .bind(review.created_at)
-    .bind(review.updated_at)
-    .execute(conn)
-    .await?;
+    );
+    bind_review(insert, review).bind(import_key).execute(conn).await?;
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use sqlx::{AssertSqlSafe, Row, SqliteConnection};
 
 use super::{
     MovieRow, MovieSpec, Result, ReviewFields, ReviewRow, Store, actor_and_movie, actor_and_resolved_movie,
-    commit_events, insert_review, keyed_job, movie_by_id, review_logged, select_reviews,
+    bind_review, commit_events, insert_review, keyed_job, movie_by_id, review_logged, select_reviews,
 };
 use crate::convert;
 use crate::request_ids::RequestKey;
@@ -83,17 +83,7 @@ fn log_known_movie_reviews(
         for chunk in requests.chunks(REVIEWS_PER_INSERT) {
             let mut query = sqlx::query(AssertSqlSafe(insert_reviews_sql(chunk.len())));
             for KnownMovieReview { review, .. } in chunk {
-                query = query
-                    .bind(review.id.clone())
-                    .bind(review.user_id.clone())
-                    .bind(review.movie_id.clone())
-                    .bind(review.rating)
-                    .bind(review.body.clone())
-                    .bind(review.watched_on.clone())
-                    .bind(review.rewatch)
-                    .bind(review.source.clone())
-                    .bind(review.created_at)
-                    .bind(review.updated_at);
+                query = bind_review(query, review);
             }
             for row in query.fetch_all(tx.conn()).await? {
                 inserted.insert(row.get(0), MovieRow { title: row.get(1), year: row.get(2), ..MovieRow::default() });
@@ -299,6 +289,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
+    use prost::Message;
     use reelay_outbox::{Database, DbConfig};
 
     use crate::WriteError;
@@ -391,10 +382,25 @@ mod tests {
              AND rating = created_at % 10 + 1 AND rewatch = (created_at % 3 = 0) AND updated_at = created_at \
              AND watched_on = '2024-03-01' AND source = 'local'";
         assert_eq!(count(consistent).await.unwrap(), expected);
-        assert_eq!(
-            count("SELECT COUNT(*) FROM event_queue WHERE event_type = 'ReviewLogged'").await.unwrap(),
-            expected
-        );
+        // One event each, carrying its review and the movie's title and year.
+        let payloads: Vec<Vec<u8>> =
+            sqlx::query_scalar("SELECT payload FROM event_queue WHERE event_type = 'ReviewLogged'")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        let mut bodies: Vec<String> = payloads
+            .iter()
+            .map(|payload| {
+                let event = v1::Event::decode(payload.as_slice()).unwrap();
+                let Some(Payload::ReviewLogged(logged)) = event.payload else { panic!("{event:?}") };
+                assert_eq!((logged.movie_title.as_str(), logged.movie_year), ("Heat", 1995), "{logged:?}");
+                logged.body
+            })
+            .collect();
+        bodies.sort();
+        let mut written: Vec<String> = (0..total).filter(|n| !missing(*n)).map(|n| format!("review {n}")).collect();
+        written.sort();
+        assert_eq!(bodies, written);
         db.close().await;
     }
 }
