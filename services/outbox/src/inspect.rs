@@ -37,18 +37,19 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
     let mut handlers = Vec::new();
     for h in deliveries::stats(conn).await? {
         let (pending, oldest) = if cursors {
-            // The oldest row after the cursor, and the oldest event among its open deliveries.
-            let oldest: Option<i64> = sqlx::query_scalar(
-                "SELECT MIN(t) FROM ( \
-                     SELECT MIN(q.created_at) AS t FROM event_queue q \
-                         WHERE q.id > (SELECT position FROM handler_cursors WHERE handler = ?1) \
-                     UNION ALL \
-                     SELECT MIN(q.created_at) FROM processed_events p JOIN event_queue q ON q.event_id = p.event_id \
-                         WHERE p.handler = ?1 AND p.status IN ('in_progress', 'retry'))",
+            // The first row after the cursor, or the oldest event among its open deliveries
+            // (through the ledger's index of them, then each event's row by its key).
+            let open: Option<i64> = sqlx::query_scalar(
+                "SELECT MIN(q.created_at) FROM processed_events p JOIN event_queue q ON q.event_id = p.event_id \
+                     WHERE p.handler = ?1 AND p.status IN ('in_progress', 'retry')",
             )
             .bind(&h.handler)
             .fetch_one(&mut *conn)
             .await?;
+            let oldest = match (h.first_behind_at, open) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             (h.behind + h.in_progress + h.retrying, oldest.map_or(0, |t| (now - t).max(0)))
         } else {
             (h.in_progress + h.retrying, 0)

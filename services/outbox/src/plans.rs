@@ -87,3 +87,18 @@ async fn retention_reads_only_what_it_deletes() {
     })
     .await;
 }
+
+/// Every scrape reads where each handler stands and the outbox's oldest due row: the rows after
+/// the cursors are counted through the covering index of `(status, id)` in stretches between
+/// one cursor and the next, and the first row after a cursor is found by key, never by reading
+/// the backlog (once per handler, as each handler's count and oldest row once did).
+#[tokio::test]
+async fn standings_count_the_backlog_through_an_index() {
+    let statements = vec![deliveries::STATS.to_owned(), queue::OLDEST_DUE_DB.to_owned()];
+    check_plans(statements, &["event_queue", "q", "f"], true, |step| {
+        step == "SEARCH q USING COVERING INDEX event_queue_status_id (status=? AND id>? AND id<?)"
+            || step == "SEARCH f USING INTEGER PRIMARY KEY (rowid>?)"
+            || step == "SEARCH event_queue USING INDEX event_queue_status_id (status=? AND id>?)"
+    })
+    .await;
+}

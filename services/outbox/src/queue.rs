@@ -288,10 +288,13 @@ pub struct QueueStats {
 }
 
 /// The oldest due moment on db, where rows stay `pending`: of the outbox rows some handler has
-/// not been handed yet, and of the due retries (through the ledger's index of open deliveries).
+/// not been handed yet (the first after the lowest cursor: rows are numbered in the order they
+/// are written, and reading them all would walk the whole backlog at every scrape), and of the
+/// due retries (through the ledger's index of open deliveries).
 pub(crate) const OLDEST_DUE_DB: &str = "SELECT MIN(t) FROM ( \
-         SELECT MIN(created_at) AS t FROM event_queue \
+         SELECT * FROM (SELECT created_at AS t FROM event_queue \
              WHERE id > (SELECT COALESCE(MIN(position), 0) FROM handler_cursors) AND status = 'pending' \
+             ORDER BY id LIMIT 1) \
          UNION ALL \
          SELECT MIN(available_at) FROM processed_events \
              WHERE status IN ('in_progress', 'retry') AND status = 'retry' AND available_at <= ?1)";

@@ -445,6 +445,64 @@ async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
     assert!(outbox_ids(&db).await.is_empty());
 }
 
+/// Where every handler stands (read at each scrape, in one walk of the backlog for all of them)
+/// is what counting each handler's rows apart gives: with cursors tied, before rows retention
+/// took, inside a gap, at the newest row and past it, over rows of every status.
+#[tokio::test]
+async fn every_handlers_standing_is_what_counting_its_own_rows_gives() {
+    let (_dir, db) = open().await;
+    let handlers = ["a", "b", "c", "d", "e", "f"];
+    register(&db, &handlers, T0).await;
+    enqueue(&db, 60).await;
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids, (1..=60).collect::<Vec<i64>>());
+    job(&db, |tx| {
+        Box::pin(async move {
+            for sql in [
+                // Written 10 ms apart, of every status an outbox row can have.
+                "UPDATE event_queue SET created_at = 1800000000000 + 10 * id, status = CASE id % 4 \
+                     WHEN 0 THEN 'pending' WHEN 1 THEN 'processing' WHEN 2 THEN 'done' ELSE 'dead_lettered' END",
+                // Retention took the first ten; three in the middle are gone too.
+                "DELETE FROM event_queue WHERE id <= 10 OR id BETWEEN 31 AND 33",
+                "UPDATE handler_cursors SET position = CASE handler \
+                     WHEN 'a' THEN 0 WHEN 'b' THEN 21 WHEN 'c' THEN 21 WHEN 'd' THEN 32 WHEN 'e' THEN 60 ELSE 160 END",
+            ] {
+                sqlx::query(sql).execute(tx.conn()).await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+
+    let mut conn = db.reads.acquire().await.unwrap();
+    let stats = deliveries::stats(&mut conn).await.unwrap();
+    assert_eq!(stats.iter().map(|h| h.handler.as_str()).collect::<Vec<_>>(), handlers);
+    for h in &stats {
+        let (count, first): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT COUNT(*), MIN(created_at) FROM event_queue \
+                 WHERE id > (SELECT position FROM handler_cursors WHERE handler = ?)",
+        )
+        .bind(&h.handler)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        assert_eq!((h.behind as i64, h.first_behind_at), (count, first), "{}", h.handler);
+    }
+    let behind: Vec<u64> = stats.iter().map(|h| h.behind).collect();
+    assert_eq!(behind, [47, 36, 36, 27, 0, 0]);
+    assert_eq!(stats[3].first_behind_at, Some(T0 + 340), "d: the gap's last row is behind its cursor");
+
+    // The operator's view: a's oldest is its first row after the cursor (id 11); the outbox's
+    // oldest due is the first pending row after the lowest cursor (id 12).
+    let now = T0 + 10_000;
+    let status = reelay_outbox::inspect::status(&mut conn, now, true).await.unwrap();
+    let a = &status.handlers[0];
+    assert_eq!((a.pending, a.oldest_age_ms), (47, now - (T0 + 110)));
+    assert_eq!(status.handlers[4].oldest_age_ms, 0, "e has nothing waiting");
+    assert_eq!(status.outbox.oldest_due_age_ms, now - (T0 + 120));
+}
+
 /// On nats a replay is an outbox row of its own, for one handler, with a message id of its own.
 #[tokio::test]
 async fn a_nats_replay_is_a_row_for_one_handler() {
