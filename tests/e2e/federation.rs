@@ -270,6 +270,10 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     accepted.sort();
     assert_eq!(accepted, [format!("{}/follows/1", peer.actor("alice")), format!("{}/follows/1", peer.actor("carol"))]);
 
+    // bo has no remote follower: his review, logged just before ana's, reaches nobody and costs
+    // the write service no QueueDeliveries call.
+    let bo = c.user("bo").await;
+    log(&mut c, &bo, "Thief", 1981, 8, "The safe.").await;
     let review = log(&mut c, &ana, "Heat", 1995, 9, "The diner scene.").await;
     wait_until!("the Create arrives", !peer.received_of("Create").is_empty());
     edit(&mut c, &ana, &review, 10, "The diner scene, again.").await;
@@ -304,7 +308,28 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     assert_eq!(peer.received_of("Update")[0].activity["object"]["relatedWith"][0]["value"], 5.0);
     assert_eq!(peer.received_of("Delete")[0].activity["object"]["id"], note_id.as_str());
     let event_ids: Vec<String> = events_of(&a.database, "ReviewLogged").await.into_iter().map(|e| e.event_id).collect();
-    assert_eq!(create["id"], format!("{}/activities/{}", a.public_url(), event_ids[0]), "named after its event");
+    assert_eq!(create["id"], format!("{}/activities/{}", a.public_url(), event_ids[1]), "named after its event");
+    assert_eq!(create["actor"], actor_url.as_str(), "ana's review, not bo's");
+    let bo_activity = format!("{}/activities/{}", a.public_url(), event_ids[0]);
+    let sql = format!("SELECT COUNT(*) FROM federation_outbox WHERE activity_id = '{bo_activity}'");
+    assert_eq!(count(&a.database, &sql).await, 0, "nothing queued for bo's review");
+    let queued =
+        a.metrics().await.sum("reelay_grpc_requests_total", &[r#"method="/reelay.v1.Federation/QueueDeliveries""#]);
+    assert_eq!(queued, 5.0, "two Accepts, then ana's Create, Update and Delete; none for bo");
+
+    // Who has followers, asked as the handler asks, and what is refused.
+    let followed = |ids: Vec<String>| {
+        let mut federation = c.federation.clone();
+        async move { federation.users_with_followers(v1::UsersWithFollowersRequest { user_ids: ids }).await }
+    };
+    let answer = followed(vec![ana.clone(), bo.clone(), ana.clone()]).await.unwrap().into_inner();
+    assert_eq!(answer.user_ids, vec![ana.clone()]);
+    let bad = followed(vec![bo.clone(), "nope".into()]).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(bad.message().starts_with("user_ids[1]"), "{}", bad.message());
+    let bad = followed(vec![bo.clone(); 1001]).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(bad.message().starts_with("user_ids: at most 1000 per call"), "{}", bad.message());
 }
 
 /// Everything the inbox must refuse, refused with the right status and nothing written; the

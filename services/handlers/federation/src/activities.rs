@@ -3,6 +3,7 @@
 use reelay_activitypub::documents::{self, Review};
 use reelay_contracts::v1::{self, account, event::Payload, queue_deliveries_request::Audience};
 use reelay_delivery::{Handler, HandlerError};
+use tracing::Instrument;
 
 use crate::Remote;
 
@@ -38,6 +39,17 @@ impl ActivitiesHandler {
     }
 }
 
+/// The user to whose remote followers the event's activity goes, if it goes to followers: a
+/// local user's review logged (not imported), edited or deleted.
+fn followers_of(event: &v1::Event) -> Option<&str> {
+    match &event.payload {
+        Some(Payload::ReviewLogged(r)) if r.source != v1::ReviewSource::Import as i32 => Some(&r.user_id),
+        Some(Payload::ReviewEdited(r)) => Some(&r.user_id),
+        Some(Payload::ReviewDeleted(r)) => Some(&r.user_id),
+        _ => None,
+    }
+}
+
 fn remote_target(target: &Option<v1::Account>) -> Option<&str> {
     match target.as_ref()?.kind.as_ref()? {
         account::Kind::ActorUri(uri) => Some(uri),
@@ -53,6 +65,45 @@ impl Handler for ActivitiesHandler {
 
     fn event_types(&self) -> &'static [&'static str] {
         EVENT_TYPES
+    }
+
+    /// Most users have no remote follower, and an activity of theirs reaches nobody: the whole
+    /// batch's authors are looked up in one read first, and only the events of followed users
+    /// get their activity built and queued (the write service looks again when it queues: a
+    /// follower arriving in between is one arriving after the review, as before). Should the
+    /// lookup fail, every event is handled on its own, as without it.
+    async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+        let mut authors: Vec<&str> =
+            events.iter().filter(|e| !e.event_id.is_empty()).filter_map(|e| followers_of(e)).collect();
+        authors.sort_unstable();
+        authors.dedup();
+        let followed = if authors.is_empty() {
+            None
+        } else {
+            match self.remote.users_with_followers(&authors).await {
+                Ok(followed) => Some(followed),
+                Err(status) => {
+                    tracing::warn!(code = ?status.code(), message = status.message(),
+                        "cannot look up which authors have remote followers; queueing each event's activity");
+                    None
+                }
+            }
+        };
+        let mut results = Vec::with_capacity(events.len());
+        for event in events {
+            let span = reelay_delivery::dispatch::event_span(event, self.name());
+            let unfollowed = match (&followed, followers_of(event)) {
+                (Some(followed), Some(author)) => !event.event_id.is_empty() && !followed.contains(author),
+                _ => false,
+            };
+            if unfollowed {
+                span.in_scope(|| tracing::debug!("no remote follower of the author: no activity to send"));
+                results.push(Ok(()));
+            } else {
+                results.push(self.handle(event).instrument(span).await);
+            }
+        }
+        results
     }
 
     async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {

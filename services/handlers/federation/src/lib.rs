@@ -5,7 +5,9 @@
 //!   becomes `Create`/`Update`/`Delete` of a `Note` for every remote follower (one delivery per
 //!   shared inbox); a remote follow gets its `Accept`; a local user's follow and unfollow of a
 //!   remote actor become `Follow` and `Undo`. Every activity's id derives from its event's id, and
-//!   the write service queues an activity id once, so running it twice queues once.
+//!   the write service queues an activity id once, so running it twice queues once. Most
+//!   reviews are by users with no remote follower: a batch's authors are looked up in one read
+//!   (`UsersWithFollowers`) and only followed users' reviews become activities.
 //! - `federation-delivery` delivers one queued activity to one inbox, signed by its actor (the
 //!   write service signs; the private key never leaves it). Each inbox is its own event with
 //!   its own attempts: a dead inbox holds back no other. 2xx is done; 410 Gone removes the

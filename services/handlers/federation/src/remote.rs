@@ -1,6 +1,8 @@
 //! What the federation handlers reach through: the write service's Federation API (queueing,
 //! signing, saving) and remote servers over signed HTTP.
 
+use std::collections::HashSet;
+
 use bytes::Bytes;
 use reelay_activitypub::Urls;
 use reelay_activitypub::client::{Answer, FederationClient as HttpClient, FetchError, Outgoing};
@@ -85,6 +87,16 @@ impl Remote {
             .and_then(Value::as_str)
             .map(str::to_owned)
             .ok_or_else(|| HandlerError::permanent(format!("the actor {actor_uri} has no inbox")))
+    }
+
+    /// Of `users`, those with a remote follower to send to (asked in calls of at most 1,000).
+    pub async fn users_with_followers(&self, users: &[&str]) -> Result<HashSet<String>, tonic::Status> {
+        let mut followed = HashSet::new();
+        for chunk in users.chunks(1000) {
+            let request = v1::UsersWithFollowersRequest { user_ids: chunk.iter().map(|u| (*u).to_owned()).collect() };
+            followed.extend(self.write().users_with_followers(request).await?.into_inner().user_ids);
+        }
+        Ok(followed)
     }
 
     /// Queues `activity` (its `id` is the dedup key) for `audience`.

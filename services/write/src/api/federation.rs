@@ -21,6 +21,9 @@ fn uri(field: &str, value: &str) -> Result<String, ServiceError> {
     Ok(validate::uri(field, value)?)
 }
 
+/// The most users one `UsersWithFollowers` call asks about.
+const MAX_USERS_PER_LOOKUP: usize = 1000;
+
 fn user_id(field: &str, value: &str) -> Result<UserId, ServiceError> {
     Ok(UserId::parse(field, value)?)
 }
@@ -179,6 +182,33 @@ impl v1::federation_server::Federation for WriteApi {
         };
         let queued = self.store.queue_deliveries(activity_id, sender, r.activity_json, audience).await?;
         ok(v1::QueueDeliveriesResponse { queued: queued.unwrap_or(0), duplicate: queued.is_none() })
+    }
+
+    async fn users_with_followers(
+        &self,
+        request: Request<v1::UsersWithFollowersRequest>,
+    ) -> Reply<v1::UsersWithFollowersResponse> {
+        let r = request.into_inner();
+        if r.user_ids.len() > MAX_USERS_PER_LOOKUP {
+            return Err(ServiceError::invalid(
+                "user_ids",
+                format!("at most {MAX_USERS_PER_LOOKUP} per call, got {}", r.user_ids.len()),
+            )
+            .into());
+        }
+        let users = r
+            .user_ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| user_id(&format!("user_ids[{i}]"), id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let followed = self.store.users_with_followers(&users).await?;
+        // Answered in the caller's own spelling of each id, each once.
+        let mut user_ids: Vec<String> =
+            r.user_ids.into_iter().zip(&users).filter(|(_, user)| followed.contains(user)).map(|(id, _)| id).collect();
+        user_ids.sort_unstable();
+        user_ids.dedup();
+        ok(v1::UsersWithFollowersResponse { user_ids })
     }
 
     async fn remove_followers_at(

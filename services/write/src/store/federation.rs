@@ -335,6 +335,23 @@ impl Store {
         .await
     }
 
+    /// Of `users`, those with a remote follower that has an inbox (each once).
+    pub async fn users_with_followers(&self, users: &[UserId]) -> Result<Vec<UserId>> {
+        if users.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = serde_json::to_string(&users.iter().map(UserId::to_string).collect::<Vec<_>>())
+            .expect("a list of strings is JSON");
+        let rows = sqlx::query(
+            "SELECT DISTINCT user_id FROM remote_followers \
+             WHERE user_id IN (SELECT value FROM json_each(?1)) AND inbox IS NOT NULL",
+        )
+        .bind(ids)
+        .fetch_all(&self.db.reads)
+        .await?;
+        Ok(rows.iter().filter_map(|row| UserId::parse("user_id", row.get::<&str, _>(0)).ok()).collect())
+    }
+
     /// Queues `activity` for delivery: one `ActivityQueued` per inbox, once per activity id.
     /// Returns how many deliveries were queued, or `None` when the activity was queued before.
     pub async fn queue_deliveries(
