@@ -413,8 +413,26 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
     let activities = handler(&a, "federation");
     activities.handle(&logged).await.unwrap();
     activities.handle(&logged).await.unwrap();
+    // And as the runtime calls it, a batch (here the same event twice): still queued once.
+    let results = activities.handle_batch(&[&logged, &logged]).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
     let queued = events_of(&a.database, "ActivityQueued").await;
     assert_eq!(queued.iter().filter(|e| e_activity_id(e) == create_id).count(), 1);
+    // With the write service unreachable, neither the lookup of followed authors nor the event's
+    // own queueing can happen: the event is left to be retried.
+    let unreachable = reelay_delivery::HandlerContext {
+        write: reelay_kit::client::connect_lazy(
+            "http://127.0.0.1:1",
+            Some(reelay_harness::TEST_TOKEN),
+            Duration::from_secs(5),
+        )
+        .unwrap(),
+        ..crate::handler_context(&a)
+    };
+    let settings = reelay_federation::FederationSettings { public_url: Some(a.public_url()), ..Default::default() };
+    let offline = reelay_federation::build("federation", &settings, &unreachable).unwrap().handler;
+    let results = offline.handle_batch(&[&logged]).await;
+    assert!(matches!(results[..], [Err(reelay_delivery::HandlerError::Retryable(_))]), "{results:?}");
 
     // The delivery handler, twice on the same ActivityQueued: the same activity, twice.
     let delivery_event = queued.into_iter().find(|e| e_activity_id(e) == create_id).unwrap();
