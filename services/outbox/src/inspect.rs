@@ -46,10 +46,7 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
             .bind(&h.handler)
             .fetch_one(&mut *conn)
             .await?;
-            let oldest = match (h.first_behind_at, open) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let oldest = h.first_behind_at.into_iter().chain(open).min();
             (h.behind + h.in_progress + h.retrying, oldest.map_or(0, |t| (now - t).max(0)))
         } else {
             (h.in_progress + h.retrying, 0)

@@ -73,14 +73,16 @@ impl Handler for ActivitiesHandler {
     /// follower arriving in between is one arriving after the review, as before). Should the
     /// lookup fail, every event is handled on its own, as without it.
     async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
-        let mut authors: Vec<&str> =
-            events.iter().filter(|e| !e.event_id.is_empty()).filter_map(|e| followers_of(e)).collect();
-        authors.sort_unstable();
-        authors.dedup();
-        let followed = if authors.is_empty() {
+        // An event without an id goes to `handle`, which refuses it.
+        let authors: Vec<Option<&str>> =
+            events.iter().map(|e| followers_of(e).filter(|_| !e.event_id.is_empty())).collect();
+        let mut asked: Vec<&str> = authors.iter().flatten().copied().collect();
+        asked.sort_unstable();
+        asked.dedup();
+        let followed = if asked.is_empty() {
             None
         } else {
-            match self.remote.users_with_followers(&authors).await {
+            match self.remote.users_with_followers(&asked).await {
                 Ok(followed) => Some(followed),
                 Err(status) => {
                     tracing::warn!(code = ?status.code(), message = status.message(),
@@ -90,13 +92,11 @@ impl Handler for ActivitiesHandler {
             }
         };
         let mut results = Vec::with_capacity(events.len());
-        for event in events {
+        for (event, author) in events.iter().zip(authors) {
             let span = reelay_delivery::dispatch::event_span(event, self.name());
-            let unfollowed = match (&followed, followers_of(event)) {
-                (Some(followed), Some(author)) => !event.event_id.is_empty() && !followed.contains(author),
-                _ => false,
-            };
-            if unfollowed {
+            if let (Some(followed), Some(author)) = (&followed, author)
+                && !followed.contains(author)
+            {
                 span.in_scope(|| tracing::debug!("no remote follower of the author: no activity to send"));
                 results.push(Ok(()));
             } else {

@@ -89,10 +89,12 @@ impl Remote {
             .ok_or_else(|| HandlerError::permanent(format!("the actor {actor_uri} has no inbox")))
     }
 
-    /// Of `users`, those with a remote follower to send to (asked in calls of at most 1,000).
+    /// Of `users`, those with a remote follower to send to (asked in calls as large as the
+    /// Federation API takes).
     pub async fn users_with_followers(&self, users: &[&str]) -> Result<HashSet<String>, tonic::Status> {
+        const USERS_PER_CALL: usize = 1000;
         let mut followed = HashSet::new();
-        for chunk in users.chunks(1000) {
+        for chunk in users.chunks(USERS_PER_CALL) {
             let request = v1::UsersWithFollowersRequest { user_ids: chunk.iter().map(|u| (*u).to_owned()).collect() };
             followed.extend(self.write().users_with_followers(request).await?.into_inner().user_ids);
         }

@@ -5,6 +5,8 @@
 //! the same transaction: a repeat delivery of one activity changes nothing, whatever happened
 //! in between (a Follow redelivered after its Undo does not follow again).
 
+use std::collections::HashSet;
+
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, ReviewId, UserId};
 use reelay_kit::ServiceError;
@@ -335,10 +337,10 @@ impl Store {
         .await
     }
 
-    /// Of `users`, those with a remote follower that has an inbox (each once).
-    pub async fn users_with_followers(&self, users: &[UserId]) -> Result<Vec<UserId>> {
+    /// Of `users`, those with a remote follower that has an inbox.
+    pub async fn users_with_followers(&self, users: &[UserId]) -> Result<HashSet<UserId>> {
         if users.is_empty() {
-            return Ok(Vec::new());
+            return Ok(HashSet::new());
         }
         let ids = serde_json::to_string(&users.iter().map(UserId::to_string).collect::<Vec<_>>())
             .expect("a list of strings is JSON");
