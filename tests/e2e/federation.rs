@@ -72,9 +72,18 @@ async fn follow(c: &mut Clients, user: &str, actor: &str) {
 
 /// A federation handler of this build, run in this test process against `reelay`'s write service.
 fn handler(reelay: &Reelay, name: &str) -> std::sync::Arc<dyn Handler> {
+    handler_reaching(reelay, name, &crate::handler_context(reelay))
+}
+
+/// `handler`, reaching the write service through `context`.
+fn handler_reaching(
+    reelay: &Reelay,
+    name: &str,
+    context: &reelay_delivery::HandlerContext,
+) -> std::sync::Arc<dyn Handler> {
     let settings =
         reelay_federation::FederationSettings { public_url: Some(reelay.public_url()), ..Default::default() };
-    reelay_federation::build(name, &settings, &crate::handler_context(reelay)).unwrap().handler
+    reelay_federation::build(name, &settings, context).unwrap().handler
 }
 
 /// What a Mastodon-shaped server sends for a review: a Note carrying Reelay's film fields.
@@ -429,8 +438,7 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
         .unwrap(),
         ..crate::handler_context(&a)
     };
-    let settings = reelay_federation::FederationSettings { public_url: Some(a.public_url()), ..Default::default() };
-    let offline = reelay_federation::build("federation", &settings, &unreachable).unwrap().handler;
+    let offline = handler_reaching(&a, "federation", &unreachable);
     let results = offline.handle_batch(&[&logged]).await;
     assert!(matches!(results[..], [Err(reelay_delivery::HandlerError::Retryable(_))]), "{results:?}");
 

@@ -65,14 +65,20 @@ pub trait Handler: Send + Sync + 'static {
     /// with every event of a fetched batch it holds a ledger claim for; a handler whose effect
     /// has a per-call fixed cost (an index commit, a flush) overrides it to pay that cost once.
     async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
-        use tracing::Instrument;
         let mut results = Vec::with_capacity(events.len());
         for event in events {
-            // What the handler logs about this event joins the trace of the write that raised it.
-            results.push(self.handle(event).instrument(crate::dispatch::event_span(event, self.name())).await);
+            results.push(handle_in_span(self, event).await);
         }
         results
     }
+}
+
+/// Runs `handler` on one event inside the event's span, so what it logs about the event joins
+/// the trace of the write that raised it (what `handle_batch` does for each event unless a
+/// handler overrides it).
+pub async fn handle_in_span<H: Handler + ?Sized>(handler: &H, event: &v1::Event) -> Result<(), HandlerError> {
+    use tracing::Instrument;
+    handler.handle(event).instrument(crate::dispatch::event_span(event, handler.name())).await
 }
 
 /// What the process hosting a handler gives it.

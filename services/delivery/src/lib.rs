@@ -16,4 +16,4 @@ pub mod nats_source;
 mod pause;
 pub mod source;
 
-pub use handler::{BuiltHandler, Handler, HandlerContext, HandlerError, MountGrpc};
+pub use handler::{BuiltHandler, Handler, HandlerContext, HandlerError, MountGrpc, handle_in_span};

@@ -2,8 +2,7 @@
 
 use reelay_activitypub::documents::{self, Review};
 use reelay_contracts::v1::{self, account, event::Payload, queue_deliveries_request::Audience};
-use reelay_delivery::{Handler, HandlerError};
-use tracing::Instrument;
+use reelay_delivery::{Handler, HandlerError, handle_in_span};
 
 use crate::Remote;
 
@@ -39,11 +38,11 @@ impl ActivitiesHandler {
     }
 }
 
-/// The user to whose remote followers the event's activity goes, if it goes to followers: a
-/// local user's review logged (not imported), edited or deleted.
+/// The user to whose remote followers the event's activity would go: the author of a review
+/// logged, edited or deleted (whether one is sent at all, `handle` decides).
 fn followers_of(event: &v1::Event) -> Option<&str> {
     match &event.payload {
-        Some(Payload::ReviewLogged(r)) if r.source != v1::ReviewSource::Import as i32 => Some(&r.user_id),
+        Some(Payload::ReviewLogged(r)) => Some(&r.user_id),
         Some(Payload::ReviewEdited(r)) => Some(&r.user_id),
         Some(Payload::ReviewDeleted(r)) => Some(&r.user_id),
         _ => None,
@@ -93,14 +92,14 @@ impl Handler for ActivitiesHandler {
         };
         let mut results = Vec::with_capacity(events.len());
         for (event, author) in events.iter().zip(authors) {
-            let span = reelay_delivery::dispatch::event_span(event, self.name());
             if let (Some(followed), Some(author)) = (&followed, author)
                 && !followed.contains(author)
             {
-                span.in_scope(|| tracing::debug!("no remote follower of the author: no activity to send"));
+                reelay_delivery::dispatch::event_span(event, self.name())
+                    .in_scope(|| tracing::debug!("no remote follower of the author: no activity to send"));
                 results.push(Ok(()));
             } else {
-                results.push(self.handle(event).instrument(span).await);
+                results.push(handle_in_span(self, event).await);
             }
         }
         results
