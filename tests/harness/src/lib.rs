@@ -48,6 +48,29 @@ pub use peer::{MastodonPeer, Received, Spoil, get_json, http_request};
 /// The token test processes are started with.
 pub const TEST_TOKEN: &str = "test-service-token-0123456789";
 
+/// Whether process `pid` holds a socket listening on TCP `port`: its socket descriptors'
+/// inodes against the listening sockets of `/proc/net/tcp` and `tcp6`.
+fn listens_on(pid: u32, port: u16) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    let sockets: std::collections::HashSet<String> = fds
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy().into_owned();
+            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    const LISTEN: &str = "0A";
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+        std::fs::read_to_string(table).unwrap_or_default().lines().skip(1).any(|line| {
+            // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let local_port =
+                fields.get(1).and_then(|a| a.rsplit(':').next()).and_then(|p| u16::from_str_radix(p, 16).ok());
+            fields.len() > 9 && fields[3] == LISTEN && local_port == Some(port) && sockets.contains(fields[9])
+        })
+    })
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("find a free port")
@@ -265,7 +288,12 @@ impl Reelay {
             {
                 return Err(format!("exited early with {status}"));
             }
-            if Self::serving(service, addr).await {
+            // Serving, and by this process: a port taken between choosing and binding it may
+            // be another test's server, which answers too (this process then exits, and the
+            // launch is tried again on fresh ports).
+            if Self::serving(service, addr).await
+                && self.child.as_ref().is_some_and(|c| listens_on(c.id(), addr.port()))
+            {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -713,4 +741,20 @@ pub fn user_account(id: &str) -> Option<v1::Account> {
 
 pub fn actor_account(uri: &str) -> Option<v1::Account> {
     Some(v1::Account { kind: Some(v1::account::Kind::ActorUri(uri.into())) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listening_socket_is_found_for_its_own_process_only() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(listens_on(std::process::id(), port));
+        // Another process (pid 1) does not hold it; a port with nothing listening is nobody's.
+        assert!(!listens_on(1, port));
+        drop(listener);
+        assert!(!listens_on(std::process::id(), port));
+    }
 }
