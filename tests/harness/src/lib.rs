@@ -50,7 +50,7 @@ pub const TEST_TOKEN: &str = "test-service-token-0123456789";
 
 /// Whether process `pid` holds a socket listening on TCP `port`: its socket descriptors'
 /// inodes against the listening sockets of `/proc/net/tcp` and `tcp6`.
-fn listens_on(pid: u32, port: u16) -> bool {
+pub(crate) fn listens_on(pid: u32, port: u16) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
     let sockets: std::collections::HashSet<String> = fds
         .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())

@@ -33,32 +33,48 @@ pub struct MotoServer {
 }
 
 impl MotoServer {
-    /// Starts moto on a free port, logging into `dir`, and waits until it answers.
+    /// Starts moto on a free port, logging into `dir`, and waits until it answers. A port taken
+    /// between choosing and binding it makes moto exit; it is then started on another.
     pub async fn start(dir: &Path) -> Self {
+        Self::start_on(dir, free_port).await
+    }
+
+    /// Like [`MotoServer::start`], on the ports `ports` chooses.
+    async fn start_on(dir: &Path, mut ports: impl FnMut() -> u16) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let moto = moto_dir();
-        let port = free_port();
         let log = dir.join("moto.log");
-        let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new("python3")
-            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
-            .env("PYTHONPATH", &moto)
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .expect("spawn moto");
-        let server = Self { child, port, log };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
-                && (1..500).contains(&http_request("GET", &server.endpoint(), &[], b"").await.0)
-            {
-                return server;
+        for _ in 0..5 {
+            let port = ports();
+            let file = std::fs::File::create(&log).unwrap();
+            let child = Command::new("python3")
+                .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
+                .env("PYTHONPATH", &moto)
+                .stdin(Stdio::null())
+                .stdout(file.try_clone().unwrap())
+                .stderr(file)
+                .spawn()
+                .expect("spawn moto");
+            let mut server = Self { child, port, log: log.clone() };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                if let Ok(Some(status)) = server.child.try_wait() {
+                    let logged = server.log_text();
+                    assert!(logged.contains("Address already in use"), "moto exited ({status}):\n{logged}");
+                    break;
+                }
+                // Answering, and from this process (not another one on a port it failed to take).
+                if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+                    && (1..500).contains(&http_request("GET", &server.endpoint(), &[], b"").await.0)
+                    && crate::listens_on(server.child.id(), port)
+                {
+                    return server;
+                }
+                assert!(Instant::now() < deadline, "moto did not answer within 60 s\n{}", server.log_text());
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            assert!(Instant::now() < deadline, "moto did not answer within 60 s\n{}", server.log_text());
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        panic!("moto found its port taken five times");
     }
 
     /// The endpoint to configure (`REELAY_OBJECTS_S3_ENDPOINT`).
@@ -112,5 +128,39 @@ impl Drop for MotoServer {
     fn drop(&mut self) {
         signal(self.child.id(), "KILL");
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// Moto exits on a port another process listens on; it must be started on another one, not
+    /// taken as ready because the other process answers.
+    #[tokio::test]
+    async fn moto_whose_port_is_taken_starts_on_a_fresh_one() {
+        let dir = crate::temp_dir();
+        // An HTTP server of this test's own holds the first port offered.
+        let squatter = TcpListener::bind("127.0.0.1:0").unwrap();
+        let held = squatter.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut stream in squatter.incoming().flatten() {
+                let _ = stream.read(&mut [0u8; 1024]);
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            }
+        });
+        let mut offered = 0;
+        let server = MotoServer::start_on(dir.path(), || {
+            offered += 1;
+            if offered == 1 { held } else { free_port() }
+        })
+        .await;
+        assert_eq!(offered, 2, "the taken port is given up after one try");
+        assert_ne!(server.port, held);
+        server.create_bucket("fresh").await;
+        assert!(server.keys("fresh", "").await.is_empty());
     }
 }
