@@ -61,3 +61,33 @@ async fn key_pairs_stored(db: &Path, users: usize) {
     })
     .await;
 }
+
+/// The harness's own start-up: a process whose chosen port another test's server took (between
+/// choosing and binding it) exits on it, and is started on fresh ports; the other server, which
+/// answers health checks on that port too, is not taken for it.
+#[tokio::test]
+async fn a_process_whose_port_another_server_took_starts_on_fresh_ports() {
+    const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+    let dir = reelay_harness::temp_dir();
+    let other = Reelay::start_write(BIN, &dir.path().join("other/reelay.db"), &[]).await;
+    let spec = Reelay::spec(BIN, &dir.path().join("mine/reelay.db"), &["write"], &[]);
+    let fresh = || format!("127.0.0.1:{}", reelay_harness::free_port()).parse().unwrap();
+    let mut offered = 0;
+    let mine = Reelay::start_on(spec, || {
+        offered += 1;
+        let write = if offered == 1 { other.addr } else { fresh() };
+        [write, fresh(), fresh(), fresh(), fresh()]
+    })
+    .await;
+    assert_eq!(offered, 2, "the taken port is given up after one launch");
+    assert_ne!(mine.addr, other.addr);
+    assert!(mine.log_text().contains("Address already in use"), "{}", mine.log_text());
+    // What answers at its address is this process, on its own database.
+    let mut c = mine.clients().await;
+    c.user("mine").await;
+    let users = |db: std::path::PathBuf| async move {
+        query_strings(&db, "SELECT handle FROM users").await.into_iter().flatten().collect::<Vec<_>>()
+    };
+    assert_eq!(users(dir.path().join("mine/reelay.db")).await, ["mine"]);
+    assert!(users(dir.path().join("other/reelay.db")).await.is_empty());
+}

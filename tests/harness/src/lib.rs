@@ -164,12 +164,16 @@ impl Reelay {
 
     /// Starts a process on fresh ports and waits until every service in it serves.
     pub async fn start(spec: ProcessSpec) -> Self {
+        Self::start_on(spec, || [local_addr(), local_addr(), local_addr(), local_addr(), local_addr()]).await
+    }
+
+    /// Like [`Reelay::start`], on the addresses `addrs` chooses (write, handlers, media,
+    /// gateway, admin), asked again while the chosen ones turn out taken.
+    pub async fn start_on(spec: ProcessSpec, mut addrs: impl FnMut() -> [SocketAddr; 5]) -> Self {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::launch(spec.clone(), [local_addr(), local_addr(), local_addr(), local_addr(), local_addr()])
-                .await
-            {
+            match Self::launch(spec.clone(), addrs()).await {
                 Ok(process) => return process,
                 Err((error, log)) => {
                     last_error = error;
