@@ -71,6 +71,15 @@ pub(crate) fn listens_on(pid: u32, port: u16) -> bool {
     })
 }
 
+/// Launches tried on fresh ports when the chosen ones were taken between choosing and binding
+/// them (by any server the harness starts).
+pub(crate) const PORT_TRIES: usize = 5;
+
+/// Whether a server's log says it could not bind a port another process holds.
+pub(crate) fn port_taken(log: &str) -> bool {
+    log.to_ascii_lowercase().contains("address already in use")
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("find a free port")
@@ -172,12 +181,12 @@ impl Reelay {
     pub async fn start_on(spec: ProcessSpec, mut addrs: impl FnMut() -> [SocketAddr; 5]) -> Self {
         // A port can be taken between choosing and binding it; try a few.
         let mut last_error = String::new();
-        for _ in 0..5 {
+        for _ in 0..PORT_TRIES {
             match Self::launch(spec.clone(), addrs()).await {
                 Ok(process) => return process,
                 Err((error, log)) => {
                     last_error = error;
-                    if !log.contains("Address already in use") {
+                    if !port_taken(&log) {
                         break;
                     }
                 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{free_port, signal};
+use crate::{PORT_TRIES, free_port, port_taken, signal};
 
 /// The pinned server installed by `scripts/install-nats-server` (which `scripts/test` runs and
 /// exports as `NATS_SERVER_BIN`).
@@ -31,9 +31,6 @@ pub struct NatsServer {
     pub log: PathBuf,
 }
 
-/// Fresh ports tried when the chosen ones were taken between choosing and binding them.
-const PORT_TRIES: usize = 5;
-
 impl NatsServer {
     /// Starts a JetStream-enabled server storing under `dir`.
     pub fn start(dir: &Path) -> Self {
@@ -45,8 +42,7 @@ impl NatsServer {
     fn start_on(dir: &Path, mut ports: impl FnMut() -> (u16, u16)) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let store = dir.join("jetstream");
-        let mut taken = String::new();
-        for _ in 0..PORT_TRIES {
+        on_fresh_ports("nats-server", || {
             let (port, monitor_port) = ports();
             let config = dir.join("nats.conf");
             std::fs::write(
@@ -59,35 +55,21 @@ impl NatsServer {
             )
             .unwrap();
             let mut server = Self { child: None, port, monitor_port, config, log: dir.join("nats.log") };
-            match server.try_launch() {
-                Ok(()) => return server,
-                Err(Launch::PortTaken(log)) => taken = log,
-                Err(Launch::Failed(log)) => panic!("nats-server did not start:\n{log}"),
-            }
-        }
-        panic!("nats-server found its ports taken {PORT_TRIES} times; last log:\n{taken}")
+            server.try_launch().map(|()| server)
+        })
     }
 
     /// Starts a JetStream cluster of `nodes` servers routed to each other on loopback, each
     /// storing under `dir/n<i>` (as the cluster overlay runs NATS: file store, every write
     /// fsynced), and waits until it has a meta leader, so streams can be replicated on it.
     pub fn start_cluster(dir: &Path, nodes: usize) -> Vec<Self> {
-        let mut taken = String::new();
-        for _ in 0..PORT_TRIES {
-            match Self::try_cluster(dir, nodes) {
-                Ok(servers) => {
-                    let deadline = Instant::now() + Duration::from_secs(30);
-                    while !servers.iter().all(Self::has_meta_leader) {
-                        assert!(Instant::now() < deadline, "the NATS cluster elected no meta leader in 30 s");
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                    return servers;
-                }
-                Err(Launch::PortTaken(log)) => taken = log,
-                Err(Launch::Failed(log)) => panic!("a nats-server of the cluster did not start:\n{log}"),
-            }
+        let servers = on_fresh_ports("the NATS cluster", || Self::try_cluster(dir, nodes));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !servers.iter().all(Self::has_meta_leader) {
+            assert!(Instant::now() < deadline, "the NATS cluster elected no meta leader in 30 s");
+            std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("the NATS cluster found its ports taken {PORT_TRIES} times; last log:\n{taken}")
+        servers
     }
 
     /// Launches every node of a cluster on fresh ports and empty stores. On failure the nodes
@@ -157,11 +139,7 @@ impl NatsServer {
             let logged = this_launch();
             if let Ok(Some(status)) = child.try_wait() {
                 let log = format!("exited ({status}):\n{logged}");
-                return Err(if logged.contains("address already in use") {
-                    Launch::PortTaken(log)
-                } else {
-                    Launch::Failed(log)
-                });
+                return Err(if port_taken(&logged) { Launch::PortTaken(log) } else { Launch::Failed(log) });
             }
             if logged.contains("Server is ready") && TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
                 self.child = Some(child);
@@ -223,6 +201,19 @@ impl NatsServer {
 enum Launch {
     PortTaken(String),
     Failed(String),
+}
+
+/// Runs `launch` (which chooses its own ports each time) until its ports are not taken.
+fn on_fresh_ports<T>(what: &str, mut launch: impl FnMut() -> Result<T, Launch>) -> T {
+    let mut taken = String::new();
+    for _ in 0..PORT_TRIES {
+        match launch() {
+            Ok(started) => return started,
+            Err(Launch::PortTaken(log)) => taken = log,
+            Err(Launch::Failed(log)) => panic!("{what} did not start:\n{log}"),
+        }
+    }
+    panic!("{what} found its ports taken {PORT_TRIES} times; last log:\n{taken}")
 }
 
 impl Drop for NatsServer {

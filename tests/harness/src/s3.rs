@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{free_port, http_request, signal};
+use crate::{PORT_TRIES, free_port, http_request, listens_on, port_taken, signal};
 
 pub const S3_ACCESS_KEY_ID: &str = "reelay-test-key";
 pub const S3_SECRET_ACCESS_KEY: &str = "reelay-test-secret";
@@ -44,7 +44,7 @@ impl MotoServer {
         std::fs::create_dir_all(dir).unwrap();
         let moto = moto_dir();
         let log = dir.join("moto.log");
-        for _ in 0..5 {
+        for _ in 0..PORT_TRIES {
             let port = ports();
             let file = std::fs::File::create(&log).unwrap();
             let child = Command::new("python3")
@@ -60,13 +60,13 @@ impl MotoServer {
             loop {
                 if let Ok(Some(status)) = server.child.try_wait() {
                     let logged = server.log_text();
-                    assert!(logged.contains("Address already in use"), "moto exited ({status}):\n{logged}");
+                    assert!(port_taken(&logged), "moto exited ({status}):\n{logged}");
                     break;
                 }
                 // Answering, and from this process (not another one on a port it failed to take).
                 if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
                     && (1..500).contains(&http_request("GET", &server.endpoint(), &[], b"").await.0)
-                    && crate::listens_on(server.child.id(), port)
+                    && listens_on(server.child.id(), port)
                 {
                     return server;
                 }
@@ -74,7 +74,7 @@ impl MotoServer {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        panic!("moto found its port taken five times");
+        panic!("moto found its port taken {PORT_TRIES} times");
     }
 
     /// The endpoint to configure (`REELAY_OBJECTS_S3_ENDPOINT`).
