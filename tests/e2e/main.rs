@@ -13,6 +13,7 @@ mod federation;
 mod handlers;
 mod import;
 mod k8s;
+mod licences;
 mod logs;
 mod media;
 mod metrics;
