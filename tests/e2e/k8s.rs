@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use reelay_harness::{NatsServer, eventually, free_port, run_cli, temp_dir, try_http_get};
+use reelay_harness::{
+    NatsServer, PORT_TRIES, eventually, free_port, listens_on, port_taken, run_cli, temp_dir, try_http_get,
+};
 use serde_json::Value;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -297,24 +299,23 @@ fn labels_match(selector: &Value, labels: &Value) -> bool {
     selector.as_object().is_some_and(|s| !s.is_empty() && s.iter().all(|(k, v)| &labels[k] == v))
 }
 
-/// Starts `replicas` pods of `workload` as processes of the built binary: the container's
-/// command (`reelay` is this build) and args as written; its env from its ConfigMap and its own
-/// entries (a pod name for `fieldRef: metadata.name`); each volume a dir of its own holding a
-/// Secret's or ConfigMap's files; addresses mapped by `network`.
-fn start_pods(
+/// Starts pod `index` of `workload` as a process of the built binary: the container's command
+/// (`reelay` is this build) and args as written; its env from its ConfigMap and its own entries
+/// (a pod name for `fieldRef: metadata.name`); each volume a dir of its own holding a Secret's or
+/// ConfigMap's files; addresses mapped by `network`.
+fn start_pod(
     workload: &Value,
+    index: u64,
     objects: &[Value],
     network: &Network,
     dir: &Path,
     secrets: &HashMap<String, String>,
-) -> Vec<Pod> {
+) -> Pod {
     let name = str_of(&workload["metadata"]["name"]);
-    let replicas = workload["spec"]["replicas"].as_u64().unwrap_or(1);
     let template = &workload["spec"]["template"];
     let container = template["spec"]["containers"][0].clone();
-    let mut pods = Vec::new();
-    for i in 0..replicas {
-        let pod = format!("{name}-{i}");
+    {
+        let pod = format!("{name}-{index}");
         let root = dir.join(&pod);
         // Volumes: mountPath → local dir.
         let mut mounts: Vec<(String, PathBuf)> = Vec::new();
@@ -425,9 +426,67 @@ fn start_pods(
             .stderr(file)
             .spawn()
             .unwrap();
-        pods.push(Pod { name: pod, child, log, ports, container: container.clone(), env });
+        Pod { name: pod, child, log, ports, container, env }
     }
-    pods
+}
+
+/// Starts pod `index` of `workload` (see [`start_pod`]) and waits until it listens on every
+/// port of its container. A port chosen for it may be taken by another test's server before
+/// the pod binds it: the pod then exits saying so, and is started again with the ports of the
+/// Services it serves moved to fresh ones (no pod started before it is pointed at them).
+async fn start_listening_pod(
+    workload: &Value,
+    index: u64,
+    objects: &[Value],
+    network: &mut Network,
+    dir: &Path,
+    secrets: &HashMap<String, String>,
+    started: &[Pod],
+) -> Pod {
+    for _ in 0..PORT_TRIES {
+        let mut pod = start_pod(workload, index, objects, network, dir, secrets);
+        let Some(log) = listening_or_exited(&mut pod).await else { return pod };
+        assert!(port_taken(&log), "{} exited before listening:\n{log}", pod.name);
+        let served: Vec<u16> = pod.ports.values().copied().collect();
+        for local in network.services.values_mut().filter(|local| served.contains(local)) {
+            let moved = *local;
+            let points_at_it = |value: &str| {
+                value
+                    .split("127.0.0.1:")
+                    .skip(1)
+                    .any(|rest| rest.split(|c: char| !c.is_ascii_digit()).next() == Some(moved.to_string().as_str()))
+            };
+            assert!(
+                !started.iter().any(|p| p.env.iter().any(|(_, value)| points_at_it(value))),
+                "{}: a pod started before it is pointed at its port {moved}",
+                pod.name
+            );
+            *local = free_port();
+        }
+        eprintln!("{}: a port chosen for it was taken before it bound it; starting it on fresh ports", pod.name);
+    }
+    panic!("pod {index} of {} found a port taken {PORT_TRIES} times", str_of(&workload["metadata"]["name"]));
+}
+
+/// Waits until the pod's process listens on every port of its container: None, or its log if
+/// it exited first.
+async fn listening_or_exited(pod: &mut Pod) -> Option<String> {
+    let waited = std::time::Instant::now();
+    loop {
+        if pod.child.try_wait().expect("the pod's process can be waited for").is_some() {
+            return Some(std::fs::read_to_string(&pod.log).unwrap_or_default());
+        }
+        if pod.ports.values().all(|&port| listens_on(pod.child.id(), port)) {
+            return None;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "{} does not listen on all of {:?} after 60 s",
+            pod.name,
+            pod.ports
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Asks every probe of `pod` as the kubelet would, until each passes.
@@ -489,8 +548,10 @@ async fn probes_pass(pod: &Pod) {
 
 /// Runs an overlay's Reelay workloads as rendered: write first, then the rest; checks every
 /// probe, then logs a review through the CLI and finds it through search; stops every process
-/// with SIGTERM and expects clean exits.
-async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>) {
+/// with SIGTERM and expects clean exits. With `taken`, the loopback port chosen for that
+/// Service port is taken by another server before its pod starts (as another test's server
+/// may take it), and the pod must come up on fresh ports.
+async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>, taken: Option<(&str, u16)>) {
     let (_, objects) = overlay(overlay_name);
     let namespace = str_of(&kind(&objects, "Namespace")[0]["metadata"]["name"]).to_owned();
     let mut services = HashMap::new();
@@ -506,7 +567,11 @@ async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>) {
             services.insert((name.clone(), number), local);
         }
     }
-    let network = Network { namespace, services };
+    let mut network = Network { namespace, services };
+    let _squatter = taken.map(|(service, port)| {
+        let local = network.services[&(service.to_owned(), port)];
+        std::net::TcpListener::bind(("127.0.0.1", local)).expect("take the port first")
+    });
     let dir = temp_dir();
     // What an operator does before the first deploy when the overlay ships no token.
     let secrets = HashMap::from([("reelay-service-token".to_owned(), "operator-set-token-0123456789".to_owned())]);
@@ -514,11 +579,11 @@ async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>) {
     workloads.sort_by_key(|w| w["spec"]["template"]["spec"]["containers"][0]["args"][2] != "write");
     let mut pods = Vec::new();
     for workload in workloads {
-        let started = start_pods(workload, &objects, &network, dir.path(), &secrets);
-        for pod in &started {
-            probes_pass(pod).await;
+        for index in 0..workload["spec"]["replicas"].as_u64().unwrap_or(1) {
+            let pod = start_listening_pod(workload, index, &objects, &mut network, dir.path(), &secrets, &pods).await;
+            probes_pass(&pod).await;
+            pods.push(pod);
         }
-        pods.extend(started);
     }
     let pod =
         |args2: &str| pods.iter().find(|p| p.container["args"][2] == args2).unwrap_or_else(|| panic!("a {args2} pod"));
@@ -578,16 +643,18 @@ async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>) {
     }
 }
 
+/// Its write Service's gRPC port is taken by another server first (a race other tests' servers
+/// may win between choosing a port and the pod binding it): the write pod starts on fresh ports.
 #[tokio::test]
 async fn the_local_overlay_runs_as_rendered() {
-    run_overlay("local", None).await;
+    run_overlay("local", None, Some(("reelay-write", 50051))).await;
 }
 
 #[tokio::test]
 async fn the_cluster_overlay_runs_as_rendered() {
     let dir = temp_dir();
     let cluster = NatsServer::start_cluster(dir.path(), 3);
-    run_overlay("cluster", Some(&cluster[0])).await;
+    run_overlay("cluster", Some(&cluster[0]), None).await;
     // The relay created the stream as the overlay asks: 3 replicas.
     let client = async_nats::connect(cluster[0].url()).await.unwrap();
     let mut stream = async_nats::jetstream::new(client).get_stream("REELAY_EVENTS").await.unwrap();

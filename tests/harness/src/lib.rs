@@ -50,7 +50,7 @@ pub const TEST_TOKEN: &str = "test-service-token-0123456789";
 
 /// Whether process `pid` holds a socket listening on TCP `port`: its socket descriptors'
 /// inodes against the listening sockets of `/proc/net/tcp` and `tcp6`.
-pub(crate) fn listens_on(pid: u32, port: u16) -> bool {
+pub fn listens_on(pid: u32, port: u16) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
     let sockets: std::collections::HashSet<String> = fds
         .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
@@ -73,10 +73,10 @@ pub(crate) fn listens_on(pid: u32, port: u16) -> bool {
 
 /// Launches tried on fresh ports when the chosen ones were taken between choosing and binding
 /// them (by any server the harness starts).
-pub(crate) const PORT_TRIES: usize = 5;
+pub const PORT_TRIES: usize = 5;
 
 /// Whether a server's log says it could not bind a port another process holds.
-pub(crate) fn port_taken(log: &str) -> bool {
+pub fn port_taken(log: &str) -> bool {
     log.to_ascii_lowercase().contains("address already in use")
 }
 
