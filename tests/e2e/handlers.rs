@@ -92,6 +92,94 @@ async fn failures_stay_with_their_handler(backend: Backend) {
     cluster.stop().await;
 }
 
+/// probe-a panics on the events of users whose handle has `boom` in it. Its first batch (one
+/// event) keeps it busy for a second while seven more users are created, so its next batch holds
+/// all seven, the two that panic among them: the batch-mates are run again one by one and done,
+/// each panicking event spends its own attempts and ends as probe-a's dead letter with the
+/// panic's message, probe-b is unaffected, and the handlers process keeps serving.
+async fn a_panicking_handler_spends_only_its_events_attempts(backend: Backend) {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, backend)
+        .probes("probe-a,probe-b")
+        .env("REELAY_PROBE_FAIL", "probe-a=panic:boom")
+        .env("REELAY_PROBE_DELAY_MS", "probe-a=1000")
+        .env("REELAY_CONSUMER_IN_FLIGHT", "1")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "3")
+        .env("REELAY_RETRY_BASE_MS", "200")
+        .env("REELAY_RETRY_CAP_MS", "400")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut callers = Vec::new();
+    for i in 0..7 {
+        let handle = if i == 2 || i == 5 { format!("boom_{i}") } else { format!("fine_{i}") };
+        callers.push((handle, cluster.write.clients().await));
+    }
+    cluster.write.clients().await.user("first").await;
+    futures_util::future::join_all(callers.iter_mut().map(|(handle, c)| c.user(handle))).await;
+    let events: Vec<(String, String)> = outbox_rows(&cluster.db)
+        .await
+        .into_iter()
+        .map(|r| (r.event_id.unwrap(), format!("{:?}", r.envelope)))
+        .collect();
+    assert_eq!(events.len(), 8);
+    let booms: Vec<&String> = events.iter().filter(|(_, p)| p.contains("boom")).map(|(e, _)| e).collect();
+    assert_eq!(booms.len(), 2);
+    let dead_letters = || async {
+        query_strings(
+            &cluster.db,
+            "SELECT event_id, handler, last_error FROM processed_events WHERE status = 'dead_lettered' ORDER BY event_id",
+        )
+        .await
+    };
+    eventually("both panicking events end as probe-a's dead letters", Duration::from_secs(60), || async {
+        dead_letters().await.len() == 2
+    })
+    .await;
+    for row in dead_letters().await {
+        assert!(booms.contains(&&row[0]) && row[1] == "probe-a", "{row:?}");
+        assert!(row[2].contains("handler panicked: probe probe-a panics on events with \"boom\""), "{row:?}");
+    }
+    eventually("probe-a and probe-b are done with the rest", Duration::from_secs(30), || {
+        let effects = cluster.effects.clone();
+        async move { probe_records(&effects, "effects").await.0.len() == 6 + 8 }
+    })
+    .await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
+    let mut run_again = 0;
+    for (event_id, _) in &events {
+        let b = (event_id.clone(), "probe-b".to_owned());
+        assert_eq!(effects.get(&b), Some(&1), "probe-b's effect on {event_id} exactly once");
+        let a = (event_id.clone(), "probe-a".to_owned());
+        if booms.contains(&event_id) {
+            assert_eq!(effects.get(&a), None);
+            assert!(attempts[&a] >= 3, "every attempt spent on {event_id}: {}", attempts[&a]);
+        } else {
+            assert_eq!(effects.get(&a), Some(&1), "probe-a's effect on {event_id} exactly once");
+            run_again += usize::from(attempts[&a] == 2);
+        }
+    }
+    assert_eq!(run_again, 5, "the panicking batch's five other events each ran twice: in it, then alone");
+    cluster.write.clients().await.user("after").await;
+    eventually("the handlers process still handles events", Duration::from_secs(30), || {
+        let effects = cluster.effects.clone();
+        async move { probe_records(&effects, "effects").await.0.len() == 6 + 8 + 2 }
+    })
+    .await;
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_panicking_handler_spends_only_its_events_attempts_on_the_db_backend() {
+    a_panicking_handler_spends_only_its_events_attempts(Backend::Db).await;
+}
+
+#[tokio::test]
+async fn a_panicking_handler_spends_only_its_events_attempts_on_the_nats_backend() {
+    a_panicking_handler_spends_only_its_events_attempts(Backend::Nats).await;
+}
+
 /// probe-c sleeps 3 s per batch; probe-a, on the same events, is done long before.
 async fn a_slow_handler_holds_back_no_other(backend: Backend) {
     let dir = temp_dir();

@@ -24,8 +24,11 @@
 //! Each event's handling is logged in a span carrying the trace id the write stamped on the
 //! event, so a handler's lines join the write's trace.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
 
 use reelay_contracts::v1::{self, ledger_claim::Outcome, ledger_client::LedgerClient};
 use reelay_domain::{EventId, RetryPolicy};
@@ -37,7 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::gather::gather;
 use crate::pause::Pause;
 use crate::source::Delivery;
-use crate::{Handler, HandlerError};
+use crate::{Handler, HandlerError, handle_in_span};
 
 /// Keys per Ledger call (the server's limit).
 const LEDGER_BATCH: usize = 1000;
@@ -342,14 +345,36 @@ impl Dispatcher {
                 }
                 let events: Vec<&v1::Event> = work.iter().map(|&(d, _)| &deliveries[d].event).collect();
                 let started = Instant::now();
-                let ran = tokio::time::timeout(timeout, handler.handle_batch(&events)).await;
+                let ran =
+                    tokio::time::timeout(timeout, AssertUnwindSafe(handler.handle_batch(&events)).catch_unwind()).await;
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 HANDLER_BATCH.observe(&[handler.name()], events.len() as f64);
                 let results = match ran {
-                    Ok(results) if results.len() == events.len() => results,
-                    Ok(results) => {
+                    Ok(Ok(results)) if results.len() == events.len() => results,
+                    Ok(Ok(results)) => {
                         let error = format!("handler returned {} results for {} events", results.len(), events.len());
                         vec![Err(HandlerError::Retryable(error)); events.len()]
+                    }
+                    Ok(Err(panic)) if events.len() == 1 => vec![Err(panicked(&*panic))],
+                    Ok(Err(_)) => {
+                        // Which event it was is not known: each runs again alone (handlers are
+                        // idempotent), so only the one that panics spends its attempts and its
+                        // batch-mates are not dead-lettered with it.
+                        tracing::error!(
+                            handler = handler.name(),
+                            events = events.len(),
+                            "handler panicked on a batch; running its events one by one"
+                        );
+                        let mut results = Vec::with_capacity(events.len());
+                        for event in &events {
+                            let alone = AssertUnwindSafe(handle_in_span(&*handler, event)).catch_unwind();
+                            results.push(match tokio::time::timeout(timeout, alone).await {
+                                Ok(Ok(result)) => result,
+                                Ok(Err(panic)) => Err(panicked(&*panic)),
+                                Err(_) => Err(HandlerError::Retryable(format!("handler timed out after {timeout:?}"))),
+                            });
+                        }
+                        results
                     }
                     Err(_) => {
                         vec![Err(HandlerError::Retryable(format!("handler timed out after {timeout:?}"))); events.len()]
@@ -493,6 +518,17 @@ impl Dispatcher {
             }
         }
     }
+}
+
+/// A handler's panic as a failed attempt (retryable: it spends an attempt, so an event that
+/// always panics ends as a dead letter instead of coming back after every lease).
+fn panicked(panic: &(dyn std::any::Any + Send)) -> HandlerError {
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into());
+    HandlerError::Retryable(format!("handler panicked: {message}"))
 }
 
 /// Logs the claims a settle found taken over by a newer claim.

@@ -11,8 +11,9 @@
 //! - `REELAY_PROBE_DB` — the effects file.
 //! - `REELAY_PROBE_FAIL` — `1`: every execution fails (retryable) after recording its attempt;
 //!   or per probe, `probe-a=permanent:<text>` (a permanent failure for events whose encoded
-//!   payload contains `<text>`) and `probe-b=times:<n>` (each event fails its first `n`
-//!   attempts, then succeeds), comma-separated.
+//!   payload contains `<text>`), `probe-a=panic:<text>` (the probe panics on such events) and
+//!   `probe-b=times:<n>` (each event fails its first `n` attempts, then succeeds),
+//!   comma-separated.
 //! - `REELAY_PROBE_DELAY_MS` — `500`: every probe sleeps that long before its effect (to be
 //!   killed there); or per probe, `probe-c=2000`.
 
@@ -108,6 +109,8 @@ mod enabled {
         Always,
         /// Permanent for events whose encoded payload contains this text.
         PermanentIf(String),
+        /// A panic on events whose encoded payload contains this text.
+        PanicIf(String),
         /// Each event fails its first n attempts.
         Times(u32),
     }
@@ -214,10 +217,11 @@ mod enabled {
             Some("1") => Failure::Always,
             Some(rule) => match rule.split_once(':') {
                 Some(("permanent", text)) => Failure::PermanentIf(text.to_owned()),
+                Some(("panic", text)) => Failure::PanicIf(text.to_owned()),
                 Some(("times", n)) => {
                     Failure::Times(n.parse().with_context(|| format!("REELAY_PROBE_FAIL: {rule:?}"))?)
                 }
-                _ => bail!("REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text> or times:<n>"),
+                _ => bail!("REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text>, panic:<text> or times:<n>"),
             },
         };
         let delay = match ProbeSettings::for_probe(&settings.delay_ms, name) {
@@ -251,12 +255,15 @@ mod enabled {
                 Failure::None => Ok(()),
                 Failure::Always => Err(HandlerError::retryable(format!("probe {} fails on purpose", self.name))),
                 Failure::PermanentIf(text) => {
-                    let payload = event.encode_to_vec();
-                    if payload.windows(text.len()).any(|w| w == text.as_bytes()) {
+                    if mentions(event, text) {
                         Err(HandlerError::permanent(format!("probe {} refuses events with {text:?}", self.name)))
                     } else {
                         Ok(())
                     }
+                }
+                Failure::PanicIf(text) => {
+                    assert!(!mentions(event, text), "probe {} panics on events with {text:?}", self.name);
+                    Ok(())
                 }
                 Failure::Times(n) => {
                     let attempts: i64 = sqlx::query("SELECT COUNT(*) FROM attempts WHERE event_id = ? AND handler = ?")
@@ -274,6 +281,11 @@ mod enabled {
                 }
             }
         }
+    }
+
+    /// Whether `event`'s encoded payload contains `text`.
+    fn mentions(event: &v1::Event, text: &str) -> bool {
+        event.encode_to_vec().windows(text.len()).any(|w| w == text.as_bytes())
     }
 
     #[async_trait::async_trait]
