@@ -12,7 +12,7 @@
 //! count as settled. On the nats backend a handler's last failed delivery becomes a dead letter
 //! here ([`dead_letter`]), so operators find dead letters in one place on both backends.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, Row};
@@ -57,7 +57,8 @@ fn tuples(n: usize, arity: usize) -> String {
 }
 
 /// Claims each key for `owner` (`<instance>#<incarnation>`), in order: acquire a free key, take
-/// over a claim not renewed for the lease, or report it done / held.
+/// over a claim not renewed for the lease, or report it done / held. A key named more than once
+/// is acquired at most once (its later places find it held).
 pub async fn claim(
     tx: &mut WriteTx,
     keys: &[LedgerKey],
@@ -142,7 +143,16 @@ pub async fn claim(
             outcomes.insert(key, outcome);
         }
     }
-    Ok(keys.iter().map(|k| outcomes[k]).collect())
+    // A key asked twice in one call (two deliveries of one event in a batch) is claimed once:
+    // the first asks get the claim, the others find it held, as a later call would.
+    let mut answered = HashSet::with_capacity(keys.len());
+    Ok(keys
+        .iter()
+        .map(|k| match outcomes[k] {
+            ClaimOutcome::Acquired(_) if !answered.insert(k) => ClaimOutcome::HeldUntil(now + lease),
+            outcome => outcome,
+        })
+        .collect())
 }
 
 /// A key with the token its owner holds.

@@ -211,6 +211,28 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
     );
 }
 
+/// Two deliveries of one event in a batch ask for the same key in one call: only one of them
+/// gets the claim (the same token twice would let both run at once), whether the key was free
+/// or a stale claim taken over.
+#[tokio::test]
+async fn a_key_asked_twice_in_one_claim_is_acquired_once() {
+    let (_dir, db) = open().await;
+    let policy = LedgerPolicy { lease: Duration::from_secs(30), retention: Duration::from_secs(30 * 86_400) };
+    let keys = vec![key("e1", "search"), key("e2", "search"), key("e1", "search")];
+    let k = keys.clone();
+    let first = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, "w1#a", T0, policy).await })).await;
+    assert_eq!(
+        first,
+        vec![ClaimOutcome::Acquired(T0), ClaimOutcome::Acquired(T0), ClaimOutcome::HeldUntil(T0 + 30_000)]
+    );
+
+    // Its owner died: after the lease, the stale claim is taken over once.
+    let later = T0 + 60_000;
+    let k = vec![key("e1", "search"), key("e1", "search")];
+    let taken = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, "w2#a", later, policy).await })).await;
+    assert_eq!(taken, vec![ClaimOutcome::Acquired(later), ClaimOutcome::HeldUntil(later + 30_000)]);
+}
+
 #[tokio::test]
 async fn purge_removes_only_rows_older_than_the_retention() {
     let (_dir, db) = open().await;
