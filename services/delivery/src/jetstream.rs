@@ -256,7 +256,29 @@ async fn fetch_sync_always(base: &str) -> Result<bool, String> {
     let text = String::from_utf8_lossy(&response);
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b).ok_or("malformed HTTP response")?;
     // Chunked or not, the JSON object is the text between the first '{' and the last '}'.
-    let json = &body[body.find('{').ok_or("no JSON in /varz")?..=body.rfind('}').ok_or("no JSON in /varz")?];
+    let json = json_object(body).ok_or("no JSON object in /varz")?;
     let varz: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
     Ok(varz.pointer("/jetstream/config/sync_always").and_then(serde_json::Value::as_bool).unwrap_or(false))
+}
+
+/// The text from the first `{` to the last `}` after it, if there is one.
+fn json_object(body: &str) -> Option<&str> {
+    let start = body.find('{')?;
+    let end = body.rfind('}').filter(|&end| end > start)?;
+    body.get(start..=end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::json_object;
+
+    /// `/varz` comes from the broker's monitoring port (or whatever answers there): a body
+    /// without a well-formed object is an error, never a panic at start-up.
+    #[test]
+    fn the_varz_object_is_found_or_refused() {
+        assert_eq!(json_object("1a\r\n{\"a\":{}}\r\n0\r\n"), Some("{\"a\":{}}"));
+        for body in ["", "no json", "}x{", "}", "{"] {
+            assert_eq!(json_object(body), None, "{body:?}");
+        }
+    }
 }
