@@ -255,17 +255,29 @@ pub(crate) const PURGE: [&str; 3] = [
 ];
 
 /// Deletes up to `batch` rows past retention: done and discarded rows processed before
-/// `now - retention`, and claims abandoned that long ago. Returns how many went; call again
-/// until 0.
-pub async fn purge(tx: &mut WriteTx, now: i64, policy: LedgerPolicy, batch: u32) -> Result<u64, sqlx::Error> {
+/// `now - retention`, and, with `abandoned_claims`, claims abandoned that long ago. Returns how
+/// many went; call again until 0.
+///
+/// Only the nats backend's abandoned claims may go: there the event stays in JetStream and a
+/// delivery of it claims afresh. On db an `in_progress` row is the delivery itself (the
+/// handler's cursor has passed its event): deleted, the event would never reach that handler,
+/// so it stays until the handler comes back and takes it over.
+pub async fn purge(
+    tx: &mut WriteTx,
+    now: i64,
+    policy: LedgerPolicy,
+    batch: u32,
+    abandoned_claims: bool,
+) -> Result<u64, sqlx::Error> {
     let cutoff = now - policy.retention.as_millis() as i64;
     let mut deleted = 0;
-    for sql in PURGE {
+    let kinds = if abandoned_claims { &PURGE[..] } else { &PURGE[..2] };
+    for sql in kinds {
         let left = u64::from(batch) - deleted;
         if left == 0 {
             break;
         }
-        deleted += sqlx::query(sql).bind(cutoff).bind(left as i64).execute(tx.conn()).await?.rows_affected();
+        deleted += sqlx::query(*sql).bind(cutoff).bind(left as i64).execute(tx.conn()).await?.rows_affected();
     }
     Ok(deleted)
 }

@@ -40,9 +40,9 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
             Box::pin(async move { queue::purge_finished(tx, cutoff, cursors, BATCH).await })
         })
         .await;
-        let policy = retention.ledger;
+        let (policy, abandoned_claims) = (retention.ledger, retention.bus == Bus::Nats);
         purge(&db, "ledger_purge", "ledger rows", move |tx| {
-            Box::pin(async move { ledger::purge(tx, now_ms(), policy, BATCH).await })
+            Box::pin(async move { ledger::purge(tx, now_ms(), policy, BATCH, abandoned_claims).await })
         })
         .await;
         let cutoff = now_ms() - retention.request_ids.as_millis() as i64;
