@@ -351,6 +351,57 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
     cluster.stop().await;
 }
 
+/// The write service is down for longer than the lease (3 s) while probe-a is inside an 8 s
+/// handler call: its renewals fail meanwhile. Once the service is back, a claim that arrives
+/// before the worker's next renewal must not take the event over (the worker is alive and still
+/// running it): leases count again from the restart, so every owner gets a whole lease to renew.
+/// The event is run once.
+#[tokio::test]
+async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_lease() {
+    let dir = temp_dir();
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .handlers(&[("REELAY_PROBE_DELAY_MS", "8000")])
+        .start(dir.path())
+        .await;
+    cluster.write.clients().await.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
+    })
+    .await;
+    cluster.write.kill();
+    tokio::time::sleep(Duration::from_millis(4_500)).await;
+    cluster.write.restart().await;
+    let mut c = cluster.write.clients().await;
+    let another = |c: &mut reelay_harness::Clients| {
+        let request = v1::ClaimDeliveriesRequest {
+            handler: "probe-a".into(),
+            event_types: vec!["UserRegistered".into()],
+            owner: "another-replica#1".into(),
+            max_rows: 10,
+            wait_ms: 0,
+            max_bytes: 0,
+        };
+        let mut outbox = c.outbox.clone();
+        async move { outbox.claim_deliveries(request).await.unwrap().into_inner().deliveries }
+    };
+    assert!(another(&mut c).await.is_empty(), "a live worker's claim is not taken over at the restart");
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    assert!(another(&mut c).await.is_empty(), "nor after its owner renewed it");
+    eventually("probe-a finishes", Duration::from_secs(30), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
+    })
+    .await;
+    let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
+    assert_eq!(attempts[0][0], "1", "the event ran once");
+    assert_eq!(effects(&cluster.effects).await.get(&(event_id, "probe-a".to_owned())), Some(&1));
+    cluster.stop().await;
+}
+
 #[tokio::test]
 async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
     let dir = temp_dir();

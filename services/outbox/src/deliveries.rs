@@ -307,7 +307,7 @@ async fn claim_open(
     policy: HandlerPolicy,
     claiming: &mut [Claiming<'_>],
 ) -> Result<(), sqlx::Error> {
-    let stale = now - policy.lease.as_millis() as i64;
+    let stale = crate::stale_before(tx.lease_counted_from(), now, policy.lease);
     let most = claiming.iter().map(|c| c.budget.rows).max().unwrap_or(0);
     let mut query = sqlx::query_as(AssertSqlSafe(claim_open_sql(claiming.len())));
     for c in claiming.iter() {
@@ -884,15 +884,17 @@ pub(crate) const PEEK: &str = "SELECT COALESCE(MAX(due), 0), MIN(next) FROM (SEL
      FROM json_each(?1) h)";
 
 /// A read-only look for an idle claimer: whether any of the handlers has anything to claim
-/// now, and when the first of their next retries is due.
+/// now, and when the first of their next retries is due. `lease_counted_from` is the writer's
+/// ([`crate::Writer::lease_counted_from`]), so a look finds due what a claim would take over.
 pub async fn peek(
     conn: &mut sqlx::SqliteConnection,
     handlers: &[String],
     now: i64,
     policy: HandlerPolicy,
+    lease_counted_from: i64,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
     let names = serde_json::to_string(handlers).expect("strings serialize");
-    let row =
-        sqlx::query(PEEK).bind(names).bind(now).bind(now - policy.lease.as_millis() as i64).fetch_one(conn).await?;
+    let stale = crate::stale_before(lease_counted_from, now, policy.lease);
+    let row = sqlx::query(PEEK).bind(names).bind(now).bind(stale).fetch_one(conn).await?;
     Ok((row.get(0), row.get(1)))
 }

@@ -105,14 +105,17 @@ pub async fn claim(
             .into_iter()
             .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3), r.get(4))))
             .collect();
+        // A claim renewed before leases began to count counts as renewed then (see
+        // `Writer::lease_counted_from`): its owner may not have been able to renew it.
+        let counted_from = tx.lease_counted_from();
         for key in taken {
             let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
             let outcome = match state {
                 Some((status, ..)) if matches!(status.as_str(), "done" | "dead_lettered" | "discarded") => {
                     ClaimOutcome::Done
                 }
-                Some((status, _, renewed)) if status == "in_progress" && *renewed > now - lease => {
-                    ClaimOutcome::HeldUntil(renewed + lease)
+                Some((status, _, renewed)) if status == "in_progress" && (*renewed).max(counted_from) > now - lease => {
+                    ClaimOutcome::HeldUntil((*renewed).max(counted_from) + lease)
                 }
                 Some((status, started, _)) => {
                     // Free (`retry`) or abandoned: take it; the new token is always newer than

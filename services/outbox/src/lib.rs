@@ -20,4 +20,6 @@ mod writer;
 pub use db::{DEFAULT_MAX_EVENT_BYTES, Database, DbConfig, Synchronous};
 pub use enqueue::{EnqueueError, EnqueuedEvent, enqueue_events, enqueue_replay};
 pub use migrate::{MIGRATOR, migrate, migrate_to};
-pub use writer::{AfterCommit, CommitError, Durability, Rider, WriteTx, Writer, register_metrics, sqlite_primary_code};
+pub use writer::{
+    AfterCommit, CommitError, Durability, Rider, WriteTx, Writer, register_metrics, sqlite_primary_code, stale_before,
+};

@@ -24,7 +24,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
@@ -82,6 +82,56 @@ const QUEUE_DEPTH: usize = 4096;
 /// How soon, and at most how rarely, the writer tries to reopen a connection it stopped trusting.
 const REOPEN_FIRST_DELAY: Duration = Duration::from_millis(100);
 const REOPEN_MAX_DELAY: Duration = Duration::from_secs(5);
+
+/// How often the lease clock looks whether this process ran, and the gap that says it did not.
+const LEASE_TICK: Duration = Duration::from_millis(250);
+const STALL_MS: i64 = 2_000;
+
+/// Since when claims' leases count. A claim is taken over when its owner has not renewed it
+/// for a lease; but an owner can renew only while this service takes writes. After the service
+/// starts, reopens its database after a storage fault, or runs again after not running at all
+/// (stopped, starved, or the clock jumped ahead), a claim renewed before counts as renewed
+/// then: every live owner gets a whole lease to renew before anything of it is taken over.
+struct LeaseClock {
+    since: AtomicI64,
+    last_tick: AtomicI64,
+}
+
+impl LeaseClock {
+    fn new() -> Self {
+        let now = reelay_kit::now_ms();
+        Self { since: AtomicI64::new(now), last_tick: AtomicI64::new(now) }
+    }
+
+    /// Leases count from now on.
+    fn restart(&self) {
+        self.since.fetch_max(reelay_kit::now_ms(), Ordering::SeqCst);
+    }
+
+    /// Notes that the process runs; a gap since the last note restarts the leases.
+    fn tick(&self) {
+        let now = reelay_kit::now_ms();
+        if now - self.last_tick.swap(now, Ordering::SeqCst) > STALL_MS {
+            self.since.fetch_max(now, Ordering::SeqCst);
+        }
+    }
+
+    /// Since when leases count (a gap not yet noted by the ticker counts already).
+    fn counted_from(&self) -> i64 {
+        let now = reelay_kit::now_ms();
+        if now - self.last_tick.load(Ordering::SeqCst) > STALL_MS {
+            self.since.fetch_max(now, Ordering::SeqCst);
+        }
+        self.since.load(Ordering::SeqCst)
+    }
+}
+
+/// The renewal time before which a claim counts as abandoned at `now`: a lease before it, once
+/// leases have counted that long (see [`Writer::lease_counted_from`]); before then, none.
+pub fn stale_before(counted_from: i64, now: i64, lease: Duration) -> i64 {
+    let cutoff = now - lease.as_millis() as i64;
+    if counted_from <= cutoff { cutoff } else { i64::MIN }
+}
 
 /// How durable a job's commit must be before its caller hears of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,9 +261,15 @@ pub struct WriteTx {
     now_ms: i64,
     /// The largest encoded event `enqueue_events` accepts.
     pub(crate) max_event_bytes: usize,
+    leases: Arc<LeaseClock>,
 }
 
 impl WriteTx {
+    /// Since when claims' leases count (see [`Writer::lease_counted_from`]).
+    pub fn lease_counted_from(&self) -> i64 {
+        self.leases.counted_from()
+    }
+
     pub fn conn(&mut self) -> &mut SqliteConnection {
         &mut self.conn
     }
@@ -335,6 +391,7 @@ pub struct Writer {
     rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
     /// Synced jobs made and not yet taken by the writer.
     synced_queued: Arc<AtomicUsize>,
+    leases: Arc<LeaseClock>,
 }
 
 /// How the writer task is set up.
@@ -356,8 +413,26 @@ impl Writer {
         let (stop, stop_rx) = watch::channel(false);
         let rider = Arc::new(std::sync::OnceLock::new());
         let synced_queued = Arc::new(AtomicUsize::new(0));
-        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, rider.clone(), synced_queued.clone()));
-        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider, synced_queued }
+        let leases = Arc::new(LeaseClock::new());
+        let ticking = Arc::downgrade(&leases);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(LEASE_TICK).await;
+                let Some(leases) = ticking.upgrade() else { return };
+                leases.tick();
+            }
+        });
+        let shared = Shared { rider: rider.clone(), synced_queued: synced_queued.clone(), leases: leases.clone() };
+        let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, shared));
+        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider, synced_queued, leases }
+    }
+
+    /// Since when claims' leases count (ms): when this writer started, last reopened its
+    /// database after a storage fault, or last ran again after not running for a while. A
+    /// claim whose owner renewed it before counts as renewed then, so it is taken over only once
+    /// its owner has had a whole lease to renew it here (see [`stale_before`]).
+    pub fn lease_counted_from(&self) -> i64 {
+        self.leases.counted_from()
     }
 
     /// Sets the work that rides in a batch that enqueues events, committed at the configured
@@ -424,6 +499,14 @@ impl Writer {
     }
 }
 
+/// What the writer task shares with its handles.
+struct Shared {
+    rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
+    /// Synced jobs made and not yet taken by the writer.
+    synced_queued: Arc<AtomicUsize>,
+    leases: Arc<LeaseClock>,
+}
+
 /// The write connection and what the writer knows about it.
 struct OpenConn {
     tx: WriteTx,
@@ -437,6 +520,7 @@ struct OpenConn {
 /// The writer's hold on the database: a trusted connection, or none while it reopens one.
 struct Session {
     config: WriterConfig,
+    leases: Arc<LeaseClock>,
     current: Option<OpenConn>,
     /// When to try reopening next, and how long to wait after that one fails.
     next_reopen: Instant,
@@ -458,6 +542,7 @@ impl Session {
             batch_rows: Vec::new(),
             now_ms: 0,
             max_event_bytes: self.config.max_event_bytes,
+            leases: self.leases.clone(),
         };
         let synced = self.config.synchronous;
         self.current = Some(OpenConn { tx, hooks, synced, level: Some(synced) });
@@ -485,7 +570,11 @@ impl Session {
                 Err(error) => Err(error),
             };
             match adopted {
-                Ok(()) => tracing::warn!("write connection reopened; taking writes again"),
+                Ok(()) => {
+                    // Renewals failed while it could not write: owners get a whole lease again.
+                    self.leases.restart();
+                    tracing::warn!("write connection reopened; taking writes again");
+                }
                 Err(error) => {
                     tracing::error!(%error, retry_in = ?self.reopen_delay, "cannot reopen the database");
                     self.last_fault = Arc::from(format!("reopening failed: {error}"));
@@ -504,11 +593,12 @@ async fn run(
     mut jobs: mpsc::Receiver<Box<dyn Job>>,
     commits: watch::Sender<u64>,
     mut stop: watch::Receiver<bool>,
-    rider: Arc<std::sync::OnceLock<Arc<dyn Rider>>>,
-    synced_queued: Arc<AtomicUsize>,
+    shared: Shared,
 ) {
+    let Shared { rider, synced_queued, leases } = shared;
     let mut session = Session {
         config,
+        leases,
         current: None,
         next_reopen: Instant::now(),
         reopen_delay: REOPEN_FIRST_DELAY,
@@ -788,6 +878,29 @@ mod tests {
             })
             .await
             .unwrap()
+    }
+
+    /// Leases count from the writer's start, and again from when the process runs after not
+    /// running for a while (a tick missed by more than `STALL_MS`); a claim is stale only a
+    /// whole lease after that.
+    #[test]
+    fn leases_count_again_after_the_process_did_not_run() {
+        let clock = LeaseClock::new();
+        let started = clock.counted_from();
+        clock.since.store(started - 60_000, Ordering::SeqCst);
+        clock.tick();
+        assert_eq!(clock.counted_from(), started - 60_000, "ticking along changes nothing");
+        clock.last_tick.store(reelay_kit::now_ms() - STALL_MS - 1_000, Ordering::SeqCst);
+        assert!(clock.counted_from() >= started, "a gap restarts the leases before the ticker notes it");
+        clock.since.store(started - 60_000, Ordering::SeqCst);
+        clock.last_tick.store(reelay_kit::now_ms() - STALL_MS - 1_000, Ordering::SeqCst);
+        clock.tick();
+        assert!(clock.counted_from() >= started, "and when the ticker notes it");
+
+        let lease = Duration::from_secs(30);
+        assert_eq!(stale_before(0, 100_000, lease), 70_000);
+        assert_eq!(stale_before(70_000, 100_000, lease), 70_000);
+        assert_eq!(stale_before(70_001, 100_000, lease), i64::MIN, "no claim is stale within a lease of the start");
     }
 
     /// Counts the batches it rode in.
