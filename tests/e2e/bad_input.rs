@@ -327,6 +327,26 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         case!("request_id of 129 characters", InvalidArgument, "request_id", |c, x| c.social.follow(
             v1::FollowRequest { actor_user_id: x.a.clone(), target: user_account(&x.b), request_id: long(129) }
         )),
+        case!("a delivery claim for an unknown event type", InvalidArgument, "event_types", |c, x| c
+            .outbox
+            .claim_deliveries(v1::ClaimDeliveriesRequest {
+                handler: "search".into(),
+                event_types: vec!["ReviewLogged".into(), "NoSuchEvent".into()],
+                owner: "test#1".into(),
+                max_rows: 10,
+                ..Default::default()
+            })),
+        case!("claims for handlers with an unknown event type", InvalidArgument, "handlers.event_types", |c, x| c
+            .outbox
+            .claim_deliveries_for_handlers(v1::ClaimDeliveriesForHandlersRequest {
+                handlers: vec![v1::HandlerWants {
+                    handler: "search".into(),
+                    event_types: vec!["x".repeat(100)],
+                    max_rows: 10,
+                }],
+                owner: "test#1".into(),
+                ..Default::default()
+            })),
         case!("a message over the size limit", ResourceExhausted, "could not be read", |c, x| c
             .reviews
             .log_review(log(&x.a, movie_ref("Heat", 1995), 8, long(5 * 1024 * 1024), ""))),

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
+use reelay_domain::EVENT_TYPES;
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
     self, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
@@ -100,6 +101,23 @@ fn max_rows(field: &str, max_rows: u32) -> Result<u32, ServiceError> {
     Ok(max_rows)
 }
 
+/// The event types a handler claims: at least one, each of the catalogue (so a claim's reads of
+/// the outbox stay within what SQLite binds, whatever a caller sends), each once.
+fn event_types(field: &str, mut types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
+    if types.is_empty() {
+        return Err(ServiceError::invalid(field, format!("must name at least one event type (handler {handler:?})")));
+    }
+    if let Some(unknown) = types.iter().find(|t| !EVENT_TYPES.contains(&t.as_str())) {
+        return Err(ServiceError::invalid(
+            field,
+            format!("{unknown:?} is not an event type this write service knows (handler {handler:?})"),
+        ));
+    }
+    types.sort_unstable();
+    types.dedup();
+    Ok(types)
+}
+
 fn delivery(d: ClaimedDelivery) -> v1::Delivery {
     v1::Delivery {
         row_id: d.row_id,
@@ -119,10 +137,8 @@ impl OutboxApi {
     ) -> Result<v1::ClaimDeliveriesResponse, WriteError> {
         let handler = handler_name("handler", &r.handler)?;
         let max_rows = max_rows("max_rows", r.max_rows)?;
-        if r.event_types.is_empty() {
-            return Err(ServiceError::invalid("event_types", "must name at least one event type").into());
-        }
-        let wants = v1::HandlerWants { handler, event_types: r.event_types, max_rows };
+        let event_types = event_types("event_types", r.event_types, &handler)?;
+        let wants = v1::HandlerWants { handler, event_types, max_rows };
         let mut answered = self.claim_group(vec![wants], r.owner, r.wait_ms, r.max_bytes).await?;
         let deliveries = match answered.pop() {
             None => Vec::new(),
@@ -151,15 +167,9 @@ impl OutboxApi {
             if checked.iter().any(|w| w.handler == handler) {
                 return Err(ServiceError::invalid("handlers.handler", format!("{handler:?} is named twice")).into());
             }
-            if wants.event_types.is_empty() {
-                return Err(ServiceError::invalid(
-                    "handlers.event_types",
-                    format!("must name at least one event type (handler {handler:?})"),
-                )
-                .into());
-            }
+            let event_types = event_types("handlers.event_types", wants.event_types, &handler)?;
             let max_rows = max_rows("handlers.max_rows", wants.max_rows)?;
-            checked.push(v1::HandlerWants { handler, event_types: wants.event_types, max_rows });
+            checked.push(v1::HandlerWants { handler, event_types, max_rows });
         }
         let mut handlers: Vec<v1::HandlerDeliveries> = checked
             .iter()
