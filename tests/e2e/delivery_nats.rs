@@ -512,3 +512,74 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     }
     write.stop().await;
 }
+
+/// The broker's store fills up (its disk, a 2 MB tmpfs, holds what JetStream reserves from it):
+/// JetStream refuses publishes with 503 "insufficient resources". That is the broker's outage,
+/// not the events' fault: the relay defers the rows and pauses, spending no attempt (two attempts
+/// and 100 ms retries here would dead-letter them in a second), and once the stream is purged
+/// (what the handler already took) every event is published and handled.
+#[tokio::test]
+async fn a_broker_out_of_storage_spends_no_attempt() {
+    let dir = temp_dir();
+    let _broker_disk = reelay_harness::Tmpfs::mount(&dir.path().join("nats"), "2m");
+    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "2")
+        .env("REELAY_RETRY_BASE_MS", "100")
+        .env("REELAY_RETRY_CAP_MS", "200")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let ana = c.user("ana").await;
+    let body = "a long review of a long film ".repeat(300);
+    for _ in 0..300 {
+        c.review_with_text(&ana, reelay_harness::movie_ref("Heat", 1995), 8, &body).await;
+    }
+    let relay = cluster.relay.as_ref().expect("a relay on nats");
+    eventually("the broker refuses and the relay defers", Duration::from_secs(30), || async {
+        relay.metrics().await.value("reelay_relay_deferred_total") > Some(0.0)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spent = query_strings(
+        &cluster.db,
+        "SELECT COUNT(*) || '', COALESCE(SUM(attempts), 0) || '', \
+             (SELECT COUNT(*) FROM event_queue WHERE status = 'dead_lettered') || '' \
+         FROM event_queue WHERE status <> 'done'",
+    )
+    .await;
+    assert_ne!(spent[0][0], "0", "some rows wait for the broker");
+    assert_eq!(spent[0][1..], ["0", "0"], "no attempt spent, nothing dead-lettered: {spent:?}");
+
+    // Make room: drop what the handler already took, then everything goes through.
+    let js = jetstream::new(async_nats::connect(cluster.nats.as_ref().unwrap().url()).await.unwrap());
+    eventually("probe-a took everything published", Duration::from_secs(30), || {
+        let js = js.clone();
+        async move {
+            let mut consumers = js.get_stream(STREAM).await.unwrap().consumers();
+            let mut idle = true;
+            while let Some(info) = consumers.next().await {
+                let info = info.unwrap();
+                idle &= info.num_pending == 0 && info.num_ack_pending == 0;
+            }
+            idle
+        }
+    })
+    .await;
+    js.get_stream(STREAM).await.unwrap().purge().await.unwrap();
+    let events: HashSet<String> = event_ids(&cluster.db).await.into_iter().collect();
+    eventually("every event is published and handled once the broker has room", Duration::from_secs(60), || {
+        let (effects, events) = (cluster.effects.clone(), events.clone());
+        async move {
+            let handled: HashSet<String> =
+                probe_records(&effects, "effects").await.0.into_keys().map(|(e, _)| e).collect();
+            handled == events
+        }
+    })
+    .await;
+    let dead =
+        query_strings(&cluster.db, "SELECT COUNT(*) || '' FROM event_queue WHERE status = 'dead_lettered'").await;
+    assert_eq!(dead[0][0], "0");
+    cluster.stop().await;
+}

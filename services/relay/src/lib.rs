@@ -252,9 +252,9 @@ async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
                 if matches!(
                     error.kind(),
                     PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe | PublishErrorKind::StreamNotFound
-                ) =>
+                ) || broker_unavailable(&error) =>
             {
-                tracing::debug!(row = row.id, %error, "publish failed in transport");
+                tracing::debug!(row = row.id, %error, "publish failed in transport, or the broker cannot store now");
                 published.retry.push(claim);
             }
             Err(error) if error.kind() == PublishErrorKind::MaxPayloadExceeded => {
@@ -274,6 +274,16 @@ async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
         }
     }
     published
+}
+
+/// Whether JetStream refused a publish because it cannot store anything now (status 503: its
+/// store's disk is full or over its limits, "insufficient resources", or JetStream is not
+/// available): an outage of the broker, not something wrong with the event, so it spends no
+/// attempt.
+fn broker_unavailable(error: &async_nats::jetstream::context::PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|refusal| refusal.code() == 503)
 }
 
 /// Marks published rows done, defers the ones that could not be sent, fails the refused.
