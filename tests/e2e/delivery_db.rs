@@ -353,9 +353,11 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
 
 /// The write service is down for longer than the lease (3 s) while probe-a is inside an 8 s
 /// handler call: its renewals fail meanwhile. Once the service is back, a claim that arrives
-/// before the worker's next renewal must not take the event over (the worker is alive and still
-/// running it): leases count again from the restart, so every owner gets a whole lease to renew.
-/// The event is run once.
+/// before the worker's next renewal does not take the event over: leases count again from the
+/// restart, so every owner gets a whole lease to renew. (The worker itself, unable to renew for
+/// five sixths of the lease, has dropped that run by then: it cannot tell the outage from a
+/// partition. It takes the event up again once the claim comes back, so the event runs to its
+/// end once, never twice at the same time.)
 #[tokio::test]
 async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_lease() {
     let dir = temp_dir();
@@ -397,8 +399,81 @@ async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_leas
     })
     .await;
     let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
-    assert_eq!(attempts[0][0], "1", "the event ran once");
+    assert_eq!(attempts[0][0], "2", "the run dropped in the outage, and the one that finished");
     assert_eq!(effects(&cluster.effects).await.get(&(event_id, "probe-a".to_owned())), Some(&1));
+    cluster.stop().await;
+}
+
+/// probe-a's process reaches the write service through a proxy, and the network between them
+/// is cut while probe-a is in an 8 s call. The write service cannot tell a cut-off worker from a
+/// dead one: once the lease (3 s) has run out it hands the event to whoever asks. The cut-off
+/// worker, unable to renew for five sixths of the lease, has dropped that work before then, so
+/// the event is never run by two at once: the first run leaves no effect.
+#[tokio::test]
+async fn a_worker_cut_off_from_the_write_service_drops_its_work_before_its_lease_ends() {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .start(dir.path())
+        .await;
+    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
+    let effects_db = cluster.effects.to_str().unwrap().to_owned();
+    let mut spec = Reelay::spec(
+        BIN,
+        &dir.path().join("cut-off").join("unused.db"),
+        &["handlers"],
+        &[
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", &effects_db),
+            ("REELAY_PROBE_DELAY_MS", "8000"),
+            ("REELAY_LEDGER_LEASE_MS", "3000"),
+        ],
+    );
+    spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", proxy.addr)));
+    let mut handlers = Reelay::start(spec).await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
+    })
+    .await;
+    proxy.partition();
+    let cut_at = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let request = v1::ClaimDeliveriesRequest {
+        handler: "probe-a".into(),
+        event_types: vec!["UserRegistered".into()],
+        owner: "another-replica#1".into(),
+        max_rows: 10,
+        wait_ms: 0,
+        max_bytes: 0,
+    };
+    let taken = c.outbox.claim_deliveries(request).await.unwrap().into_inner().deliveries;
+    assert_eq!(taken.len(), 1, "the lease ran out: the event is handed to another claimer");
+    // The first run would have recorded its effect 8 s after it started.
+    tokio::time::sleep(Duration::from_secs(9).saturating_sub(cut_at.elapsed())).await;
+    let effects = effects(&cluster.effects).await;
+    assert_eq!(effects.get(&(event_id.clone(), "probe-a".to_owned())), None, "the cut-off run was dropped");
+    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
+    let claim = v1::DeliveryClaim { key: taken[0].key.clone(), token: taken[0].token };
+    let settled = c
+        .outbox
+        .settle_deliveries(v1::SettleDeliveriesRequest {
+            handler: "probe-a".into(),
+            settlements: vec![v1::DeliverySettlement {
+                claim: Some(claim),
+                outcome: Some(v1::delivery_settlement::Outcome::Done(true)),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(settled.settled, 1);
+    proxy.heal();
+    handlers.stop().await;
     cluster.stop().await;
 }
 

@@ -583,3 +583,62 @@ async fn a_broker_out_of_storage_spends_no_attempt() {
     assert_eq!(dead[0][0], "0");
     cluster.stop().await;
 }
+
+/// On nats the handlers' ledger claims go to the write service. probe-a's process reaches it
+/// through a proxy (the broker directly), and the network to it is cut while probe-a is in an
+/// 8 s call: once the ledger lease (3 s) has run out, another worker's ledger claim takes the
+/// event over. The cut-off worker could not renew for five sixths of the lease and has dropped
+/// its run by then: it leaves no effect.
+#[tokio::test]
+async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends() {
+    let dir = temp_dir();
+    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .start(dir.path())
+        .await;
+    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
+    let nats = cluster.nats.as_ref().unwrap();
+    let effects_db = cluster.effects.to_str().unwrap().to_owned();
+    let (nats_url, monitor_url) = (nats.url(), nats.monitor_url());
+    let mut spec = Reelay::spec(
+        BIN,
+        &dir.path().join("cut-off").join("unused.db"),
+        &["handlers"],
+        &[
+            ("EVENT_BUS_BACKEND", "nats"),
+            ("NATS_URL", &nats_url),
+            ("REELAY_NATS_MONITOR_URL", &monitor_url),
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", &effects_db),
+            ("REELAY_PROBE_DELAY_MS", "8000"),
+            ("REELAY_LEDGER_LEASE_MS", "3000"),
+        ],
+    );
+    spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", proxy.addr)));
+    let mut handlers = Reelay::start(spec).await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || async {
+        !probe_records(&cluster.effects, "attempts").await.0.is_empty()
+    })
+    .await;
+    proxy.partition();
+    let cut_at = Instant::now();
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
+    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into() };
+    let reply = c.ledger.claim(claim).await.unwrap().into_inner();
+    assert!(
+        matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_))),
+        "the lease ran out: another worker takes the event over: {reply:?}"
+    );
+    // The first run would have recorded its effect 8 s after it started.
+    tokio::time::sleep(Duration::from_secs(9).saturating_sub(cut_at.elapsed())).await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the cut-off run was dropped");
+    proxy.heal();
+    handlers.stop().await;
+    cluster.stop().await;
+}

@@ -3,6 +3,7 @@
 //! is settled, so no attempt is spent); shutdown lets the batch in hand finish first.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use prost::Message;
 use reelay_kit::Shutdown;
@@ -11,7 +12,7 @@ use tokio::task::JoinSet;
 
 use crate::dispatch::{Dispatched, Dispatcher, Verdict};
 use crate::pause::Pause;
-use crate::source::{Delivery, EventSource, Settlement, Settler, SourceError};
+use crate::source::{Delivery, EventSource, LeaseWatch, Settlement, Settler, SourceError};
 
 pub async fn run_consumer<S: EventSource>(
     mut source: S,
@@ -70,18 +71,23 @@ async fn process_batch<T, X>(
     X: Settler<T>,
 {
     let mut ledger_pause = Pause::new("ledger");
+    let mut lease = settler.lease().map(LeaseWatch::start);
     let dispatched = loop {
-        let dispatched = with_progress(&mut settler, &deliveries, dispatcher.dispatch(&deliveries)).await;
+        let dispatched = with_progress(&mut settler, &deliveries, &mut lease, dispatcher.dispatch(&deliveries)).await;
         match dispatched {
-            Ok(dispatched) => {
+            Some(Ok(Some(dispatched))) => {
                 ledger_pause.resumed();
                 break Some(dispatched);
             }
-            Err(_) if shutdown.is_requested() => break None,
-            Err(unavailable) => {
+            None | Some(Ok(None)) => return abandon(deliveries.len()),
+            Some(Err(_)) if shutdown.is_requested() => break None,
+            Some(Err(unavailable)) => {
                 // Hold on to the deliveries (reporting progress) rather than failing them:
                 // an outage of any length must not use up their attempts.
-                with_progress(&mut settler, &deliveries, ledger_pause.wait(&unavailable.0)).await;
+                let waited = with_progress(&mut settler, &deliveries, &mut lease, ledger_pause.wait(&unavailable.0));
+                if waited.await.is_none() {
+                    return abandon(deliveries.len());
+                }
             }
         }
     };
@@ -127,22 +133,49 @@ where
     }
 }
 
+/// Gives up a batch whose claims can no longer be held (see [`LeaseWatch`]): nothing of it is
+/// settled, and its deliveries come back once their lease ends.
+fn abandon(deliveries: usize) {
+    tracing::warn!(
+        deliveries,
+        "the batch's claims could not be renewed for most of their lease, or were taken over: its work is dropped unsettled and comes back"
+    );
+}
+
 /// Runs `work` while telling the source, as often as it needs, that `deliveries` are in hand.
-async fn with_progress<T, X, F>(source: &mut X, deliveries: &[Delivery<T>], work: F) -> F::Output
+/// With a lease (`lease`), the work is dropped (`None`) when it can no longer be held: a
+/// renewal says another consumer has the deliveries, or none succeeded for most of the lease.
+async fn with_progress<T, X, F>(
+    source: &mut X,
+    deliveries: &[Delivery<T>],
+    lease: &mut Option<LeaseWatch>,
+    work: F,
+) -> Option<F::Output>
 where
     T: Send + Sync + 'static,
     X: Settler<T>,
     F: Future,
 {
-    let Some(interval) = source.progress_interval() else { return work.await };
+    let Some(interval) = source.progress_interval() else { return Some(work.await) };
     tokio::pin!(work);
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    let far = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
     loop {
+        let deadline = lease.map_or_else(far, |lease| lease.deadline());
         tokio::select! {
-            output = &mut work => return output,
+            output = &mut work => return Some(output),
+            () = tokio::time::sleep_until(deadline) => return None,
             _ = ticks.tick() => {
-                if let Err(error) = source.in_progress(deliveries).await {
-                    tracing::warn!(%error, "could not report deliveries in progress");
+                let sent = tokio::time::Instant::now();
+                match tokio::time::timeout_at(deadline, source.in_progress(deliveries)).await {
+                    Ok(Ok(true)) => {
+                        if let Some(lease) = lease.as_mut() {
+                            lease.renewed(sent);
+                        }
+                    }
+                    Ok(Ok(false)) => return None,
+                    Ok(Err(error)) => tracing::warn!(%error, "could not report deliveries in progress"),
+                    Err(_) => return None,
                 }
             }
         }

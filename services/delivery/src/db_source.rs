@@ -250,15 +250,21 @@ impl Settler<DeliveryClaim> for DeliverySettler {
         Some(self.lease / 3)
     }
 
-    async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<(), SourceError> {
+    fn lease(&self) -> Option<Duration> {
+        Some(self.lease)
+    }
+
+    async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<bool, SourceError> {
+        let mut held = true;
         for chunk in deliveries.chunks(1000) {
             let claims = chunk.iter().map(|d| claim(d.ack.token())).collect();
             let request = v1::RenewDeliveriesRequest { handler: self.handler.to_owned(), claims };
             let lost = self.client.renew_deliveries(request).await.map_err(source_error)?.into_inner().lost;
             if !lost.is_empty() {
                 tracing::warn!(handler = self.handler, keys = ?lost, "claims lost while still working on them");
+                held = false;
             }
         }
-        Ok(())
+        Ok(held)
     }
 }

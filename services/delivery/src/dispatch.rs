@@ -11,7 +11,8 @@
 //! When the ledger cannot be reached nothing runs and the caller pauses (no attempt is spent);
 //! a ledger that answers with an error skips the handlers and naks the deliveries. While the
 //! handlers run, the claims are renewed, so a live worker keeps them however long it takes and a
-//! dead one's are taken over once their lease runs out.
+//! dead one's are taken over once their lease runs out; a worker that cannot renew them for most
+//! of the lease, or learns they were taken over, drops the batch's work unsettled.
 //!
 //! A delivery whose source already holds its claim (the db backend's per-handler deliveries)
 //! skips the ledger here: settling the delivery settles the claim.
@@ -39,7 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::gather::gather;
 use crate::pause::Pause;
-use crate::source::Delivery;
+use crate::source::{Delivery, LeaseWatch};
 use crate::{Handler, HandlerError, handle_in_span};
 
 /// Keys per Ledger call (the server's limit).
@@ -234,7 +235,7 @@ impl Dispatcher {
     /// Claims, runs the handlers, and returns each delivery's verdict together with the ledger
     /// claims still to settle (see [`Dispatcher::settle_ledger`]), so the caller can settle the
     /// ledger and the deliveries at the same time (the write service commits them together).
-    pub async fn dispatch<T>(&mut self, deliveries: &[Delivery<T>]) -> Result<Dispatched, LedgerUnavailable> {
+    pub async fn dispatch<T>(&mut self, deliveries: &[Delivery<T>]) -> Result<Option<Dispatched>, LedgerUnavailable> {
         // pairs[d] lists (handler index, state) for delivery d.
         let mut pairs: Vec<Vec<(usize, PairState)>> = deliveries
             .iter()
@@ -252,11 +253,13 @@ impl Dispatcher {
         self.claim(deliveries, &mut pairs).await?;
         let held = self.held_claims(deliveries, &pairs);
         let renewing = self.clone();
-        with_renewals(renewing, held, self.run_handlers(deliveries, &mut pairs)).await;
+        if with_renewals(renewing, held, self.run_handlers(deliveries, &mut pairs)).await.is_none() {
+            return Ok(None);
+        }
         let ledger = self.ledger_settlement(deliveries, &pairs);
         self.count_outcomes(deliveries, &pairs);
         let verdicts = deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.config.retry_policy)).collect();
-        Ok(Dispatched { verdicts, ledger })
+        Ok(Some(Dispatched { verdicts, ledger }))
     }
 
     /// Counts each (delivery, handler) pair by what became of it.
@@ -416,20 +419,27 @@ impl Dispatcher {
         held
     }
 
-    /// Renews claims that are still being worked on. Best effort: a failure is logged, and
-    /// the next tick tries again.
-    async fn renew(&mut self, held: &[v1::OwnedKey]) {
+    /// Renews claims that are still being worked on: `Some(true)` when every one is still
+    /// held, `Some(false)` when some were taken over, `None` when the ledger did not answer (the
+    /// next tick tries again).
+    async fn renew(&mut self, held: &[v1::OwnedKey]) -> Option<bool> {
+        let mut all_held = true;
         for chunk in held.chunks(LEDGER_BATCH) {
             match self.ledger.renew(v1::LedgerSettleRequest { keys: chunk.to_vec() }).await {
                 Ok(reply) => {
                     let lost = reply.into_inner().owned.iter().filter(|owned| !**owned).count();
                     if lost > 0 {
                         tracing::warn!(claims = lost, "ledger claims lost while their handlers were still running");
+                        all_held = false;
                     }
                 }
-                Err(status) => tracing::warn!(error = status.message(), "could not renew ledger claims"),
+                Err(status) => {
+                    tracing::warn!(error = status.message(), "could not renew ledger claims");
+                    return None;
+                }
             }
         }
+        Some(all_held)
     }
 
     /// The claims to complete (handler succeeded), to release (it failed) and to dead-letter
@@ -542,18 +552,31 @@ fn warn_lost(keys: &[&v1::OwnedKey], owned: Option<Vec<bool>>) {
     }
 }
 
-/// Runs `work` while renewing `held` claims every third of the lease.
-async fn with_renewals<F: Future>(mut dispatcher: Dispatcher, held: Vec<v1::OwnedKey>, work: F) -> F::Output {
+/// Runs `work` while renewing `held` claims every third of the lease. The work is dropped
+/// (`None`) once the claims cannot be held: a renewal says some were taken over, or none
+/// succeeded for five sixths of the lease (a worker cut off from the ledger stops before anyone
+/// else can be handed its events; see [`LeaseWatch`]).
+async fn with_renewals<F: Future>(mut dispatcher: Dispatcher, held: Vec<v1::OwnedKey>, work: F) -> Option<F::Output> {
     if held.is_empty() {
-        return work.await;
+        return Some(work.await);
     }
     let every = dispatcher.config.ledger_lease / 3;
+    // The claims were made just before: their lease counts from no earlier than now.
+    let mut lease = LeaseWatch::start(dispatcher.config.ledger_lease);
     tokio::pin!(work);
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     loop {
         tokio::select! {
-            output = &mut work => return output,
-            _ = ticks.tick() => dispatcher.renew(&held).await,
+            output = &mut work => return Some(output),
+            () = tokio::time::sleep_until(lease.deadline()) => return None,
+            _ = ticks.tick() => {
+                let sent = tokio::time::Instant::now();
+                match tokio::time::timeout_at(lease.deadline(), dispatcher.renew(&held)).await {
+                    Ok(Some(true)) => lease.renewed(sent),
+                    Ok(Some(false)) | Err(_) => return None,
+                    Ok(None) => {}
+                }
+            }
         }
     }
 }

@@ -157,10 +157,11 @@ impl Settler<MessageToken> for JetStreamSettler {
         Some(self.ack_wait / 3)
     }
 
-    async fn in_progress(&mut self, deliveries: &[Delivery<MessageToken>]) -> Result<(), SourceError> {
+    async fn in_progress(&mut self, deliveries: &[Delivery<MessageToken>]) -> Result<bool, SourceError> {
         for delivery in deliveries {
             delivery.ack.token().0.ack_with(AckKind::Progress).await.map_err(unavailable)?;
         }
-        self.client.flush().await.map_err(unavailable)
+        self.client.flush().await.map_err(unavailable)?;
+        Ok(true)
     }
 }

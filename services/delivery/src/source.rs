@@ -114,8 +114,43 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
         None
     }
 
-    /// Reports deliveries in hand as still being worked on.
-    async fn in_progress(&mut self, _deliveries: &[Delivery<T>]) -> Result<(), SourceError> {
-        Ok(())
+    /// How long the backend holds a delivery for this consumer without hearing that it is in
+    /// progress, before another consumer may take it over; `None`: no such lease.
+    fn lease(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Reports deliveries in hand as still being worked on: false when some of them are held
+    /// by another consumer now (taken over).
+    async fn in_progress(&mut self, _deliveries: &[Delivery<T>]) -> Result<bool, SourceError> {
+        Ok(true)
+    }
+}
+
+/// Until when a consumer may still work on leased deliveries: the lease counted from when the
+/// last renewal that succeeded was sent (the backend stamps it later), less a margin, so the
+/// work stops before anyone else can be handed them. A consumer cut off from the backend for
+/// most of a lease, or told its claims were taken over, drops the work unsettled; the
+/// deliveries come back (handlers are idempotent) instead of running twice at once.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseWatch {
+    lease: Duration,
+    confirmed: tokio::time::Instant,
+}
+
+impl LeaseWatch {
+    /// A watch for claims made (or last renewed) no earlier than now.
+    pub fn start(lease: Duration) -> Self {
+        Self { lease, confirmed: tokio::time::Instant::now() }
+    }
+
+    /// A renewal sent at `sent` succeeded.
+    pub fn renewed(&mut self, sent: tokio::time::Instant) {
+        self.confirmed = self.confirmed.max(sent);
+    }
+
+    /// When the work must stop unless a renewal succeeds first: five sixths of the lease.
+    pub fn deadline(&self) -> tokio::time::Instant {
+        self.confirmed + self.lease * 5 / 6
     }
 }

@@ -604,7 +604,8 @@ async fn claims_of_many_handlers_in_one_job_equal_one_claim_each() {
             one_by_one
         };
         // Event ids differ between the databases; rows, types and attempts do not.
-        let shape: Vec<Result<Vec<(i64, String, u32)>, bool>> = claimed
+        type Shape = Result<Vec<(i64, String, u32)>, bool>;
+        let shape: Vec<Shape> = claimed
             .iter()
             .map(|answer| match answer {
                 Ok(deliveries) => Ok(deliveries.iter().map(|d| (d.row_id, d.event_type.clone(), d.attempt)).collect()),

@@ -84,9 +84,12 @@ impl Drop for Strace {
 /// A TCP proxy in front of a server. Once told to, it lets the next request through and, when
 /// the server starts answering, closes the client's connection instead of passing the answer
 /// on: the server did the work, the client never hears of it (a connection killed mid-call).
+///
+/// It can also hold every byte both ways (a network partition between the two) until healed.
 pub struct CuttingProxy {
     pub addr: SocketAddr,
     cut: Arc<AtomicBool>,
+    held: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -95,19 +98,31 @@ impl CuttingProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&cut);
+        let held = Arc::new(AtomicBool::new(false));
+        let (flag, hold) = (Arc::clone(&cut), Arc::clone(&held));
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(upstream).await else { continue };
-                tokio::spawn(relay(client, server, Arc::clone(&flag)));
+                tokio::spawn(relay(client, server, Arc::clone(&flag), Arc::clone(&hold)));
             }
         });
-        Self { addr, cut, task }
+        Self { addr, cut, held, task }
     }
 
     /// The next answer bytes from the server (on any connection) kill that connection instead.
     pub fn cut_next_answer(&self) {
         self.cut.store(true, Ordering::SeqCst);
+    }
+
+    /// From now on nothing gets through either way (the connections stay open, as in a network
+    /// partition), until [`CuttingProxy::heal`].
+    pub fn partition(&self) {
+        self.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets what was held, and everything after it, through again.
+    pub fn heal(&self) {
+        self.held.store(false, Ordering::SeqCst);
     }
 }
 
@@ -117,27 +132,39 @@ impl Drop for CuttingProxy {
     }
 }
 
-async fn relay(client: TcpStream, server: TcpStream, cut: Arc<AtomicBool>) {
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let upstream = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    });
+async fn relay(client: TcpStream, server: TcpStream, cut: Arc<AtomicBool>, held: Arc<AtomicBool>) {
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    let upstream = tokio::spawn(pump(client_read, server_write, None, Arc::clone(&held)));
+    pump(server_read, client_write, Some(cut), held).await;
+    upstream.abort();
+}
+
+/// Passes bytes one way, holding them while `held`; with `cut`, the next answer set to be cut
+/// is dropped with the connection.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    cut: Option<Arc<AtomicBool>>,
+    held: Arc<AtomicBool>,
+) {
     let mut buffer = vec![0u8; 64 * 1024];
     loop {
-        let n = match server_read.read(&mut buffer).await {
+        let n = match from.read(&mut buffer).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if cut.swap(false, Ordering::SeqCst) {
+        while held.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        if cut.as_ref().is_some_and(|cut| cut.swap(false, Ordering::SeqCst)) {
             // Drop the answer and the connection.
             break;
         }
-        if client_write.write_all(&buffer[..n]).await.is_err() {
+        if to.write_all(&buffer[..n]).await.is_err() {
             break;
         }
     }
-    upstream.abort();
 }
 
 /// A tmpfs of a fixed size, mounted for one test (the tests run as root) and unmounted after.

@@ -304,7 +304,7 @@ mod tests {
             rating: (n % 10 + 1) as i64,
             body: format!("review {n}"),
             watched_on: "2024-03-01".into(),
-            rewatch: n % 3 == 0,
+            rewatch: n.is_multiple_of(3),
             source: "local".into(),
             created_at: n as i64,
             updated_at: n as i64,
