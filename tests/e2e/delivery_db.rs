@@ -212,11 +212,7 @@ async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused()
 #[tokio::test]
 async fn a_claim_held_elsewhere_waits_out_its_lease_without_spending_an_attempt() {
     let dir = temp_dir();
-    let cluster = Cluster::builder(BIN, Backend::Db)
-        .probes("probe-a")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .start(dir.path())
-        .await;
+    let cluster = probe_a_with_a_3s_lease().start(dir.path()).await;
     let mut c = cluster.write.clients().await;
     c.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);
@@ -351,6 +347,36 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
     cluster.stop().await;
 }
 
+/// A db cluster with probe-a and a 3 s lease (renewed every second).
+fn probe_a_with_a_3s_lease() -> reelay_harness::ClusterBuilder {
+    Cluster::builder(BIN, Backend::Db).probes("probe-a").env("REELAY_LEDGER_LEASE_MS", "3000")
+}
+
+/// Creates a user and waits until probe-a is inside its handler call for the user's event.
+async fn a_user_inside_probe_a(cluster: &Cluster, c: &mut reelay_harness::Clients) -> String {
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
+    })
+    .await;
+    event_id
+}
+
+/// What a claim for probe-a by another replica (no waiting) is handed.
+async fn claimed_by_another_replica(c: &mut reelay_harness::Clients) -> Vec<v1::Delivery> {
+    let request = v1::ClaimDeliveriesRequest {
+        handler: "probe-a".into(),
+        event_types: vec!["UserRegistered".into()],
+        owner: "another-replica#1".into(),
+        max_rows: 10,
+        wait_ms: 0,
+        max_bytes: 0,
+    };
+    c.outbox.claim_deliveries(request).await.unwrap().into_inner().deliveries
+}
+
 /// The write service is down for longer than the lease (3 s) while probe-a is inside an 8 s
 /// handler call: its renewals fail meanwhile. Once the service is back, a claim that arrives
 /// before the worker's next renewal does not take the event over: leases count again from the
@@ -361,38 +387,15 @@ async fn a_write_service_outage_pauses_consumers_without_spending_attempts() {
 #[tokio::test]
 async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_lease() {
     let dir = temp_dir();
-    let mut cluster = Cluster::builder(BIN, Backend::Db)
-        .probes("probe-a")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .handlers(&[("REELAY_PROBE_DELAY_MS", "8000")])
-        .start(dir.path())
-        .await;
-    cluster.write.clients().await.user("ana").await;
-    let event_id = event_ids(&cluster.db).await.remove(0);
-    eventually("probe-a is inside its handler call", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
-    })
-    .await;
+    let mut cluster = probe_a_with_a_3s_lease().handlers(&[("REELAY_PROBE_DELAY_MS", "8000")]).start(dir.path()).await;
+    let event_id = a_user_inside_probe_a(&cluster, &mut cluster.write.clients().await).await;
     cluster.write.kill();
     tokio::time::sleep(Duration::from_millis(4_500)).await;
     cluster.write.restart().await;
     let mut c = cluster.write.clients().await;
-    let another = |c: &mut reelay_harness::Clients| {
-        let request = v1::ClaimDeliveriesRequest {
-            handler: "probe-a".into(),
-            event_types: vec!["UserRegistered".into()],
-            owner: "another-replica#1".into(),
-            max_rows: 10,
-            wait_ms: 0,
-            max_bytes: 0,
-        };
-        let mut outbox = c.outbox.clone();
-        async move { outbox.claim_deliveries(request).await.unwrap().into_inner().deliveries }
-    };
-    assert!(another(&mut c).await.is_empty(), "a live worker's claim is not taken over at the restart");
+    assert!(claimed_by_another_replica(&mut c).await.is_empty(), "no claim is taken over at the restart");
     tokio::time::sleep(Duration::from_millis(2_000)).await;
-    assert!(another(&mut c).await.is_empty(), "nor after its owner renewed it");
+    assert!(claimed_by_another_replica(&mut c).await.is_empty(), "nor within a lease of it");
     eventually("probe-a finishes", Duration::from_secs(30), || {
         let (db, id) = (cluster.db.clone(), event_id.clone());
         async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
@@ -412,46 +415,15 @@ async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_leas
 #[tokio::test]
 async fn a_worker_cut_off_from_the_write_service_drops_its_work_before_its_lease_ends() {
     let dir = temp_dir();
-    let cluster = Cluster::builder(BIN, Backend::Db)
-        .probes("probe-a")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .start(dir.path())
-        .await;
+    let cluster = probe_a_with_a_3s_lease().start(dir.path()).await;
     let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
-    let effects_db = cluster.effects.to_str().unwrap().to_owned();
-    let mut spec = Reelay::spec(
-        BIN,
-        &dir.path().join("cut-off").join("unused.db"),
-        &["handlers"],
-        &[
-            ("REELAY_PROBE_HANDLERS", "probe-a"),
-            ("REELAY_PROBE_DB", &effects_db),
-            ("REELAY_PROBE_DELAY_MS", "8000"),
-            ("REELAY_LEDGER_LEASE_MS", "3000"),
-        ],
-    );
-    spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", proxy.addr)));
-    let mut handlers = Reelay::start(spec).await;
+    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &[]).await;
     let mut c = cluster.write.clients().await;
-    c.user("ana").await;
-    let event_id = event_ids(&cluster.db).await.remove(0);
-    eventually("probe-a is inside its handler call", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
-    })
-    .await;
+    let event_id = a_user_inside_probe_a(&cluster, &mut c).await;
     proxy.partition();
     let cut_at = std::time::Instant::now();
     tokio::time::sleep(Duration::from_millis(3_500)).await;
-    let request = v1::ClaimDeliveriesRequest {
-        handler: "probe-a".into(),
-        event_types: vec!["UserRegistered".into()],
-        owner: "another-replica#1".into(),
-        max_rows: 10,
-        wait_ms: 0,
-        max_bytes: 0,
-    };
-    let taken = c.outbox.claim_deliveries(request).await.unwrap().into_inner().deliveries;
+    let taken = claimed_by_another_replica(&mut c).await;
     assert_eq!(taken.len(), 1, "the lease ran out: the event is handed to another claimer");
     // The first run would have recorded its effect 8 s after it started.
     tokio::time::sleep(Duration::from_secs(9).saturating_sub(cut_at.elapsed())).await;

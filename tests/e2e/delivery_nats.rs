@@ -599,24 +599,9 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
         .await;
     let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
     let nats = cluster.nats.as_ref().unwrap();
-    let effects_db = cluster.effects.to_str().unwrap().to_owned();
     let (nats_url, monitor_url) = (nats.url(), nats.monitor_url());
-    let mut spec = Reelay::spec(
-        BIN,
-        &dir.path().join("cut-off").join("unused.db"),
-        &["handlers"],
-        &[
-            ("EVENT_BUS_BACKEND", "nats"),
-            ("NATS_URL", &nats_url),
-            ("REELAY_NATS_MONITOR_URL", &monitor_url),
-            ("REELAY_PROBE_HANDLERS", "probe-a"),
-            ("REELAY_PROBE_DB", &effects_db),
-            ("REELAY_PROBE_DELAY_MS", "8000"),
-            ("REELAY_LEDGER_LEASE_MS", "3000"),
-        ],
-    );
-    spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", proxy.addr)));
-    let mut handlers = Reelay::start(spec).await;
+    let broker = [("EVENT_BUS_BACKEND", "nats"), ("NATS_URL", &nats_url), ("REELAY_NATS_MONITOR_URL", &monitor_url)];
+    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &broker).await;
     let mut c = cluster.write.clients().await;
     c.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);

@@ -37,6 +37,29 @@ fn handler_context(reelay: &reelay_harness::Reelay) -> reelay_delivery::HandlerC
     reelay_delivery::HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write }
 }
 
+/// A handlers process of probe-a alone, an 8 s call per batch and a 3 s lease, that reaches the
+/// write service through `proxy` (which can cut it off), with `env` on top (the broker's, on
+/// nats).
+async fn slow_probe_behind(
+    proxy: &reelay_harness::CuttingProxy,
+    dir: &Path,
+    effects: &Path,
+    env: &[(&str, &str)],
+) -> Reelay {
+    let effects = effects.to_str().unwrap();
+    let mut all = vec![
+        ("REELAY_PROBE_HANDLERS", "probe-a"),
+        ("REELAY_PROBE_DB", effects),
+        ("REELAY_PROBE_DELAY_MS", "8000"),
+        ("REELAY_LEDGER_LEASE_MS", "3000"),
+    ];
+    all.extend_from_slice(env);
+    let mut spec =
+        Reelay::spec(env!("CARGO_BIN_EXE_reelay"), &dir.join("cut-off").join("unused.db"), &["handlers"], &all);
+    spec.env.push(("REELAY_WRITE_URL".into(), format!("http://{}", proxy.addr)));
+    Reelay::start(spec).await
+}
+
 /// Waits until `n` claims wait with the writer for new events (on db one per claim call, which
 /// may claim for several handlers; the relay's on nats).
 async fn claims_waiting(write: &Reelay, n: f64) {
