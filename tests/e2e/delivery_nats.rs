@@ -598,10 +598,8 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
         .start(dir.path())
         .await;
     let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
-    let nats = cluster.nats.as_ref().unwrap();
-    let (nats_url, monitor_url) = (nats.url(), nats.monitor_url());
-    let broker = [("EVENT_BUS_BACKEND", "nats"), ("NATS_URL", &nats_url), ("REELAY_NATS_MONITOR_URL", &monitor_url)];
-    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &broker).await;
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &with(&broker, &[])).await;
     let mut c = cluster.write.clients().await;
     c.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);

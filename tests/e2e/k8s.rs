@@ -314,120 +314,117 @@ fn start_pod(
     let name = str_of(&workload["metadata"]["name"]);
     let template = &workload["spec"]["template"];
     let container = template["spec"]["containers"][0].clone();
-    {
-        let pod = format!("{name}-{index}");
-        let root = dir.join(&pod);
-        // Volumes: mountPath → local dir.
-        let mut mounts: Vec<(String, PathBuf)> = Vec::new();
-        for mount in container["volumeMounts"].as_array().into_iter().flatten() {
-            let volume_name = str_of(&mount["name"]);
-            let local = root.join(volume_name);
-            std::fs::create_dir_all(&local).unwrap();
-            let volume = template["spec"]["volumes"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|v| v["name"] == volume_name)
-                .cloned()
-                .unwrap_or(Value::Null); // a volumeClaimTemplate: an empty volume
-            if let Some(secret) = volume["secret"]["secretName"].as_str() {
-                let object = named(objects, "Secret", secret);
-                for (file, value) in object["stringData"].as_object().expect("secrets are given as stringData") {
-                    let value =
-                        secrets.get(secret).filter(|_| str_of(value).is_empty()).map_or(str_of(value), String::as_str);
-                    std::fs::write(local.join(file), value).unwrap();
-                }
-            }
-            if let Some(map) = volume["configMap"]["name"].as_str() {
-                for (file, value) in named(objects, "ConfigMap", map)["data"].as_object().unwrap() {
-                    std::fs::write(local.join(file), str_of(value)).unwrap();
-                }
-            }
-            mounts.push((str_of(&mount["mountPath"]).to_owned(), local));
-        }
-        let local_path = |value: &str| -> String {
-            for (mount, local) in &mounts {
-                if let Some(rest) = value.strip_prefix(mount.as_str())
-                    && (rest.is_empty() || rest.starts_with('/'))
-                {
-                    return format!("{}{rest}", local.display());
-                }
-            }
-            value.to_owned()
-        };
-        // Container ports: the Service selecting this pod decides the loopback port.
-        let mut ports = HashMap::new();
-        for port in container["ports"].as_array().into_iter().flatten() {
-            let number = port["containerPort"].as_u64().unwrap() as u16;
-            let served = kind(objects, "Service").into_iter().find_map(|s| {
-                if !labels_match(&s["spec"]["selector"], &template["metadata"]["labels"]) {
-                    return None;
-                }
-                let sp = s["spec"]["ports"]
-                    .as_array()?
-                    .iter()
-                    .find(|sp| sp["targetPort"] == port["name"] || sp["targetPort"] == number)?;
-                network.services.get(&(str_of(&s["metadata"]["name"]).to_owned(), sp["port"].as_u64()? as u16)).copied()
-            });
-            // A port of its own: not one set aside for a Service whose pod has not bound it yet.
-            let own = || loop {
-                let port = free_port();
-                if !network.services.values().chain(ports.values()).any(|taken| *taken == port) {
-                    break port;
-                }
-            };
-            let local = served.unwrap_or_else(own);
-            ports.insert(number, local);
-        }
-        let mut env: Vec<(String, String)> = Vec::new();
-        for from in container["envFrom"].as_array().into_iter().flatten() {
-            let map = named(objects, "ConfigMap", str_of(&from["configMapRef"]["name"]));
-            for (key, value) in map["data"].as_object().unwrap() {
-                env.push((key.clone(), str_of(value).to_owned()));
-            }
-        }
-        for entry in container["env"].as_array().into_iter().flatten() {
-            let value = if let Some(value) = entry["value"].as_str() {
-                value.to_owned()
-            } else if entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" {
-                pod.clone()
-            } else if let Some(key) = entry["valueFrom"]["configMapKeyRef"].as_object() {
-                str_of(&named(objects, "ConfigMap", str_of(&key["name"]))["data"][str_of(&key["key"])]).to_owned()
-            } else {
-                panic!("{pod}: an env entry this test cannot resolve: {entry}");
-            };
-            env.retain(|(k, _)| k != str_of(&entry["name"]));
-            env.push((str_of(&entry["name"]).to_owned(), value));
-        }
-        let env: Vec<(String, String)> = env
+    let pod = format!("{name}-{index}");
+    let root = dir.join(&pod);
+    // Volumes: mountPath → local dir.
+    let mut mounts: Vec<(String, PathBuf)> = Vec::new();
+    for mount in container["volumeMounts"].as_array().into_iter().flatten() {
+        let volume_name = str_of(&mount["name"]);
+        let local = root.join(volume_name);
+        std::fs::create_dir_all(&local).unwrap();
+        let volume = template["spec"]["volumes"]
+            .as_array()
             .into_iter()
-            .map(|(key, value)| {
-                let mut value = network.rewrite(&local_path(&value));
-                for (container_port, local) in &ports {
-                    value = value.replace(&format!("0.0.0.0:{container_port}"), &format!("127.0.0.1:{local}"));
-                }
-                (key, value)
-            })
-            .collect();
-        let command: Vec<&str> =
-            container["command"].as_array().expect("an explicit command").iter().map(str_of).collect();
-        assert_eq!(command, ["reelay"], "{pod} runs the reelay binary");
-        let args: Vec<String> = container["args"].as_array().unwrap().iter().map(|a| local_path(str_of(a))).collect();
-        let log = root.join("pod.log");
-        let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(BIN)
-            .args(&args)
-            .env_clear()
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .current_dir(&root)
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .unwrap();
-        Pod { name: pod, child, log, ports, container, env }
+            .flatten()
+            .find(|v| v["name"] == volume_name)
+            .cloned()
+            .unwrap_or(Value::Null); // a volumeClaimTemplate: an empty volume
+        if let Some(secret) = volume["secret"]["secretName"].as_str() {
+            let object = named(objects, "Secret", secret);
+            for (file, value) in object["stringData"].as_object().expect("secrets are given as stringData") {
+                let value =
+                    secrets.get(secret).filter(|_| str_of(value).is_empty()).map_or(str_of(value), String::as_str);
+                std::fs::write(local.join(file), value).unwrap();
+            }
+        }
+        if let Some(map) = volume["configMap"]["name"].as_str() {
+            for (file, value) in named(objects, "ConfigMap", map)["data"].as_object().unwrap() {
+                std::fs::write(local.join(file), str_of(value)).unwrap();
+            }
+        }
+        mounts.push((str_of(&mount["mountPath"]).to_owned(), local));
     }
+    let local_path = |value: &str| -> String {
+        for (mount, local) in &mounts {
+            if let Some(rest) = value.strip_prefix(mount.as_str())
+                && (rest.is_empty() || rest.starts_with('/'))
+            {
+                return format!("{}{rest}", local.display());
+            }
+        }
+        value.to_owned()
+    };
+    // Container ports: the Service selecting this pod decides the loopback port.
+    let mut ports = HashMap::new();
+    for port in container["ports"].as_array().into_iter().flatten() {
+        let number = port["containerPort"].as_u64().unwrap() as u16;
+        let served = kind(objects, "Service").into_iter().find_map(|s| {
+            if !labels_match(&s["spec"]["selector"], &template["metadata"]["labels"]) {
+                return None;
+            }
+            let sp = s["spec"]["ports"]
+                .as_array()?
+                .iter()
+                .find(|sp| sp["targetPort"] == port["name"] || sp["targetPort"] == number)?;
+            network.services.get(&(str_of(&s["metadata"]["name"]).to_owned(), sp["port"].as_u64()? as u16)).copied()
+        });
+        // A port of its own: not one set aside for a Service whose pod has not bound it yet.
+        let own = || loop {
+            let port = free_port();
+            if !network.services.values().chain(ports.values()).any(|taken| *taken == port) {
+                break port;
+            }
+        };
+        let local = served.unwrap_or_else(own);
+        ports.insert(number, local);
+    }
+    let mut env: Vec<(String, String)> = Vec::new();
+    for from in container["envFrom"].as_array().into_iter().flatten() {
+        let map = named(objects, "ConfigMap", str_of(&from["configMapRef"]["name"]));
+        for (key, value) in map["data"].as_object().unwrap() {
+            env.push((key.clone(), str_of(value).to_owned()));
+        }
+    }
+    for entry in container["env"].as_array().into_iter().flatten() {
+        let value = if let Some(value) = entry["value"].as_str() {
+            value.to_owned()
+        } else if entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" {
+            pod.clone()
+        } else if let Some(key) = entry["valueFrom"]["configMapKeyRef"].as_object() {
+            str_of(&named(objects, "ConfigMap", str_of(&key["name"]))["data"][str_of(&key["key"])]).to_owned()
+        } else {
+            panic!("{pod}: an env entry this test cannot resolve: {entry}");
+        };
+        env.retain(|(k, _)| k != str_of(&entry["name"]));
+        env.push((str_of(&entry["name"]).to_owned(), value));
+    }
+    let env: Vec<(String, String)> = env
+        .into_iter()
+        .map(|(key, value)| {
+            let mut value = network.rewrite(&local_path(&value));
+            for (container_port, local) in &ports {
+                value = value.replace(&format!("0.0.0.0:{container_port}"), &format!("127.0.0.1:{local}"));
+            }
+            (key, value)
+        })
+        .collect();
+    let command: Vec<&str> = container["command"].as_array().expect("an explicit command").iter().map(str_of).collect();
+    assert_eq!(command, ["reelay"], "{pod} runs the reelay binary");
+    let args: Vec<String> = container["args"].as_array().unwrap().iter().map(|a| local_path(str_of(a))).collect();
+    let log = root.join("pod.log");
+    let file = std::fs::File::create(&log).unwrap();
+    let child = Command::new(BIN)
+        .args(&args)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .current_dir(&root)
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    Pod { name: pod, child, log, ports, container, env }
 }
 
 /// Starts pod `index` of `workload` (see [`start_pod`]) and waits until it listens on every

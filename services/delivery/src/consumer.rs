@@ -3,7 +3,6 @@
 //! is settled, so no attempt is spent); shutdown lets the batch in hand finish first.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use prost::Message;
 use reelay_kit::Shutdown;
@@ -12,7 +11,7 @@ use tokio::task::JoinSet;
 
 use crate::dispatch::{Dispatched, Dispatcher, Verdict};
 use crate::pause::Pause;
-use crate::source::{Delivery, EventSource, LeaseWatch, Settlement, Settler, SourceError};
+use crate::source::{Delivery, EventSource, LeaseWatch, Renewal, Settlement, Settler, SourceError, while_renewing};
 
 pub async fn run_consumer<S: EventSource>(
     mut source: S,
@@ -73,7 +72,7 @@ async fn process_batch<T, X>(
     let mut ledger_pause = Pause::new("ledger");
     let mut lease = settler.lease().map(LeaseWatch::start);
     let dispatched = loop {
-        let dispatched = with_progress(&mut settler, &deliveries, &mut lease, dispatcher.dispatch(&deliveries)).await;
+        let dispatched = with_progress(&settler, &deliveries, &mut lease, dispatcher.dispatch(&deliveries)).await;
         match dispatched {
             Some(Ok(Some(dispatched))) => {
                 ledger_pause.resumed();
@@ -84,7 +83,7 @@ async fn process_batch<T, X>(
             Some(Err(unavailable)) => {
                 // Hold on to the deliveries (reporting progress) rather than failing them:
                 // an outage of any length must not use up their attempts.
-                let waited = with_progress(&mut settler, &deliveries, &mut lease, ledger_pause.wait(&unavailable.0));
+                let waited = with_progress(&settler, &deliveries, &mut lease, ledger_pause.wait(&unavailable.0));
                 if waited.await.is_none() {
                     return abandon(deliveries.len());
                 }
@@ -146,7 +145,7 @@ fn abandon(deliveries: usize) {
 /// With a lease (`lease`), the work is dropped (`None`) when it can no longer be held: a
 /// renewal says another consumer has the deliveries, or none succeeded for most of the lease.
 async fn with_progress<T, X, F>(
-    source: &mut X,
+    source: &X,
     deliveries: &[Delivery<T>],
     lease: &mut Option<LeaseWatch>,
     work: F,
@@ -157,29 +156,20 @@ where
     F: Future,
 {
     let Some(interval) = source.progress_interval() else { return Some(work.await) };
-    tokio::pin!(work);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    let far = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
-    loop {
-        let deadline = lease.map_or_else(far, |lease| lease.deadline());
-        tokio::select! {
-            output = &mut work => return Some(output),
-            () = tokio::time::sleep_until(deadline) => return None,
-            _ = ticks.tick() => {
-                let sent = tokio::time::Instant::now();
-                match tokio::time::timeout_at(deadline, source.in_progress(deliveries)).await {
-                    Ok(Ok(true)) => {
-                        if let Some(lease) = lease.as_mut() {
-                            lease.renewed(sent);
-                        }
-                    }
-                    Ok(Ok(false)) => return None,
-                    Ok(Err(error)) => tracing::warn!(%error, "could not report deliveries in progress"),
-                    Err(_) => return None,
+    let report = || {
+        let mut source = source.clone();
+        async move {
+            match source.in_progress(deliveries).await {
+                Ok(true) => Renewal::Held,
+                Ok(false) => Renewal::Lost,
+                Err(error) => {
+                    tracing::warn!(%error, "could not report deliveries in progress");
+                    Renewal::Unanswered
                 }
             }
         }
-    }
+    };
+    while_renewing(work, interval, lease, report).await
 }
 
 fn settlement<T>(delivery: Delivery<T>, verdict: Verdict) -> Settlement<T> {

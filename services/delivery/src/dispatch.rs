@@ -40,7 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::gather::gather;
 use crate::pause::Pause;
-use crate::source::{Delivery, LeaseWatch};
+use crate::source::{Delivery, LeaseWatch, Renewal, while_renewing};
 use crate::{Handler, HandlerError, handle_in_span};
 
 /// Keys per Ledger call (the server's limit).
@@ -252,8 +252,7 @@ impl Dispatcher {
 
         self.claim(deliveries, &mut pairs).await?;
         let held = self.held_claims(deliveries, &pairs);
-        let renewing = self.clone();
-        if with_renewals(renewing, held, self.run_handlers(deliveries, &mut pairs)).await.is_none() {
+        if with_renewals(self, &held, self.run_handlers(deliveries, &mut pairs)).await.is_none() {
             return Ok(None);
         }
         let ledger = self.ledger_settlement(deliveries, &pairs);
@@ -348,18 +347,16 @@ impl Dispatcher {
                 }
                 let events: Vec<&v1::Event> = work.iter().map(|&(d, _)| &deliveries[d].event).collect();
                 let started = Instant::now();
-                let ran =
-                    tokio::time::timeout(timeout, AssertUnwindSafe(handler.handle_batch(&events)).catch_unwind()).await;
+                let ran = guarded(timeout, handler.handle_batch(&events)).await;
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 HANDLER_BATCH.observe(&[handler.name()], events.len() as f64);
                 let results = match ran {
-                    Ok(Ok(results)) if results.len() == events.len() => results,
-                    Ok(Ok(results)) => {
+                    Ok(results) if results.len() == events.len() => results,
+                    Ok(results) => {
                         let error = format!("handler returned {} results for {} events", results.len(), events.len());
                         vec![Err(HandlerError::Retryable(error)); events.len()]
                     }
-                    Ok(Err(panic)) if events.len() == 1 => vec![Err(panicked(&*panic))],
-                    Ok(Err(_)) => {
+                    Err(Unfinished::Panicked(_)) if events.len() > 1 => {
                         // Which event it was is not known: each runs again alone (handlers are
                         // idempotent), so only the one that panics spends its attempts and its
                         // batch-mates are not dead-lettered with it.
@@ -370,18 +367,15 @@ impl Dispatcher {
                         );
                         let mut results = Vec::with_capacity(events.len());
                         for event in &events {
-                            let alone = AssertUnwindSafe(handle_in_span(&*handler, event)).catch_unwind();
-                            results.push(match tokio::time::timeout(timeout, alone).await {
-                                Ok(Ok(result)) => result,
-                                Ok(Err(panic)) => Err(panicked(&*panic)),
-                                Err(_) => Err(HandlerError::Retryable(format!("handler timed out after {timeout:?}"))),
-                            });
+                            results.push(
+                                guarded(timeout, handle_in_span(&*handler, event))
+                                    .await
+                                    .unwrap_or_else(|u| Err(u.into())),
+                            );
                         }
                         results
                     }
-                    Err(_) => {
-                        vec![Err(HandlerError::Retryable(format!("handler timed out after {timeout:?}"))); events.len()]
-                    }
+                    Err(unfinished) => vec![Err(unfinished.into()); events.len()],
                 };
                 (work, results)
             }
@@ -419,27 +413,25 @@ impl Dispatcher {
         held
     }
 
-    /// Renews claims that are still being worked on: `Some(true)` when every one is still
-    /// held, `Some(false)` when some were taken over, `None` when the ledger did not answer (the
-    /// next tick tries again).
-    async fn renew(&mut self, held: &[v1::OwnedKey]) -> Option<bool> {
-        let mut all_held = true;
+    /// Renews claims that are still being worked on.
+    async fn renew(&self, held: &[v1::OwnedKey]) -> Renewal {
+        let mut renewal = Renewal::Held;
         for chunk in held.chunks(LEDGER_BATCH) {
-            match self.ledger.renew(v1::LedgerSettleRequest { keys: chunk.to_vec() }).await {
+            match self.ledger.clone().renew(v1::LedgerSettleRequest { keys: chunk.to_vec() }).await {
                 Ok(reply) => {
                     let lost = reply.into_inner().owned.iter().filter(|owned| !**owned).count();
                     if lost > 0 {
                         tracing::warn!(claims = lost, "ledger claims lost while their handlers were still running");
-                        all_held = false;
+                        renewal = Renewal::Lost;
                     }
                 }
                 Err(status) => {
                     tracing::warn!(error = status.message(), "could not renew ledger claims");
-                    return None;
+                    return Renewal::Unanswered;
                 }
             }
         }
-        Some(all_held)
+        renewal
     }
 
     /// The claims to complete (handler succeeded), to release (it failed) and to dead-letter
@@ -530,15 +522,38 @@ impl Dispatcher {
     }
 }
 
-/// A handler's panic as a failed attempt (retryable: it spends an attempt, so an event that
-/// always panics ends as a dead letter instead of coming back after every lease).
-fn panicked(panic: &(dyn std::any::Any + Send)) -> HandlerError {
-    let message = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into());
-    HandlerError::Retryable(format!("handler panicked: {message}"))
+/// A handler call that did not return.
+enum Unfinished {
+    /// It panicked, with this message.
+    Panicked(String),
+    TimedOut(Duration),
+}
+
+/// Either is a failed attempt, to be retried: it spends an attempt, so an event that always
+/// panics ends as a dead letter instead of coming back after every lease.
+impl From<Unfinished> for HandlerError {
+    fn from(unfinished: Unfinished) -> Self {
+        match unfinished {
+            Unfinished::Panicked(message) => HandlerError::Retryable(format!("handler panicked: {message}")),
+            Unfinished::TimedOut(timeout) => HandlerError::Retryable(format!("handler timed out after {timeout:?}")),
+        }
+    }
+}
+
+/// Runs a handler call within `timeout`, a panic in it caught.
+async fn guarded<T>(timeout: Duration, call: impl Future<Output = T>) -> Result<T, Unfinished> {
+    match tokio::time::timeout(timeout, AssertUnwindSafe(call).catch_unwind()).await {
+        Ok(Ok(output)) => Ok(output),
+        Ok(Err(panic)) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            Err(Unfinished::Panicked(message))
+        }
+        Err(_) => Err(Unfinished::TimedOut(timeout)),
+    }
 }
 
 /// Logs the claims a settle found taken over by a newer claim.
@@ -556,29 +571,13 @@ fn warn_lost(keys: &[&v1::OwnedKey], owned: Option<Vec<bool>>) {
 /// (`None`) once the claims cannot be held: a renewal says some were taken over, or none
 /// succeeded for five sixths of the lease (a worker cut off from the ledger stops before anyone
 /// else can be handed its events; see [`LeaseWatch`]).
-async fn with_renewals<F: Future>(mut dispatcher: Dispatcher, held: Vec<v1::OwnedKey>, work: F) -> Option<F::Output> {
+async fn with_renewals<F: Future>(dispatcher: &Dispatcher, held: &[v1::OwnedKey], work: F) -> Option<F::Output> {
     if held.is_empty() {
         return Some(work.await);
     }
-    let every = dispatcher.config.ledger_lease / 3;
+    let lease = dispatcher.config.ledger_lease;
     // The claims were made just before: their lease counts from no earlier than now.
-    let mut lease = LeaseWatch::start(dispatcher.config.ledger_lease);
-    tokio::pin!(work);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    loop {
-        tokio::select! {
-            output = &mut work => return Some(output),
-            () = tokio::time::sleep_until(lease.deadline()) => return None,
-            _ = ticks.tick() => {
-                let sent = tokio::time::Instant::now();
-                match tokio::time::timeout_at(lease.deadline(), dispatcher.renew(&held)).await {
-                    Ok(Some(true)) => lease.renewed(sent),
-                    Ok(Some(false)) | Err(_) => return None,
-                    Ok(None) => {}
-                }
-            }
-        }
-    }
+    while_renewing(work, lease / 3, &mut Some(LeaseWatch::start(lease)), || dispatcher.renew(held)).await
 }
 
 /// The span one event's handling is logged in: the handler, the event, and the trace id the

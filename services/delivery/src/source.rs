@@ -154,3 +154,50 @@ impl LeaseWatch {
         self.confirmed + self.lease * 5 / 6
     }
 }
+
+/// What one report of work in progress (a renewal of its claims) learned.
+pub(crate) enum Renewal {
+    /// Every claim is still held.
+    Held,
+    /// Some were taken over by another consumer.
+    Lost,
+    /// No answer; the next report tries again.
+    Unanswered,
+}
+
+/// Runs `work` while `renew` reports it in progress every `every`. The work is dropped
+/// (`None`) when a report says its claims were taken over, or, with a `lease`, when none was
+/// `Held` before the lease's deadline (a report still unanswered then counts as none).
+pub(crate) async fn while_renewing<F, R>(
+    work: F,
+    every: Duration,
+    lease: &mut Option<LeaseWatch>,
+    mut renew: impl FnMut() -> R,
+) -> Option<F::Output>
+where
+    F: Future,
+    R: Future<Output = Renewal>,
+{
+    tokio::pin!(work);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let never = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+    loop {
+        let deadline = lease.map_or_else(never, |lease| lease.deadline());
+        tokio::select! {
+            output = &mut work => return Some(output),
+            () = tokio::time::sleep_until(deadline) => return None,
+            _ = ticks.tick() => {
+                let sent = tokio::time::Instant::now();
+                match tokio::time::timeout_at(deadline, renew()).await {
+                    Ok(Renewal::Held) => {
+                        if let Some(lease) = lease.as_mut() {
+                            lease.renewed(sent);
+                        }
+                    }
+                    Ok(Renewal::Lost) | Err(_) => return None,
+                    Ok(Renewal::Unanswered) => {}
+                }
+            }
+        }
+    }
+}

@@ -108,13 +108,14 @@ pub async fn claim(
         // A claim renewed before leases began to count counts as renewed then (see
         // `Writer::lease_counted_from`): its owner may not have been able to renew it.
         let counted_from = tx.lease_counted_from();
+        let stale = crate::stale_before(counted_from, now, policy.lease);
         for key in taken {
             let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
             let outcome = match state {
                 Some((status, ..)) if matches!(status.as_str(), "done" | "dead_lettered" | "discarded") => {
                     ClaimOutcome::Done
                 }
-                Some((status, _, renewed)) if status == "in_progress" && (*renewed).max(counted_from) > now - lease => {
+                Some((status, _, renewed)) if status == "in_progress" && *renewed > stale => {
                     ClaimOutcome::HeldUntil((*renewed).max(counted_from) + lease)
                 }
                 Some((status, started, _)) => {

@@ -111,18 +111,19 @@ impl LeaseClock {
     /// Notes that the process runs; a gap since the last note restarts the leases.
     fn tick(&self) {
         let now = reelay_kit::now_ms();
-        if now - self.last_tick.swap(now, Ordering::SeqCst) > STALL_MS {
-            self.since.fetch_max(now, Ordering::SeqCst);
-        }
+        self.restart_after_gap(now, self.last_tick.swap(now, Ordering::SeqCst));
     }
 
     /// Since when leases count (a gap not yet noted by the ticker counts already).
     fn counted_from(&self) -> i64 {
-        let now = reelay_kit::now_ms();
-        if now - self.last_tick.load(Ordering::SeqCst) > STALL_MS {
+        self.restart_after_gap(reelay_kit::now_ms(), self.last_tick.load(Ordering::SeqCst));
+        self.since.load(Ordering::SeqCst)
+    }
+
+    fn restart_after_gap(&self, now: i64, last_tick: i64) {
+        if now - last_tick > STALL_MS {
             self.since.fetch_max(now, Ordering::SeqCst);
         }
-        self.since.load(Ordering::SeqCst)
     }
 }
 

@@ -16,7 +16,7 @@ use reelay_outbox::inspect;
 use reelay_outbox::{Database, WriteTx};
 use tonic::{Request, Response, Status};
 
-use super::internal::{MAX_BATCH_KEYS, handler_name};
+use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
 use crate::WriteError;
 
 /// Which event bus the write service delivers through.
@@ -207,14 +207,7 @@ impl v1::admin_server::Admin for AdminApi {
         let handler = if r.handler.is_empty() { None } else { Some(handler_name("handler", &r.handler)?) };
         let event_type = match r.event_type.as_str() {
             "" => None,
-            t if reelay_domain::EVENT_TYPES.contains(&t) => Some(t.to_owned()),
-            t => {
-                return Err(ServiceError::invalid(
-                    "event_type",
-                    format!("unknown event type {t:?}; one of: {}", reelay_domain::EVENT_TYPES.join(", ")),
-                )
-                .into());
-            }
+            t => Some(event_type("event_type", t)?),
         };
         if r.since_ms < 0 {
             return Err(ServiceError::invalid(

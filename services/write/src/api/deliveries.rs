@@ -6,7 +6,6 @@
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
-use reelay_domain::EVENT_TYPES;
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
     self, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
@@ -14,7 +13,7 @@ use reelay_outbox::deliveries::{
 use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
 
-use super::internal::{MAX_BATCH_KEYS, handler_name};
+use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
 use super::waiting::WaitingClaims;
 use crate::WriteError;
@@ -103,16 +102,11 @@ fn max_rows(field: &str, max_rows: u32) -> Result<u32, ServiceError> {
 
 /// The event types a handler claims: at least one, each of the catalogue (so a claim's reads of
 /// the outbox stay within what SQLite binds, whatever a caller sends), each once.
-fn event_types(field: &str, mut types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
+fn event_types(field: &str, types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
     if types.is_empty() {
         return Err(ServiceError::invalid(field, format!("must name at least one event type (handler {handler:?})")));
     }
-    if let Some(unknown) = types.iter().find(|t| !EVENT_TYPES.contains(&t.as_str())) {
-        return Err(ServiceError::invalid(
-            field,
-            format!("{unknown:?} is not an event type this write service knows (handler {handler:?})"),
-        ));
-    }
+    let mut types = types.iter().map(|t| event_type(field, t)).collect::<Result<Vec<_>, _>>()?;
     types.sort_unstable();
     types.dedup();
     Ok(types)

@@ -19,6 +19,17 @@ use super::outbox::{OutboxApi, waiting_rows};
 
 pub(super) const MAX_BATCH_KEYS: usize = 1000;
 
+/// An event type of the catalogue.
+pub(super) fn event_type(field: &str, name: &str) -> Result<String, ServiceError> {
+    if !reelay_domain::EVENT_TYPES.contains(&name) {
+        return Err(ServiceError::invalid(
+            field,
+            format!("unknown event type {name:?}; one of: {}", reelay_domain::EVENT_TYPES.join(", ")),
+        ));
+    }
+    Ok(name.to_owned())
+}
+
 /// A handler's name as ledger keys and cursors use it.
 pub(super) fn handler_name(field: &str, name: &str) -> Result<String, ServiceError> {
     let valid = !name.is_empty()
