@@ -347,6 +347,24 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 owner: "test#1".into(),
                 ..Default::default()
             })),
+        case!("a given-up pair with a malformed event id", InvalidArgument, "given_up.key.event_id", |c, x| c
+            .ledger
+            .given_up(v1::LedgerGivenUpRequest {
+                given_up: vec![v1::LedgerGivenUp {
+                    key: Some(v1::LedgerKey { event_id: "not-an-id".into(), handler: "search".into() }),
+                    attempts: 3,
+                    error: "gone".into(),
+                }],
+            })),
+        case!("a given-up pair without deliveries", InvalidArgument, "given_up.attempts", |c, x| c.ledger.given_up(
+            v1::LedgerGivenUpRequest {
+                given_up: vec![v1::LedgerGivenUp {
+                    key: Some(v1::LedgerKey { event_id: x.nobody.clone(), handler: "search".into() }),
+                    attempts: 0,
+                    error: "gone".into(),
+                }],
+            }
+        )),
         case!("a message over the size limit", ResourceExhausted, "could not be read", |c, x| c
             .reviews
             .log_review(log(&x.a, movie_ref("Heat", 1995), 8, long(5 * 1024 * 1024), ""))),

@@ -625,3 +625,102 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
     handlers.stop().await;
     cluster.stop().await;
 }
+
+/// The status, attempts and last error of a pair's ledger row.
+async fn ledger_row(db: &Path, event_id: &str, handler: &str) -> Option<Vec<String>> {
+    let sql = format!(
+        "SELECT status, attempts || '', COALESCE(last_error, ''), COALESCE(processed_at - started_at, -1) || '' \
+         FROM processed_events WHERE event_id = '{event_id}' AND handler = '{handler}'"
+    );
+    query_strings(db, &sql).await.pop()
+}
+
+async fn dead_lettered(db: &Path, event_id: &str, handler: &str) -> Vec<String> {
+    eventually("the given-up delivery is a dead letter", Duration::from_secs(40), || async {
+        ledger_row(db, event_id, handler).await.is_some_and(|r| r[0] == "dead_lettered")
+    })
+    .await;
+    ledger_row(db, event_id, handler).await.unwrap()
+}
+
+/// The worker of an event's last delivery is killed while the handler runs: JetStream will not
+/// deliver it again, and the ledger holds only the dead worker's claim. The server's
+/// max-deliveries advisory, kept in a stream, makes it a dead letter once a worker is back, and
+/// a replay runs it once. Before, nothing recorded it: the event was lost for that handler.
+#[tokio::test]
+async fn a_worker_killed_on_the_last_delivery_leaves_a_dead_letter() {
+    let dir = temp_dir();
+    let mut cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "1")
+        .env("REELAY_ACK_WAIT_MS", "2000")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .handlers(&[("REELAY_PROBE_DELAY_MS", "8000")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || async {
+        !probe_records(&cluster.effects, "attempts").await.0.is_empty()
+    })
+    .await;
+    cluster.handlers[0].kill();
+    cluster.handlers[0].restart_with(&[("REELAY_PROBE_DELAY_MS", "0")]).await;
+    let row = dead_lettered(&cluster.db, &event_id, "probe-a").await;
+    assert_eq!(row[1], "1", "one delivery was made: {row:?}");
+    assert!(row[2].starts_with("JetStream stopped delivering the event after 1 deliveries"), "{row:?}");
+    let key = (event_id.clone(), "probe-a".to_owned());
+    assert_eq!(probe_records(&cluster.effects, "effects").await.0.get(&key), None);
+
+    let replayed = cluster.cli(&["dead-letters", "replay", &event_id]).await;
+    assert!(replayed.ok().contains("1 replayed"), "{}", replayed.stdout);
+    eventually("the replay is handled", Duration::from_secs(30), || async {
+        ledger_row(&cluster.db, &event_id, "probe-a").await.is_some_and(|r| r[0] == "done")
+    })
+    .await;
+    assert_eq!(probe_records(&cluster.effects, "effects").await.0.get(&key), Some(&1));
+    cluster.stop().await;
+}
+
+/// An event's last delivery finds it held by a claim whose owner never finishes it (a worker
+/// gone, or a claim whose answer was lost): the delivery is deferred, and JetStream gives the
+/// event up. Once that claim's lease has run out (not before: its owner could still settle it),
+/// the pair is a dead letter; the handler never ran it.
+#[tokio::test]
+async fn a_last_delivery_deferred_to_a_claim_that_never_finishes_leaves_a_dead_letter() {
+    let dir = temp_dir();
+    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "1")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
+    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "gone-worker#1".into() };
+    let reply = c.ledger.claim(claim).await.unwrap().into_inner();
+    assert!(matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_))), "{reply:?}");
+
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let effects = cluster.effects.to_str().unwrap();
+    let env = with(
+        &broker,
+        &[
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", effects),
+            ("EVENT_QUEUE_MAX_ATTEMPTS", "1"),
+            ("REELAY_LEDGER_LEASE_MS", "3000"),
+        ],
+    );
+    let mut handlers = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("late"), &env).await;
+    let row = dead_lettered(&cluster.db, &event_id, "probe-a").await;
+    assert!(row[2].starts_with("JetStream stopped delivering"), "{row:?}");
+    let waited: i64 = row[3].parse().unwrap();
+    assert!(waited >= 3000, "recorded only after the holder's lease ran out ({waited} ms after its claim)");
+    assert!(probe_records(&cluster.effects, "attempts").await.0.is_empty(), "the handler never ran the event");
+    handlers.stop().await;
+    cluster.stop().await;
+}

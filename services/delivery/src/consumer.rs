@@ -211,10 +211,20 @@ pub const REPLAY_OF_HEADER: &str = "Reelay-Replay-Of";
 /// replay the event it republishes, or the envelope's id when a publisher set no header). The
 /// event type is the subject's last token.
 pub fn event_from_nats(message: &async_nats::Message) -> (reelay_contracts::v1::Event, Option<String>) {
-    let header = |name: &str| message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned());
+    event_from_parts(message.headers.as_ref(), &message.subject, &message.payload)
+}
+
+/// [`event_from_nats`] for a message's parts (a message read back from the stream by sequence
+/// comes in another type).
+pub fn event_from_parts(
+    headers: Option<&async_nats::HeaderMap>,
+    subject: &str,
+    payload: &[u8],
+) -> (reelay_contracts::v1::Event, Option<String>) {
+    let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str().to_owned());
     let header_id = header(REPLAY_OF_HEADER).or_else(|| header("Nats-Msg-Id")).unwrap_or_default();
-    let event_type = message.subject.rsplit('.').next().unwrap_or_default();
-    let event = decode_envelope(&message.payload, &header_id, event_type, "");
+    let event_type = subject.rsplit('.').next().unwrap_or_default();
+    let event = decode_envelope(payload, &header_id, event_type, "");
     let event_id = if header_id.is_empty() { event.event_id.clone() } else { header_id };
     (event, (!event_id.is_empty()).then_some(event_id))
 }

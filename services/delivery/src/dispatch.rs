@@ -20,7 +20,9 @@
 //! Where the source keeps no dead letters of its own (JetStream stops delivering an exhausted
 //! message but records nothing), the last failed delivery of a claim this dispatcher holds (its
 //! attempts spent, or a permanent failure) becomes a dead letter in the ledger instead of being
-//! released, so operators find dead letters in one place on every backend.
+//! released, so operators find dead letters in one place on every backend. A last delivery that
+//! ends with no outcome here (deferred, dropped, or its dead letter refused) is recorded from the
+//! server's advisory instead ([`crate::given_up`]).
 //!
 //! Each event's handling is logged in a span carrying the trace id the write stamped on the
 //! event, so a handler's lines join the write's trace.

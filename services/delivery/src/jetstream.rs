@@ -51,6 +51,26 @@ impl JetStreamConfig {
         format!("{}.replay.{handler}.{event_type}", self.subject_prefix)
     }
 
+    /// The stream that keeps JetStream's word that it gave a handler's message up: the
+    /// max-deliveries and terminated advisories of the event stream's consumers, which the
+    /// server publishes once, to whoever listens then (see [`crate::given_up`]).
+    pub fn given_up_stream(&self) -> String {
+        format!("{}_GIVEN_UP", self.stream)
+    }
+
+    /// The advisories saying the server gave up a message of `consumer` (`*` for every consumer).
+    pub fn given_up_subjects(&self, consumer: &str) -> Vec<String> {
+        ["MAX_DELIVERIES", "MSG_TERMINATED"]
+            .iter()
+            .map(|kind| format!("$JS.EVENT.ADVISORY.CONSUMER.{kind}.{}.{consumer}", self.stream))
+            .collect()
+    }
+
+    /// The durable consumer through which a handler's processes read its given-up advisories.
+    pub fn given_up_consumer_name(handler: &str) -> String {
+        format!("given-up-{handler}")
+    }
+
     /// The subjects a handler's consumer takes: its event types, and its replays.
     pub fn consumer_subjects(&self, handler: &str, event_types: &[&str]) -> Vec<String> {
         let mut subjects: Vec<String> = event_types.iter().map(|t| self.subject(t)).collect();
@@ -105,8 +125,66 @@ pub fn check_retry_horizon(retry: RetryPolicy, max_attempts: u32, outbox_lease: 
     Ok(())
 }
 
-/// Creates the stream, or brings an existing one's `duplicate_window` to what Reelay needs.
+/// Creates the event stream and the stream of given-up advisories beside it, or brings an
+/// existing event stream's `duplicate_window` to what Reelay needs.
 pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
+    ensure_event_stream(js, config).await?;
+    ensure_given_up_stream(js, config).await
+}
+
+/// How long a given-up advisory is kept for a handler that does not run to read it.
+const GIVEN_UP_MAX_AGE: Duration = Duration::from_secs(30 * 86_400);
+
+async fn ensure_given_up_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
+    let name = config.given_up_stream();
+    js.get_or_create_stream(stream::Config {
+        name: name.clone(),
+        subjects: config.given_up_subjects("*"),
+        storage: stream::StorageType::File,
+        num_replicas: config.replicas,
+        max_age: GIVEN_UP_MAX_AGE,
+        description: Some(format!(
+            "JetStream's advisories that it stopped delivering a message of {} to a handler (its deliveries ran \
+             out, or it was terminated); each handler records those without an outcome as dead letters",
+            config.stream
+        )),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| js_error(format!("creating stream {name}"), e))?;
+    Ok(())
+}
+
+/// Creates (or opens) the durable consumer through which `handler`'s processes read the
+/// advisories of messages given up for it.
+pub async fn ensure_given_up_consumer(
+    js: &jetstream::Context,
+    config: &JetStreamConfig,
+    handler: &str,
+) -> Result<consumer::PullConsumer, SetupError> {
+    let stream = config.given_up_stream();
+    let name = JetStreamConfig::given_up_consumer_name(handler);
+    js.get_stream(&stream)
+        .await
+        .map_err(|e| js_error(format!("looking up stream {stream}"), e))?
+        .get_or_create_consumer(
+            &name,
+            consumer::pull::Config {
+                durable_name: Some(name.clone()),
+                description: Some(format!("Reelay handler `{handler}`: messages JetStream gave up")),
+                filter_subjects: config.given_up_subjects(&JetStreamConfig::consumer_name(handler)),
+                ack_policy: consumer::AckPolicy::Explicit,
+                deliver_policy: consumer::DeliverPolicy::All,
+                ack_wait: Duration::from_secs(30),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| js_error(format!("creating consumer {name}"), e))
+}
+
+/// Creates the event stream, or brings an existing one's `duplicate_window` to what Reelay needs.
+async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     match js.get_stream(&config.stream).await {
         Ok(mut existing) => {
             let info = existing.info().await.map_err(|e| js_error(format!("reading stream {}", config.stream), e))?;

@@ -10,6 +10,7 @@ pub mod core_source;
 pub mod db_source;
 pub mod dispatch;
 mod gather;
+pub mod given_up;
 pub mod handler;
 pub mod jetstream;
 pub mod nats_source;

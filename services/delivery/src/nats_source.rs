@@ -3,7 +3,8 @@
 //! Settlements map onto JetStream acks: ack → ack; nak → nak with the retry delay; defer →
 //! nak with the delay to the given time (JetStream has no nak that spares an attempt); term →
 //! term. The last allowed delivery is naked without delay so the server's max-deliveries
-//! advisory fires while a pull is waiting, and the event is logged as exhausted.
+//! advisory fires while a pull is waiting, and the event is logged as exhausted; the advisory
+//! turns a last delivery that ended with no outcome into a dead letter (see [`crate::given_up`]).
 
 use std::time::Duration;
 
@@ -41,7 +42,7 @@ impl JetStreamSource {
 const PULL_GRACE: Duration = Duration::from_secs(3);
 
 /// Collects a pull's messages into `into`, giving up once `limit` has passed.
-async fn collect<S>(mut batch: S, into: &mut Vec<Message>, limit: Duration) -> Result<(), SourceError>
+pub(crate) async fn collect<S>(mut batch: S, into: &mut Vec<Message>, limit: Duration) -> Result<(), SourceError>
 where
     S: futures_util::Stream<Item = Result<Message, async_nats::Error>> + Unpin,
 {

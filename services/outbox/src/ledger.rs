@@ -244,6 +244,80 @@ pub async fn dead_letter(tx: &mut WriteTx, dead: &[DeadLetter], now: i64) -> Res
     Ok(owned)
 }
 
+/// A pair its event source gave up (see [`given_up`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GivenUp {
+    pub key: LedgerKey,
+    /// Deliveries the source made.
+    pub attempts: u32,
+    pub error: String,
+}
+
+/// What [`given_up`] found for a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GivenUpOutcome {
+    /// It had no outcome and is a dead letter now.
+    DeadLettered,
+    /// It already had its outcome (done, dead-lettered or discarded).
+    Finished,
+    /// A live claim holds it until this time (ms): its holder settles it.
+    HeldUntil(i64),
+}
+
+/// Records pairs whose event source stopped delivering them (JetStream ran out of deliveries
+/// or terminated the message): a pair without an outcome (no row, a released one, or a claim
+/// whose owner stopped renewing it) becomes a dead letter, so an operator can replay it. A
+/// pair with a live claim is left to its holder (the same lease rule as [`claim`]).
+pub async fn given_up(
+    tx: &mut WriteTx,
+    pairs: &[GivenUp],
+    now: i64,
+    policy: LedgerPolicy,
+) -> Result<Vec<GivenUpOutcome>, sqlx::Error> {
+    let lease = policy.lease.as_millis() as i64;
+    let counted_from = tx.lease_counted_from();
+    let stale = crate::stale_before(counted_from, now, policy.lease);
+    let mut outcomes = Vec::with_capacity(pairs.len());
+    for pair in pairs {
+        let state: Option<(String, i64)> = sqlx::query_as(
+            "SELECT status, COALESCE(renewed_at, started_at) FROM processed_events WHERE event_id = ? AND handler = ?",
+        )
+        .bind(&pair.key.event_id)
+        .bind(&pair.key.handler)
+        .fetch_optional(tx.conn())
+        .await?;
+        let outcome = match state {
+            Some((status, _)) if matches!(status.as_str(), "done" | "dead_lettered" | "discarded") => {
+                GivenUpOutcome::Finished
+            }
+            Some((status, renewed)) if status == "in_progress" && renewed > stale => {
+                GivenUpOutcome::HeldUntil(renewed.max(counted_from) + lease)
+            }
+            _ => {
+                let error: String = pair.error.chars().take(2000).collect();
+                sqlx::query(
+                    "INSERT INTO processed_events (event_id, handler, status, started_at, processed_at, attempts, last_error) \
+                     VALUES (?1, ?2, 'dead_lettered', ?3, ?3, ?4, ?5) \
+                     ON CONFLICT (event_id, handler) DO UPDATE SET status = 'dead_lettered', processed_at = ?3, \
+                     attempts = ?4, last_error = ?5, owner = NULL",
+                )
+                .bind(&pair.key.event_id)
+                .bind(&pair.key.handler)
+                .bind(now)
+                .bind(i64::from(pair.attempts))
+                .bind(&error)
+                .execute(tx.conn())
+                .await?;
+                tracing::error!(event_id = %pair.key.event_id, handler = %pair.key.handler, attempts = pair.attempts,
+                    %error, "delivery given up by its event source without an outcome: dead-lettered for this handler");
+                GivenUpOutcome::DeadLettered
+            }
+        };
+        outcomes.push(outcome);
+    }
+    Ok(outcomes)
+}
+
 /// The ledger rows retention deletes, each kind found through its own index: done and discarded
 /// rows processed before `?1`, and claims abandoned (neither settled nor renewed) since then.
 /// Each names one kind so that its `DELETE … IN (…)` finds the rows by key; a `UNION` of them

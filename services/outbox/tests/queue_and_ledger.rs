@@ -5,7 +5,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
 use reelay_domain::{NewEvent, retry_backoff};
-use reelay_outbox::ledger::{self, ClaimOutcome, LedgerKey, LedgerPolicy, OwnedKey};
+use reelay_outbox::ledger::{self, ClaimOutcome, GivenUp, GivenUpOutcome, LedgerKey, LedgerPolicy, OwnedKey};
 use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy, RowClaim};
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
@@ -231,6 +231,63 @@ async fn a_key_asked_twice_in_one_claim_is_acquired_once() {
     let k = vec![key("e1", "search"), key("e1", "search")];
     let taken = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, "w2#a", later, policy).await })).await;
     assert_eq!(taken, vec![ClaimOutcome::Acquired(later), ClaimOutcome::HeldUntil(later + 30_000)]);
+}
+
+/// Pairs JetStream gave up (deliveries spent or terminated) become dead letters unless they
+/// finished; a live claim is left to its holder, and a stale one's owner can no longer settle it.
+#[tokio::test]
+async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
+    let (_dir, db) = open().await;
+    let policy = LedgerPolicy { lease: Duration::from_secs(30), retention: Duration::from_secs(30 * 86_400) };
+    let claimed = vec![key("done", "search"), key("live", "search"), key("stale", "search")];
+    job(&db, move |tx| {
+        Box::pin(async move {
+            ledger::claim(tx, &claimed, "w1#a", T0, policy).await?;
+            ledger::complete(tx, &[OwnedKey { key: key("done", "search"), token: T0 }], T0).await
+        })
+    })
+    .await;
+    job(&db, move |tx| {
+        Box::pin(
+            async move { ledger::renew(tx, &[OwnedKey { key: key("live", "search"), token: T0 }], T0 + 50_000).await },
+        )
+    })
+    .await;
+    let given = |event: &str| GivenUp { key: key(event, "search"), attempts: 5, error: format!("{event} given up") };
+    let pairs = vec![given("done"), given("live"), given("stale"), given("unclaimed")];
+    let at = T0 + 60_000;
+    let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &pairs, at, policy).await })).await;
+    assert_eq!(
+        outcomes,
+        vec![
+            GivenUpOutcome::Finished,
+            GivenUpOutcome::HeldUntil(T0 + 80_000),
+            GivenUpOutcome::DeadLettered,
+            GivenUpOutcome::DeadLettered,
+        ]
+    );
+    let rows = job(&db, |tx| {
+        Box::pin(async move {
+            sqlx::query_as::<_, (String, String, i64, String, Option<String>)>(
+                "SELECT event_id, status, attempts, COALESCE(last_error, ''), owner FROM processed_events ORDER BY event_id",
+            )
+            .fetch_all(tx.conn())
+            .await
+        })
+    })
+    .await;
+    let row = |e: &str| rows.iter().find(|r| r.0 == e).cloned().unwrap();
+    assert_eq!(row("stale"), ("stale".into(), "dead_lettered".into(), 5, "stale given up".into(), None));
+    assert_eq!(row("unclaimed"), ("unclaimed".into(), "dead_lettered".into(), 5, "unclaimed given up".into(), None));
+    assert_eq!(row("done").1, "done");
+    assert_eq!(row("live").1, "in_progress");
+    // The stale claim's owner, back late, cannot complete what is now a dead letter; asked
+    // again, the pair has its outcome.
+    let late = vec![OwnedKey { key: key("stale", "search"), token: T0 }];
+    assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &late, at).await })).await, vec![false]);
+    let again = vec![given("stale")];
+    let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &again, at, policy).await })).await;
+    assert_eq!(outcomes, vec![GivenUpOutcome::Finished]);
 }
 
 #[tokio::test]

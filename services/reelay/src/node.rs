@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures_util::FutureExt;
-use reelay_contracts::v1::{self, outbox_client::OutboxClient};
+use reelay_contracts::v1::{self, ledger_client::LedgerClient, outbox_client::OutboxClient};
 use reelay_delivery::consumer::run_consumer;
 use reelay_delivery::core_source::CoreSource;
 use reelay_delivery::db_source::{ClaimerConfig, DeliveryClaimer, DeliverySource, DeliverySourceConfig};
 use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, LedgerClaims};
+use reelay_delivery::given_up::GivenUpWatch;
 use reelay_delivery::jetstream::{self, JetStreamConfig};
 use reelay_delivery::nats_source::JetStreamSource;
 use reelay_delivery::{BuiltHandler, HandlerContext};
@@ -335,6 +336,15 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     let source =
                         JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
                     clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
+                    // What JetStream gives up with no outcome recorded becomes a dead letter.
+                    let watch = GivenUpWatch {
+                        handler: handler.name().to_owned(),
+                        advisories: jetstream::ensure_given_up_consumer(&js, &js_config, handler.name()).await?,
+                        events: js.get_stream(&js_config.stream).await.context("opening the event stream")?,
+                        ledger: LedgerClient::new(write_channel.clone()),
+                        shutdown: shutdown.clone(),
+                    };
+                    clients.spawn(watch.run());
                 }
                 (Some(client), NatsMode::Core) => {
                     let source = CoreSource::subscribe(client, &js_config.subject_prefix, handler.name())

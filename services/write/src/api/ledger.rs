@@ -6,7 +6,9 @@ use reelay_contracts::v1;
 use reelay_domain::EventId;
 use reelay_kit::ServiceError;
 use reelay_kit::metrics::{self, Counter};
-use reelay_outbox::ledger::{self, ClaimOutcome, DeadLetter, LedgerKey, LedgerPolicy, OwnedKey};
+use reelay_outbox::ledger::{
+    self, ClaimOutcome, DeadLetter, GivenUp, GivenUpOutcome, LedgerKey, LedgerPolicy, OwnedKey,
+};
 use reelay_outbox::{Database, WriteTx};
 use tonic::{Request, Response, Status};
 
@@ -47,10 +49,16 @@ fn ledger_key(field: &str, key: Option<v1::LedgerKey>) -> Result<LedgerKey, Serv
     Ok(LedgerKey { event_id: key.event_id, handler })
 }
 
-fn owned_keys(keys: Vec<v1::OwnedKey>) -> Result<Vec<OwnedKey>, ServiceError> {
-    if keys.is_empty() || keys.len() > MAX_BATCH_KEYS {
-        return Err(ServiceError::invalid("keys", format!("must hold 1..={MAX_BATCH_KEYS} keys, got {}", keys.len())));
+/// Refuses an empty batch, or one over the server's limit, naming `field`.
+fn batch_size(field: &str, what: &str, len: usize) -> Result<(), ServiceError> {
+    if len == 0 || len > MAX_BATCH_KEYS {
+        return Err(ServiceError::invalid(field, format!("must hold 1..={MAX_BATCH_KEYS} {what}, got {len}")));
     }
+    Ok(())
+}
+
+fn owned_keys(keys: Vec<v1::OwnedKey>) -> Result<Vec<OwnedKey>, ServiceError> {
+    batch_size("keys", "keys", keys.len())?;
     keys.into_iter().map(|k| Ok(OwnedKey { key: ledger_key("keys.key", k.key)?, token: k.token })).collect()
 }
 
@@ -62,13 +70,7 @@ impl v1::ledger_server::Ledger for LedgerApi {
     ) -> Result<Response<v1::LedgerClaimResponse>, Status> {
         let request = request.into_inner();
         let (keys, owner) = (request.keys, request.owner);
-        if keys.is_empty() || keys.len() > MAX_BATCH_KEYS {
-            return Err(ServiceError::invalid(
-                "keys",
-                format!("must hold 1..={MAX_BATCH_KEYS} keys, got {}", keys.len()),
-            )
-            .into());
-        }
+        batch_size("keys", "keys", keys.len())?;
         let keys = keys.into_iter().map(|k| ledger_key("keys", Some(k))).collect::<Result<Vec<_>, _>>()?;
         let policy = self.policy;
         let claims = keys.clone();
@@ -127,13 +129,7 @@ impl v1::ledger_server::Ledger for LedgerApi {
         request: Request<v1::LedgerDeadLetterRequest>,
     ) -> Result<Response<v1::LedgerSettleResponse>, Status> {
         let dead = request.into_inner().dead_letters;
-        if dead.is_empty() || dead.len() > MAX_BATCH_KEYS {
-            return Err(ServiceError::invalid(
-                "dead_letters",
-                format!("must hold 1..={MAX_BATCH_KEYS} dead letters, got {}", dead.len()),
-            )
-            .into());
-        }
+        batch_size("dead_letters", "dead letters", dead.len())?;
         let dead = dead
             .into_iter()
             .map(|d| {
@@ -154,6 +150,44 @@ impl v1::ledger_server::Ledger for LedgerApi {
             .await?;
         LEDGER_DEAD_LETTERS.inc_by(&[], owned.iter().filter(|o| **o).count() as u64);
         Ok(Response::new(v1::LedgerSettleResponse { owned }))
+    }
+
+    async fn given_up(
+        &self,
+        request: Request<v1::LedgerGivenUpRequest>,
+    ) -> Result<Response<v1::LedgerGivenUpResponse>, Status> {
+        let given_up = request.into_inner().given_up;
+        batch_size("given_up", "pairs", given_up.len())?;
+        let pairs = given_up
+            .into_iter()
+            .map(|g| {
+                let key = ledger_key("given_up.key", g.key)?;
+                if g.attempts == 0 {
+                    return Err(ServiceError::invalid("given_up.attempts", "must count the deliveries made (≥ 1)"));
+                }
+                Ok(GivenUp { key, attempts: g.attempts, error: g.error })
+            })
+            .collect::<Result<Vec<_>, ServiceError>>()?;
+        let policy = self.policy;
+        let outcomes = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>("ledger_given_up", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(ledger::given_up(tx, &pairs, tx.now_ms(), policy).await?) })
+            })
+            .await?;
+        LEDGER_DEAD_LETTERS.inc_by(&[], outcomes.iter().filter(|o| **o == GivenUpOutcome::DeadLettered).count() as u64);
+        let outcomes = outcomes
+            .into_iter()
+            .map(|outcome| v1::LedgerGivenUpOutcome {
+                outcome: Some(match outcome {
+                    GivenUpOutcome::DeadLettered => v1::ledger_given_up_outcome::Outcome::DeadLettered(true),
+                    GivenUpOutcome::Finished => v1::ledger_given_up_outcome::Outcome::Finished(true),
+                    GivenUpOutcome::HeldUntil(until) => v1::ledger_given_up_outcome::Outcome::HeldUntilMs(until),
+                }),
+            })
+            .collect();
+        Ok(Response::new(v1::LedgerGivenUpResponse { outcomes }))
     }
 }
 
