@@ -37,9 +37,10 @@ fn handler_context(reelay: &reelay_harness::Reelay) -> reelay_delivery::HandlerC
     reelay_delivery::HandlerContext { data_dir: reelay.database.parent().unwrap().to_owned(), write }
 }
 
-/// A handlers process of probe-a alone, an 8 s call per batch and a 3 s lease, that reaches the
-/// write service through `proxy` (which can cut it off), with `env` on top (the broker's, on
-/// nats).
+/// A handlers process of probe-a alone, an 8 s call per batch, that reaches the write service
+/// through `proxy` (which can cut it off), with `env` on top (the broker's, on nats). Its own
+/// lease setting is a minute, longer than the write service's 3 s in the tests that use it: it
+/// must go by the lease the write service's claim answers give.
 async fn slow_probe_behind(
     proxy: &reelay_harness::CuttingProxy,
     dir: &Path,
@@ -51,7 +52,7 @@ async fn slow_probe_behind(
         ("REELAY_PROBE_HANDLERS", "probe-a"),
         ("REELAY_PROBE_DB", effects),
         ("REELAY_PROBE_DELAY_MS", "8000"),
-        ("REELAY_LEDGER_LEASE_MS", "3000"),
+        ("REELAY_LEDGER_LEASE_MS", "60000"),
     ];
     all.extend_from_slice(env);
     let mut spec =

@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::consumer::decode_envelope;
 use crate::gather::gather;
-use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
+use crate::source::{AckHandle, Delivery, EventSource, ServerLease, SettleKind, Settlement, Settler, SourceError};
 
 /// One delivery's claim: its ledger key and token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +54,8 @@ struct Want {
 #[derive(Clone)]
 pub struct DeliveryClaimer {
     wants: mpsc::UnboundedSender<Want>,
+    /// The lease the write service's answers give the claims.
+    lease: ServerLease,
 }
 
 impl DeliveryClaimer {
@@ -79,8 +81,10 @@ impl DeliveryClaimer {
         };
         // A call waits (long poll) until one of its handlers has deliveries; handlers asking
         // meanwhile go out in the next call.
-        let wants = gather(split, move |wants| claim_call(client.clone(), config.clone(), wants));
-        Self { wants }
+        let lease = ServerLease::default();
+        let heard = lease.clone();
+        let wants = gather(split, move |wants| claim_call(client.clone(), config.clone(), heard.clone(), wants));
+        Self { wants, lease }
     }
 
     /// Up to `max_rows` deliveries for `handler`, waiting up to the long poll for some.
@@ -99,7 +103,12 @@ impl DeliveryClaimer {
 }
 
 /// One `ClaimDeliveriesForHandlers` call; each handler hears its part of the answer.
-async fn claim_call(mut client: OutboxClient<ServiceChannel>, config: ClaimerConfig, wants: Vec<Want>) {
+async fn claim_call(
+    mut client: OutboxClient<ServiceChannel>,
+    config: ClaimerConfig,
+    lease: ServerLease,
+    wants: Vec<Want>,
+) {
     let (handlers, replies): (Vec<v1::HandlerWants>, Vec<_>) = wants
         .into_iter()
         .map(|w| {
@@ -117,7 +126,9 @@ async fn claim_call(mut client: OutboxClient<ServiceChannel>, config: ClaimerCon
     request.set_timeout(config.long_poll + Duration::from_secs(10));
     match client.claim_deliveries_for_handlers(request).await {
         Ok(answer) => {
-            let mut answers = answer.into_inner().handlers;
+            let answer = answer.into_inner();
+            lease.heard(answer.lease_ms);
+            let mut answers = answer.handlers;
             for (handler, reply) in replies {
                 let result = match answers.iter_mut().find(|a| a.handler == handler) {
                     Some(part) if !part.refused.is_empty() => {
@@ -179,7 +190,12 @@ impl EventSource for DeliverySource {
     type Settler = DeliverySettler;
 
     fn settler(&self) -> DeliverySettler {
-        DeliverySettler { client: self.client.clone(), handler: self.config.handler, lease: self.config.lease }
+        DeliverySettler {
+            client: self.client.clone(),
+            handler: self.config.handler,
+            lease: self.config.lease,
+            server_lease: self.claimer.lease.clone(),
+        }
     }
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<DeliveryClaim>>, SourceError> {
@@ -209,7 +225,9 @@ impl EventSource for DeliverySource {
 pub struct DeliverySettler {
     client: OutboxClient<ServiceChannel>,
     handler: &'static str,
+    /// This process's lease, bounded by the write service's.
     lease: Duration,
+    server_lease: ServerLease,
 }
 
 #[async_trait::async_trait]
@@ -247,11 +265,11 @@ impl Settler<DeliveryClaim> for DeliverySettler {
     }
 
     fn progress_interval(&self) -> Option<Duration> {
-        Some(self.lease / 3)
+        Some(self.server_lease.bound(self.lease) / 3)
     }
 
     fn lease(&self) -> Option<Duration> {
-        Some(self.lease)
+        Some(self.server_lease.bound(self.lease))
     }
 
     async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<bool, SourceError> {

@@ -42,7 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::gather::gather;
 use crate::pause::Pause;
-use crate::source::{Delivery, LeaseWatch, Renewal, while_renewing};
+use crate::source::{Delivery, LeaseWatch, Renewal, ServerLease, while_renewing};
 use crate::{Handler, HandlerError, handle_in_span};
 
 /// Keys per Ledger call (the server's limit).
@@ -137,6 +137,8 @@ struct ClaimAsk {
 #[derive(Clone)]
 pub struct LedgerClaims {
     asks: mpsc::UnboundedSender<ClaimAsk>,
+    /// The lease the ledger's answers give the claims.
+    lease: ServerLease,
 }
 
 impl LedgerClaims {
@@ -156,8 +158,10 @@ impl LedgerClaims {
             }
             calls.into_iter().map(|(_, call)| call).collect()
         };
-        let asks = gather(split, move |asks| claim_call(client.clone(), owner.clone(), asks));
-        Self { asks }
+        let lease = ServerLease::default();
+        let heard = lease.clone();
+        let asks = gather(split, move |asks| claim_call(client.clone(), owner.clone(), heard.clone(), asks));
+        Self { asks, lease }
     }
 
     /// The ledger's answer for each of `keys` (at most the server's limit), in order.
@@ -170,11 +174,13 @@ impl LedgerClaims {
 }
 
 /// One `Claim` call for several asks; each hears the answers for its own keys.
-async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, asks: Vec<ClaimAsk>) {
+async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, lease: ServerLease, asks: Vec<ClaimAsk>) {
     let keys = asks.iter().flat_map(|ask| ask.keys.iter().cloned()).collect();
     match client.claim(v1::LedgerClaimRequest { keys, owner }).await {
         Ok(answer) => {
-            let mut claims = answer.into_inner().claims.into_iter();
+            let answer = answer.into_inner();
+            lease.heard(answer.lease_ms);
+            let mut claims = answer.claims.into_iter();
             for ask in asks {
                 let mine = claims.by_ref().take(ask.keys.len()).collect();
                 let _ = ask.reply.send(Ok(mine));
@@ -194,7 +200,8 @@ pub struct DispatchConfig {
     /// A handler call that takes longer fails (retryable).
     pub handler_timeout: Duration,
     pub retry_policy: RetryPolicy,
-    /// Claims are renewed every third of this while handlers run.
+    /// Claims are renewed every third of this while handlers run (or of the write service's
+    /// lease, when its claim answers say it is shorter).
     pub ledger_lease: Duration,
     /// Deliveries of one event before it is given up (`EVENT_QUEUE_MAX_ATTEMPTS`).
     pub max_attempts: u32,
@@ -577,7 +584,7 @@ async fn with_renewals<F: Future>(dispatcher: &Dispatcher, held: &[v1::OwnedKey]
     if held.is_empty() {
         return Some(work.await);
     }
-    let lease = dispatcher.config.ledger_lease;
+    let lease = dispatcher.claims.lease.bound(dispatcher.config.ledger_lease);
     // The claims were made just before: their lease counts from no earlier than now.
     while_renewing(work, lease / 3, &mut Some(LeaseWatch::start(lease)), || dispatcher.renew(held)).await
 }

@@ -6,6 +6,8 @@
 //! a time without spending an attempt, where the backend can), `term` (never retry). The source
 //! applies settlements in batches. Handlers never see any of this.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use reelay_contracts::v1;
@@ -127,6 +129,31 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
     }
 }
 
+/// The lease the write service last said it gives claims (claim answers carry it). A worker
+/// bounds its own lease (`REELAY_LEDGER_LEASE_MS` of its process) by it: a worker configured
+/// with a longer lease than the write service would otherwise work on past the point where its
+/// claims can be handed to someone else. Cheap to clone; clones share what was heard.
+#[derive(Debug, Clone, Default)]
+pub struct ServerLease(Arc<AtomicU64>);
+
+impl ServerLease {
+    /// A claim answer said the lease is `lease_ms` (0: an older server that does not say).
+    pub fn heard(&self, lease_ms: i64) {
+        let Ok(lease_ms) = u64::try_from(lease_ms) else { return };
+        if lease_ms > 0 && self.0.swap(lease_ms, Ordering::Relaxed) != lease_ms {
+            tracing::info!(lease_ms, "the write service's claim lease");
+        }
+    }
+
+    /// `own`, or the write service's lease when it is shorter.
+    pub fn bound(&self, own: Duration) -> Duration {
+        match self.0.load(Ordering::Relaxed) {
+            0 => own,
+            heard => own.min(Duration::from_millis(heard)),
+        }
+    }
+}
+
 /// Until when a consumer may still work on leased deliveries: the lease counted from when the
 /// last renewal that succeeded was sent (the backend stamps it later), less a margin, so the
 /// work stops before anyone else can be handed them. A consumer cut off from the backend for
@@ -199,5 +226,31 @@ where
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::ServerLease;
+
+    /// A worker's lease is its own setting until a claim answer says the write service's is
+    /// shorter; an answer without one (an older server) changes nothing.
+    #[test]
+    fn a_workers_lease_is_bounded_by_the_write_services() {
+        let own = Duration::from_secs(60);
+        let lease = ServerLease::default();
+        assert_eq!(lease.bound(own), own);
+        for silent in [0, -5] {
+            lease.heard(silent);
+            assert_eq!(lease.bound(own), own);
+        }
+        let shared = lease.clone();
+        shared.heard(3_000);
+        assert_eq!(lease.bound(own), Duration::from_secs(3));
+        assert_eq!(lease.bound(Duration::from_secs(1)), Duration::from_secs(1));
+        shared.heard(120_000);
+        assert_eq!(lease.bound(own), own);
     }
 }

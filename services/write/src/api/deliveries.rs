@@ -141,7 +141,7 @@ impl OutboxApi {
                 return Err(ServiceError::failed_precondition(refused).into());
             }
         };
-        Ok(v1::ClaimDeliveriesResponse { deliveries })
+        Ok(v1::ClaimDeliveriesResponse { deliveries, lease_ms: self.deliveries.lease.as_millis() as i64 })
     }
 
     pub(super) async fn claim_deliveries_for_handlers(
@@ -180,7 +180,7 @@ impl OutboxApi {
                 Err(refused) => entry.refused = refused,
             }
         }
-        Ok(v1::ClaimDeliveriesForHandlersResponse { handlers })
+        Ok(v1::ClaimDeliveriesForHandlersResponse { handlers, lease_ms: self.deliveries.lease.as_millis() as i64 })
     }
 
     /// Claims for a group of handlers (their names checked, never none) as soon as any of them

@@ -100,7 +100,7 @@ impl v1::ledger_server::Ledger for LedgerApi {
                 }),
             })
             .collect();
-        Ok(Response::new(v1::LedgerClaimResponse { claims }))
+        Ok(Response::new(v1::LedgerClaimResponse { claims, lease_ms: policy.lease.as_millis() as i64 }))
     }
 
     async fn complete(
