@@ -353,7 +353,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 given_up: vec![v1::LedgerGivenUp {
                     key: Some(v1::LedgerKey { event_id: "not-an-id".into(), handler: "search".into() }),
                     attempts: 3,
-                    error: "gone".into(),
+                    ..Default::default()
                 }],
             })),
         case!("a given-up pair without deliveries", InvalidArgument, "given_up.attempts", |c, x| c.ledger.given_up(
@@ -361,7 +361,16 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 given_up: vec![v1::LedgerGivenUp {
                     key: Some(v1::LedgerKey { event_id: x.nobody.clone(), handler: "search".into() }),
                     attempts: 0,
-                    error: "gone".into(),
+                    ..Default::default()
+                }],
+            }
+        )),
+        case!("a given-up pair on the db backend", FailedPrecondition, "nats backend", |c, x| c.ledger.given_up(
+            v1::LedgerGivenUpRequest {
+                given_up: vec![v1::LedgerGivenUp {
+                    key: Some(v1::LedgerKey { event_id: x.nobody.clone(), handler: "search".into() }),
+                    attempts: 3,
+                    ..Default::default()
                 }],
             }
         )),

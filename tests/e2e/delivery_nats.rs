@@ -724,3 +724,41 @@ async fn a_last_delivery_deferred_to_a_claim_that_never_finishes_leaves_a_dead_l
     handlers.stop().await;
     cluster.stop().await;
 }
+
+/// A replay whose first delivery fails releases its claim (on nats the ledger row goes with it,
+/// and its count of replays); dead-lettered again and replayed a second time, the second copy
+/// still gets a number of its own. Before, it got the first one's again, whose copy already
+/// holds that id in the outbox: the replay command failed, and the event could not be replayed.
+#[tokio::test]
+async fn a_second_replay_is_delivered_after_the_first_failed() {
+    let dir = temp_dir();
+    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("REELAY_PROBE_FAIL", "1")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "2")
+        .env("REELAY_RETRY_BASE_MS", "100")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    let key = (event_id.clone(), "probe-a".to_owned());
+    for (round, attempts) in [(0, 2), (1, 4), (2, 6)] {
+        if round > 0 {
+            let replayed = cluster.cli(&["dead-letters", "replay", &event_id]).await;
+            assert!(replayed.ok().contains("1 replayed"), "replay {round}: {}", replayed.stdout);
+        }
+        eventually(&format!("{attempts} attempts, then a dead letter"), Duration::from_secs(30), || async {
+            let tried = probe_records(&cluster.effects, "attempts").await.0.get(&key).copied();
+            let row = ledger_row(&cluster.db, &event_id, "probe-a").await;
+            tried == Some(attempts) && row.is_some_and(|r| r[0] == "dead_lettered")
+        })
+        .await;
+    }
+    let copies =
+        query_strings(&cluster.db, "SELECT event_id FROM event_queue WHERE replay_of IS NOT NULL ORDER BY id").await;
+    let copies: Vec<&str> = copies.iter().map(|r| r[0].as_str()).collect();
+    assert_eq!(copies, [format!("{event_id}:replay:1:probe-a"), format!("{event_id}:replay:2:probe-a")]);
+    cluster.stop().await;
+}

@@ -22,6 +22,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
 use async_nats::jetstream::{AckKind, Message};
 use reelay_contracts::v1::{self, ledger_client::LedgerClient, ledger_given_up_outcome::Outcome};
+use reelay_domain::EventId;
 use reelay_kit::Shutdown;
 use reelay_kit::client::{ServiceChannel, is_transport_failure};
 
@@ -147,8 +148,8 @@ impl GivenUpWatch {
             Ok(event) => event,
             Err(error) if matches!(error.kind(), RawMessageErrorKind::NoMessageFound) => {
                 tracing::error!(handler = %self.handler, stream_seq = advisory.stream_seq,
-                    "JetStream gave up a message that is no longer in the stream: its event cannot be named here; \
-                     the outbox still has it");
+                    "JetStream gave up a message that is no longer in the stream: its event cannot be named, \
+                     so it is not recorded as a dead letter");
                 return Step::Skip;
             }
             Err(error) => {
@@ -157,80 +158,141 @@ impl GivenUpWatch {
                 return Step::Later;
             }
         };
-        let (_, event_id) = event_from_parts(Some(&event.headers), &event.subject, &event.payload);
-        let Some(event_id) = event_id else {
+        // When the advisory was stored: the moment the server gave the message up.
+        let given_up_at = message.info().ok().map(|info| info.published);
+        if given_up_at.is_some_and(|at| event.time > at) {
             tracing::warn!(handler = %self.handler, stream_seq = advisory.stream_seq,
-                "JetStream gave up a message without an event id (not deduplicated, so no ledger record)");
+                "an advisory older than the message now at its sequence (the event stream was made again): skipped");
+            return Step::Skip;
+        }
+        let (_, event_id) = event_from_parts(Some(&event.headers), &event.subject, &event.payload);
+        // Only events with an outbox id have ledger rows (others are delivered without dedup).
+        let Some(event_id) = event_id.filter(|id| EventId::parse("event_id", id).is_ok()) else {
+            tracing::warn!(handler = %self.handler, stream_seq = advisory.stream_seq,
+                "JetStream gave up a message without an outbox event id (delivered without the ledger, so no dead letter)");
             return Step::Skip;
         };
         Step::Ask(v1::LedgerGivenUp {
             key: Some(v1::LedgerKey { event_id, handler: self.handler.clone() }),
             attempts: advisory.deliveries,
             error: advisory.error(),
+            replay: replay_number(event.headers.get("Nats-Msg-Id").map(|v| v.as_str())),
+            given_up_at_ms: given_up_at.map_or(0, |at| (at.unix_timestamp_nanos() / 1_000_000) as i64),
         })
     }
 
     /// Tells the ledger, then acknowledges each advisory it settled and hands back, for later,
-    /// each whose pair a live claim still holds.
+    /// each whose pair a live claim still holds (or that could not be asked about now).
     async fn record(&mut self, pending: Vec<Pending>) {
-        let given_up: Vec<v1::LedgerGivenUp> = pending
+        let asks: Vec<v1::LedgerGivenUp> = pending
             .iter()
             .filter_map(|p| match &p.step {
                 Step::Ask(ask) => Some(ask.clone()),
                 Step::Skip | Step::Later => None,
             })
             .collect();
-        let mut outcomes = Vec::new().into_iter();
-        if !given_up.is_empty() {
-            let mut ledger = Pause::new("ledger");
-            let request = v1::LedgerGivenUpRequest { given_up };
-            loop {
-                match self.ledger.given_up(request.clone()).await {
-                    Ok(reply) => {
-                        ledger.resumed();
-                        outcomes = reply.into_inner().outcomes.into_iter();
-                        break;
-                    }
-                    Err(status) if is_transport_failure(&status) => ledger.wait(status.message()).await,
-                    Err(status) => {
-                        tracing::error!(handler = %self.handler, code = ?status.code(), error = status.message(),
-                            "the ledger refused given-up messages; asking again later");
-                        for p in pending {
-                            let _ = p.message.ack_with(AckKind::Nak(Some(RETRY))).await;
+        let mut answers = Vec::with_capacity(asks.len());
+        if !asks.is_empty() {
+            match self.ask(asks.clone()).await {
+                Ok(outcomes) => answers = outcomes,
+                // One pair the ledger refuses must not hold back the others: ask one by one.
+                Err(status) if status.code() == tonic::Code::InvalidArgument && asks.len() > 1 => {
+                    for ask in asks {
+                        match self.ask(vec![ask]).await {
+                            Ok(mut outcome) => answers.push(outcome.pop().unwrap_or(Answer::Missing)),
+                            Err(status) => answers.push(Answer::Refused(status)),
                         }
-                        return;
                     }
                 }
+                Err(status) => answers.extend(asks.iter().map(|_| Answer::Refused(status.clone()))),
             }
         }
+        let mut answers = answers.into_iter();
         for p in pending {
             let kind = match p.step {
                 Step::Skip => AckKind::Ack,
                 Step::Later => AckKind::Nak(Some(RETRY)),
-                Step::Ask(ask) => match outcomes.next().and_then(|o| o.outcome) {
-                    Some(Outcome::HeldUntilMs(until)) => {
-                        let wait = (until - reelay_kit::now_ms()).max(1_000) as u64;
-                        AckKind::Nak(Some(Duration::from_millis(wait)))
+                Step::Ask(ask) => {
+                    let key = ask.key.unwrap_or_default();
+                    match answers.next().unwrap_or(Answer::Missing) {
+                        Answer::Outcome(Outcome::HeldUntilMs(until)) => {
+                            let wait = (until - reelay_kit::now_ms()).max(1_000) as u64;
+                            AckKind::Nak(Some(Duration::from_millis(wait)))
+                        }
+                        Answer::Outcome(Outcome::DeadLettered(_)) => {
+                            tracing::error!(handler = %self.handler, event_id = %key.event_id, error = %ask.error,
+                                "recorded a message JetStream gave up as a dead letter");
+                            AckKind::Ack
+                        }
+                        Answer::Outcome(Outcome::Finished(_)) => AckKind::Ack,
+                        Answer::Refused(status) if status.code() == tonic::Code::InvalidArgument => {
+                            tracing::error!(handler = %self.handler, event_id = %key.event_id, error = status.message(),
+                                "the ledger refuses this given-up message for good; it is not recorded");
+                            AckKind::Ack
+                        }
+                        Answer::Refused(status) => {
+                            tracing::error!(handler = %self.handler, event_id = %key.event_id, code = ?status.code(),
+                                error = status.message(), "the ledger refused a given-up message; asking again later");
+                            AckKind::Nak(Some(RETRY))
+                        }
+                        Answer::Missing => AckKind::Nak(Some(RETRY)),
                     }
-                    Some(Outcome::DeadLettered(_)) => {
-                        let key = ask.key.unwrap_or_default();
-                        tracing::error!(handler = %self.handler, event_id = %key.event_id, error = %ask.error,
-                            "recorded a message JetStream gave up as a dead letter");
-                        AckKind::Ack
-                    }
-                    Some(Outcome::Finished(_)) | None => AckKind::Ack,
-                },
+                }
             };
             if let Err(error) = p.message.ack_with(kind).await {
                 tracing::warn!(handler = %self.handler, %error, "could not settle a given-up advisory; it comes back");
             }
         }
     }
+
+    /// One `GivenUp` call, repeated while the ledger is unreachable: an answer per pair, in order.
+    async fn ask(&mut self, given_up: Vec<v1::LedgerGivenUp>) -> Result<Vec<Answer>, tonic::Status> {
+        let mut pause = Pause::new("ledger");
+        let request = v1::LedgerGivenUpRequest { given_up };
+        loop {
+            match self.ledger.given_up(request.clone()).await {
+                Ok(reply) => {
+                    pause.resumed();
+                    let outcomes = reply.into_inner().outcomes;
+                    let answers = outcomes.into_iter().map(|o| o.outcome.map_or(Answer::Missing, Answer::Outcome));
+                    return Ok(answers.collect());
+                }
+                Err(status) if is_transport_failure(&status) => pause.wait(status.message()).await,
+                Err(status) => return Err(status),
+            }
+        }
+    }
+}
+
+/// The ledger's word on one given-up pair.
+enum Answer {
+    Outcome(Outcome),
+    Refused(tonic::Status),
+    /// The answer left it out.
+    Missing,
+}
+
+/// Which copy of an event a message is, from its `Nats-Msg-Id`: a replay's is
+/// `<event id>:replay:<n>:<handler>`; the event's own (0) is the event id.
+fn replay_number(message_id: Option<&str>) -> u32 {
+    message_id
+        .and_then(|id| id.split(':').nth(2).filter(|_| id.contains(":replay:")))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Advisory;
+    use super::{Advisory, replay_number};
+
+    #[test]
+    fn a_replays_number_is_read_from_its_message_id() {
+        let id = "0190a000-0000-7000-8000-000000000001";
+        assert_eq!(replay_number(Some(id)), 0);
+        assert_eq!(replay_number(Some(&format!("{id}:replay:3:search"))), 3);
+        assert_eq!(replay_number(Some(&format!("{id}:replay:x:search"))), 0);
+        assert_eq!(replay_number(None), 0);
+    }
 
     #[test]
     fn advisories_are_read_or_refused() {

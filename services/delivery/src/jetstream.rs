@@ -129,7 +129,13 @@ pub fn check_retry_horizon(retry: RetryPolicy, max_attempts: u32, outbox_lease: 
 /// existing event stream's `duplicate_window` to what Reelay needs.
 pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     ensure_event_stream(js, config).await?;
-    ensure_given_up_stream(js, config).await
+    // Without it the pipeline still runs; only given-up messages go unrecorded, which is said.
+    if let Err(error) = ensure_given_up_stream(js, config).await {
+        tracing::error!(%error,
+            "cannot keep JetStream's given-up advisories (does another stream take $JS.EVENT.ADVISORY subjects?): \
+             a message whose last delivery ends with no outcome will not become a dead letter");
+    }
+    Ok(())
 }
 
 /// How long a given-up advisory is kept for a handler that does not run to read it.

@@ -165,7 +165,18 @@ pub async fn act(
         };
         match action {
             Action::Replay { republish } => {
-                let replay = replays as u32 + 1;
+                // Numbered by the audit trail, which is never purged: the ledger row's count
+                // starts again when a failed replay releases its claim (the row is deleted on
+                // nats), and a number used again names a copy the outbox already has (and the
+                // broker would drop it as a duplicate).
+                let replayed: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM dead_letter_actions WHERE event_id = ? AND handler = ? AND action = 'replay'",
+                )
+                .bind(&event_id)
+                .bind(&handler)
+                .fetch_one(tx.conn())
+                .await?;
+                let replay = replayed.max(replays) as u32 + 1;
                 // nats: the relay republishes a copy of the event to this handler alone.
                 if republish && !enqueue_replay(tx, &event_id, &handler, replay).await? {
                     tracing::warn!(%event_id, %handler, "cannot replay: the event is no longer in the outbox");

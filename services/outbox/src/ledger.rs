@@ -251,6 +251,10 @@ pub struct GivenUp {
     /// Deliveries the source made.
     pub attempts: u32,
     pub error: String,
+    /// The copy given up: 0 the event itself, n its n-th replay to this handler.
+    pub replay: u32,
+    /// When the source gave it up (ms); 0 if unknown.
+    pub given_up_at: i64,
 }
 
 /// What [`given_up`] found for a pair.
@@ -267,7 +271,9 @@ pub enum GivenUpOutcome {
 /// Records pairs whose event source stopped delivering them (JetStream ran out of deliveries
 /// or terminated the message): a pair without an outcome (no row, a released one, or a claim
 /// whose owner stopped renewing it) becomes a dead letter, so an operator can replay it. A
-/// pair with a live claim is left to its holder (the same lease rule as [`claim`]).
+/// pair with a live claim is left to its holder (the same lease rule as [`claim`]). Nothing
+/// changes for a copy an operator's later replay superseded (the replay has its own fate), or
+/// one given up longer ago than the ledger keeps outcomes (a done row may have been purged).
 pub async fn given_up(
     tx: &mut WriteTx,
     pairs: &[GivenUp],
@@ -278,7 +284,25 @@ pub async fn given_up(
     let counted_from = tx.lease_counted_from();
     let stale = crate::stale_before(counted_from, now, policy.lease);
     let mut outcomes = Vec::with_capacity(pairs.len());
+    let retention = policy.retention.as_millis() as i64;
     for pair in pairs {
+        if pair.given_up_at > 0 && pair.given_up_at < now - retention {
+            tracing::warn!(event_id = %pair.key.event_id, handler = %pair.key.handler, given_up_at = pair.given_up_at,
+                "a delivery given up longer ago than the ledger keeps outcomes: cannot tell whether it finished; left as it is");
+            outcomes.push(GivenUpOutcome::Finished);
+            continue;
+        }
+        let replays: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM dead_letter_actions WHERE event_id = ? AND handler = ? AND action = 'replay'",
+        )
+        .bind(&pair.key.event_id)
+        .bind(&pair.key.handler)
+        .fetch_one(tx.conn())
+        .await?;
+        if i64::from(pair.replay) < replays {
+            outcomes.push(GivenUpOutcome::Finished);
+            continue;
+        }
         let state: Option<(String, i64)> = sqlx::query_as(
             "SELECT status, COALESCE(renewed_at, started_at) FROM processed_events WHERE event_id = ? AND handler = ?",
         )

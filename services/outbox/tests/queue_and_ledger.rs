@@ -253,7 +253,13 @@ async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
         )
     })
     .await;
-    let given = |event: &str| GivenUp { key: key(event, "search"), attempts: 5, error: format!("{event} given up") };
+    let given = |event: &str| GivenUp {
+        key: key(event, "search"),
+        attempts: 5,
+        error: format!("{event} given up"),
+        replay: 0,
+        given_up_at: T0 + 59_000,
+    };
     let pairs = vec![given("done"), given("live"), given("stale"), given("unclaimed")];
     let at = T0 + 60_000;
     let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &pairs, at, policy).await })).await;
@@ -288,6 +294,27 @@ async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
     let again = vec![given("stale")];
     let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &again, at, policy).await })).await;
     assert_eq!(outcomes, vec![GivenUpOutcome::Finished]);
+
+    // An operator replayed "replayed" once: the event's own copy, given up late, is superseded
+    // (the replay decides), the replay's copy is not. A copy given up longer ago than the
+    // retention cannot be judged (its done row may be gone): left alone.
+    job(&db, |tx| {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO dead_letter_actions (at, action, event_id, handler, operator, attempts) \
+                 VALUES (1, 'replay', 'replayed', 'search', 'op', 5)",
+            )
+            .execute(tx.conn())
+            .await
+        })
+    })
+    .await;
+    let old_copy = given("replayed");
+    let replay_copy = GivenUp { replay: 1, ..given("replayed") };
+    let too_old = GivenUp { given_up_at: at - 31 * 86_400_000, ..given("old") };
+    let pairs = vec![old_copy, too_old, replay_copy];
+    let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &pairs, at, policy).await })).await;
+    assert_eq!(outcomes, vec![GivenUpOutcome::Finished, GivenUpOutcome::Finished, GivenUpOutcome::DeadLettered]);
 }
 
 #[tokio::test]

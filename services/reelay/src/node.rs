@@ -337,14 +337,21 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                         JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
                     clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                     // What JetStream gives up with no outcome recorded becomes a dead letter.
-                    let watch = GivenUpWatch {
-                        handler: handler.name().to_owned(),
-                        advisories: jetstream::ensure_given_up_consumer(&js, &js_config, handler.name()).await?,
-                        events: js.get_stream(&js_config.stream).await.context("opening the event stream")?,
-                        ledger: LedgerClient::new(write_channel.clone()),
-                        shutdown: shutdown.clone(),
-                    };
-                    clients.spawn(watch.run());
+                    match jetstream::ensure_given_up_consumer(&js, &js_config, handler.name()).await {
+                        Ok(advisories) => {
+                            let watch = GivenUpWatch {
+                                handler: handler.name().to_owned(),
+                                advisories,
+                                events: js.get_stream(&js_config.stream).await.context("opening the event stream")?,
+                                ledger: LedgerClient::new(write_channel.clone()),
+                                shutdown: shutdown.clone(),
+                            };
+                            clients.spawn(watch.run());
+                        }
+                        Err(error) => tracing::error!(handler = handler.name(), %error,
+                            "not watching for given-up messages: one whose last delivery ends with no outcome will not \
+                             become a dead letter"),
+                    }
                 }
                 (Some(client), NatsMode::Core) => {
                     let source = CoreSource::subscribe(client, &js_config.subject_prefix, handler.name())

@@ -72,7 +72,7 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         Bus::Db => outbox.waiting_deliveries.ride_with(&db.writer),
         Bus::Nats => outbox.waiting_rows.ride_with(&db.writer),
     }
-    let ledger = LedgerApi { db: db.clone(), policy: policy.ledger };
+    let ledger = LedgerApi { db: db.clone(), policy: policy.ledger, bus: policy.bus };
     let admin = AdminApi { db, bus: policy.bus };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))

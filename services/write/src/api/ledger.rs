@@ -12,6 +12,7 @@ use reelay_outbox::ledger::{
 use reelay_outbox::{Database, WriteTx};
 use tonic::{Request, Response, Status};
 
+use super::Bus;
 use super::internal::{MAX_BATCH_KEYS, handler_name};
 use crate::WriteError;
 
@@ -40,6 +41,7 @@ pub(crate) fn register_metrics() {
 pub(super) struct LedgerApi {
     pub(super) db: Database,
     pub(super) policy: LedgerPolicy,
+    pub(super) bus: Bus,
 }
 
 fn ledger_key(field: &str, key: Option<v1::LedgerKey>) -> Result<LedgerKey, ServiceError> {
@@ -165,9 +167,23 @@ impl v1::ledger_server::Ledger for LedgerApi {
                 if g.attempts == 0 {
                     return Err(ServiceError::invalid("given_up.attempts", "must count the deliveries made (≥ 1)"));
                 }
-                Ok(GivenUp { key, attempts: g.attempts, error: g.error })
+                Ok(GivenUp {
+                    key,
+                    attempts: g.attempts,
+                    error: g.error,
+                    replay: g.replay,
+                    given_up_at: g.given_up_at_ms.max(0),
+                })
             })
             .collect::<Result<Vec<_>, ServiceError>>()?;
+        if self.bus == Bus::Db {
+            // There the write service keeps each handler's deliveries itself: a `retry` row or
+            // an expired claim is a delivery still to come, not one given up.
+            return Err(ServiceError::failed_precondition(
+                "GivenUp is for the nats backend; on db the write service keeps the deliveries",
+            )
+            .into());
+        }
         let policy = self.policy;
         let outcomes = self
             .db
