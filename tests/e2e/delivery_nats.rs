@@ -643,6 +643,20 @@ async fn dead_lettered(db: &Path, event_id: &str, handler: &str) -> Vec<String> 
     ledger_row(db, event_id, handler).await.unwrap()
 }
 
+/// A nats cluster of probe-a (with `set_up`'s settings) that has one event, a user's: the
+/// cluster, its clients and the event's id.
+async fn probe_a_with_one_event(
+    dir: &Path,
+    set_up: impl FnOnce(reelay_harness::ClusterBuilder) -> reelay_harness::ClusterBuilder,
+) -> (reelay_harness::Cluster, Clients, String) {
+    let builder = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats).probes("probe-a");
+    let cluster = set_up(builder).start(dir).await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    (cluster, c, event_id)
+}
+
 /// The worker of an event's last delivery is killed while the handler runs: JetStream will not
 /// deliver it again, and the ledger holds only the dead worker's claim. The server's
 /// max-deliveries advisory, kept in a stream, makes it a dead letter once a worker is back, and
@@ -650,17 +664,13 @@ async fn dead_lettered(db: &Path, event_id: &str, handler: &str) -> Vec<String> 
 #[tokio::test]
 async fn a_worker_killed_on_the_last_delivery_leaves_a_dead_letter() {
     let dir = temp_dir();
-    let mut cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a")
-        .env("EVENT_QUEUE_MAX_ATTEMPTS", "1")
-        .env("REELAY_ACK_WAIT_MS", "2000")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .handlers(&[("REELAY_PROBE_DELAY_MS", "8000")])
-        .start(dir.path())
-        .await;
-    let mut c = cluster.write.clients().await;
-    c.user("ana").await;
-    let event_id = event_ids(&cluster.db).await.remove(0);
+    let (mut cluster, _, event_id) = probe_a_with_one_event(dir.path(), |b| {
+        b.env("EVENT_QUEUE_MAX_ATTEMPTS", "1")
+            .env("REELAY_ACK_WAIT_MS", "2000")
+            .env("REELAY_LEDGER_LEASE_MS", "3000")
+            .handlers(&[("REELAY_PROBE_DELAY_MS", "8000")])
+    })
+    .await;
     eventually("probe-a is inside its handler call", Duration::from_secs(20), || async {
         !probe_records(&cluster.effects, "attempts").await.0.is_empty()
     })
@@ -690,15 +700,10 @@ async fn a_worker_killed_on_the_last_delivery_leaves_a_dead_letter() {
 #[tokio::test]
 async fn a_last_delivery_deferred_to_a_claim_that_never_finishes_leaves_a_dead_letter() {
     let dir = temp_dir();
-    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a")
-        .env("EVENT_QUEUE_MAX_ATTEMPTS", "1")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .start(dir.path())
-        .await;
-    let mut c = cluster.write.clients().await;
-    c.user("ana").await;
-    let event_id = event_ids(&cluster.db).await.remove(0);
+    let (cluster, mut c, event_id) = probe_a_with_one_event(dir.path(), |b| {
+        b.env("EVENT_QUEUE_MAX_ATTEMPTS", "1").env("REELAY_LEDGER_LEASE_MS", "3000")
+    })
+    .await;
     let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
     let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "gone-worker#1".into() };
     let reply = c.ledger.claim(claim).await.unwrap().into_inner();
@@ -732,17 +737,13 @@ async fn a_last_delivery_deferred_to_a_claim_that_never_finishes_leaves_a_dead_l
 #[tokio::test]
 async fn a_second_replay_is_delivered_after_the_first_failed() {
     let dir = temp_dir();
-    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a")
-        .env("REELAY_PROBE_FAIL", "1")
-        .env("EVENT_QUEUE_MAX_ATTEMPTS", "2")
-        .env("REELAY_RETRY_BASE_MS", "100")
-        .handlers(&[])
-        .start(dir.path())
-        .await;
-    let mut c = cluster.write.clients().await;
-    c.user("ana").await;
-    let event_id = event_ids(&cluster.db).await.remove(0);
+    let (cluster, _, event_id) = probe_a_with_one_event(dir.path(), |b| {
+        b.env("REELAY_PROBE_FAIL", "1")
+            .env("EVENT_QUEUE_MAX_ATTEMPTS", "2")
+            .env("REELAY_RETRY_BASE_MS", "100")
+            .handlers(&[])
+    })
+    .await;
     let key = (event_id.clone(), "probe-a".to_owned());
     for (round, attempts) in [(0, 2), (1, 4), (2, 6)] {
         if round > 0 {
