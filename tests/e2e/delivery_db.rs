@@ -407,6 +407,41 @@ async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_leas
     cluster.stop().await;
 }
 
+/// The write service restarts with a shorter lease (18 s, then 3 s) while probe-a is inside a
+/// 12 s call. Its worker renews every 6 s, at the pace of the lease it heard: with the new lease
+/// counting at once, its claim would look abandoned 3 s after the restart and be handed to
+/// another replica while it still runs. The claims made under the longer lease keep it (nothing
+/// is taken over before 18 s), and the worker hears the new lease in its next renewal's answer
+/// and renews at its pace from then on: the event runs once, to its end.
+#[tokio::test]
+async fn a_shorter_lease_after_a_restart_takes_no_live_claim_over() {
+    let dir = temp_dir();
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "18000")
+        .handlers(&[("REELAY_PROBE_DELAY_MS", "12000")])
+        .start(dir.path())
+        .await;
+    let event_id = a_user_inside_probe_a(&cluster, &mut cluster.write.clients().await).await;
+    cluster.write.restart_with(&[("REELAY_LEDGER_LEASE_MS", "3000")]).await;
+    let mut c = cluster.write.clients().await;
+    let key = (event_id.clone(), "probe-a".to_owned());
+    while !effects(&cluster.effects).await.contains_key(&key) {
+        assert!(claimed_by_another_replica(&mut c).await.is_empty(), "a live worker's claim was taken over");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eventually("probe-a's delivery is done", Duration::from_secs(10), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
+    })
+    .await;
+    let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
+    assert_eq!(attempts[0][0], "1", "one run, not dropped");
+    let log = cluster.handlers[0].log_text();
+    assert!(log.lines().any(|l| l.contains("the write service's claim lease") && l.contains("3000")), "{log}");
+    cluster.stop().await;
+}
+
 /// probe-a's process reaches the write service through a proxy, and the network between them
 /// is cut while probe-a is in an 8 s call. The write service cannot tell a cut-off worker from a
 /// dead one: once the lease (3 s) has run out it hands the event to whoever asks. The cut-off

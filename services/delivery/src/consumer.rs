@@ -70,7 +70,7 @@ async fn process_batch<T, X>(
     X: Settler<T>,
 {
     let mut ledger_pause = Pause::new("ledger");
-    let mut lease = settler.lease().map(LeaseWatch::start);
+    let mut lease = settler.lease();
     let dispatched = loop {
         let dispatched = with_progress(&settler, &deliveries, &mut lease, dispatcher.dispatch(&deliveries)).await;
         match dispatched {

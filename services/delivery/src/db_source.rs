@@ -21,7 +21,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::consumer::decode_envelope;
 use crate::gather::gather;
-use crate::source::{AckHandle, Delivery, EventSource, ServerLease, SettleKind, Settlement, Settler, SourceError};
+use crate::source::{
+    AckHandle, Delivery, EventSource, LeaseWatch, ServerLease, SettleKind, Settlement, Settler, SourceError,
+};
 
 /// One delivery's claim: its ledger key and token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -268,8 +270,8 @@ impl Settler<DeliveryClaim> for DeliverySettler {
         Some(self.server_lease.bound(self.lease) / 3)
     }
 
-    fn lease(&self) -> Option<Duration> {
-        Some(self.server_lease.bound(self.lease))
+    fn lease(&self) -> Option<LeaseWatch> {
+        Some(LeaseWatch::start(self.lease, self.server_lease.clone()))
     }
 
     async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<bool, SourceError> {
@@ -277,7 +279,9 @@ impl Settler<DeliveryClaim> for DeliverySettler {
         for chunk in deliveries.chunks(1000) {
             let claims = chunk.iter().map(|d| claim(d.ack.token())).collect();
             let request = v1::RenewDeliveriesRequest { handler: self.handler.to_owned(), claims };
-            let lost = self.client.renew_deliveries(request).await.map_err(source_error)?.into_inner().lost;
+            let reply = self.client.renew_deliveries(request).await.map_err(source_error)?.into_inner();
+            self.server_lease.heard(reply.lease_ms);
+            let lost = reply.lost;
             if !lost.is_empty() {
                 tracing::warn!(handler = self.handler, keys = ?lost, "claims lost while still working on them");
                 held = false;

@@ -428,7 +428,9 @@ impl Dispatcher {
         for chunk in held.chunks(LEDGER_BATCH) {
             match self.ledger.clone().renew(v1::LedgerSettleRequest { keys: chunk.to_vec() }).await {
                 Ok(reply) => {
-                    let lost = reply.into_inner().owned.iter().filter(|owned| !**owned).count();
+                    let reply = reply.into_inner();
+                    self.claims.lease.heard(reply.lease_ms);
+                    let lost = reply.owned.iter().filter(|owned| !**owned).count();
                     if lost > 0 {
                         tracing::warn!(claims = lost, "ledger claims lost while their handlers were still running");
                         renewal = Renewal::Lost;
@@ -584,9 +586,10 @@ async fn with_renewals<F: Future>(dispatcher: &Dispatcher, held: &[v1::OwnedKey]
     if held.is_empty() {
         return Some(work.await);
     }
-    let lease = dispatcher.claims.lease.bound(dispatcher.config.ledger_lease);
     // The claims were made just before: their lease counts from no earlier than now.
-    while_renewing(work, lease / 3, &mut Some(LeaseWatch::start(lease)), || dispatcher.renew(held)).await
+    let own = dispatcher.config.ledger_lease;
+    let watch = LeaseWatch::start(own, dispatcher.claims.lease.clone());
+    while_renewing(work, own / 3, &mut Some(watch), || dispatcher.renew(held)).await
 }
 
 /// The span one event's handling is logged in: the handler, the event, and the trace id the

@@ -116,9 +116,10 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
         None
     }
 
-    /// How long the backend holds a delivery for this consumer without hearing that it is in
-    /// progress, before another consumer may take it over; `None`: no such lease.
-    fn lease(&self) -> Option<Duration> {
+    /// A watch on the lease the backend holds a batch fetched just now under: how long it
+    /// goes without hearing that the batch is in progress before another consumer may take it
+    /// over; `None`: no such lease.
+    fn lease(&self) -> Option<LeaseWatch> {
         None
     }
 
@@ -159,16 +160,23 @@ impl ServerLease {
 /// work stops before anyone else can be handed them. A consumer cut off from the backend for
 /// most of a lease, or told its claims were taken over, drops the work unsettled; the
 /// deliveries come back (handlers are idempotent) instead of running twice at once.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LeaseWatch {
+    /// This process's lease setting; the write service's, when it says it is shorter.
     lease: Duration,
+    server: ServerLease,
     confirmed: tokio::time::Instant,
 }
 
 impl LeaseWatch {
     /// A watch for claims made (or last renewed) no earlier than now.
-    pub fn start(lease: Duration) -> Self {
-        Self { lease, confirmed: tokio::time::Instant::now() }
+    pub fn start(lease: Duration, server: ServerLease) -> Self {
+        Self { lease, server, confirmed: tokio::time::Instant::now() }
+    }
+
+    /// The lease as last heard: renew every third of it.
+    pub fn lease(&self) -> Duration {
+        self.server.bound(self.lease)
     }
 
     /// A renewal sent at `sent` succeeded.
@@ -178,7 +186,7 @@ impl LeaseWatch {
 
     /// When the work must stop unless a renewal succeeds first: five sixths of the lease.
     pub fn deadline(&self) -> tokio::time::Instant {
-        self.confirmed + self.lease * 5 / 6
+        self.confirmed + self.lease() * 5 / 6
     }
 }
 
@@ -192,9 +200,11 @@ pub(crate) enum Renewal {
     Unanswered,
 }
 
-/// Runs `work` while `renew` reports it in progress every `every`. The work is dropped
-/// (`None`) when a report says its claims were taken over, or, with a `lease`, when none was
-/// `Held` before the lease's deadline (a report still unanswered then counts as none).
+/// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
+/// every third of it as last heard: the write service can say it is shorter while the work
+/// runs). The work is dropped (`None`) when a report says its claims were taken over, or, with
+/// a `lease`, when none was `Held` before the lease's deadline (a report still unanswered then
+/// counts as none).
 pub(crate) async fn while_renewing<F, R>(
     work: F,
     every: Duration,
@@ -206,14 +216,15 @@ where
     R: Future<Output = Renewal>,
 {
     tokio::pin!(work);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let period = |lease: &Option<LeaseWatch>| lease.as_ref().map_or(every, |lease| every.min(lease.lease() / 3));
+    let mut next = tokio::time::Instant::now() + period(lease);
     let never = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
     loop {
-        let deadline = lease.map_or_else(never, |lease| lease.deadline());
+        let deadline = lease.as_ref().map_or_else(never, LeaseWatch::deadline);
         tokio::select! {
             output = &mut work => return Some(output),
             () = tokio::time::sleep_until(deadline) => return None,
-            _ = ticks.tick() => {
+            () = tokio::time::sleep_until(next) => {
                 let sent = tokio::time::Instant::now();
                 match tokio::time::timeout_at(deadline, renew()).await {
                     Ok(Renewal::Held) => {
@@ -224,6 +235,7 @@ where
                     Ok(Renewal::Lost) | Err(_) => return None,
                     Ok(Renewal::Unanswered) => {}
                 }
+                next = sent + period(lease);
             }
         }
     }

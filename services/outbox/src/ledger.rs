@@ -159,6 +159,31 @@ pub async fn claim(
         .collect())
 }
 
+/// Records the lease this run of the write service gives claims, and returns the one the last
+/// run gave. Claims' owners renew at a pace set by the lease they last heard of (claim and
+/// renewal answers carry it), so after a restart with a shorter lease the claims made under
+/// the longer one keep it: leases count from `now` plus the difference, and nothing is taken
+/// over before the longer lease has passed, by when every live owner has renewed and heard the
+/// new one. Runs in a write job at start-up.
+pub async fn note_lease(tx: &mut WriteTx, lease: Duration, now: i64) -> Result<Option<Duration>, sqlx::Error> {
+    let lease_ms = lease.as_millis() as i64;
+    let previous: Option<i64> =
+        sqlx::query_scalar("SELECT value FROM outbox_meta WHERE key = 'lease_ms'").fetch_optional(tx.conn()).await?;
+    sqlx::query("INSERT INTO outbox_meta (key, value) VALUES ('lease_ms', ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+        .bind(lease_ms)
+        .execute(tx.conn())
+        .await?;
+    if let Some(previous) = previous.filter(|p| *p > lease_ms) {
+        tracing::warn!(
+            from_ms = previous,
+            to_ms = lease_ms,
+            "the claim lease is shorter than the last run's: no claim is taken over before the longer lease has passed"
+        );
+        tx.count_leases_from(now + previous - lease_ms);
+    }
+    Ok(previous.map(|p| Duration::from_millis(p.max(0) as u64)))
+}
+
 /// A key with the token its owner holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OwnedKey {

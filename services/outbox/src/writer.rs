@@ -271,6 +271,11 @@ impl WriteTx {
         self.leases.counted_from()
     }
 
+    /// Leases count from `at` at the earliest: no claim is taken over before `at` plus a lease.
+    pub fn count_leases_from(&self, at: i64) {
+        self.leases.since.fetch_max(at, Ordering::SeqCst);
+    }
+
     pub fn conn(&mut self) -> &mut SqliteConnection {
         &mut self.conn
     }

@@ -423,6 +423,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             .context("cannot register the handlers' delivery cursors")?;
         tracing::info!(handlers = ?delivered, new = ?added, "delivering to handlers");
         let policy = delivery_policy(&args);
+        reelay_write::note_lease(&database, policy.ledger.lease).await.context("cannot record the claim lease")?;
         let media_url =
             args.handlers.media_url.clone().unwrap_or_else(|| format!("http://{}/media", args.handlers.media_addr));
         let store = reelay_write::Store::new(database.clone());

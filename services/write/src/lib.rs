@@ -19,7 +19,7 @@ mod store;
 
 pub use actor_keys::ActorKeys;
 pub use api::mount;
-pub use api::{Bus, DeliveryPolicy, mount_internal, register_handlers, sample_status};
+pub use api::{Bus, DeliveryPolicy, mount_internal, note_lease, register_handlers, sample_status};
 pub use error::WriteError;
 pub use retention::{Retention, purge_expired};
 pub use store::Store;

@@ -28,6 +28,16 @@ pub async fn register_handlers(db: &Database, handlers: Vec<String>) -> Result<V
         .await
 }
 
+/// Records this run's claim lease at start-up; a longer one of the last run is kept for the
+/// claims made under it (see [`ledger::note_lease`]).
+pub async fn note_lease(db: &Database, lease: std::time::Duration) -> Result<(), WriteError> {
+    db.writer
+        .transact::<_, WriteError, _>("startup_note_lease", move |tx: &mut WriteTx| {
+            Box::pin(async move { Ok(reelay_outbox::ledger::note_lease(tx, lease, tx.now_ms()).await.map(|_| ())?) })
+        })
+        .await
+}
+
 /// The handlers' claims waiting for new events (the writer's rider on the db backend).
 pub(super) type WaitingDeliveries = WaitingClaims<ClaimGroup, HandlerAnswer>;
 
@@ -322,7 +332,7 @@ impl OutboxApi {
                 Box::pin(async move { Ok(deliveries::renew(tx, &handler, &keys, tx.now_ms()).await?) })
             })
             .await?;
-        Ok(v1::RenewDeliveriesResponse { lost })
+        Ok(v1::RenewDeliveriesResponse { lost, lease_ms: self.deliveries.lease.as_millis() as i64 })
     }
 
     pub(super) async fn release_instance(

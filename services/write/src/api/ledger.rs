@@ -151,7 +151,7 @@ impl v1::ledger_server::Ledger for LedgerApi {
             })
             .await?;
         LEDGER_DEAD_LETTERS.inc_by(&[], owned.iter().filter(|o| **o).count() as u64);
-        Ok(Response::new(v1::LedgerSettleResponse { owned }))
+        Ok(Response::new(v1::LedgerSettleResponse { owned, lease_ms: self.policy.lease.as_millis() as i64 }))
     }
 
     async fn given_up(
@@ -241,6 +241,6 @@ impl LedgerApi {
                 })
             })
             .await?;
-        Ok(Response::new(v1::LedgerSettleResponse { owned }))
+        Ok(Response::new(v1::LedgerSettleResponse { owned, lease_ms: self.policy.lease.as_millis() as i64 }))
     }
 }
