@@ -159,29 +159,46 @@ pub async fn claim(
         .collect())
 }
 
-/// Records the lease this run of the write service gives claims, and returns the one the last
-/// run gave. Claims' owners renew at a pace set by the lease they last heard of (claim and
-/// renewal answers carry it), so after a restart with a shorter lease the claims made under
-/// the longer one keep it: leases count from `now` plus the difference, and nothing is taken
-/// over before the longer lease has passed, by when every live owner has renewed and heard the
-/// new one. Runs in a write job at start-up.
+/// Records the lease this run of the write service gives claims, and keeps the claims made
+/// under a longer one safe. Owners renew at a pace set by the lease they last heard (claim and
+/// renewal answers carry it), so after a restart with a shorter lease a live owner may not
+/// renew before the new lease runs out: leases then count from `now` plus the difference, so
+/// nothing is taken over before the longer lease has passed. The longer lease is remembered
+/// until then (`lease_until`), so a second restart within it keeps it too. Runs in a write job
+/// at start-up; returns the longer lease still in force, if any. The first run of a database
+/// (or of a build before this) has no lease on record and holds nothing back.
 pub async fn note_lease(tx: &mut WriteTx, lease: Duration, now: i64) -> Result<Option<Duration>, sqlx::Error> {
     let lease_ms = lease.as_millis() as i64;
-    let previous: Option<i64> =
-        sqlx::query_scalar("SELECT value FROM outbox_meta WHERE key = 'lease_ms'").fetch_optional(tx.conn()).await?;
-    sqlx::query("INSERT INTO outbox_meta (key, value) VALUES ('lease_ms', ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value")
-        .bind(lease_ms)
+    let previous = meta(tx, "lease_ms").await?;
+    // 0: the lease of a run that was up until now; else when a remembered longer one ends.
+    let until = meta(tx, "lease_until").await?.unwrap_or(0);
+    let in_force = previous.filter(|p| *p > lease_ms && (until == 0 || until > now));
+    let (record, record_until) = match in_force {
+        Some(longer) => {
+            tracing::warn!(
+                from_ms = longer,
+                to_ms = lease_ms,
+                "the claim lease is shorter than a recent run's: no claim is taken over before the longer lease has passed"
+            );
+            tx.count_leases_from(now + longer - lease_ms);
+            (longer, now + longer)
+        }
+        None => (lease_ms, 0),
+    };
+    for (key, value) in [("lease_ms", record), ("lease_until", record_until)] {
+        sqlx::query(
+            "INSERT INTO outbox_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        )
+        .bind(key)
+        .bind(value)
         .execute(tx.conn())
         .await?;
-    if let Some(previous) = previous.filter(|p| *p > lease_ms) {
-        tracing::warn!(
-            from_ms = previous,
-            to_ms = lease_ms,
-            "the claim lease is shorter than the last run's: no claim is taken over before the longer lease has passed"
-        );
-        tx.count_leases_from(now + previous - lease_ms);
     }
-    Ok(previous.map(|p| Duration::from_millis(p.max(0) as u64)))
+    Ok(in_force.map(|p| Duration::from_millis(p as u64)))
+}
+
+async fn meta(tx: &mut WriteTx, key: &str) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar("SELECT value FROM outbox_meta WHERE key = ?").bind(key).fetch_optional(tx.conn()).await
 }
 
 /// A key with the token its owner holds.

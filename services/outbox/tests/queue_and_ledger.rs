@@ -482,3 +482,34 @@ async fn the_oldest_waiting_row_follows_the_handlers_cursors_on_db() {
     assert_eq!(age(true).await, now - created[1], "db: the row not yet handed");
     assert_eq!(age(false).await, now - created[0], "nats reading: the oldest pending row");
 }
+
+/// A restart with a shorter lease holds take-overs back for the longer one, also across a
+/// second restart within it; once it has passed, or when the lease grows, nothing is held.
+#[tokio::test]
+async fn a_shorter_lease_holds_take_overs_back_for_the_longer_one() {
+    let (_dir, db) = open().await;
+    let note = |lease_s: u64, at: i64| {
+        let db = db.clone();
+        async move {
+            job(&db, move |tx| {
+                Box::pin(async move {
+                    let held = ledger::note_lease(tx, Duration::from_secs(lease_s), at).await?;
+                    Ok((held, tx.lease_counted_from()))
+                })
+            })
+            .await
+        }
+    };
+    let (held, counted) = note(30, T0).await;
+    assert!(held.is_none() && counted < T0, "the first run holds nothing back");
+    let (held, counted) = note(3, T0 + 1_000).await;
+    assert_eq!((held, counted), (Some(Duration::from_secs(30)), T0 + 28_000));
+    // Restarted again within the longer lease: still held back, from this start.
+    let (held, counted) = note(3, T0 + 5_000).await;
+    assert_eq!((held, counted), (Some(Duration::from_secs(30)), T0 + 32_000));
+    // Once the longer lease has passed since the last start that remembered it, it is over.
+    let (held, counted) = note(3, T0 + 40_000).await;
+    assert_eq!((held, counted), (None, T0 + 32_000));
+    let (held, _) = note(60, T0 + 41_000).await;
+    assert_eq!(held, None, "a longer lease holds nothing back");
+}
