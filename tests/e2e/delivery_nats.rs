@@ -763,3 +763,29 @@ async fn a_second_replay_is_delivered_after_the_first_failed() {
     assert_eq!(copies, [format!("{event_id}:replay:1:probe-a"), format!("{event_id}:replay:2:probe-a")]);
     cluster.stop().await;
 }
+
+/// A delivery terminated with no outcome recorded (here by hand, as a dispatcher does after a
+/// permanent failure whose dead letter the ledger could not take) is recorded from the server's
+/// terminated advisory once the handler runs again: the advisory waits in the given-up stream.
+#[tokio::test]
+async fn a_terminated_delivery_without_an_outcome_becomes_a_dead_letter() {
+    let dir = temp_dir();
+    let builder = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats).probes("probe-a");
+    // The handlers process made probe-a's consumers; it is down when the event comes.
+    let mut cluster = builder.handlers(&[]).start(dir.path()).await;
+    cluster.handlers[0].stop().await;
+    cluster.write.clients().await.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    let js = jetstream::new(async_nats::connect(cluster.nats.as_ref().unwrap().url()).await.unwrap());
+    let consumer: consumer::PullConsumer =
+        js.get_stream(STREAM).await.unwrap().get_consumer("handler-probe-a").await.unwrap();
+    // The relay publishes the event soon after the write; a pull waits for it.
+    let mut pull = consumer.batch().max_messages(1).expires(Duration::from_secs(20)).messages().await.unwrap();
+    let message = pull.next().await;
+    message.expect("the event reaches probe-a's consumer").unwrap().ack_with(jetstream::AckKind::Term).await.unwrap();
+    cluster.handlers[0].restart_with(&[]).await;
+    let row = dead_lettered(&cluster.db, &event_id, "probe-a").await;
+    assert!(row[2].starts_with("JetStream terminated the delivery with no outcome recorded"), "{row:?}");
+    assert!(probe_records(&cluster.effects, "attempts").await.0.is_empty(), "the handler never ran the event");
+    cluster.stop().await;
+}
