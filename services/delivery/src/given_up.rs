@@ -193,12 +193,12 @@ impl GivenUpWatch {
             .collect();
         let mut answers = Vec::with_capacity(asks.len());
         if !asks.is_empty() {
-            match self.ask(asks.clone()).await {
+            match self.ask(&asks).await {
                 Ok(outcomes) => answers = outcomes,
                 // One pair the ledger refuses must not hold back the others: ask one by one.
                 Err(status) if status.code() == tonic::Code::InvalidArgument && asks.len() > 1 => {
-                    for ask in asks {
-                        match self.ask(vec![ask]).await {
+                    for ask in &asks {
+                        match self.ask(std::slice::from_ref(ask)).await {
                             Ok(mut outcome) => answers.push(outcome.pop().unwrap_or(Answer::Missing)),
                             Err(status) => answers.push(Answer::Refused(status)),
                         }
@@ -246,11 +246,10 @@ impl GivenUpWatch {
     }
 
     /// One `GivenUp` call, repeated while the ledger is unreachable: an answer per pair, in order.
-    async fn ask(&mut self, given_up: Vec<v1::LedgerGivenUp>) -> Result<Vec<Answer>, tonic::Status> {
+    async fn ask(&mut self, given_up: &[v1::LedgerGivenUp]) -> Result<Vec<Answer>, tonic::Status> {
         let mut pause = Pause::new("ledger");
-        let request = v1::LedgerGivenUpRequest { given_up };
         loop {
-            match self.ledger.given_up(request.clone()).await {
+            match self.ledger.given_up(v1::LedgerGivenUpRequest { given_up: given_up.to_vec() }).await {
                 Ok(reply) => {
                     pause.resumed();
                     let outcomes = reply.into_inner().outcomes;

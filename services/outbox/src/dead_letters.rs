@@ -151,15 +151,15 @@ pub async fn act(
         }
     };
     for (event_id, handler) in candidates {
-        let current: Option<(i64, Option<String>, i64)> = sqlx::query_as(
-            "SELECT attempts, last_error, replays FROM processed_events \
+        let current: Option<(i64, Option<String>)> = sqlx::query_as(
+            "SELECT attempts, last_error FROM processed_events \
              WHERE event_id = ? AND handler = ? AND status = 'dead_lettered'",
         )
         .bind(&event_id)
         .bind(&handler)
         .fetch_optional(tx.conn())
         .await?;
-        let Some((attempts, last_error, replays)) = current else {
+        let Some((attempts, last_error)) = current else {
             acted.unchanged.push((event_id, handler));
             continue;
         };
@@ -169,14 +169,7 @@ pub async fn act(
                 // starts again when a failed replay releases its claim (the row is deleted on
                 // nats), and a number used again names a copy the outbox already has (and the
                 // broker would drop it as a duplicate).
-                let replayed: i64 = sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM dead_letter_actions WHERE event_id = ? AND handler = ? AND action = 'replay'",
-                )
-                .bind(&event_id)
-                .bind(&handler)
-                .fetch_one(tx.conn())
-                .await?;
-                let replay = replayed.max(replays) as u32 + 1;
+                let replay = replays(tx, &event_id, &handler).await? as u32 + 1;
                 // nats: the relay republishes a copy of the event to this handler alone.
                 if republish && !enqueue_replay(tx, &event_id, &handler, replay).await? {
                     tracing::warn!(%event_id, %handler, "cannot replay: the event is no longer in the outbox");
@@ -223,4 +216,16 @@ pub async fn act(
         acted.changed.push((event_id, handler));
     }
     Ok(acted)
+}
+
+/// How often an operator replayed `handler`'s dead letter of `event_id`, by the audit trail
+/// (never purged; the ledger row's own count goes when a failed replay's claim is released).
+pub(crate) async fn replays(tx: &mut WriteTx, event_id: &str, handler: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM dead_letter_actions WHERE event_id = ? AND handler = ? AND action = 'replay'",
+    )
+    .bind(event_id)
+    .bind(handler)
+    .fetch_one(tx.conn())
+    .await
 }

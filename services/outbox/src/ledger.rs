@@ -105,20 +105,19 @@ pub async fn claim(
             .into_iter()
             .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3), r.get(4))))
             .collect();
-        // A claim renewed before leases began to count counts as renewed then (see
-        // `Writer::lease_counted_from`): its owner may not have been able to renew it.
-        let counted_from = tx.lease_counted_from();
-        let stale = crate::stale_before(counted_from, now, policy.lease);
+        let leases = Leases::now(tx, now, policy);
         for key in taken {
             let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
-            let outcome = match state {
-                Some((status, ..)) if matches!(status.as_str(), "done" | "dead_lettered" | "discarded") => {
-                    ClaimOutcome::Done
-                }
-                Some((status, _, renewed)) if status == "in_progress" && *renewed > stale => {
-                    ClaimOutcome::HeldUntil((*renewed).max(counted_from) + lease)
-                }
-                Some((status, started, _)) => {
+            let Some((status, started, renewed)) = state else {
+                // Released between the insert and the select cannot happen inside one job;
+                // treat a vanished row as free on the next claim.
+                outcomes.insert(key, ClaimOutcome::HeldUntil(now));
+                continue;
+            };
+            let outcome = match leases.standing(status, *renewed) {
+                Standing::Finished => ClaimOutcome::Done,
+                Standing::HeldUntil(until) => ClaimOutcome::HeldUntil(until),
+                Standing::Free => {
                     // Free (`retry`) or abandoned: take it; the new token is always newer than
                     // the one it replaces.
                     let token = now.max(started + 1);
@@ -140,9 +139,6 @@ pub async fn claim(
                     }
                     ClaimOutcome::Acquired(token)
                 }
-                // Released between the insert and the select cannot happen inside one job;
-                // treat a vanished row as free on the next claim.
-                None => ClaimOutcome::HeldUntil(now),
             };
             outcomes.insert(key, outcome);
         }
@@ -157,6 +153,44 @@ pub async fn claim(
             outcome => outcome,
         })
         .collect())
+}
+
+/// Where a pair's ledger row stands under the lease rule every claim goes by.
+enum Standing {
+    /// Done, dead-lettered or discarded.
+    Finished,
+    /// A live claim holds it until this time (ms).
+    HeldUntil(i64),
+    /// Released (`retry`), or claimed by an owner that stopped renewing it.
+    Free,
+}
+
+/// The lease rule at one moment of a write job.
+struct Leases {
+    lease: i64,
+    counted_from: i64,
+    stale: i64,
+}
+
+impl Leases {
+    /// A claim renewed before leases began to count counts as renewed then (see
+    /// `Writer::lease_counted_from`): its owner may not have been able to renew it.
+    fn now(tx: &WriteTx, now: i64, policy: LedgerPolicy) -> Self {
+        let counted_from = tx.lease_counted_from();
+        Self {
+            lease: policy.lease.as_millis() as i64,
+            counted_from,
+            stale: crate::stale_before(counted_from, now, policy.lease),
+        }
+    }
+
+    fn standing(&self, status: &str, renewed: i64) -> Standing {
+        match status {
+            "done" | "dead_lettered" | "discarded" => Standing::Finished,
+            "in_progress" if renewed > self.stale => Standing::HeldUntil(renewed.max(self.counted_from) + self.lease),
+            _ => Standing::Free,
+        }
+    }
 }
 
 /// Records the lease this run of the write service gives claims, and keeps the claims made
@@ -322,9 +356,7 @@ pub async fn given_up(
     now: i64,
     policy: LedgerPolicy,
 ) -> Result<Vec<GivenUpOutcome>, sqlx::Error> {
-    let lease = policy.lease.as_millis() as i64;
-    let counted_from = tx.lease_counted_from();
-    let stale = crate::stale_before(counted_from, now, policy.lease);
+    let leases = Leases::now(tx, now, policy);
     let mut outcomes = Vec::with_capacity(pairs.len());
     let retention = policy.retention.as_millis() as i64;
     for pair in pairs {
@@ -334,14 +366,7 @@ pub async fn given_up(
             outcomes.push(GivenUpOutcome::Finished);
             continue;
         }
-        let replays: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM dead_letter_actions WHERE event_id = ? AND handler = ? AND action = 'replay'",
-        )
-        .bind(&pair.key.event_id)
-        .bind(&pair.key.handler)
-        .fetch_one(tx.conn())
-        .await?;
-        if i64::from(pair.replay) < replays {
+        if i64::from(pair.replay) < crate::dead_letters::replays(tx, &pair.key.event_id, &pair.key.handler).await? {
             outcomes.push(GivenUpOutcome::Finished);
             continue;
         }
@@ -352,14 +377,10 @@ pub async fn given_up(
         .bind(&pair.key.handler)
         .fetch_optional(tx.conn())
         .await?;
-        let outcome = match state {
-            Some((status, _)) if matches!(status.as_str(), "done" | "dead_lettered" | "discarded") => {
-                GivenUpOutcome::Finished
-            }
-            Some((status, renewed)) if status == "in_progress" && renewed > stale => {
-                GivenUpOutcome::HeldUntil(renewed.max(counted_from) + lease)
-            }
-            _ => {
+        let outcome = match state.map(|(status, renewed)| leases.standing(&status, renewed)) {
+            Some(Standing::Finished) => GivenUpOutcome::Finished,
+            Some(Standing::HeldUntil(until)) => GivenUpOutcome::HeldUntil(until),
+            Some(Standing::Free) | None => {
                 let error: String = pair.error.chars().take(2000).collect();
                 sqlx::query(
                     "INSERT INTO processed_events (event_id, handler, status, started_at, processed_at, attempts, last_error) \
