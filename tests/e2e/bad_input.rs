@@ -451,6 +451,22 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("REELAY_MAX_EVENT_BYTES") && stderr.contains("REELAY_GRPC_MAX_MESSAGE_BYTES"), "{stderr}");
+
+    // So is a lease no worker could renew in time (or that hands every claim over at once).
+    for (setting, value) in [("REELAY_LEDGER_LEASE_MS", "0"), ("REELAY_OUTBOX_LEASE_MS", "50")] {
+        let out = std::process::Command::new(BIN)
+            .args(["run", "--service", "write", "--dev"])
+            .env("REELAY_DATABASE", dir.path().join("r.db"))
+            .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+            .env(setting, value)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{setting}={value}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let flag = setting.trim_start_matches("REELAY_").to_lowercase().replace('_', "-");
+        assert!(stderr.contains(&flag) && stderr.contains("1000"), "{stderr}");
+        assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
+    }
 }
 
 /// A write whose event could never be delivered (over REELAY_MAX_EVENT_BYTES) is refused before

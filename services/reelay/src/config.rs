@@ -151,6 +151,13 @@ impl RunArgs {
     }
 }
 
+/// A lease setting: shorter than a second, renewals would crowd the write service (or, at 0,
+/// every claim could be taken over at once); longer than a day, a dead worker's events would
+/// wait that long.
+fn lease_ms() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1_000..=86_400_000)
+}
+
 /// How the outbox and the ledger deliver events (enforced by the write service).
 #[derive(Debug, Clone, Args)]
 pub struct DeliveryArgs {
@@ -160,14 +167,14 @@ pub struct DeliveryArgs {
     pub max_attempts: u32,
 
     /// A relay's claim on an outbox row not settled after this long is claimable again (a
-    /// republish is dropped by the broker's dedup).
-    #[arg(long, env = "REELAY_OUTBOX_LEASE_MS", default_value_t = 30_000)]
+    /// republish is dropped by the broker's dedup). 1 s to a day.
+    #[arg(long, env = "REELAY_OUTBOX_LEASE_MS", default_value_t = 30_000, value_parser = lease_ms())]
     pub outbox_lease_ms: u64,
 
     /// A handler's claim on an event (a ledger claim, or a db-backend delivery) not renewed for
     /// this long may be taken over: its worker is presumed dead. Workers renew their claims
-    /// every third of it while the handler runs.
-    #[arg(long, env = "REELAY_LEDGER_LEASE_MS", default_value_t = 30_000)]
+    /// every third of it while the handler runs. 1 s (renewals every 333 ms) to a day.
+    #[arg(long, env = "REELAY_LEDGER_LEASE_MS", default_value_t = 30_000, value_parser = lease_ms())]
     pub ledger_lease_ms: u64,
 
     /// How long finished ledger rows are kept.
