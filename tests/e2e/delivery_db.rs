@@ -436,8 +436,8 @@ async fn a_shorter_lease_after_a_restart_takes_no_live_claim_over() {
     })
     .await;
     let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
-    assert_eq!(attempts[0][0], "1", "one run, not dropped");
     let log = cluster.handlers[0].log_text();
+    assert_eq!(attempts[0][0], "1", "one run, not dropped: {log}");
     assert!(log.lines().any(|l| l.contains("the write service's claim lease") && l.contains("3000")), "{log}");
     cluster.stop().await;
 }
@@ -479,6 +479,35 @@ async fn a_worker_cut_off_from_the_write_service_drops_its_work_before_its_lease
         .unwrap()
         .into_inner();
     assert_eq!(settled.settled, 1);
+    proxy.heal();
+    handlers.stop().await;
+    cluster.stop().await;
+}
+
+/// probe-a's claim answer reaches its worker 2.4 s after the write service made the claim (the
+/// proxy holds every answer back, then every request: no renewal gets through). The lease (3 s)
+/// counts from the claim, so the write service hands the event to another claimer 3 s after it;
+/// the worker counts its own lease from when it asked, not from when the answer came, so the
+/// run it starts then is dropped before that point instead of running on (1.5 s) beside the
+/// other claimer's: it leaves no effect. (Counted from the answer, it recorded its effect.)
+#[tokio::test]
+async fn a_claim_answered_late_is_not_worked_on_past_its_lease() {
+    let dir = temp_dir();
+    let cluster = probe_a_with_a_3s_lease().start(dir.path()).await;
+    let mut c = cluster.write.clients().await;
+    let (event_id, claimed_at, proxy, mut handlers) =
+        crate::a_claim_heard_late(&cluster, &mut c, dir.path(), &[]).await;
+    let taken = reelay_harness::eventually_some("another replica is handed the event", Duration::from_secs(20), || {
+        let mut c = c.clone();
+        async move { Some(claimed_by_another_replica(&mut c).await).filter(|taken| !taken.is_empty()) }
+    })
+    .await;
+    assert_eq!(taken[0].key, event_id);
+    // A run started on the late answer would have ended 3.9 s after the claim.
+    tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
+    let effects = effects(&cluster.effects).await;
+    assert_eq!(effects.get(&(event_id.clone(), "probe-a".to_owned())), None, "the late run was dropped");
+    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
     proxy.heal();
     handlers.stop().await;
     cluster.stop().await;

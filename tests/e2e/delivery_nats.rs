@@ -626,6 +626,43 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
     cluster.stop().await;
 }
 
+/// probe-a's ledger claim answer reaches its worker 2.4 s after the write service made the
+/// claim (the proxy holds every answer back, then every request: no renewal gets through; the
+/// broker is reached directly). Once the ledger lease (3 s) has run out another worker's claim
+/// takes the event over; the worker counts its lease from when it asked, not from when the answer
+/// came, so the run it starts then is dropped before that point: it leaves no effect.
+#[tokio::test]
+async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
+    let dir = temp_dir();
+    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .start(dir.path())
+        .await;
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let mut c = cluster.write.clients().await;
+    let (event_id, claimed_at, proxy, mut handlers) =
+        crate::a_claim_heard_late(&cluster, &mut c, dir.path(), &with(&broker, &[])).await;
+    let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
+    eventually("another worker takes the event over", Duration::from_secs(20), || {
+        let (mut c, key) = (c.clone(), key.clone());
+        async move {
+            let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into() };
+            let reply = c.ledger.claim(claim).await.unwrap().into_inner();
+            matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_)))
+        }
+    })
+    .await;
+    // A run started on the late answer would have ended 3.9 s after the claim.
+    tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the late run was dropped");
+    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
+    proxy.heal();
+    handlers.stop().await;
+    cluster.stop().await;
+}
+
 /// The status, attempts and last error of a pair's ledger row.
 async fn ledger_row(db: &Path, event_id: &str, handler: &str) -> Option<Vec<String>> {
     let sql = format!(

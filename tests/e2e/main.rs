@@ -61,6 +61,39 @@ async fn slow_probe_behind(
     Reelay::start(spec).await
 }
 
+/// How late the proxy of [`a_claim_heard_late`] passes answers on, and how long probe-a's call
+/// there takes: the answer comes in most of the way through the write service's 3 s lease, and a
+/// run started then would end after the lease has run out.
+const LATE_ANSWER: Duration = Duration::from_millis(2_400);
+
+/// A probe-a process (a 1.5 s call) behind a proxy that passes every answer of the write service
+/// on [`LATE_ANSWER`] late, with `env` on top. Writes a user (through `c`), waits until probe-a's
+/// claim on the event is stored, and from then on holds every request of that process: its claim
+/// answer is still on its way, and no renewal reaches the write service. Returns the event's id,
+/// when its claim was seen, the proxy and the process.
+async fn a_claim_heard_late(
+    cluster: &reelay_harness::Cluster,
+    c: &mut reelay_harness::Clients,
+    dir: &Path,
+    env: &[(&str, &str)],
+) -> (String, std::time::Instant, reelay_harness::CuttingProxy, Reelay) {
+    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
+    let mut all = vec![("REELAY_PROBE_DELAY_MS", "1500")];
+    all.extend_from_slice(env);
+    let handlers = slow_probe_behind(&proxy, dir, &cluster.effects, &all).await;
+    proxy.delay_answers(LATE_ANSWER);
+    c.user("ana").await;
+    let event_id = reelay_harness::event_ids(&cluster.db).await.remove(0);
+    let sql = format!("SELECT status FROM processed_events WHERE event_id = '{event_id}' AND handler = 'probe-a'");
+    eventually("probe-a's claim is stored", Duration::from_secs(20), || async {
+        query_strings(&cluster.db, &sql).await.first().is_some_and(|r| r[0] == "in_progress")
+    })
+    .await;
+    proxy.hold_requests();
+    let claimed_at = std::time::Instant::now();
+    (event_id, claimed_at, proxy, handlers)
+}
+
 /// Waits until `n` claims wait with the writer for new events (on db one per claim call, which
 /// may claim for several handlers; the relay's on nats).
 async fn claims_waiting(write: &Reelay, n: f64) {

@@ -31,6 +31,8 @@ pub async fn run_consumer<S: EventSource>(
         while batches.try_join_next().is_some() {}
         // The fetch is not raced against shutdown: dropping a claim in flight could strand rows
         // until their lease ends. Fetches wait only briefly, so shutdown is still prompt.
+        // A lease on what it claims counts from no later than now (see `LeaseWatch`).
+        let asked = tokio::time::Instant::now();
         let deliveries = match source.fetch(batch_size).await {
             Ok(deliveries) => {
                 source_pause.resumed();
@@ -51,7 +53,7 @@ pub async fn run_consumer<S: EventSource>(
         }
         let (settler, dispatcher, shutdown) = (source.settler(), dispatcher.clone(), shutdown.clone());
         batches.spawn(async move {
-            process_batch(deliveries, dispatcher, settler, shutdown).await;
+            process_batch(deliveries, asked, dispatcher, settler, shutdown).await;
             drop(permit);
         });
     }
@@ -59,9 +61,10 @@ pub async fn run_consumer<S: EventSource>(
     tracing::info!("consumer stopped");
 }
 
-/// Dispatches one batch through the ledger and settles it.
+/// Dispatches one batch, fetched by a call sent at `asked`, through the ledger and settles it.
 async fn process_batch<T, X>(
     deliveries: Vec<Delivery<T>>,
+    asked: tokio::time::Instant,
     mut dispatcher: Dispatcher,
     mut settler: X,
     shutdown: Shutdown,
@@ -70,7 +73,7 @@ async fn process_batch<T, X>(
     X: Settler<T>,
 {
     let mut ledger_pause = Pause::new("ledger");
-    let mut lease = settler.lease();
+    let mut lease = settler.lease(asked);
     let dispatched = loop {
         let dispatched = with_progress(&settler, &deliveries, &mut lease, dispatcher.dispatch(&deliveries)).await;
         match dispatched {

@@ -272,8 +272,8 @@ impl Settler<DeliveryClaim> for DeliverySettler {
         Some(self.lease / 3)
     }
 
-    fn lease(&self) -> Option<LeaseWatch> {
-        Some(LeaseWatch::start(self.lease, self.server_lease.clone()))
+    fn lease(&self, asked: tokio::time::Instant) -> Option<LeaseWatch> {
+        Some(LeaseWatch::start(self.lease, self.server_lease.clone(), asked))
     }
 
     async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<bool, SourceError> {

@@ -259,9 +259,10 @@ impl Dispatcher {
             })
             .collect();
 
+        let asked = tokio::time::Instant::now();
         self.claim(deliveries, &mut pairs).await?;
         let held = self.held_claims(deliveries, &pairs);
-        if with_renewals(self, &held, self.run_handlers(deliveries, &mut pairs)).await.is_none() {
+        if with_renewals(self, &held, asked, self.run_handlers(deliveries, &mut pairs)).await.is_none() {
             return Ok(None);
         }
         let ledger = self.ledger_settlement(deliveries, &pairs);
@@ -582,13 +583,18 @@ fn warn_lost(keys: &[&v1::OwnedKey], owned: Option<Vec<bool>>) {
 /// (`None`) once the claims cannot be held: a renewal says some were taken over, or none
 /// succeeded for five sixths of the lease (a worker cut off from the ledger stops before anyone
 /// else can be handed its events; see [`LeaseWatch`]).
-async fn with_renewals<F: Future>(dispatcher: &Dispatcher, held: &[v1::OwnedKey], work: F) -> Option<F::Output> {
+async fn with_renewals<F: Future>(
+    dispatcher: &Dispatcher,
+    held: &[v1::OwnedKey],
+    asked: tokio::time::Instant,
+    work: F,
+) -> Option<F::Output> {
     if held.is_empty() {
         return Some(work.await);
     }
-    // The claims were made just before: their lease counts from no earlier than now.
+    // The claims were asked for at `asked`: the ledger made them no earlier.
     let own = dispatcher.config.ledger_lease;
-    let watch = LeaseWatch::start(own, dispatcher.claims.lease.clone());
+    let watch = LeaseWatch::start(own, dispatcher.claims.lease.clone(), asked);
     while_renewing(work, own / 3, &mut Some(watch), || dispatcher.renew(held)).await
 }
 

@@ -116,10 +116,10 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
         None
     }
 
-    /// A watch on the lease the backend holds a batch fetched just now under: how long it
-    /// goes without hearing that the batch is in progress before another consumer may take it
-    /// over; `None`: no such lease.
-    fn lease(&self) -> Option<LeaseWatch> {
+    /// A watch on the lease the backend holds a batch under, fetched by a call sent at `asked`:
+    /// how long it goes without hearing that the batch is in progress before another consumer
+    /// may take it over; `None`: no such lease.
+    fn lease(&self, _asked: tokio::time::Instant) -> Option<LeaseWatch> {
         None
     }
 
@@ -156,22 +156,32 @@ impl ServerLease {
 }
 
 /// Until when a consumer may still work on leased deliveries: the lease counted from when the
-/// last renewal that succeeded was sent (the backend stamps it later), less a margin, so the
-/// work stops before anyone else can be handed them. A consumer cut off from the backend for
-/// most of a lease, or told its claims were taken over, drops the work unsettled; the
-/// deliveries come back (handlers are idempotent) instead of running twice at once.
+/// claim, or the last renewal that succeeded, was sent (the backend stamps it later), less a
+/// margin, so the work stops before anyone else can be handed them. Never from when the answer
+/// arrived: an answer held up on its way (a slow network, a process stopped and resumed) would
+/// otherwise leave the worker believing in a lease that has already run out. A consumer cut off
+/// from the backend for most of a lease, or told its claims were taken over, drops the work
+/// unsettled; the deliveries come back (handlers are idempotent) instead of running twice at
+/// once.
 #[derive(Debug, Clone)]
 pub struct LeaseWatch {
     /// This process's lease setting; the write service's, when it says it is shorter.
     lease: Duration,
     server: ServerLease,
     confirmed: tokio::time::Instant,
+    /// The lease the claims were held under when last confirmed: the write service gives a claim
+    /// the lease it has when it makes or renews it (after a restart with a shorter one it takes
+    /// nothing over before the longer one has passed), so a shorter lease heard later applies
+    /// from the next renewal on, not to the time already confirmed.
+    confirmed_for: Duration,
 }
 
 impl LeaseWatch {
-    /// A watch for claims made (or last renewed) no earlier than now.
-    pub fn start(lease: Duration, server: ServerLease) -> Self {
-        Self { lease, server, confirmed: tokio::time::Instant::now() }
+    /// A watch for claims asked for (or last renewed) at `asked`: the backend made them no
+    /// earlier, under the lease last heard.
+    pub fn start(lease: Duration, server: ServerLease, asked: tokio::time::Instant) -> Self {
+        let confirmed_for = server.bound(lease);
+        Self { lease, server, confirmed: asked, confirmed_for }
     }
 
     /// The lease as last heard: renew every third of it.
@@ -179,14 +189,17 @@ impl LeaseWatch {
         self.server.bound(self.lease)
     }
 
-    /// A renewal sent at `sent` succeeded.
+    /// A renewal sent at `sent` succeeded (its answer told the lease it renewed for).
     pub fn renewed(&mut self, sent: tokio::time::Instant) {
-        self.confirmed = self.confirmed.max(sent);
+        if sent >= self.confirmed {
+            self.confirmed = sent;
+            self.confirmed_for = self.lease();
+        }
     }
 
     /// When the work must stop unless a renewal succeeds first: five sixths of the lease.
     pub fn deadline(&self) -> tokio::time::Instant {
-        self.confirmed + self.lease() * 5 / 6
+        self.confirmed + self.confirmed_for * 5 / 6
     }
 }
 
@@ -201,10 +214,11 @@ pub(crate) enum Renewal {
 }
 
 /// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
-/// every third of it as last heard: the write service can say it is shorter while the work
-/// runs). The work is dropped (`None`) when a report says its claims were taken over, or, with
-/// a `lease`, when none was `Held` before the lease's deadline (a report still unanswered then
-/// counts as none).
+/// every third of it as last heard, counted from the last confirmation: the write service can
+/// say it is shorter while the work runs). The work goes on while a report is on its way. It is
+/// dropped (`None`) when a report says its claims were taken over, or, with a `lease`, when none
+/// was `Held` before the lease's deadline (a report still unanswered then counts as none; work
+/// whose deadline has passed before it starts never starts).
 pub(crate) async fn while_renewing<F, R>(
     work: F,
     every: Duration,
@@ -217,25 +231,42 @@ where
 {
     tokio::pin!(work);
     let period = |lease: &Option<LeaseWatch>| lease.as_ref().map_or(every, |lease| every.min(lease.lease() / 3));
-    let mut next = tokio::time::Instant::now() + period(lease);
+    // The first report is due a period after the claims were asked for (at once when their
+    // answer took that long to arrive), each next one a period after the last was sent.
+    let asked = lease.as_ref().map_or_else(tokio::time::Instant::now, |lease| lease.confirmed);
+    let mut next = asked + period(lease);
     let never = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+    // The report on its way, and when it was sent.
+    let mut report: Option<(std::pin::Pin<Box<R>>, tokio::time::Instant)> = None;
     loop {
         let deadline = lease.as_ref().map_or_else(never, LeaseWatch::deadline);
+        let idle = report.is_none();
+        let answer = async {
+            match report.as_mut() {
+                Some((answer, _)) => answer.await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            output = &mut work => return Some(output),
+            // The deadline first: work past it must not go on, even for one more poll.
+            biased;
             () = tokio::time::sleep_until(deadline) => return None,
-            () = tokio::time::sleep_until(next) => {
-                let sent = tokio::time::Instant::now();
-                match tokio::time::timeout_at(deadline, renew()).await {
-                    Ok(Renewal::Held) => {
+            output = &mut work => return Some(output),
+            renewal = answer => {
+                let (_, sent) = report.take().expect("an answer comes only to a report on its way");
+                match renewal {
+                    Renewal::Held => {
                         if let Some(lease) = lease.as_mut() {
                             lease.renewed(sent);
                         }
                     }
-                    Ok(Renewal::Lost) | Err(_) => return None,
-                    Ok(Renewal::Unanswered) => {}
+                    Renewal::Lost => return None,
+                    Renewal::Unanswered => {}
                 }
                 next = sent + period(lease);
+            }
+            () = tokio::time::sleep_until(next), if idle => {
+                report = Some((Box::pin(renew()), tokio::time::Instant::now()));
             }
         }
     }
@@ -243,9 +274,95 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
     use std::time::Duration;
 
-    use super::ServerLease;
+    use tokio::time::Instant;
+
+    use super::{LeaseWatch, Renewal, ServerLease, while_renewing};
+
+    /// A worker's lease counts from when it asked for the claims, not from when the answer came:
+    /// with a 3 s lease whose answer took 2.4 s to arrive and renewals that go unanswered, a
+    /// 1.5 s run is dropped at five sixths of the lease from the asking (0.1 s in), and the
+    /// first renewal goes out at once, its period having passed on the way.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_counts_from_when_the_claims_were_asked_for() {
+        let asked = Instant::now();
+        tokio::time::sleep(Duration::from_millis(2_400)).await;
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let renewals = Cell::new(Vec::new());
+        let renew = || {
+            renewals.set([renewals.take(), vec![asked.elapsed()]].concat());
+            std::future::pending::<Renewal>()
+        };
+        let work = tokio::time::sleep(Duration::from_millis(1_500));
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        assert!(ran.is_none(), "the run was dropped");
+        assert_eq!(asked.elapsed(), Duration::from_millis(2_500));
+        assert_eq!(renewals.take(), vec![Duration::from_millis(2_400)]);
+    }
+
+    /// A shorter lease heard while the work runs (the write service restarted with one) applies
+    /// from the next renewal that is answered on: the time the claims were confirmed for under
+    /// the longer lease stands, so the run is not dropped while renewals go unanswered for
+    /// longer than the new lease, and once renewed it goes by the shorter one.
+    #[tokio::test(start_paused = true)]
+    async fn a_shorter_lease_heard_later_applies_from_the_next_renewal() {
+        let asked = Instant::now();
+        let server = ServerLease::default();
+        server.heard(18_000);
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(60), server.clone(), asked));
+        server.heard(3_000);
+        let deadline = lease.as_ref().unwrap().deadline();
+        assert_eq!(deadline - asked, Duration::from_secs(15), "five sixths of the lease the claims were made under");
+        // The renewals go unanswered for the first 4 s (longer than the new lease's 2.5 s).
+        let renewals = Cell::new(Vec::new());
+        let renew = || {
+            renewals.set([renewals.take(), vec![asked.elapsed()]].concat());
+            let answered = asked.elapsed() >= Duration::from_secs(5);
+            std::future::ready(if answered { Renewal::Held } else { Renewal::Unanswered })
+        };
+        let work = tokio::time::sleep(Duration::from_secs(9));
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        assert!(ran.is_some(), "the run ended");
+        let secs = (1..=8).map(Duration::from_secs).collect::<Vec<_>>();
+        assert_eq!(renewals.take(), secs, "every third of the lease heard");
+        assert_eq!(lease.unwrap().deadline() - asked, Duration::from_millis(8_000 + 2_500), "the new lease's");
+    }
+
+    /// The work goes on while a renewal is on its way: a slow answer does not hold it up.
+    #[tokio::test(start_paused = true)]
+    async fn work_goes_on_while_a_renewal_is_answered() {
+        let asked = Instant::now();
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let renew = || async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Renewal::Held
+        };
+        let work = tokio::time::sleep(Duration::from_millis(1_500));
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        assert!(ran.is_some(), "the run ended");
+        assert_eq!(asked.elapsed(), Duration::from_millis(1_500), "when its own time was up, not after the renewal");
+    }
+
+    /// Renewed every third of the lease, counted from the asking, the same kind of run goes on
+    /// to its end however long it takes.
+    #[tokio::test(start_paused = true)]
+    async fn renewed_work_runs_to_its_end() {
+        let asked = Instant::now();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let renewals = Cell::new(0);
+        let renew = || {
+            renewals.set(renewals.get() + 1);
+            std::future::ready(Renewal::Held)
+        };
+        let work = tokio::time::sleep(Duration::from_millis(4_500));
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        assert!(ran.is_some(), "the run ended");
+        assert_eq!(asked.elapsed(), Duration::from_millis(4_700));
+        assert_eq!(renewals.get(), 4, "renewed at 1, 2, 3 and 4 s after the asking");
+    }
 
     /// A worker's lease is its own setting until a claim answer says the write service's is
     /// shorter; an answer without one (an older server) changes nothing.

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -85,11 +85,15 @@ impl Drop for Strace {
 /// the server starts answering, closes the client's connection instead of passing the answer
 /// on: the server did the work, the client never hears of it (a connection killed mid-call).
 ///
-/// It can also hold every byte both ways (a network partition between the two) until healed.
+/// It can also hold every byte both ways (a network partition between the two), or only the
+/// requests, until healed, or pass every answer on late (a slow way back).
 pub struct CuttingProxy {
     pub addr: SocketAddr,
     cut: Arc<AtomicBool>,
     held: Arc<AtomicBool>,
+    requests_held: Arc<AtomicBool>,
+    /// How long each answer byte is held back, in milliseconds.
+    answer_delay_ms: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -99,14 +103,27 @@ impl CuttingProxy {
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let held = Arc::new(AtomicBool::new(false));
-        let (flag, hold) = (Arc::clone(&cut), Arc::clone(&held));
+        let requests_held = Arc::new(AtomicBool::new(false));
+        let answer_delay_ms = Arc::new(AtomicU64::new(0));
+        let faults = Faults {
+            cut: Arc::clone(&cut),
+            held: Arc::clone(&held),
+            requests_held: Arc::clone(&requests_held),
+            delay_ms: Arc::clone(&answer_delay_ms),
+        };
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(upstream).await else { continue };
-                tokio::spawn(relay(client, server, Arc::clone(&flag), Arc::clone(&hold)));
+                tokio::spawn(relay(client, server, faults.clone()));
             }
         });
-        Self { addr, cut, held, task }
+        Self { addr, cut, held, requests_held, answer_delay_ms, task }
+    }
+
+    /// From now on every answer byte from the server reaches the client `delay` after it left
+    /// the server (in order; requests go through at once), until set back to zero.
+    pub fn delay_answers(&self, delay: Duration) {
+        self.answer_delay_ms.store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// The next answer bytes from the server (on any connection) kill that connection instead.
@@ -120,9 +137,16 @@ impl CuttingProxy {
         self.held.store(true, Ordering::SeqCst);
     }
 
+    /// From now on no request reaches the server (answers to those already sent still come
+    /// back), until [`CuttingProxy::heal`].
+    pub fn hold_requests(&self) {
+        self.requests_held.store(true, Ordering::SeqCst);
+    }
+
     /// Lets what was held, and everything after it, through again.
     pub fn heal(&self) {
         self.held.store(false, Ordering::SeqCst);
+        self.requests_held.store(false, Ordering::SeqCst);
     }
 }
 
@@ -132,39 +156,66 @@ impl Drop for CuttingProxy {
     }
 }
 
-async fn relay(client: TcpStream, server: TcpStream, cut: Arc<AtomicBool>, held: Arc<AtomicBool>) {
+/// What the proxy does to the bytes it passes, shared by its connections.
+#[derive(Clone)]
+struct Faults {
+    cut: Arc<AtomicBool>,
+    held: Arc<AtomicBool>,
+    requests_held: Arc<AtomicBool>,
+    delay_ms: Arc<AtomicU64>,
+}
+
+async fn relay(client: TcpStream, server: TcpStream, faults: Faults) {
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let upstream = tokio::spawn(pump(client_read, server_write, None, Arc::clone(&held)));
-    pump(server_read, client_write, Some(cut), held).await;
+    let (held, requests_held) = (Arc::clone(&faults.held), faults.requests_held);
+    let requests_held = move || held.load(Ordering::SeqCst) || requests_held.load(Ordering::SeqCst);
+    let upstream = tokio::spawn(pump(client_read, server_write, None, requests_held, None));
+    let held = faults.held;
+    let answers_held = move || held.load(Ordering::SeqCst);
+    pump(server_read, client_write, Some(faults.cut), answers_held, Some(faults.delay_ms)).await;
     upstream.abort();
 }
 
-/// Passes bytes one way, holding them while `held`; with `cut`, the next answer set to be cut
-/// is dropped with the connection.
+/// Passes bytes one way, holding them while `held`, each chunk no sooner than `delay` (ms)
+/// after it was read; with `cut`, the next answer set to be cut is dropped with the connection.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     cut: Option<Arc<AtomicBool>>,
-    held: Arc<AtomicBool>,
+    held: impl Fn() -> bool,
+    delay: Option<Arc<AtomicU64>>,
 ) {
-    let mut buffer = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        while held.load(Ordering::SeqCst) {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    // Reading goes on while a chunk waits out its delay, so later chunks are not delayed twice.
+    let (chunks, mut queue) = tokio::sync::mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        let mut buffer = vec![0u8; 64 * 1024];
+        loop {
+            let n = match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let delay = delay.as_ref().map_or(0, |d| d.load(Ordering::SeqCst));
+            let due = tokio::time::Instant::now() + Duration::from_millis(delay);
+            if chunks.send((due, buffer[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+    });
+    while let Some((due, chunk)) = queue.recv().await {
+        tokio::time::sleep_until(due).await;
+        while held() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         if cut.as_ref().is_some_and(|cut| cut.swap(false, Ordering::SeqCst)) {
             // Drop the answer and the connection.
             break;
         }
-        if to.write_all(&buffer[..n]).await.is_err() {
+        if to.write_all(&chunk).await.is_err() {
             break;
         }
     }
+    reader.abort();
 }
 
 /// A tmpfs of a fixed size, mounted for one test (the tests run as root) and unmounted after.
