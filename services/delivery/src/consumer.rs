@@ -140,7 +140,7 @@ where
 fn abandon(deliveries: usize) {
     tracing::warn!(
         deliveries,
-        "the batch's claims could not be renewed for most of their lease, or were taken over: its work is dropped unsettled and comes back"
+        "the batch's claims were not confirmed for five sixths of their lease (renewals unanswered, or the claim's own answer that late), or were taken over: its work is dropped unsettled and comes back"
     );
 }
 

@@ -37,8 +37,11 @@ pub struct DeliveryClaim {
 pub struct ClaimerConfig {
     /// `<instance>#<incarnation>` of this process.
     pub owner: String,
-    /// How long one claim waits for deliveries before returning empty.
+    /// How long one claim waits for deliveries before returning empty; at most a sixth of the
+    /// lease (see [`claim_call`]).
     pub long_poll: Duration,
+    /// This process's lease setting (the write service's, when its answers say it is shorter).
+    pub lease: Duration,
     /// The largest claim answer this process reads (its gRPC message limit).
     pub max_message_bytes: usize,
 }
@@ -119,13 +122,18 @@ async fn claim_call(
             (asked, (w.handler, w.reply))
         })
         .unzip();
+    // A worker counts its claims' lease from when it asked (see `LeaseWatch`), and the write
+    // service makes a claim when an event comes, up to the long poll later: waiting at most a
+    // sixth of the lease leaves the worker at least two thirds of it from the claim, and half
+    // of it for its first renewal to be answered, however long the claim waited.
+    let long_poll = config.long_poll.min(lease.bound(config.lease) / 6);
     let mut request = tonic::Request::new(v1::ClaimDeliveriesForHandlersRequest {
         handlers,
         owner: config.owner.clone(),
-        wait_ms: config.long_poll.as_millis() as u32,
+        wait_ms: long_poll.as_millis() as u32,
         max_bytes: config.max_message_bytes as u32,
     });
-    request.set_timeout(config.long_poll + Duration::from_secs(10));
+    request.set_timeout(long_poll + Duration::from_secs(10));
     match client.claim_deliveries_for_handlers(request).await {
         Ok(answer) => {
             let answer = answer.into_inner();

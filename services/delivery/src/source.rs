@@ -178,7 +178,7 @@ pub struct LeaseWatch {
 
 impl LeaseWatch {
     /// A watch for claims asked for (or last renewed) at `asked`: the backend made them no
-    /// earlier, under the lease last heard.
+    /// earlier, under the lease last heard (their answer's, heard before this).
     pub fn start(lease: Duration, server: ServerLease, asked: tokio::time::Instant) -> Self {
         let confirmed_for = server.bound(lease);
         Self { lease, server, confirmed: asked, confirmed_for }
@@ -189,7 +189,8 @@ impl LeaseWatch {
         self.server.bound(self.lease)
     }
 
-    /// A renewal sent at `sent` succeeded (its answer told the lease it renewed for).
+    /// A renewal sent at `sent` succeeded: the claims hold for the lease as last heard (renewal
+    /// answers carry it, and the one that said so is heard before this).
     pub fn renewed(&mut self, sent: tokio::time::Instant) {
         if sent >= self.confirmed {
             self.confirmed = sent;
@@ -214,11 +215,13 @@ pub(crate) enum Renewal {
 }
 
 /// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
-/// every third of it as last heard, counted from the last confirmation: the write service can
-/// say it is shorter while the work runs). The work goes on while a report is on its way. It is
-/// dropped (`None`) when a report says its claims were taken over, or, with a `lease`, when none
-/// was `Held` before the lease's deadline (a report still unanswered then counts as none; work
-/// whose deadline has passed before it starts never starts).
+/// every third of it as last heard: the write service can say it is shorter while the work
+/// runs); the first report is due a period after the claims were asked for, each next one a
+/// period after the last was sent. The work goes on while a report is on its way; a report not
+/// answered within a period counts as unanswered, and the next goes out. The work is dropped
+/// (`None`) when a report says its claims were taken over, or, with a `lease`, when none was
+/// `Held` before the lease's deadline (a report still unanswered then counts as none; work whose
+/// deadline has passed before it starts never starts).
 pub(crate) async fn while_renewing<F, R>(
     work: F,
     every: Duration,
@@ -231,19 +234,18 @@ where
 {
     tokio::pin!(work);
     let period = |lease: &Option<LeaseWatch>| lease.as_ref().map_or(every, |lease| every.min(lease.lease() / 3));
-    // The first report is due a period after the claims were asked for (at once when their
-    // answer took that long to arrive), each next one a period after the last was sent.
+    // At once when the claims' answer took a period to arrive.
     let asked = lease.as_ref().map_or_else(tokio::time::Instant::now, |lease| lease.confirmed);
     let mut next = asked + period(lease);
     let never = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
     // The report on its way, and when it was sent.
-    let mut report: Option<(std::pin::Pin<Box<R>>, tokio::time::Instant)> = None;
+    let mut report: Option<(std::pin::Pin<Box<tokio::time::Timeout<R>>>, tokio::time::Instant)> = None;
     loop {
         let deadline = lease.as_ref().map_or_else(never, LeaseWatch::deadline);
         let idle = report.is_none();
         let answer = async {
             match report.as_mut() {
-                Some((answer, _)) => answer.await,
+                Some((answer, _)) => answer.await.unwrap_or(Renewal::Unanswered),
                 None => std::future::pending().await,
             }
         };
@@ -266,7 +268,7 @@ where
                 next = sent + period(lease);
             }
             () = tokio::time::sleep_until(next), if idle => {
-                report = Some((Box::pin(renew()), tokio::time::Instant::now()));
+                report = Some((Box::pin(tokio::time::timeout(period(lease), renew())), tokio::time::Instant::now()));
             }
         }
     }
@@ -343,6 +345,31 @@ mod tests {
         let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
         assert!(ran.is_some(), "the run ended");
         assert_eq!(asked.elapsed(), Duration::from_millis(1_500), "when its own time was up, not after the renewal");
+    }
+
+    /// A report that never comes back (a call lost on a dead connection) counts as unanswered
+    /// after a period, and the next goes out: the run is not dropped for want of trying.
+    #[tokio::test(start_paused = true)]
+    async fn a_report_that_never_returns_is_followed_by_another() {
+        let asked = Instant::now();
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let renewals = Cell::new(Vec::new());
+        let renew = || {
+            let first = renewals.take();
+            let lost = first.is_empty();
+            renewals.set([first, vec![asked.elapsed()]].concat());
+            async move {
+                if lost {
+                    std::future::pending::<()>().await;
+                }
+                Renewal::Held
+            }
+        };
+        let work = tokio::time::sleep(Duration::from_secs(4));
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        assert!(ran.is_some(), "the run ended");
+        let secs = (1..=3).map(Duration::from_secs).collect::<Vec<_>>();
+        assert_eq!(renewals.take(), secs);
     }
 
     /// Renewed every third of the lease, counted from the asking, the same kind of run goes on

@@ -311,6 +311,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                                 ClaimerConfig {
                                     owner: identity.owner(),
                                     long_poll: CLAIM_LONG_POLL,
+                                    lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                                     max_message_bytes: args.grpc_max_message_bytes,
                                 },
                             )

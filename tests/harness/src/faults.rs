@@ -187,8 +187,10 @@ async fn pump(
     delay: Option<Arc<AtomicU64>>,
 ) {
     // Reading goes on while a chunk waits out its delay, so later chunks are not delayed twice.
+    // The reader stops with the pump (the set aborts it when dropped, also when the pump is).
     let (chunks, mut queue) = tokio::sync::mpsc::unbounded_channel();
-    let reader = tokio::spawn(async move {
+    let mut reader = tokio::task::JoinSet::new();
+    reader.spawn(async move {
         let mut buffer = vec![0u8; 64 * 1024];
         loop {
             let n = match from.read(&mut buffer).await {
@@ -196,14 +198,16 @@ async fn pump(
                 Ok(n) => n,
             };
             let delay = delay.as_ref().map_or(0, |d| d.load(Ordering::SeqCst));
-            let due = tokio::time::Instant::now() + Duration::from_millis(delay);
+            let due = (delay > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(delay));
             if chunks.send((due, buffer[..n].to_vec())).is_err() {
                 break;
             }
         }
     });
     while let Some((due, chunk)) = queue.recv().await {
-        tokio::time::sleep_until(due).await;
+        if let Some(due) = due {
+            tokio::time::sleep_until(due).await;
+        }
         while held() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -215,7 +219,6 @@ async fn pump(
             break;
         }
     }
-    reader.abort();
 }
 
 /// A tmpfs of a fixed size, mounted for one test (the tests run as root) and unmounted after.
