@@ -513,6 +513,34 @@ async fn a_claim_answered_late_is_not_worked_on_past_its_lease() {
     cluster.stop().await;
 }
 
+/// probe-a's process is frozen (SIGSTOP) 2 s into a 3 s call, for longer than the lease (3 s):
+/// another replica is handed the event meanwhile. When the process runs again its call's time
+/// is up as well as its lease: the lease comes first, so the run is dropped without taking
+/// another step (it would otherwise record its effect beside the other replica's claim).
+#[tokio::test]
+async fn a_worker_frozen_past_its_lease_does_not_finish_its_run_when_it_wakes() {
+    let dir = temp_dir();
+    let mut cluster = probe_a_with_a_3s_lease().handlers(&[("REELAY_PROBE_DELAY_MS", "3000")]).start(dir.path()).await;
+    let mut c = cluster.write.clients().await;
+    let event_id = a_user_inside_probe_a(&cluster, &mut c).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.handlers[0].pause();
+    let taken = reelay_harness::eventually_some("another replica is handed the event", Duration::from_secs(20), || {
+        let mut c = c.clone();
+        async move { Some(claimed_by_another_replica(&mut c).await).filter(|taken| !taken.is_empty()) }
+    })
+    .await;
+    assert_eq!(taken[0].key, event_id);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.handlers[0].resume();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let effects = effects(&cluster.effects).await;
+    let log = cluster.handlers[0].log_text();
+    assert_eq!(effects.get(&(event_id.clone(), "probe-a".to_owned())), None, "the frozen run was dropped: {log}");
+    assert!(log.contains("its work is dropped unsettled"), "{log}");
+    cluster.stop().await;
+}
+
 #[tokio::test]
 async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
     let dir = temp_dir();
