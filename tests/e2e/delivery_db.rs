@@ -520,7 +520,7 @@ async fn a_claim_answered_late_is_not_worked_on_past_its_lease() {
 #[tokio::test]
 async fn a_worker_frozen_past_its_lease_does_not_finish_its_run_when_it_wakes() {
     let dir = temp_dir();
-    let mut cluster = probe_a_with_a_3s_lease().handlers(&[("REELAY_PROBE_DELAY_MS", "3000")]).start(dir.path()).await;
+    let cluster = probe_a_with_a_3s_lease().handlers(&[("REELAY_PROBE_DELAY_MS", "3000")]).start(dir.path()).await;
     let mut c = cluster.write.clients().await;
     let event_id = a_user_inside_probe_a(&cluster, &mut c).await;
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -532,7 +532,13 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
         for (i, candidate) in chunk {
             let key = delivery_key(candidate.id, candidate.event_id.as_deref());
             let c = &mut claiming[*i];
-            if created.as_ref().is_none_or(|created| created.contains(&(key.clone(), c.request.handler.clone()))) {
+            // A row this job took over (an expired claim, on an upgraded database, of an event
+            // past the new cursor) looks created now too: it is handed once, as the take-over.
+            let fresh = created.as_ref().is_none_or(|created| {
+                created.contains(&(key.clone(), c.request.handler.clone()))
+                    && !c.taken.iter().any(|(_, taken, _, _)| *taken == key)
+            });
+            if fresh {
                 c.taken.push((candidate.id, key, 1, now));
             }
         }

@@ -371,6 +371,32 @@ async fn claims_and_settlements_that_meet_other_rows_report_only_their_own() {
     assert_eq!(state(&db, &keys[3], "a").await.0, "done");
 }
 
+/// As an upgraded database can have it: an event past the handler's new cursor already has a
+/// claim from before (never attempted), whose owner stopped renewing it. The claim that takes
+/// it over hands it once, not a second time as a new row.
+#[tokio::test]
+async fn an_expired_claim_from_before_the_cursor_is_handed_once() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 2).await;
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT event_id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
+    put_ledger_row(
+        &db,
+        "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner, attempts) \
+         VALUES (?1, 'a', 'in_progress', ?2, ?2, 'gone#1', 0)",
+        keys[1].clone(),
+    )
+    .await;
+    let later = T0 + 2 * POLICY.lease.as_millis() as i64;
+    let claimed = claim(&db, &request("a", &["MovieDeleted", "UserRegistered"], "p#1"), later).await.unwrap();
+    let mut handed: Vec<&str> = claimed.iter().map(|d| d.key.as_str()).collect();
+    handed.sort_unstable();
+    let mut want = vec![keys[0].as_str(), keys[1].as_str()];
+    want.sort_unstable();
+    assert_eq!(handed, want, "each event once");
+}
+
 fn deliveries_overhead() -> usize {
     reelay_outbox::queue::CLAIM_ROW_OVERHEAD
 }
