@@ -377,6 +377,16 @@ async fn claimed_by_another_replica(c: &mut reelay_harness::Clients) -> Vec<v1::
     c.outbox.claim_deliveries(request).await.unwrap().into_inner().deliveries
 }
 
+/// What a claim for probe-a by another replica is handed once there is something (the lease of
+/// the claim before has run out).
+async fn handed_to_another_replica(c: &reelay_harness::Clients) -> Vec<v1::Delivery> {
+    reelay_harness::eventually_some("another replica is handed the event", Duration::from_secs(20), || {
+        let mut c = c.clone();
+        async move { Some(claimed_by_another_replica(&mut c).await).filter(|taken| !taken.is_empty()) }
+    })
+    .await
+}
+
 /// The write service is down for longer than the lease (3 s) while probe-a is inside an 8 s
 /// handler call: its renewals fail meanwhile. Once the service is back, a claim that arrives
 /// before the worker's next renewal does not take the event over: leases count again from the
@@ -497,11 +507,7 @@ async fn a_claim_answered_late_is_not_worked_on_past_its_lease() {
     let mut c = cluster.write.clients().await;
     let (event_id, claimed_at, proxy, mut handlers) =
         crate::a_claim_heard_late(&cluster, &mut c, dir.path(), &[]).await;
-    let taken = reelay_harness::eventually_some("another replica is handed the event", Duration::from_secs(20), || {
-        let mut c = c.clone();
-        async move { Some(claimed_by_another_replica(&mut c).await).filter(|taken| !taken.is_empty()) }
-    })
-    .await;
+    let taken = handed_to_another_replica(&c).await;
     assert_eq!(taken[0].key, event_id);
     // A run started on the late answer would have ended 3.9 s after the claim.
     tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
@@ -525,11 +531,7 @@ async fn a_worker_frozen_past_its_lease_does_not_finish_its_run_when_it_wakes() 
     let event_id = a_user_inside_probe_a(&cluster, &mut c).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster.handlers[0].pause();
-    let taken = reelay_harness::eventually_some("another replica is handed the event", Duration::from_secs(20), || {
-        let mut c = c.clone();
-        async move { Some(claimed_by_another_replica(&mut c).await).filter(|taken| !taken.is_empty()) }
-    })
-    .await;
+    let taken = handed_to_another_replica(&c).await;
     assert_eq!(taken[0].key, event_id);
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster.handlers[0].resume();

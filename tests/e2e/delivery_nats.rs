@@ -592,11 +592,7 @@ async fn a_broker_out_of_storage_spends_no_attempt() {
 #[tokio::test]
 async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends() {
     let dir = temp_dir();
-    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .start(dir.path())
-        .await;
+    let cluster = probe_a_with_a_3s_ledger_lease(dir.path()).await;
     let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
     let broker = nats_env(cluster.nats.as_ref().unwrap());
     let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &with(&broker, &[])).await;
@@ -634,11 +630,7 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
 #[tokio::test]
 async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
     let dir = temp_dir();
-    let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a")
-        .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .start(dir.path())
-        .await;
+    let cluster = probe_a_with_a_3s_ledger_lease(dir.path()).await;
     let broker = nats_env(cluster.nats.as_ref().unwrap());
     let mut c = cluster.write.clients().await;
     let (event_id, claimed_at, proxy, mut handlers) =
@@ -661,6 +653,15 @@ async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
     proxy.heal();
     handlers.stop().await;
     cluster.stop().await;
+}
+
+/// A nats cluster of probe-a whose ledger lease is 3 s (its handlers are started by the test).
+async fn probe_a_with_a_3s_ledger_lease(dir: &Path) -> reelay_harness::Cluster {
+    reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("REELAY_LEDGER_LEASE_MS", "3000")
+        .start(dir)
+        .await
 }
 
 /// The status, attempts and last error of a pair's ledger row.
