@@ -635,7 +635,55 @@ async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
     let mut c = cluster.write.clients().await;
     let (event_id, claimed_at, proxy, mut handlers) =
         crate::a_claim_heard_late(&cluster, &mut c, dir.path(), &with(&broker, &[])).await;
-    let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
+    taken_over_by_another_worker(&c, &event_id).await;
+    // A run started on the late answer would have ended 3.9 s after the claim.
+    tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the late run was dropped");
+    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
+    proxy.heal();
+    handlers.stop().await;
+    cluster.stop().await;
+}
+
+/// probe-a's process is frozen (SIGSTOP) 2 s into a 3 s call, for longer than the ledger lease
+/// (3 s): another worker's ledger claim takes the event over meanwhile. When the process runs
+/// again its call's time is up as well as its lease: the lease comes first, and the run is
+/// dropped without recording its effect.
+#[tokio::test]
+async fn a_worker_frozen_past_its_ledger_lease_does_not_finish_its_run_when_it_wakes() {
+    let dir = temp_dir();
+    let cluster = probe_a_with_a_3s_ledger_lease(dir.path()).await;
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let effects_file = cluster.effects.to_str().unwrap();
+    let probe =
+        [("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", effects_file), ("REELAY_PROBE_DELAY_MS", "3000")];
+    let mut handlers = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("h"), &with(&broker, &probe)).await;
+    let mut c = cluster.write.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.remove(0);
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || async {
+        !probe_records(&cluster.effects, "attempts").await.0.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    handlers.pause();
+    taken_over_by_another_worker(&c, &event_id).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    handlers.resume();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (effects, _) = probe_records(&cluster.effects, "effects").await;
+    let log = handlers.log_text();
+    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the frozen run was dropped: {log}");
+    assert!(log.contains("its work is dropped unsettled"), "{log}");
+    handlers.stop().await;
+    cluster.stop().await;
+}
+
+/// Waits until another worker's ledger claim on probe-a's part of `event_id` is granted (the
+/// claim before it has run out).
+async fn taken_over_by_another_worker(c: &Clients, event_id: &str) {
+    let key = v1::LedgerKey { event_id: event_id.to_owned(), handler: "probe-a".into() };
     eventually("another worker takes the event over", Duration::from_secs(20), || {
         let (mut c, key) = (c.clone(), key.clone());
         async move {
@@ -645,14 +693,6 @@ async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
         }
     })
     .await;
-    // A run started on the late answer would have ended 3.9 s after the claim.
-    tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
-    let (effects, _) = probe_records(&cluster.effects, "effects").await;
-    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the late run was dropped");
-    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
-    proxy.heal();
-    handlers.stop().await;
-    cluster.stop().await;
 }
 
 /// A nats cluster of probe-a whose ledger lease is 3 s (its handlers are started by the test).
