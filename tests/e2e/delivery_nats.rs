@@ -487,7 +487,8 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     assert_eq!(calls(&write.metrics().await) - before, 1.0, "eight asks, one call");
     let mut held = Vec::new();
     for (handler, answer) in handlers.iter().zip(answers) {
-        let answer = answer.expect("the ledger answers");
+        let (answer, granted) = answer.expect("the ledger answers");
+        assert_eq!(granted, Some(Duration::from_secs(30)), "the answer's lease (the default), for the claims it made");
         let keys: Vec<v1::LedgerKey> = answer.iter().map(|c| c.key.clone().unwrap()).collect();
         assert_eq!(keys, keys_of(handler), "each asker gets its own keys back, in order");
         for claim in answer {
@@ -502,7 +503,7 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     c.ledger.complete(v1::LedgerSettleRequest { keys: h0 }).await.unwrap();
     let again = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
     for (handler, answer) in handlers.iter().zip(again) {
-        for claim in answer.expect("the ledger answers") {
+        for claim in answer.expect("the ledger answers").0 {
             let outcome = claim.outcome.unwrap();
             match handler.as_str() {
                 "h0" => assert!(matches!(outcome, v1::ledger_claim::Outcome::Done(_)), "{outcome:?}"),

@@ -163,8 +163,7 @@ where
         let mut source = source.clone();
         async move {
             match source.in_progress(deliveries).await {
-                Ok(true) => Renewal::Held,
-                Ok(false) => Renewal::Lost,
+                Ok(renewal) => renewal,
                 Err(error) => {
                     tracing::warn!(%error, "could not report deliveries in progress");
                     Renewal::Unanswered

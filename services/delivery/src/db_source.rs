@@ -22,7 +22,8 @@ use tokio::sync::{mpsc, oneshot};
 use crate::consumer::decode_envelope;
 use crate::gather::gather;
 use crate::source::{
-    AckHandle, Delivery, EventSource, LeaseWatch, ServerLease, SettleKind, Settlement, Settler, SourceError,
+    AckHandle, Delivery, EventSource, Granted, LeaseWatch, Leased, Renewal, ServerLease, SettleKind, Settlement,
+    Settler, SourceError,
 };
 
 /// One delivery's claim: its ledger key and token.
@@ -51,7 +52,8 @@ struct Want {
     handler: &'static str,
     event_types: Vec<String>,
     max_rows: u32,
-    reply: oneshot::Sender<Result<Vec<v1::Delivery>, SourceError>>,
+    /// The handler's deliveries, and the lease the answer gave them.
+    reply: oneshot::Sender<Result<Leased<Vec<v1::Delivery>>, SourceError>>,
 }
 
 /// Claims deliveries for the handlers of this process (see the module's comment). Cheap to
@@ -98,7 +100,7 @@ impl DeliveryClaimer {
         handler: &'static str,
         event_types: &[String],
         max_rows: u32,
-    ) -> Result<Vec<v1::Delivery>, SourceError> {
+    ) -> Result<Leased<Vec<v1::Delivery>>, SourceError> {
         let stopped = || SourceError::Unavailable("the delivery claimer stopped".into());
         let (reply, answer) = oneshot::channel();
         let want = Want { handler, event_types: event_types.to_vec(), max_rows, reply };
@@ -137,14 +139,14 @@ async fn claim_call(
     match client.claim_deliveries_for_handlers(request).await {
         Ok(answer) => {
             let answer = answer.into_inner();
-            lease.heard(answer.lease_ms);
+            let granted = lease.heard(answer.lease_ms);
             let mut answers = answer.handlers;
             for (handler, reply) in replies {
                 let result = match answers.iter_mut().find(|a| a.handler == handler) {
                     Some(part) if !part.refused.is_empty() => {
                         Err(SourceError::Rejected(format!("FailedPrecondition: {}", part.refused)))
                     }
-                    Some(part) => Ok(std::mem::take(&mut part.deliveries)),
+                    Some(part) => Ok((std::mem::take(&mut part.deliveries), granted)),
                     None => Err(SourceError::Rejected(format!("the claim's answer left out handler {handler:?}"))),
                 };
                 let _ = reply.send(result);
@@ -173,12 +175,14 @@ pub struct DeliverySource {
     claimer: DeliveryClaimer,
     client: OutboxClient<ServiceChannel>,
     config: DeliverySourceConfig,
+    /// The lease the last claim answer gave (for the batch it fetched).
+    granted: Option<Duration>,
 }
 
 impl DeliverySource {
     pub fn new(claimer: DeliveryClaimer, channel: ServiceChannel, config: DeliverySourceConfig) -> Self {
         let client = OutboxClient::new(channel).max_decoding_message_size(config.max_message_bytes);
-        Self { claimer, client, config }
+        Self { claimer, client, config, granted: None }
     }
 }
 
@@ -205,12 +209,14 @@ impl EventSource for DeliverySource {
             handler: self.config.handler,
             lease: self.config.lease,
             server_lease: self.claimer.lease.clone(),
+            granted: self.granted,
         }
     }
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<DeliveryClaim>>, SourceError> {
         let config = &self.config;
-        let deliveries = self.claimer.claim(config.handler, &config.event_types, max as u32).await?;
+        let (deliveries, granted) = self.claimer.claim(config.handler, &config.event_types, max as u32).await?;
+        self.granted = granted;
         Ok(deliveries
             .into_iter()
             .map(|d| {
@@ -238,6 +244,8 @@ pub struct DeliverySettler {
     /// This process's lease, bounded by the write service's.
     lease: Duration,
     server_lease: ServerLease,
+    /// The lease the claim answer of this settler's batch gave.
+    granted: Option<Duration>,
 }
 
 #[async_trait::async_trait]
@@ -281,22 +289,21 @@ impl Settler<DeliveryClaim> for DeliverySettler {
     }
 
     fn lease(&self, asked: tokio::time::Instant) -> Option<LeaseWatch> {
-        Some(LeaseWatch::start(self.lease, self.server_lease.clone(), asked))
+        Some(LeaseWatch::start(self.lease, self.server_lease.clone(), asked, self.granted))
     }
 
-    async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<bool, SourceError> {
-        let mut held = true;
+    async fn in_progress(&mut self, deliveries: &[Delivery<DeliveryClaim>]) -> Result<Renewal, SourceError> {
+        let (mut lost, mut granted) = (false, Granted::default());
         for chunk in deliveries.chunks(1000) {
             let claims = chunk.iter().map(|d| claim(d.ack.token())).collect();
             let request = v1::RenewDeliveriesRequest { handler: self.handler.to_owned(), claims };
             let reply = self.client.renew_deliveries(request).await.map_err(source_error)?.into_inner();
-            self.server_lease.heard(reply.lease_ms);
-            let lost = reply.lost;
-            if !lost.is_empty() {
-                tracing::warn!(handler = self.handler, keys = ?lost, "claims lost while still working on them");
-                held = false;
+            granted.add(self.server_lease.heard(reply.lease_ms));
+            if !reply.lost.is_empty() {
+                tracing::warn!(handler = self.handler, keys = ?reply.lost, "claims lost while still working on them");
+                lost = true;
             }
         }
-        Ok(held)
+        Ok(if lost { Renewal::Lost } else { Renewal::Held(granted.lease()) })
     }
 }

@@ -42,7 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::gather::gather;
 use crate::pause::Pause;
-use crate::source::{Delivery, LeaseWatch, Renewal, ServerLease, while_renewing};
+use crate::source::{Delivery, Granted, LeaseWatch, Leased, Renewal, ServerLease, while_renewing};
 use crate::{Handler, HandlerError, handle_in_span};
 
 /// Keys per Ledger call (the server's limit).
@@ -127,7 +127,8 @@ pub struct Dispatcher {
 /// One ledger claim request of a dispatcher, waiting to go out with the others'.
 struct ClaimAsk {
     keys: Vec<v1::LedgerKey>,
-    reply: oneshot::Sender<Result<Vec<v1::LedgerClaim>, tonic::Status>>,
+    /// The answers for its keys, and the lease the call's answer gave.
+    reply: oneshot::Sender<Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status>>,
 }
 
 /// The ledger claims of every dispatcher of this process: those asked at the same time (the
@@ -164,8 +165,9 @@ impl LedgerClaims {
         Self { asks, lease }
     }
 
-    /// The ledger's answer for each of `keys` (at most the server's limit), in order.
-    pub async fn claim(&self, keys: Vec<v1::LedgerKey>) -> Result<Vec<v1::LedgerClaim>, tonic::Status> {
+    /// The ledger's answer for each of `keys` (at most the server's limit), in order, and the
+    /// lease it gave the claims.
+    pub async fn claim(&self, keys: Vec<v1::LedgerKey>) -> Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status> {
         let stopped = || tonic::Status::unavailable("the ledger claimer stopped");
         let (reply, answer) = oneshot::channel();
         self.asks.send(ClaimAsk { keys, reply }).map_err(|_| stopped())?;
@@ -179,11 +181,11 @@ async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, lea
     match client.claim(v1::LedgerClaimRequest { keys, owner }).await {
         Ok(answer) => {
             let answer = answer.into_inner();
-            lease.heard(answer.lease_ms);
+            let granted = lease.heard(answer.lease_ms);
             let mut claims = answer.claims.into_iter();
             for ask in asks {
                 let mine = claims.by_ref().take(ask.keys.len()).collect();
-                let _ = ask.reply.send(Ok(mine));
+                let _ = ask.reply.send(Ok((mine, granted)));
             }
         }
         Err(status) => {
@@ -260,9 +262,10 @@ impl Dispatcher {
             .collect();
 
         let asked = tokio::time::Instant::now();
-        self.claim(deliveries, &mut pairs).await?;
+        let granted = self.claim(deliveries, &mut pairs).await?;
         let held = self.held_claims(deliveries, &pairs);
-        if with_renewals(self, &held, asked, self.run_handlers(deliveries, &mut pairs)).await.is_none() {
+        let work = self.run_handlers(deliveries, &mut pairs);
+        if with_renewals(self, &held, (asked, granted), work).await.is_none() {
             return Ok(None);
         }
         let ledger = self.ledger_settlement(deliveries, &pairs);
@@ -289,12 +292,13 @@ impl Dispatcher {
         }
     }
 
-    /// Asks the ledger about every pair of a delivery that has an event id.
+    /// Asks the ledger about every pair of a delivery that has an event id; returns the lease
+    /// its answers gave the claims.
     async fn claim<T>(
         &mut self,
         deliveries: &[Delivery<T>],
         pairs: &mut [Vec<(usize, PairState)>],
-    ) -> Result<(), LedgerUnavailable> {
+    ) -> Result<Option<Duration>, LedgerUnavailable> {
         let mut index = Vec::new();
         let mut keys = Vec::new();
         for (d, delivery) in deliveries.iter().enumerate() {
@@ -310,9 +314,13 @@ impl Dispatcher {
                 });
             }
         }
+        let mut granted = Granted::default();
         for (chunk_index, chunk_keys) in index.chunks(LEDGER_BATCH).zip(keys.chunks(LEDGER_BATCH)) {
             let claims = match self.claims.claim(chunk_keys.to_vec()).await {
-                Ok(claims) => claims,
+                Ok((claims, lease)) => {
+                    granted.add(lease);
+                    claims
+                }
                 Err(status) if is_transport_failure(&status) => {
                     return Err(LedgerUnavailable(status.message().to_owned()));
                 }
@@ -333,7 +341,7 @@ impl Dispatcher {
                 };
             }
         }
-        Ok(())
+        Ok(granted.lease())
     }
 
     /// Runs each handler once over all its runnable events, handlers concurrently.
@@ -425,16 +433,16 @@ impl Dispatcher {
 
     /// Renews claims that are still being worked on.
     async fn renew(&self, held: &[v1::OwnedKey]) -> Renewal {
-        let mut renewal = Renewal::Held;
+        let (mut lost_any, mut granted) = (false, Granted::default());
         for chunk in held.chunks(LEDGER_BATCH) {
             match self.ledger.clone().renew(v1::LedgerSettleRequest { keys: chunk.to_vec() }).await {
                 Ok(reply) => {
                     let reply = reply.into_inner();
-                    self.claims.lease.heard(reply.lease_ms);
+                    granted.add(self.claims.lease.heard(reply.lease_ms));
                     let lost = reply.owned.iter().filter(|owned| !**owned).count();
                     if lost > 0 {
                         tracing::warn!(claims = lost, "ledger claims lost while their handlers were still running");
-                        renewal = Renewal::Lost;
+                        lost_any = true;
                     }
                 }
                 Err(status) => {
@@ -443,7 +451,7 @@ impl Dispatcher {
                 }
             }
         }
-        renewal
+        if lost_any { Renewal::Lost } else { Renewal::Held(granted.lease()) }
     }
 
     /// The claims to complete (handler succeeded), to release (it failed) and to dead-letter
@@ -586,15 +594,15 @@ fn warn_lost(keys: &[&v1::OwnedKey], owned: Option<Vec<bool>>) {
 async fn with_renewals<F: Future>(
     dispatcher: &Dispatcher,
     held: &[v1::OwnedKey],
-    asked: tokio::time::Instant,
+    (asked, granted): (tokio::time::Instant, Option<Duration>),
     work: F,
 ) -> Option<F::Output> {
     if held.is_empty() {
         return Some(work.await);
     }
-    // The claims were asked for at `asked`: the ledger made them no earlier.
+    // The claims were asked for at `asked`: the ledger made them no earlier, under `granted`.
     let own = dispatcher.config.ledger_lease;
-    let watch = LeaseWatch::start(own, dispatcher.claims.lease.clone(), asked);
+    let watch = LeaseWatch::start(own, dispatcher.claims.lease.clone(), asked, granted);
     while_renewing(work, own / 3, &mut Some(watch), || dispatcher.renew(held)).await
 }
 

@@ -13,7 +13,7 @@ use async_nats::jetstream::{AckKind, Message};
 use futures_util::StreamExt;
 
 use crate::consumer::event_from_nats;
-use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
+use crate::source::{AckHandle, Delivery, EventSource, Renewal, SettleKind, Settlement, Settler, SourceError};
 
 pub struct JetStreamSource {
     client: async_nats::Client,
@@ -158,11 +158,11 @@ impl Settler<MessageToken> for JetStreamSettler {
         Some(self.ack_wait / 3)
     }
 
-    async fn in_progress(&mut self, deliveries: &[Delivery<MessageToken>]) -> Result<bool, SourceError> {
+    async fn in_progress(&mut self, deliveries: &[Delivery<MessageToken>]) -> Result<Renewal, SourceError> {
         for delivery in deliveries {
             delivery.ack.token().0.ack_with(AckKind::Progress).await.map_err(unavailable)?;
         }
         self.client.flush().await.map_err(unavailable)?;
-        Ok(true)
+        Ok(Renewal::Held(None))
     }
 }

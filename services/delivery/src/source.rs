@@ -123,10 +123,10 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
         None
     }
 
-    /// Reports deliveries in hand as still being worked on: false when some of them are held
-    /// by another consumer now (taken over).
-    async fn in_progress(&mut self, _deliveries: &[Delivery<T>]) -> Result<bool, SourceError> {
-        Ok(true)
+    /// Reports deliveries in hand as still being worked on: `Lost` when some of them are held
+    /// by another consumer now (taken over); `Held` with the lease the answer gave, if any.
+    async fn in_progress(&mut self, _deliveries: &[Delivery<T>]) -> Result<Renewal, SourceError> {
+        Ok(Renewal::Held(None))
     }
 }
 
@@ -138,12 +138,14 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
 pub struct ServerLease(Arc<AtomicU64>);
 
 impl ServerLease {
-    /// A claim answer said the lease is `lease_ms` (0: an older server that does not say).
-    pub fn heard(&self, lease_ms: i64) {
-        let Ok(lease_ms) = u64::try_from(lease_ms) else { return };
-        if lease_ms > 0 && self.0.swap(lease_ms, Ordering::Relaxed) != lease_ms {
+    /// A claim answer said the lease is `lease_ms` (0: an older server that does not say);
+    /// returns it, for the claims that answer confirmed.
+    pub fn heard(&self, lease_ms: i64) -> Option<Duration> {
+        let lease_ms = u64::try_from(lease_ms).ok().filter(|&ms| ms > 0)?;
+        if self.0.swap(lease_ms, Ordering::Relaxed) != lease_ms {
             tracing::info!(lease_ms, "the write service's claim lease");
         }
+        Some(Duration::from_millis(lease_ms))
     }
 
     /// `own`, or the write service's lease when it is shorter.
@@ -169,18 +171,19 @@ pub struct LeaseWatch {
     lease: Duration,
     server: ServerLease,
     confirmed: tokio::time::Instant,
-    /// The lease the claims were held under when last confirmed: the write service gives a claim
-    /// the lease it has when it makes or renews it (after a restart with a shorter one it takes
-    /// nothing over before the longer one has passed), so a shorter lease heard later applies
-    /// from the next renewal on, not to the time already confirmed.
+    /// The lease the claims were held under when last confirmed, as the answer that confirmed
+    /// them said: the write service gives a claim the lease it has when it makes or renews it
+    /// (after a restart with a shorter one it takes nothing over before the longer one has
+    /// passed), so a shorter lease heard later applies from the next renewal on, not to the time
+    /// already confirmed; and an answer from before a restart, read late, cannot lengthen it.
     confirmed_for: Duration,
 }
 
 impl LeaseWatch {
-    /// A watch for claims asked for (or last renewed) at `asked`: the backend made them no
-    /// earlier, under the lease last heard (their answer's, heard before this).
-    pub fn start(lease: Duration, server: ServerLease, asked: tokio::time::Instant) -> Self {
-        let confirmed_for = server.bound(lease);
+    /// A watch for claims asked for at `asked`: the backend made them no earlier, under the
+    /// lease their answer `granted` (`None`: it did not say; the lease last heard).
+    pub fn start(lease: Duration, server: ServerLease, asked: tokio::time::Instant, granted: Option<Duration>) -> Self {
+        let confirmed_for = granted.map_or_else(|| server.bound(lease), |granted| lease.min(granted));
         Self { lease, server, confirmed: asked, confirmed_for }
     }
 
@@ -189,12 +192,12 @@ impl LeaseWatch {
         self.server.bound(self.lease)
     }
 
-    /// A renewal sent at `sent` succeeded: the claims hold for the lease as last heard (renewal
-    /// answers carry it, and the one that said so is heard before this).
-    pub fn renewed(&mut self, sent: tokio::time::Instant) {
+    /// A renewal sent at `sent` succeeded, under the lease its answer `granted` (`None`: it did
+    /// not say; the lease last heard).
+    pub fn renewed(&mut self, sent: tokio::time::Instant, granted: Option<Duration>) {
         if sent >= self.confirmed {
             self.confirmed = sent;
-            self.confirmed_for = self.lease();
+            self.confirmed_for = granted.map_or_else(|| self.lease(), |granted| self.lease.min(granted));
         }
     }
 
@@ -205,13 +208,35 @@ impl LeaseWatch {
 }
 
 /// What one report of work in progress (a renewal of its claims) learned.
-pub(crate) enum Renewal {
-    /// Every claim is still held.
-    Held,
+pub enum Renewal {
+    /// Every claim is still held, under the lease the answer gave (`None`: it did not say).
+    Held(Option<Duration>),
     /// Some were taken over by another consumer.
     Lost,
     /// No answer; the next report tries again.
     Unanswered,
+}
+
+/// What a claim answer handed, with the lease it gave the claims (`None`: it did not say).
+pub type Leased<T> = (T, Option<Duration>);
+
+/// The lease that several answers for one batch gave (its claims or renewals went out in more
+/// than one call): the shortest, or none when one of them gave none.
+#[derive(Debug, Default)]
+pub(crate) struct Granted(Option<Option<Duration>>);
+
+impl Granted {
+    /// One more answer, which gave `granted`.
+    pub(crate) fn add(&mut self, granted: Option<Duration>) {
+        self.0 = Some(match self.0 {
+            None => granted,
+            Some(so_far) => so_far.zip(granted).map(|(a, b)| a.min(b)),
+        });
+    }
+
+    pub(crate) fn lease(&self) -> Option<Duration> {
+        self.0.flatten()
+    }
 }
 
 /// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
@@ -257,9 +282,9 @@ where
             renewal = answer => {
                 let (_, sent) = report.take().expect("an answer comes only to a report on its way");
                 match renewal {
-                    Renewal::Held => {
+                    Renewal::Held(granted) => {
                         if let Some(lease) = lease.as_mut() {
-                            lease.renewed(sent);
+                            lease.renewed(sent, granted);
                         }
                     }
                     Renewal::Lost => return None,
@@ -291,7 +316,7 @@ mod tests {
     async fn a_lease_counts_from_when_the_claims_were_asked_for() {
         let asked = Instant::now();
         tokio::time::sleep(Duration::from_millis(2_400)).await;
-        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked, None));
         let renewals = Cell::new(Vec::new());
         let renew = || {
             renewals.set([renewals.take(), vec![asked.elapsed()]].concat());
@@ -313,7 +338,7 @@ mod tests {
         let asked = Instant::now();
         let server = ServerLease::default();
         server.heard(18_000);
-        let mut lease = Some(LeaseWatch::start(Duration::from_secs(60), server.clone(), asked));
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(60), server.clone(), asked, None));
         server.heard(3_000);
         let deadline = lease.as_ref().unwrap().deadline();
         assert_eq!(deadline - asked, Duration::from_secs(15), "five sixths of the lease the claims were made under");
@@ -322,7 +347,7 @@ mod tests {
         let renew = || {
             renewals.set([renewals.take(), vec![asked.elapsed()]].concat());
             let answered = asked.elapsed() >= Duration::from_secs(5);
-            std::future::ready(if answered { Renewal::Held } else { Renewal::Unanswered })
+            std::future::ready(if answered { Renewal::Held(None) } else { Renewal::Unanswered })
         };
         let work = tokio::time::sleep(Duration::from_secs(9));
         let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
@@ -332,14 +357,37 @@ mod tests {
         assert_eq!(lease.unwrap().deadline() - asked, Duration::from_millis(8_000 + 2_500), "the new lease's");
     }
 
+    /// Claims and renewals hold for the lease their own answer gave, not the one last heard by
+    /// the process (another answer, read later, may be from before a restart with a longer one).
+    #[tokio::test(start_paused = true)]
+    async fn claims_hold_for_the_lease_their_answer_gave() {
+        let asked = Instant::now();
+        let server = ServerLease::default();
+        server.heard(18_000);
+        let three = Some(Duration::from_secs(3));
+        let mut lease = LeaseWatch::start(Duration::from_secs(60), server.clone(), asked, three);
+        assert_eq!(lease.deadline() - asked, Duration::from_millis(2_500));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        lease.renewed(Instant::now(), three);
+        assert_eq!(lease.deadline() - asked, Duration::from_millis(3_500));
+        lease.renewed(Instant::now(), None);
+        assert_eq!(lease.deadline() - asked, Duration::from_secs(16), "an answer that says none: the lease last heard");
+        let mut granted = super::Granted::default();
+        granted.add(Some(Duration::from_secs(5)));
+        granted.add(three);
+        assert_eq!(granted.lease(), three, "the shortest of a batch's answers");
+        granted.add(None);
+        assert_eq!(granted.lease(), None, "unless one said none");
+    }
+
     /// The work goes on while a renewal is on its way: a slow answer does not hold it up.
     #[tokio::test(start_paused = true)]
     async fn work_goes_on_while_a_renewal_is_answered() {
         let asked = Instant::now();
-        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked, None));
         let renew = || async {
             tokio::time::sleep(Duration::from_secs(2)).await;
-            Renewal::Held
+            Renewal::Held(None)
         };
         let work = tokio::time::sleep(Duration::from_millis(1_500));
         let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
@@ -352,7 +400,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_report_that_never_returns_is_followed_by_another() {
         let asked = Instant::now();
-        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked, None));
         let renewals = Cell::new(Vec::new());
         let renew = || {
             let first = renewals.take();
@@ -362,7 +410,7 @@ mod tests {
                 if lost {
                     std::future::pending::<()>().await;
                 }
-                Renewal::Held
+                Renewal::Held(None)
             }
         };
         let work = tokio::time::sleep(Duration::from_secs(4));
@@ -378,11 +426,11 @@ mod tests {
     async fn renewed_work_runs_to_its_end() {
         let asked = Instant::now();
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked));
+        let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked, None));
         let renewals = Cell::new(0);
         let renew = || {
             renewals.set(renewals.get() + 1);
-            std::future::ready(Renewal::Held)
+            std::future::ready(Renewal::Held(None))
         };
         let work = tokio::time::sleep(Duration::from_millis(4_500));
         let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
