@@ -61,7 +61,7 @@ struct Want {
 #[derive(Clone)]
 pub struct DeliveryClaimer {
     wants: mpsc::UnboundedSender<Want>,
-    /// The lease the write service's answers give the claims.
+    /// The lease the write service's answers last gave.
     lease: ServerLease,
 }
 

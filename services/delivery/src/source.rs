@@ -130,10 +130,12 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
     }
 }
 
-/// The lease the write service last said it gives claims (claim answers carry it). A worker
-/// bounds its own lease (`REELAY_LEDGER_LEASE_MS` of its process) by it: a worker configured
-/// with a longer lease than the write service would otherwise work on past the point where its
-/// claims can be handed to someone else. Cheap to clone; clones share what was heard.
+/// The lease the write service last said it gives claims (claim and renewal answers carry it),
+/// for what has no answer of its own to go by: how long a claim may wait, how often to renew,
+/// and claims whose answer did not say (an older server). A worker bounds its own lease
+/// (`REELAY_LEDGER_LEASE_MS` of its process) by it: a worker configured with a longer lease
+/// than the write service would otherwise work on past the point where its claims can be
+/// handed to someone else. Cheap to clone; clones share what was heard.
 #[derive(Debug, Clone, Default)]
 pub struct ServerLease(Arc<AtomicU64>);
 
@@ -167,7 +169,7 @@ impl ServerLease {
 /// once.
 #[derive(Debug, Clone)]
 pub struct LeaseWatch {
-    /// This process's lease setting; the write service's, when it says it is shorter.
+    /// This process's lease setting.
     lease: Duration,
     server: ServerLease,
     confirmed: tokio::time::Instant,
@@ -187,9 +189,10 @@ impl LeaseWatch {
         Self { lease, server, confirmed: asked, confirmed_for }
     }
 
-    /// The lease as last heard: renew every third of it.
+    /// The lease to renew by (every third of it): the shorter of the one last heard and the
+    /// one the claims were last confirmed for.
     pub fn lease(&self) -> Duration {
-        self.server.bound(self.lease)
+        self.server.bound(self.lease).min(self.confirmed_for)
     }
 
     /// A renewal sent at `sent` succeeded, under the lease its answer `granted` (`None`: it did
@@ -197,7 +200,7 @@ impl LeaseWatch {
     pub fn renewed(&mut self, sent: tokio::time::Instant, granted: Option<Duration>) {
         if sent >= self.confirmed {
             self.confirmed = sent;
-            self.confirmed_for = granted.map_or_else(|| self.lease(), |granted| self.lease.min(granted));
+            self.confirmed_for = granted.map_or_else(|| self.server.bound(self.lease), |g| self.lease.min(g));
         }
     }
 
@@ -378,6 +381,27 @@ mod tests {
         assert_eq!(granted.lease(), three, "the shortest of a batch's answers");
         granted.add(None);
         assert_eq!(granted.lease(), None, "unless one said none");
+    }
+
+    /// A batch renews at the pace of the lease its claims were given, also when the process last
+    /// heard a longer one (an answer from before a restart, read late): it is not dropped for
+    /// renewing too slowly.
+    #[tokio::test(start_paused = true)]
+    async fn renewals_keep_the_pace_of_the_claims_own_lease() {
+        let asked = Instant::now();
+        let server = ServerLease::default();
+        server.heard(30_000);
+        let own = Duration::from_secs(30);
+        let mut lease = Some(LeaseWatch::start(own, server, asked, Some(Duration::from_secs(3))));
+        let renewals = Cell::new(0);
+        let renew = || {
+            renewals.set(renewals.get() + 1);
+            std::future::ready(Renewal::Held(Some(Duration::from_secs(3))))
+        };
+        let work = tokio::time::sleep(Duration::from_millis(4_500));
+        let ran = while_renewing(work, Duration::from_secs(10), &mut lease, renew).await;
+        assert!(ran.is_some(), "the run ended");
+        assert_eq!(renewals.get(), 4, "every second (a third of 3 s), not every 10 s");
     }
 
     /// The work goes on while a renewal is on its way: a slow answer does not hold it up.
