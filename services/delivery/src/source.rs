@@ -243,8 +243,8 @@ impl Granted {
 }
 
 /// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
-/// every third of it as last heard: the write service can say it is shorter while the work
-/// runs); the first report is due a period after the claims were asked for, each next one a
+/// every third of the lease it renews by, see [`LeaseWatch::lease`]: the write service can say
+/// it is shorter while the work runs); the first report is due a period after the claims were asked for, each next one a
 /// period after the last was sent. The work goes on while a report is on its way; a report not
 /// answered within a period counts as unanswered, and the next goes out. The work is dropped
 /// (`None`) when a report says its claims were taken over, or, with a `lease`, when none was
