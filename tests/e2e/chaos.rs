@@ -188,6 +188,36 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Prints where the probes' events stand: their ledger rows, and on nats the state of their
+    /// JetStream consumers.
+    async fn explain_unsettled(&self) {
+        let sql = "SELECT handler || ' ' || status || ' ' || COUNT(*) FROM processed_events \
+                   WHERE handler LIKE 'probe-%' GROUP BY handler, status";
+        eprintln!("--- the probes' ledger rows: {:?}", reelay_harness::query_strings(&self.db, sql).await);
+        let Some(nats) = &self.nats else { return };
+        let Ok(monitor) = nats.monitor_url().trim_start_matches("http://").parse() else { return };
+        let (_, body) = reelay_harness::http_get(monitor, "/jsz?consumers=true").await;
+        let jsz: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let streams = jsz["account_details"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|a| a["stream_detail"].as_array().into_iter().flatten().collect::<Vec<_>>());
+        for stream in streams {
+            eprintln!("--- stream {}: {}", stream["name"], stream["state"]);
+            for consumer in stream["consumer_detail"].as_array().into_iter().flatten() {
+                if consumer["name"].as_str().is_some_and(|n| n.contains("probe")) {
+                    let fields =
+                        ["delivered", "ack_floor", "num_ack_pending", "num_redelivered", "num_waiting", "num_pending"];
+                    let state: Vec<String> = fields.iter().map(|f| format!("{f}={}", consumer[*f])).collect();
+                    eprintln!("    consumer {}: {}", consumer["name"], state.join(" "));
+                }
+            }
+        }
+    }
+}
+
 async fn pause(process: &Reelay) {
     process.pause();
     tokio::time::sleep(HOLD).await;
@@ -302,6 +332,20 @@ async fn run(backend: Backend) {
         attempts.unknown += tried.unknown;
     }
     let settled = cluster.settled(Duration::from_secs(120)).await;
+    if !settled {
+        // What each process was doing when it did not settle.
+        let processes =
+            [("write", Some(&cluster.write)), ("relay", cluster.relay.as_ref()), ("handlers", Some(&cluster.handlers))];
+        for (name, process) in processes.into_iter().filter_map(|(n, p)| p.map(|p| (n, p))) {
+            let log = process.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!(
+                "--- the {name} process's last log lines\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        cluster.explain_unsettled().await;
+    }
     let mut report = check(&cluster, &calls).await;
     report.attempts = attempts;
     eprintln!("{report}");
