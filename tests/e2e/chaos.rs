@@ -80,9 +80,12 @@ struct Cluster {
 }
 
 impl Cluster {
-    async fn start(backend: Backend, dir: &Path) -> Self {
-        // The database lives on a small tmpfs, so the disk can really fill up.
-        let disk = Tmpfs::mount(&dir.join("disk"), "256m");
+    async fn start(backend: Backend, dir: &Path, seconds: u64) -> Self {
+        // The database lives on a small tmpfs, so the disk can really fill up. It holds what the
+        // clients write in `seconds` of faults with room to spare (about 2 KB an event on nats,
+        // with every handler's ledger row; some 1,100 events a second here): a database that
+        // filled its disk for good could not settle, and would say nothing about the faults.
+        let disk = Tmpfs::mount(&dir.join("disk"), &format!("{}m", 256.max(seconds * 5)));
         let db = disk.path.join("reelay.db");
         let effects = dir.join("effects.db");
         let nats = (backend == Backend::Nats).then(|| NatsServer::start(&dir.join("nats")));
@@ -192,6 +195,11 @@ impl Cluster {
     /// Prints where the probes' events stand: their ledger rows, and on nats the state of their
     /// JetStream consumers.
     async fn explain_unsettled(&self) {
+        let size = |suffix: &str| {
+            let path = format!("{}{suffix}", self.db.display());
+            std::fs::metadata(path).map_or(0, |m| m.len() / 1_000_000)
+        };
+        eprintln!("--- the database: {} MB, its WAL {} MB (on a tmpfs of its own)", size(""), size("-wal"));
         let sql = "SELECT handler || ' ' || status || ' ' || COUNT(*) FROM processed_events \
                    WHERE handler LIKE 'probe-%' GROUP BY handler, status";
         eprintln!("--- the probes' ledger rows: {:?}", reelay_harness::query_strings(&self.db, sql).await);
@@ -289,12 +297,12 @@ async fn client(
 
 async fn run(backend: Backend) {
     let dir = temp_dir();
-    let mut cluster = Cluster::start(backend, dir.path()).await;
+    let seconds: u64 = std::env::var("REELAY_CHAOS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut cluster = Cluster::start(backend, dir.path(), seconds).await;
     let mut c = cluster.write.clients().await;
     let user = c.user("chaos").await;
     let movie = c.movie(&user, "Chaos", 2001).await;
 
-    let seconds: u64 = std::env::var("REELAY_CHAOS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let seed: u64 = std::env::var("REELAY_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
     let schedule: Vec<Fault> = if seconds == 0 {
         Fault::all(backend)
