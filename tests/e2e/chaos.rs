@@ -206,7 +206,9 @@ impl Cluster {
         let Some(nats) = &self.nats else { return };
         let Ok(monitor) = nats.monitor_url().trim_start_matches("http://").parse() else { return };
         let (_, body) = reelay_harness::http_get(monitor, "/jsz?consumers=true").await;
-        let jsz: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        // A large answer comes in chunks (the harness's GET does not join them).
+        let jsz: serde_json::Value =
+            serde_json::from_str(&body).or_else(|_| serde_json::from_str(&unchunked(&body))).unwrap_or_default();
         let streams = jsz["account_details"]
             .as_array()
             .into_iter()
@@ -224,6 +226,25 @@ impl Cluster {
             }
         }
     }
+}
+
+/// The body of a chunked HTTP answer, joined (as it came, when it is not one).
+fn unchunked(body: &str) -> String {
+    if !body.contains("\r\n") {
+        return body.to_owned();
+    }
+    let mut joined = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else { return body.to_owned() };
+        let (Some(chunk), Some(next)) = (after.get(..size), after.get(size..)) else { return body.to_owned() };
+        if size == 0 {
+            break;
+        }
+        joined.push_str(chunk);
+        rest = next.strip_prefix("\r\n").unwrap_or(next);
+    }
+    joined
 }
 
 async fn pause(process: &Reelay) {
@@ -485,4 +506,11 @@ async fn chaos_on_the_db_backend_loses_duplicates_and_invents_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos_on_the_nats_backend_loses_duplicates_and_invents_nothing() {
     run(Backend::Nats).await;
+}
+
+/// The diagnostics read the broker's monitor through the harness's minimal GET.
+#[test]
+fn chunked_answers_are_joined() {
+    assert_eq!(unchunked("4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n"), "{\"a\":1}");
+    assert_eq!(unchunked("{\"a\":1}"), "{\"a\":1}", "not chunked: as it came");
 }
