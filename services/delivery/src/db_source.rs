@@ -41,7 +41,8 @@ pub struct ClaimerConfig {
     /// How long one claim waits for deliveries before returning empty; at most a sixth of the
     /// lease (see [`claim_call`]).
     pub long_poll: Duration,
-    /// This process's lease setting (the write service's, when its answers say it is shorter).
+    /// This process's lease setting (claims wait for the write service's, when its answers say
+    /// it is shorter).
     pub lease: Duration,
     /// The largest claim answer this process reads (its gRPC message limit).
     pub max_message_bytes: usize,

@@ -265,7 +265,7 @@ impl Dispatcher {
         let granted = self.claim(deliveries, &mut pairs).await?;
         let held = self.held_claims(deliveries, &pairs);
         let work = self.run_handlers(deliveries, &mut pairs);
-        if with_renewals(self, &held, (asked, granted), work).await.is_none() {
+        if with_renewals(self, &held, asked, granted, work).await.is_none() {
             return Ok(None);
         }
         let ledger = self.ledger_settlement(deliveries, &pairs);
@@ -594,7 +594,8 @@ fn warn_lost(keys: &[&v1::OwnedKey], owned: Option<Vec<bool>>) {
 async fn with_renewals<F: Future>(
     dispatcher: &Dispatcher,
     held: &[v1::OwnedKey],
-    (asked, granted): (tokio::time::Instant, Option<Duration>),
+    asked: tokio::time::Instant,
+    granted: Option<Duration>,
     work: F,
 ) -> Option<F::Output> {
     if held.is_empty() {

@@ -140,8 +140,8 @@ pub trait Settler<T: Send + Sync + 'static>: Clone + Send + Sync + 'static {
 pub struct ServerLease(Arc<AtomicU64>);
 
 impl ServerLease {
-    /// A claim answer said the lease is `lease_ms` (0: an older server that does not say);
-    /// returns it, for the claims that answer confirmed.
+    /// A claim or renewal answer said the lease is `lease_ms` (0: an older server that does not
+    /// say); returns it, for the claims that answer confirmed.
     pub fn heard(&self, lease_ms: i64) -> Option<Duration> {
         let lease_ms = u64::try_from(lease_ms).ok().filter(|&ms| ms > 0)?;
         if self.0.swap(lease_ms, Ordering::Relaxed) != lease_ms {
@@ -185,8 +185,14 @@ impl LeaseWatch {
     /// A watch for claims asked for at `asked`: the backend made them no earlier, under the
     /// lease their answer `granted` (`None`: it did not say; the lease last heard).
     pub fn start(lease: Duration, server: ServerLease, asked: tokio::time::Instant, granted: Option<Duration>) -> Self {
-        let confirmed_for = granted.map_or_else(|| server.bound(lease), |granted| lease.min(granted));
+        let confirmed_for = Self::held_for(lease, &server, granted);
         Self { lease, server, confirmed: asked, confirmed_for }
+    }
+
+    /// How long claims an answer confirmed are held: the lease it `granted` (`None`: it did not
+    /// say; the lease last heard), never longer than this process's own `lease`.
+    fn held_for(lease: Duration, server: &ServerLease, granted: Option<Duration>) -> Duration {
+        granted.map_or_else(|| server.bound(lease), |granted| lease.min(granted))
     }
 
     /// The lease to renew by (every third of it): the shorter of the one last heard and the
@@ -200,7 +206,7 @@ impl LeaseWatch {
     pub fn renewed(&mut self, sent: tokio::time::Instant, granted: Option<Duration>) {
         if sent >= self.confirmed {
             self.confirmed = sent;
-            self.confirmed_for = granted.map_or_else(|| self.server.bound(self.lease), |g| self.lease.min(g));
+            self.confirmed_for = Self::held_for(self.lease, &self.server, granted);
         }
     }
 
@@ -244,8 +250,8 @@ impl Granted {
 
 /// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
 /// every third of the lease it renews by, see [`LeaseWatch::lease`]: the write service can say
-/// it is shorter while the work runs); the first report is due a period after the claims were asked for, each next one a
-/// period after the last was sent. The work goes on while a report is on its way; a report not
+/// it is shorter while the work runs); the first report is due a period after the claims were
+/// asked for, each next one a period after the last was sent. The work goes on while a report is on its way; a report not
 /// answered within a period counts as unanswered, and the next goes out. The work is dropped
 /// (`None`) when a report says its claims were taken over, or, with a `lease`, when none was
 /// `Held` before the lease's deadline (a report still unanswered then counts as none; work whose
