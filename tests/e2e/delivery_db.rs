@@ -511,9 +511,7 @@ async fn a_claim_answered_late_is_not_worked_on_past_its_lease() {
     assert_eq!(taken[0].key, event_id);
     // A run started on the late answer would have ended 3.9 s after the claim.
     tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
-    let effects = effects(&cluster.effects).await;
-    assert_eq!(effects.get(&(event_id.clone(), "probe-a".to_owned())), None, "the late run was dropped");
-    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
+    crate::dropped_without_effect(&cluster.effects, &event_id, &handlers, "the late run").await;
     proxy.heal();
     handlers.stop().await;
     cluster.stop().await;
@@ -529,17 +527,8 @@ async fn a_worker_frozen_past_its_lease_does_not_finish_its_run_when_it_wakes() 
     let cluster = probe_a_with_a_3s_lease().handlers(&[("REELAY_PROBE_DELAY_MS", "3000")]).start(dir.path()).await;
     let mut c = cluster.write.clients().await;
     let event_id = a_user_inside_probe_a(&cluster, &mut c).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    cluster.handlers[0].pause();
-    let taken = handed_to_another_replica(&c).await;
-    assert_eq!(taken[0].key, event_id);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    cluster.handlers[0].resume();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let effects = effects(&cluster.effects).await;
-    let log = cluster.handlers[0].log_text();
-    assert_eq!(effects.get(&(event_id.clone(), "probe-a".to_owned())), None, "the frozen run was dropped: {log}");
-    assert!(log.contains("its work is dropped unsettled"), "{log}");
+    let taken_over = async { assert_eq!(handed_to_another_replica(&c).await[0].key, event_id) };
+    crate::frozen_until_taken_over(&cluster.handlers[0], &cluster.effects, &event_id, taken_over).await;
     cluster.stop().await;
 }
 

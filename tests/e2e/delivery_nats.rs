@@ -593,7 +593,7 @@ async fn a_broker_out_of_storage_spends_no_attempt() {
 #[tokio::test]
 async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends() {
     let dir = temp_dir();
-    let cluster = probe_a_with_a_3s_ledger_lease(dir.path()).await;
+    let cluster = probe_a_with_a_3s_ledger_lease().start(dir.path()).await;
     let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
     let broker = nats_env(cluster.nats.as_ref().unwrap());
     let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &with(&broker, &[])).await;
@@ -631,7 +631,7 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
 #[tokio::test]
 async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
     let dir = temp_dir();
-    let cluster = probe_a_with_a_3s_ledger_lease(dir.path()).await;
+    let cluster = probe_a_with_a_3s_ledger_lease().start(dir.path()).await;
     let broker = nats_env(cluster.nats.as_ref().unwrap());
     let mut c = cluster.write.clients().await;
     let (event_id, claimed_at, proxy, mut handlers) =
@@ -639,9 +639,7 @@ async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
     taken_over_by_another_worker(&c, &event_id).await;
     // A run started on the late answer would have ended 3.9 s after the claim.
     tokio::time::sleep(Duration::from_secs(6).saturating_sub(claimed_at.elapsed())).await;
-    let (effects, _) = probe_records(&cluster.effects, "effects").await;
-    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the late run was dropped");
-    assert!(handlers.log_text().contains("its work is dropped unsettled"), "{}", handlers.log_text());
+    crate::dropped_without_effect(&cluster.effects, &event_id, &handlers, "the late run").await;
     proxy.heal();
     handlers.stop().await;
     cluster.stop().await;
@@ -654,12 +652,8 @@ async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
 #[tokio::test]
 async fn a_worker_frozen_past_its_ledger_lease_does_not_finish_its_run_when_it_wakes() {
     let dir = temp_dir();
-    let cluster = probe_a_with_a_3s_ledger_lease(dir.path()).await;
-    let broker = nats_env(cluster.nats.as_ref().unwrap());
-    let effects_file = cluster.effects.to_str().unwrap();
-    let probe =
-        [("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", effects_file), ("REELAY_PROBE_DELAY_MS", "3000")];
-    let mut handlers = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("h"), &with(&broker, &probe)).await;
+    let cluster =
+        probe_a_with_a_3s_ledger_lease().handlers(&[("REELAY_PROBE_DELAY_MS", "3000")]).start(dir.path()).await;
     let mut c = cluster.write.clients().await;
     c.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);
@@ -667,17 +661,8 @@ async fn a_worker_frozen_past_its_ledger_lease_does_not_finish_its_run_when_it_w
         !probe_records(&cluster.effects, "attempts").await.0.is_empty()
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    handlers.pause();
-    taken_over_by_another_worker(&c, &event_id).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    handlers.resume();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (effects, _) = probe_records(&cluster.effects, "effects").await;
-    let log = handlers.log_text();
-    assert_eq!(effects.get(&(event_id, "probe-a".to_owned())), None, "the frozen run was dropped: {log}");
-    assert!(log.contains("its work is dropped unsettled"), "{log}");
-    handlers.stop().await;
+    let taken_over = taken_over_by_another_worker(&c, &event_id);
+    crate::frozen_until_taken_over(&cluster.handlers[0], &cluster.effects, &event_id, taken_over).await;
     cluster.stop().await;
 }
 
@@ -696,13 +681,11 @@ async fn taken_over_by_another_worker(c: &Clients, event_id: &str) {
     .await;
 }
 
-/// A nats cluster of probe-a whose ledger lease is 3 s (its handlers are started by the test).
-async fn probe_a_with_a_3s_ledger_lease(dir: &Path) -> reelay_harness::Cluster {
+/// A nats cluster of probe-a whose ledger lease is 3 s.
+fn probe_a_with_a_3s_ledger_lease() -> reelay_harness::ClusterBuilder {
     reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
         .probes("probe-a")
         .env("REELAY_LEDGER_LEASE_MS", "3000")
-        .start(dir)
-        .await
 }
 
 /// The status, attempts and last error of a pair's ledger row.

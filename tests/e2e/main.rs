@@ -61,9 +61,9 @@ async fn slow_probe_behind(
     Reelay::start(spec).await
 }
 
-/// How late the proxy of [`a_claim_heard_late`] passes answers on, and how long probe-a's call
-/// there takes: the answer comes in most of the way through the write service's 3 s lease, and a
-/// run started then would end after the lease has run out.
+/// How late the proxy of [`a_claim_heard_late`] passes answers on: most of the way through the
+/// write service's 3 s lease, so a run started on the answer (a 1.5 s call) would end after the
+/// lease has run out.
 const LATE_ANSWER: Duration = Duration::from_millis(2_400);
 
 /// A probe-a process (a 1.5 s call) behind a proxy that passes every answer of the write service
@@ -92,6 +92,34 @@ async fn a_claim_heard_late(
     proxy.hold_requests();
     let claimed_at = std::time::Instant::now();
     (event_id, claimed_at, proxy, handlers)
+}
+
+/// Checks that probe-a's run of `event_id` in `process` (`what`: which run) was dropped: it left
+/// no effect, and the process logged the drop.
+async fn dropped_without_effect(effects: &Path, event_id: &str, process: &Reelay, what: &str) {
+    let (effects, _) = reelay_harness::probe_records(effects, "effects").await;
+    let log = process.log_text();
+    assert_eq!(effects.get(&(event_id.to_owned(), "probe-a".to_owned())), None, "{what} was dropped: {log}");
+    assert!(log.contains("its work is dropped unsettled"), "{log}");
+}
+
+/// Freezes `process` (SIGSTOP) 2 s into probe-a's 3 s call of `event_id`, for as long as
+/// `taken_over` takes to see the event handed to another claimer (the lease, 3 s, runs out
+/// meanwhile) and 2 s more; lets it run again for 2 s; and checks that the frozen run was
+/// dropped: when it wakes its call's time is up as well as its lease, and the lease comes first.
+async fn frozen_until_taken_over(
+    process: &Reelay,
+    effects: &Path,
+    event_id: &str,
+    taken_over: impl std::future::Future<Output = ()>,
+) {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    process.pause();
+    taken_over.await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    process.resume();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    dropped_without_effect(effects, event_id, process, "the frozen run").await;
 }
 
 /// Waits until `n` claims wait with the writer for new events (on db one per claim call, which

@@ -89,11 +89,7 @@ impl Drop for Strace {
 /// requests, until healed, or pass every answer on late (a slow way back).
 pub struct CuttingProxy {
     pub addr: SocketAddr,
-    cut: Arc<AtomicBool>,
-    held: Arc<AtomicBool>,
-    requests_held: Arc<AtomicBool>,
-    /// How long each answer byte is held back, in milliseconds.
-    answer_delay_ms: Arc<AtomicU64>,
+    faults: Faults,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -101,52 +97,44 @@ impl CuttingProxy {
     pub async fn start(upstream: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
         let addr = listener.local_addr().unwrap();
-        let cut = Arc::new(AtomicBool::new(false));
-        let held = Arc::new(AtomicBool::new(false));
-        let requests_held = Arc::new(AtomicBool::new(false));
-        let answer_delay_ms = Arc::new(AtomicU64::new(0));
-        let faults = Faults {
-            cut: Arc::clone(&cut),
-            held: Arc::clone(&held),
-            requests_held: Arc::clone(&requests_held),
-            delay_ms: Arc::clone(&answer_delay_ms),
-        };
+        let faults = Faults::default();
+        let shared = faults.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(upstream).await else { continue };
-                tokio::spawn(relay(client, server, faults.clone()));
+                tokio::spawn(relay(client, server, shared.clone()));
             }
         });
-        Self { addr, cut, held, requests_held, answer_delay_ms, task }
+        Self { addr, faults, task }
     }
 
     /// From now on every answer byte from the server reaches the client `delay` after it left
     /// the server (in order; requests go through at once), until set back to zero.
     pub fn delay_answers(&self, delay: Duration) {
-        self.answer_delay_ms.store(delay.as_millis() as u64, Ordering::SeqCst);
+        self.faults.delay_ms.store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// The next answer bytes from the server (on any connection) kill that connection instead.
     pub fn cut_next_answer(&self) {
-        self.cut.store(true, Ordering::SeqCst);
+        self.faults.cut.store(true, Ordering::SeqCst);
     }
 
     /// From now on nothing gets through either way (the connections stay open, as in a network
     /// partition), until [`CuttingProxy::heal`].
     pub fn partition(&self) {
-        self.held.store(true, Ordering::SeqCst);
+        self.faults.held.store(true, Ordering::SeqCst);
     }
 
     /// From now on no request reaches the server (answers to those already sent still come
     /// back), until [`CuttingProxy::heal`].
     pub fn hold_requests(&self) {
-        self.requests_held.store(true, Ordering::SeqCst);
+        self.faults.requests_held.store(true, Ordering::SeqCst);
     }
 
     /// Lets what was held, and everything after it, through again.
     pub fn heal(&self) {
-        self.held.store(false, Ordering::SeqCst);
-        self.requests_held.store(false, Ordering::SeqCst);
+        self.faults.held.store(false, Ordering::SeqCst);
+        self.faults.requests_held.store(false, Ordering::SeqCst);
     }
 }
 
@@ -157,11 +145,13 @@ impl Drop for CuttingProxy {
 }
 
 /// What the proxy does to the bytes it passes, shared by its connections.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct Faults {
     cut: Arc<AtomicBool>,
+    /// Both ways (a partition).
     held: Arc<AtomicBool>,
     requests_held: Arc<AtomicBool>,
+    /// How long each answer byte is held back, in milliseconds.
     delay_ms: Arc<AtomicU64>,
 }
 
