@@ -410,6 +410,22 @@ mod tests {
         assert_eq!(renewals.get(), 4, "every second (a third of 3 s), not every 10 s");
     }
 
+    /// Work whose lease ran out before it could start (its process was stopped, say) never
+    /// starts, even work that would finish at once: the deadline is looked at first. Run many
+    /// times, since without that order which branch goes first is drawn at random.
+    #[tokio::test(start_paused = true)]
+    async fn work_past_its_deadline_never_starts() {
+        for _ in 0..32 {
+            let asked = Instant::now();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked, None));
+            let started = Cell::new(false);
+            let work = async { started.set(true) };
+            let ran = while_renewing(work, Duration::from_secs(20), &mut lease, std::future::pending::<Renewal>).await;
+            assert!(ran.is_none() && !started.get(), "work past its deadline started");
+        }
+    }
+
     /// The work goes on while a renewal is on its way: a slow answer does not hold it up.
     #[tokio::test(start_paused = true)]
     async fn work_goes_on_while_a_renewal_is_answered() {
