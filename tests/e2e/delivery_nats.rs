@@ -108,7 +108,7 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
         tokio::spawn(async move {
             let started = Instant::now();
             let mut n = 0;
-            while started.elapsed() < Duration::from_secs(9) {
+            while started.elapsed() < Duration::from_secs(12) {
                 c.users
                     .create_user(v1::CreateUserRequest {
                         handle: format!("u{n}"),
@@ -124,8 +124,11 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
         })
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
+    // Down for longer than the relay's 5 s wait for a PubAck: publishes made early in the outage
+    // time out whatever the client buffers, so the deferral path is taken in every run (a shorter
+    // outage can end with every buffered publish acknowledged and nothing deferred).
     nats.kill();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
     nats.restart();
     tokio::time::sleep(Duration::from_secs(1)).await;
     nats.pause();
@@ -150,7 +153,8 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
     )
     .await;
     assert_eq!(outbox[0], ["0", "0"], "no attempt spent, nothing dead-lettered");
-    assert!(reelay.log_text().contains("the broker is unreachable"), "the relay paused");
+    let deferred = reelay.metrics().await.value("reelay_relay_deferred_total").unwrap_or(0.0);
+    assert!(deferred > 0.0, "the outage was felt: rows were deferred ({deferred})");
     reelay.stop().await;
 }
 
