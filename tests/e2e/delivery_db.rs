@@ -219,6 +219,7 @@ async fn a_claim_held_elsewhere_waits_out_its_lease_without_spending_an_attempt(
     let claim = v1::LedgerClaimRequest {
         keys: vec![v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }],
         owner: "elsewhere#1".into(),
+        ..Default::default()
     };
     let reply = c.ledger.claim(claim.clone()).await.unwrap().into_inner();
     let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.claims[0].outcome else { panic!("{reply:?}") };
@@ -541,8 +542,11 @@ async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
     let event_id = event_ids(&cluster.db).await.remove(0);
     // probe-a already finished this event (through the ledger); probe-b has not.
     let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
-    let reply =
-        c.ledger.claim(v1::LedgerClaimRequest { keys: vec![key.clone()], owner: "test#1".into() }).await.unwrap();
+    let reply = c
+        .ledger
+        .claim(v1::LedgerClaimRequest { keys: vec![key.clone()], owner: "test#1".into(), ..Default::default() })
+        .await
+        .unwrap();
     let Some(v1::ledger_claim::Outcome::AcquiredToken(token)) = reply.into_inner().claims[0].outcome else { panic!() };
     let done = c.ledger.complete(v1::LedgerSettleRequest { keys: vec![v1::OwnedKey { key: Some(key), token }] }).await;
     assert_eq!(done.unwrap().into_inner().owned, vec![true]);

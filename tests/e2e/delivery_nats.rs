@@ -388,7 +388,14 @@ async fn concurrent_ledger_claims_acquire_each_key_once() {
             let mut c = c.clone();
             let keys: Vec<v1::LedgerKey> = (0..3).map(|k| key((r * 7 + k * 5) % 24)).collect();
             let owner = format!("owner{}#1", r % 2);
-            async move { c.ledger.claim(v1::LedgerClaimRequest { keys, owner }).await.unwrap().into_inner().claims }
+            async move {
+                c.ledger
+                    .claim(v1::LedgerClaimRequest { keys, owner, ..Default::default() })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .claims
+            }
         });
         let answers = futures_util::future::join_all(calls).await;
         let mut acquired: Vec<v1::OwnedKey> = Vec::new();
@@ -489,9 +496,10 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     let before = calls(&write.metrics().await);
     let answers = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
     assert_eq!(calls(&write.metrics().await) - before, 1.0, "eight asks, one call");
-    let mut held = Vec::new();
+    let (mut held, mut in_hand) = (Vec::new(), Vec::new());
     for (handler, answer) in handlers.iter().zip(answers) {
-        let (answer, granted) = answer.expect("the ledger answers");
+        let ((answer, granted), taken) = answer.expect("the ledger answers");
+        in_hand.push(taken);
         assert_eq!(granted, Some(Duration::from_secs(30)), "the answer's lease (the default), for the claims it made");
         let keys: Vec<v1::LedgerKey> = answer.iter().map(|c| c.key.clone().unwrap()).collect();
         assert_eq!(keys, keys_of(handler), "each asker gets its own keys back, in order");
@@ -502,12 +510,13 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
             }
         }
     }
-    // h0's claims are completed; asked again together, h0's keys are done and the others held.
-    let h0: Vec<v1::OwnedKey> = held.into_iter().take(2).collect();
+    // h0's claims are completed; asked again together while the first asks still have their
+    // pairs in hand, h0's keys are done and the others held.
+    let h0: Vec<v1::OwnedKey> = held.iter().take(2).cloned().collect();
     c.ledger.complete(v1::LedgerSettleRequest { keys: h0 }).await.unwrap();
     let again = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
     for (handler, answer) in handlers.iter().zip(again) {
-        for claim in answer.expect("the ledger answers").0 {
+        for claim in answer.expect("the ledger answers").0.0 {
             let outcome = claim.outcome.unwrap();
             match handler.as_str() {
                 "h0" => assert!(matches!(outcome, v1::ledger_claim::Outcome::Done(_)), "{outcome:?}"),
@@ -515,6 +524,19 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
             }
         }
     }
+    // Once nothing of this process has them in hand (their answers as good as lost), its own
+    // live claims are handed back with their first tokens.
+    drop(in_hand);
+    let resumed = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
+    let tokens: Vec<v1::OwnedKey> = resumed
+        .into_iter()
+        .flat_map(|answer| answer.expect("the ledger answers").0.0)
+        .filter_map(|claim| match claim.outcome.unwrap() {
+            v1::ledger_claim::Outcome::AcquiredToken(token) => Some(v1::OwnedKey { key: claim.key, token }),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, held[2..], "h1..h7 handed back, h0 done");
     write.stop().await;
 }
 
@@ -612,7 +634,7 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
     let cut_at = Instant::now();
     tokio::time::sleep(Duration::from_millis(3_500)).await;
     let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
-    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into() };
+    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into(), ..Default::default() };
     let reply = c.ledger.claim(claim).await.unwrap().into_inner();
     assert!(
         matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_))),
@@ -670,6 +692,47 @@ async fn a_worker_frozen_past_its_ledger_lease_does_not_finish_its_run_when_it_w
     cluster.stop().await;
 }
 
+/// probe-a's ledger claim is made, but its answer never reaches the worker: the proxy between
+/// probe-a's process and the write service cuts the connection as the answer starts back. The
+/// worker holds the batch (the ledger unreachable), asks again, and is handed its own claim back
+/// (no batch of its process has the pair in hand): the event is handled once, at once, instead
+/// of waiting out that claim's 30 s lease with a delivery spent.
+#[tokio::test]
+async fn a_ledger_claim_whose_answer_was_lost_is_handed_back_to_its_owner() {
+    let dir = temp_dir();
+    let cluster =
+        reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats).probes("probe-a").start(dir.path()).await;
+    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let env = with(&broker, &[("REELAY_PROBE_DELAY_MS", "0")]);
+    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &env).await;
+    let mut c = cluster.write.clients().await;
+    // A first event through, so the worker's connection is up and it has nothing else to say.
+    c.user("warm").await;
+    let warm = event_ids(&cluster.db).await.remove(0);
+    eventually("the first event is handled and settled", Duration::from_secs(20), || async {
+        ledger_row(&cluster.db, &warm, "probe-a").await.is_some_and(|row| row[0] == "done")
+    })
+    .await;
+
+    proxy.cut_next_answer();
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.into_iter().find(|e| *e != warm).unwrap();
+    eventually("ana's event is handled well within the lost claim's lease", Duration::from_secs(15), || async {
+        ledger_row(&cluster.db, &event_id, "probe-a").await.is_some_and(|row| row[0] == "done")
+    })
+    .await;
+    let resumed = cluster.write.metrics().await.value(r#"reelay_ledger_claims_total{outcome="resumed"}"#);
+    assert_eq!(resumed, Some(1.0), "the cut answer was a claim's, and that claim was handed back");
+    let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
+    assert_eq!(attempts.get(&(event_id.clone(), "probe-a".to_owned())), Some(&1), "one run: {attempts:?}");
+    let deferred =
+        handlers.metrics().await.value(r#"reelay_handler_deliveries_total{handler="probe-a",outcome="deferred"}"#);
+    assert_eq!(deferred.unwrap_or(0.0), 0.0, "no delivery spent waiting for the worker's own claim");
+    handlers.stop().await;
+    cluster.stop().await;
+}
+
 /// Waits until another worker's ledger claim on probe-a's part of `event_id` is granted (the
 /// claim before it has run out).
 async fn taken_over_by_another_worker(c: &Clients, event_id: &str) {
@@ -677,7 +740,8 @@ async fn taken_over_by_another_worker(c: &Clients, event_id: &str) {
     eventually("another worker takes the event over", Duration::from_secs(20), || {
         let (mut c, key) = (c.clone(), key.clone());
         async move {
-            let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into() };
+            let claim =
+                v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into(), ..Default::default() };
             let reply = c.ledger.claim(claim).await.unwrap().into_inner();
             matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_)))
         }
@@ -771,7 +835,7 @@ async fn a_last_delivery_deferred_to_a_claim_that_never_finishes_leaves_a_dead_l
     })
     .await;
     let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
-    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "gone-worker#1".into() };
+    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "gone-worker#1".into(), ..Default::default() };
     let reply = c.ledger.claim(claim).await.unwrap().into_inner();
     assert!(matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_))), "{reply:?}");
 

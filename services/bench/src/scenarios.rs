@@ -791,7 +791,7 @@ pub async fn ledger(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
                     .collect();
                 let claims = c
                     .ledger
-                    .claim(v1::LedgerClaimRequest { keys, owner: "bench#1".into() })
+                    .claim(v1::LedgerClaimRequest { keys, owner: "bench#1".into(), ..Default::default() })
                     .await
                     .expect("claim")
                     .into_inner()

@@ -27,8 +27,10 @@
 //! Each event's handling is logged in a span carrying the trace id the write stamped on the
 //! event, so a handler's lines join the write's trace.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
@@ -90,6 +92,8 @@ pub struct LedgerSettlement {
     complete: Vec<v1::OwnedKey>,
     release: Vec<v1::OwnedKey>,
     dead: Vec<v1::LedgerDeadLetter>,
+    /// The batch's pairs stay in the process's hand until they are settled.
+    in_hand: Vec<Taken>,
 }
 
 impl LedgerSettlement {
@@ -127,8 +131,64 @@ pub struct Dispatcher {
 /// One ledger claim request of a dispatcher, waiting to go out with the others'.
 struct ClaimAsk {
     keys: Vec<v1::LedgerKey>,
+    /// Which of `keys` no other batch of this process had in hand when asked (see [`InHand`]).
+    resumable: Vec<bool>,
     /// The answers for its keys, and the lease the call's answer gave.
     reply: oneshot::Sender<Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status>>,
+}
+
+/// The (event, handler) pairs this process's batches have in hand, asked of the ledger or being
+/// worked on, with how many batches have each. The ledger knows claims only by owner, which is
+/// the process: a live claim of its own on a pair no batch has in hand was made by a call whose
+/// answer never came (its connection cut, the write service killed before it answered), and
+/// nothing runs it. Such pairs are asked as resumable, and the ledger hands the claim back
+/// instead of holding it against its own owner until its lease ends (a delivery spent waiting,
+/// a dead letter if it was the last).
+#[derive(Clone, Default)]
+struct InHand(Arc<Mutex<HashMap<(String, String), usize>>>);
+
+impl InHand {
+    /// Takes `keys` in hand for one batch; says which were in no other batch's hand.
+    fn take(&self, keys: &[v1::LedgerKey]) -> (Taken, Vec<bool>) {
+        let mut held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let pairs: Vec<(String, String)> = keys.iter().map(|k| (k.event_id.clone(), k.handler.clone())).collect();
+        let resumable = pairs
+            .iter()
+            .map(|pair| {
+                let batches = held.entry(pair.clone()).or_default();
+                *batches += 1;
+                *batches == 1
+            })
+            .collect();
+        (Taken { in_hand: self.clone(), pairs }, resumable)
+    }
+}
+
+/// One batch's pairs in [`InHand`]; they leave it when this is dropped: the batch's ledger
+/// claims settled, its work dropped, or its claim call failed.
+pub struct Taken {
+    in_hand: InHand,
+    pairs: Vec<(String, String)>,
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        let mut held = self.in_hand.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for pair in self.pairs.drain(..) {
+            if let Entry::Occupied(mut batches) = held.entry(pair) {
+                *batches.get_mut() -= 1;
+                if *batches.get() == 0 {
+                    batches.remove();
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Taken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Taken").field("pairs", &self.pairs.len()).finish()
+    }
 }
 
 /// The ledger claims of every dispatcher of this process: those asked at the same time (the
@@ -140,6 +200,7 @@ pub struct LedgerClaims {
     asks: mpsc::UnboundedSender<ClaimAsk>,
     /// The lease the ledger's answers give the claims.
     lease: ServerLease,
+    in_hand: InHand,
 }
 
 impl LedgerClaims {
@@ -162,23 +223,35 @@ impl LedgerClaims {
         let lease = ServerLease::default();
         let heard = lease.clone();
         let asks = gather(split, move |asks| claim_call(client.clone(), owner.clone(), heard.clone(), asks));
-        Self { asks, lease }
+        Self { asks, lease, in_hand: InHand::default() }
     }
 
-    /// The ledger's answer for each of `keys` (at most the server's limit), in order, and the
-    /// lease it gave the claims.
-    pub async fn claim(&self, keys: Vec<v1::LedgerKey>) -> Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status> {
+    /// The ledger's answer for each of `keys` (at most the server's limit), in order, the lease
+    /// it gave the claims, and the keys' place in the process's hand: keep it until the claims
+    /// are settled or their work is dropped.
+    pub async fn claim(
+        &self,
+        keys: Vec<v1::LedgerKey>,
+    ) -> Result<(Leased<Vec<v1::LedgerClaim>>, Taken), tonic::Status> {
         let stopped = || tonic::Status::unavailable("the ledger claimer stopped");
+        let (taken, resumable) = self.in_hand.take(&keys);
         let (reply, answer) = oneshot::channel();
-        self.asks.send(ClaimAsk { keys, reply }).map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+        self.asks.send(ClaimAsk { keys, resumable, reply }).map_err(|_| stopped())?;
+        Ok((answer.await.map_err(|_| stopped())??, taken))
     }
 }
 
 /// One `Claim` call for several asks; each hears the answers for its own keys.
 async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, lease: ServerLease, asks: Vec<ClaimAsk>) {
     let keys = asks.iter().flat_map(|ask| ask.keys.iter().cloned()).collect();
-    match client.claim(v1::LedgerClaimRequest { keys, owner }).await {
+    let resumable: Vec<u32> = asks
+        .iter()
+        .flat_map(|ask| &ask.resumable)
+        .enumerate()
+        .filter(|(_, resumable)| **resumable)
+        .map(|(place, _)| place as u32)
+        .collect();
+    match client.claim(v1::LedgerClaimRequest { keys, owner, resumable }).await {
         Ok(answer) => {
             let answer = answer.into_inner();
             let granted = lease.heard(answer.lease_ms);
@@ -262,13 +335,13 @@ impl Dispatcher {
             .collect();
 
         let asked = tokio::time::Instant::now();
-        let granted = self.claim(deliveries, &mut pairs).await?;
+        let (granted, in_hand) = self.claim(deliveries, &mut pairs).await?;
         let held = self.held_claims(deliveries, &pairs);
         let work = self.run_handlers(deliveries, &mut pairs);
         if with_renewals(self, &held, asked, granted, work).await.is_none() {
             return Ok(None);
         }
-        let ledger = self.ledger_settlement(deliveries, &pairs);
+        let ledger = LedgerSettlement { in_hand, ..self.ledger_settlement(deliveries, &pairs) };
         self.count_outcomes(deliveries, &pairs);
         let verdicts = deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.config.retry_policy)).collect();
         Ok(Some(Dispatched { verdicts, ledger }))
@@ -293,12 +366,12 @@ impl Dispatcher {
     }
 
     /// Asks the ledger about every pair of a delivery that has an event id; returns the lease
-    /// its answers gave the claims.
+    /// its answers gave the claims, and the pairs' place in the process's hand.
     async fn claim<T>(
         &mut self,
         deliveries: &[Delivery<T>],
         pairs: &mut [Vec<(usize, PairState)>],
-    ) -> Result<Option<Duration>, LedgerUnavailable> {
+    ) -> Result<(Option<Duration>, Vec<Taken>), LedgerUnavailable> {
         let mut index = Vec::new();
         let mut keys = Vec::new();
         for (d, delivery) in deliveries.iter().enumerate() {
@@ -314,11 +387,12 @@ impl Dispatcher {
                 });
             }
         }
-        let mut granted = Granted::default();
+        let (mut granted, mut in_hand) = (Granted::default(), Vec::new());
         for (chunk_index, chunk_keys) in index.chunks(LEDGER_BATCH).zip(keys.chunks(LEDGER_BATCH)) {
             let claims = match self.claims.claim(chunk_keys.to_vec()).await {
-                Ok((claims, lease)) => {
+                Ok(((claims, lease), taken)) => {
                     granted.add(lease);
+                    in_hand.push(taken);
                     claims
                 }
                 Err(status) if is_transport_failure(&status) => {
@@ -341,7 +415,7 @@ impl Dispatcher {
                 };
             }
         }
-        Ok(granted.lease())
+        Ok((granted.lease(), in_hand))
     }
 
     /// Runs each handler once over all its runnable events, handlers concurrently.
@@ -482,14 +556,15 @@ impl Dispatcher {
                 }
             }
         }
-        LedgerSettlement { complete, release, dead }
+        LedgerSettlement { complete, release, dead, in_hand: Vec::new() }
     }
 
     /// Completes the claims of handlers that succeeded, records the dead letters and releases
     /// the others. The effects happened, so this is retried until the ledger answers (or the
     /// process stops; the claims then expire and the idempotent handlers run again).
     pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
-        let LedgerSettlement { complete, release, dead } = settlement;
+        // The pairs leave the process's hand once settled (at the end of this call).
+        let LedgerSettlement { complete, release, dead, in_hand: _settled } = settlement;
         for chunk in dead.chunks(LEDGER_BATCH) {
             let owned = self
                 .until_answered("dead-letter", |mut ledger| {

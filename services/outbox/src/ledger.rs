@@ -47,6 +47,9 @@ pub enum ClaimOutcome {
     Done,
     /// A fresh claim is held elsewhere until this time (ms).
     HeldUntil(i64),
+    /// The owner's own live claim, handed back with its token (the answer that made it was
+    /// lost, and the owner runs the pair nowhere): run the handler; settle with this token.
+    Resumed(i64),
 }
 
 const CHUNK: usize = 200;
@@ -59,14 +62,22 @@ fn tuples(n: usize, arity: usize) -> String {
 /// Claims each key for `owner` (`<instance>#<incarnation>`), in order: acquire a free key, take
 /// over a claim not renewed for the lease, or report it done / held. A key named more than once
 /// is acquired at most once (its later places find it held).
+///
+/// A key whose place in `resumable` is true (missing places are false) is one the owner says it
+/// runs nowhere now: a live claim of that same owner on it was made by a call whose answer the
+/// owner never heard (its connection cut, the write service killed before answering), and is
+/// handed back with its token and renewed, instead of reported held until its lease ends.
 pub async fn claim(
     tx: &mut WriteTx,
     keys: &[LedgerKey],
+    resumable: &[bool],
     owner: &str,
     now: i64,
     policy: LedgerPolicy,
 ) -> Result<Vec<ClaimOutcome>, sqlx::Error> {
     let lease = policy.lease.as_millis() as i64;
+    let resumable: HashSet<&LedgerKey> =
+        keys.iter().zip(resumable).filter(|(_, resumable)| **resumable).map(|(key, _)| key).collect();
     let mut outcomes: HashMap<&LedgerKey, ClaimOutcome> = HashMap::with_capacity(keys.len());
     for chunk in keys.chunks(CHUNK) {
         // Fresh keys: one insert for the chunk; RETURNING names the ones that were free.
@@ -92,23 +103,26 @@ pub async fn claim(
             continue;
         }
         let mut select = sqlx::query(AssertSqlSafe(format!(
-            "SELECT event_id, handler, status, started_at, COALESCE(renewed_at, started_at) FROM processed_events \
-             WHERE (event_id, handler) IN (VALUES {})",
+            "SELECT event_id, handler, status, started_at, COALESCE(renewed_at, started_at), owner \
+             FROM processed_events WHERE (event_id, handler) IN (VALUES {})",
             tuples(taken.len(), 2)
         )));
         for key in &taken {
             select = select.bind(key.event_id.clone()).bind(key.handler.clone());
         }
-        let existing: HashMap<(String, String), (String, i64, i64)> = select
+        let existing: HashMap<(String, String), Claimed> = select
             .fetch_all(tx.conn())
             .await?
             .into_iter()
-            .map(|r| ((r.get(0), r.get(1)), (r.get(2), r.get(3), r.get(4))))
+            .map(|r| {
+                let claimed = Claimed { status: r.get(2), started: r.get(3), renewed: r.get(4), owner: r.get(5) };
+                ((r.get(0), r.get(1)), claimed)
+            })
             .collect();
         let leases = Leases::now(tx, now, policy);
         for key in taken {
             let state = existing.get(&(key.event_id.clone(), key.handler.clone()));
-            let Some((status, started, renewed)) = state else {
+            let Some(Claimed { status, started, renewed, owner: held_by }) = state else {
                 // Released between the insert and the select cannot happen inside one job;
                 // treat a vanished row as free on the next claim.
                 outcomes.insert(key, ClaimOutcome::HeldUntil(now));
@@ -116,6 +130,20 @@ pub async fn claim(
             };
             let outcome = match leases.standing(status, *renewed) {
                 Standing::Finished => ClaimOutcome::Done,
+                Standing::HeldUntil(_) if held_by.as_deref() == Some(owner) && resumable.contains(key) => {
+                    sqlx::query(
+                        "UPDATE processed_events SET renewed_at = ? WHERE event_id = ? AND handler = ? AND started_at = ?",
+                    )
+                    .bind(now)
+                    .bind(key.event_id.clone())
+                    .bind(key.handler.clone())
+                    .bind(*started)
+                    .execute(tx.conn())
+                    .await?;
+                    tracing::warn!(event_id = %key.event_id, handler = %key.handler, owner,
+                        "handing a ledger claim back to its owner, which never heard the answer that made it");
+                    ClaimOutcome::Resumed(*started)
+                }
                 Standing::HeldUntil(until) => ClaimOutcome::HeldUntil(until),
                 Standing::Free => {
                     // Free (`retry`) or abandoned: take it; the new token is always newer than
@@ -149,10 +177,21 @@ pub async fn claim(
     Ok(keys
         .iter()
         .map(|k| match outcomes[k] {
-            ClaimOutcome::Acquired(_) if !answered.insert(k) => ClaimOutcome::HeldUntil(now + lease),
+            ClaimOutcome::Acquired(_) | ClaimOutcome::Resumed(_) if !answered.insert(k) => {
+                ClaimOutcome::HeldUntil(now + lease)
+            }
             outcome => outcome,
         })
         .collect())
+}
+
+/// A pair's ledger row as a claim finds it.
+struct Claimed {
+    status: String,
+    /// The token of its latest claim.
+    started: i64,
+    renewed: i64,
+    owner: Option<String>,
 }
 
 /// Where a pair's ledger row stands under the lease rule every claim goes by.

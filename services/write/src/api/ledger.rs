@@ -19,7 +19,7 @@ use crate::WriteError;
 static LEDGER_CLAIMS: LazyLock<Counter> = LazyLock::new(|| {
     metrics::counter(
         "reelay_ledger_claims_total",
-        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), done (skip), held (another worker has it).",
+        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), resumed (the claimer's own claim, whose answer it never heard, handed back), done (skip), held (another worker has it).",
         &["outcome"],
     )
 });
@@ -74,18 +74,26 @@ impl v1::ledger_server::Ledger for LedgerApi {
         let (keys, owner) = (request.keys, request.owner);
         batch_size("keys", "keys", keys.len())?;
         let keys = keys.into_iter().map(|k| ledger_key("keys", Some(k))).collect::<Result<Vec<_>, _>>()?;
+        let mut resumable = vec![false; keys.len()];
+        for &index in &request.resumable {
+            let place = resumable.get_mut(index as usize).ok_or_else(|| {
+                ServiceError::invalid("resumable", format!("index {index} is past the request's {} keys", keys.len()))
+            })?;
+            *place = true;
+        }
         let policy = self.policy;
         let claims = keys.clone();
         let outcomes = self
             .db
             .writer
             .transact::<_, WriteError, _>("ledger_claim", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(ledger::claim(tx, &claims, &owner, tx.now_ms(), policy).await?) })
+                Box::pin(async move { Ok(ledger::claim(tx, &claims, &resumable, &owner, tx.now_ms(), policy).await?) })
             })
             .await?;
         for outcome in &outcomes {
             LEDGER_CLAIMS.inc(&[match outcome {
                 ClaimOutcome::Acquired(_) => "acquired",
+                ClaimOutcome::Resumed(_) => "resumed",
                 ClaimOutcome::Done => "done",
                 ClaimOutcome::HeldUntil(_) => "held",
             }]);
@@ -96,7 +104,9 @@ impl v1::ledger_server::Ledger for LedgerApi {
             .map(|(key, outcome)| v1::LedgerClaim {
                 key: Some(v1::LedgerKey { event_id: key.event_id, handler: key.handler }),
                 outcome: Some(match outcome {
-                    ClaimOutcome::Acquired(token) => v1::ledger_claim::Outcome::AcquiredToken(token),
+                    ClaimOutcome::Acquired(token) | ClaimOutcome::Resumed(token) => {
+                        v1::ledger_claim::Outcome::AcquiredToken(token)
+                    }
                     ClaimOutcome::Done => v1::ledger_claim::Outcome::Done(true),
                     ClaimOutcome::HeldUntil(until) => v1::ledger_claim::Outcome::HeldUntilMs(until),
                 }),
