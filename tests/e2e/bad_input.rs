@@ -347,13 +347,6 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 owner: "test#1".into(),
                 ..Default::default()
             })),
-        case!("a ledger claim marking a place past its keys resumable", InvalidArgument, "resumable", |c, x| c
-            .ledger
-            .claim(v1::LedgerClaimRequest {
-                keys: vec![v1::LedgerKey { event_id: x.nobody.clone(), handler: "search".into() }],
-                owner: "test#1".into(),
-                resumable: vec![0, 1],
-            })),
         case!("a given-up pair with a malformed event id", InvalidArgument, "given_up.key.event_id", |c, x| c
             .ledger
             .given_up(v1::LedgerGivenUpRequest {

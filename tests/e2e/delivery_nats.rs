@@ -493,12 +493,17 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     };
     let calls =
         |m: &reelay_harness::Metrics| m.sum("reelay_grpc_requests_total", &[r#"method="/reelay.v1.Ledger/Claim""#]);
+    // Each asker takes its pairs in the process's hand, then asks for those it has alone.
+    let ask = |handler: &str| {
+        let taken = claims.take(keys_of(handler));
+        let claims = claims.clone();
+        async move { (claims.claim(&taken).await.expect("the ledger answers"), taken) }
+    };
     let before = calls(&write.metrics().await);
-    let answers = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
+    let answers = futures_util::future::join_all(handlers.iter().map(|h| ask(h))).await;
     assert_eq!(calls(&write.metrics().await) - before, 1.0, "eight asks, one call");
     let (mut held, mut in_hand) = (Vec::new(), Vec::new());
-    for (handler, answer) in handlers.iter().zip(answers) {
-        let ((answer, granted), taken) = answer.expect("the ledger answers");
+    for (handler, ((answer, granted), taken)) in handlers.iter().zip(answers) {
         in_hand.push(taken);
         assert_eq!(granted, Some(Duration::from_secs(30)), "the answer's lease (the default), for the claims it made");
         let keys: Vec<v1::LedgerKey> = answer.iter().map(|c| c.key.clone().unwrap()).collect();
@@ -510,27 +515,29 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
             }
         }
     }
-    // h0's claims are completed; asked again together while the first asks still have their
-    // pairs in hand, h0's keys are done and the others held.
+    // h0's claims are completed and leave the hand; asked again together, h0's keys are done,
+    // and the others, still in the first asks' hand, are not asked of the ledger at all.
     let h0: Vec<v1::OwnedKey> = held.iter().take(2).cloned().collect();
     c.ledger.complete(v1::LedgerSettleRequest { keys: h0 }).await.unwrap();
-    let again = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
-    for (handler, answer) in handlers.iter().zip(again) {
-        for claim in answer.expect("the ledger answers").0.0 {
-            let outcome = claim.outcome.unwrap();
-            match handler.as_str() {
-                "h0" => assert!(matches!(outcome, v1::ledger_claim::Outcome::Done(_)), "{outcome:?}"),
-                _ => assert!(matches!(outcome, v1::ledger_claim::Outcome::HeldUntilMs(_)), "{handler}: {outcome:?}"),
-            }
+    drop(in_hand.remove(0));
+    let before = calls(&write.metrics().await);
+    let again = futures_util::future::join_all(handlers.iter().map(|h| ask(h))).await;
+    assert_eq!(calls(&write.metrics().await) - before, 1.0, "only h0 asks");
+    for (handler, ((answer, _), taken)) in handlers.iter().zip(again) {
+        let alone = handler == "h0";
+        assert_eq!(taken.alone(), [alone, alone], "{handler}");
+        assert_eq!(answer.len(), if alone { 2 } else { 0 }, "{handler}: {answer:?}");
+        for claim in answer {
+            assert!(matches!(claim.outcome.unwrap(), v1::ledger_claim::Outcome::Done(_)), "{handler}");
         }
     }
-    // Once nothing of this process has them in hand (their answers as good as lost), its own
+    // Once no ask of this process has them in hand (their answers as good as lost), its own
     // live claims are handed back with their first tokens.
     drop(in_hand);
-    let resumed = futures_util::future::join_all(handlers.iter().map(|h| claims.claim(keys_of(h)))).await;
+    let resumed = futures_util::future::join_all(handlers.iter().map(|h| ask(h))).await;
     let tokens: Vec<v1::OwnedKey> = resumed
         .into_iter()
-        .flat_map(|answer| answer.expect("the ledger answers").0.0)
+        .flat_map(|((answer, _), _)| answer)
         .filter_map(|claim| match claim.outcome.unwrap() {
             v1::ledger_claim::Outcome::AcquiredToken(token) => Some(v1::OwnedKey { key: claim.key, token }),
             _ => None,

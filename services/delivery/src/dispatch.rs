@@ -131,51 +131,43 @@ pub struct Dispatcher {
 /// One ledger claim request of a dispatcher, waiting to go out with the others'.
 struct ClaimAsk {
     keys: Vec<v1::LedgerKey>,
-    /// Which of `keys` no other batch of this process had in hand when asked (see [`InHand`]).
-    resumable: Vec<bool>,
     /// The answers for its keys, and the lease the call's answer gave.
     reply: oneshot::Sender<Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status>>,
 }
 
-/// The (event, handler) pairs this process's batches have in hand, asked of the ledger or being
-/// worked on, with how many batches have each. The ledger knows claims only by owner, which is
-/// the process: a live claim of its own on a pair no batch has in hand was made by a call whose
-/// answer never came (its connection cut, the write service killed before it answered), and
-/// nothing runs it. Such pairs are asked as resumable, and the ledger hands the claim back
-/// instead of holding it against its own owner until its lease ends (a delivery spent waiting,
-/// a dead letter if it was the last).
+/// The (event, handler) pairs this process's batches have in hand (being asked of the ledger,
+/// worked on, or settled), with how many batches have each. A pair is asked of the ledger only
+/// by a batch that has it alone; another batch that has it too treats it as held (as the ledger
+/// would: the claim is this process's own). So when a pair is asked, nothing in the process
+/// runs it, and a live claim of the process's own on it can only have been made by a call whose
+/// answer never came (its connection cut, the write service killed before it answered) or by
+/// a batch that is gone (its work dropped, its settlement refused): the ledger hands such a
+/// claim back (`resume_own`) instead of holding it against its own owner until its lease ends
+/// (a delivery spent waiting, a dead letter if it was the last).
 #[derive(Clone, Default)]
 struct InHand(Arc<Mutex<HashMap<(String, String), usize>>>);
 
-impl InHand {
-    /// Takes `keys` in hand for one batch; says which were in no other batch's hand.
-    fn take(&self, keys: &[v1::LedgerKey]) -> (Taken, Vec<bool>) {
-        let mut held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let pairs: Vec<(String, String)> = keys.iter().map(|k| (k.event_id.clone(), k.handler.clone())).collect();
-        let resumable = pairs
-            .iter()
-            .map(|pair| {
-                let batches = held.entry(pair.clone()).or_default();
-                *batches += 1;
-                *batches == 1
-            })
-            .collect();
-        (Taken { in_hand: self.clone(), pairs }, resumable)
-    }
-}
-
-/// One batch's pairs in [`InHand`]; they leave it when this is dropped: the batch's ledger
-/// claims settled, its work dropped, or its claim call failed.
+/// One batch's pairs in the process's hand; they leave it when this is dropped (its claims
+/// settled or their settling given up, its work dropped, or its claim call failed).
 pub struct Taken {
     in_hand: InHand,
-    pairs: Vec<(String, String)>,
+    keys: Vec<v1::LedgerKey>,
+    /// Whether the batch has each of `keys` alone (no other batch had it when it was taken).
+    alone: Vec<bool>,
+}
+
+impl Taken {
+    /// For each key, whether this batch has it alone and may ask the ledger for it.
+    pub fn alone(&self) -> &[bool] {
+        &self.alone
+    }
 }
 
 impl Drop for Taken {
     fn drop(&mut self) {
         let mut held = self.in_hand.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for pair in self.pairs.drain(..) {
-            if let Entry::Occupied(mut batches) = held.entry(pair) {
+        for key in &self.keys {
+            if let Entry::Occupied(mut batches) = held.entry((key.event_id.clone(), key.handler.clone())) {
                 *batches.get_mut() -= 1;
                 if *batches.get() == 0 {
                     batches.remove();
@@ -187,7 +179,7 @@ impl Drop for Taken {
 
 impl std::fmt::Debug for Taken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Taken").field("pairs", &self.pairs.len()).finish()
+        f.debug_struct("Taken").field("keys", &self.keys.len()).finish()
     }
 }
 
@@ -226,32 +218,42 @@ impl LedgerClaims {
         Self { asks, lease, in_hand: InHand::default() }
     }
 
-    /// The ledger's answer for each of `keys` (at most the server's limit), in order, the lease
-    /// it gave the claims, and the keys' place in the process's hand: keep it until the claims
-    /// are settled or their work is dropped.
-    pub async fn claim(
-        &self,
-        keys: Vec<v1::LedgerKey>,
-    ) -> Result<(Leased<Vec<v1::LedgerClaim>>, Taken), tonic::Status> {
+    /// Takes `keys` in the process's hand for one batch (see [`InHand`]): keep the result until
+    /// their claims are settled or their work is dropped, and ask the ledger for the keys the
+    /// batch has alone with [`LedgerClaims::claim`].
+    pub fn take(&self, keys: Vec<v1::LedgerKey>) -> Taken {
+        let mut held = self.in_hand.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let alone = keys
+            .iter()
+            .map(|key| {
+                let batches = held.entry((key.event_id.clone(), key.handler.clone())).or_default();
+                *batches += 1;
+                *batches == 1
+            })
+            .collect();
+        Taken { in_hand: self.in_hand.clone(), keys, alone }
+    }
+
+    /// The ledger's answer for each key `taken` has alone (at most the server's limit), in
+    /// order, and the lease it gave the claims. No call when it has none alone.
+    pub async fn claim(&self, taken: &Taken) -> Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status> {
+        let keys: Vec<v1::LedgerKey> =
+            taken.keys.iter().zip(&taken.alone).filter(|(_, alone)| **alone).map(|(key, _)| key.clone()).collect();
+        if keys.is_empty() {
+            return Ok((Vec::new(), None));
+        }
         let stopped = || tonic::Status::unavailable("the ledger claimer stopped");
-        let (taken, resumable) = self.in_hand.take(&keys);
         let (reply, answer) = oneshot::channel();
-        self.asks.send(ClaimAsk { keys, resumable, reply }).map_err(|_| stopped())?;
-        Ok((answer.await.map_err(|_| stopped())??, taken))
+        self.asks.send(ClaimAsk { keys, reply }).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
     }
 }
 
 /// One `Claim` call for several asks; each hears the answers for its own keys.
 async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, lease: ServerLease, asks: Vec<ClaimAsk>) {
     let keys = asks.iter().flat_map(|ask| ask.keys.iter().cloned()).collect();
-    let resumable: Vec<u32> = asks
-        .iter()
-        .flat_map(|ask| &ask.resumable)
-        .enumerate()
-        .filter(|(_, resumable)| **resumable)
-        .map(|(place, _)| place as u32)
-        .collect();
-    match client.claim(v1::LedgerClaimRequest { keys, owner, resumable }).await {
+    // Every key asked is one its batch has alone (see `InHand`).
+    match client.claim(v1::LedgerClaimRequest { keys, owner, resume_own: true }).await {
         Ok(answer) => {
             let answer = answer.into_inner();
             let granted = lease.heard(answer.lease_ms);
@@ -389,10 +391,10 @@ impl Dispatcher {
         }
         let (mut granted, mut in_hand) = (Granted::default(), Vec::new());
         for (chunk_index, chunk_keys) in index.chunks(LEDGER_BATCH).zip(keys.chunks(LEDGER_BATCH)) {
-            let claims = match self.claims.claim(chunk_keys.to_vec()).await {
-                Ok(((claims, lease), taken)) => {
+            let taken = self.claims.take(chunk_keys.to_vec());
+            let claims = match self.claims.claim(&taken).await {
+                Ok((claims, lease)) => {
                     granted.add(lease);
-                    in_hand.push(taken);
                     claims
                 }
                 Err(status) if is_transport_failure(&status) => {
@@ -406,14 +408,23 @@ impl Dispatcher {
                     continue;
                 }
             };
-            for (&(d, p), claim) in chunk_index.iter().zip(claims) {
-                pairs[d][p].1 = match claim.outcome {
+            // A pair another batch of this process has is held by this process's claim.
+            let held_until =
+                reelay_kit::now_ms() + self.claims.lease.bound(self.config.ledger_lease).as_millis() as i64;
+            let mut claims = claims.into_iter();
+            for (&(d, p), &alone) in chunk_index.iter().zip(taken.alone()) {
+                if !alone {
+                    pairs[d][p].1 = PairState::HeldUntil(held_until);
+                    continue;
+                }
+                pairs[d][p].1 = match claims.next().and_then(|claim| claim.outcome) {
                     Some(Outcome::AcquiredToken(token)) => PairState::Run { token: Some(token) },
                     Some(Outcome::Done(_)) => PairState::Skip,
                     Some(Outcome::HeldUntilMs(until)) => PairState::HeldUntil(until),
                     None => PairState::LedgerError("the ledger answered without an outcome".into()),
                 };
             }
+            in_hand.push(taken);
         }
         Ok((granted.lease(), in_hand))
     }

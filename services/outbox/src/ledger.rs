@@ -63,21 +63,19 @@ fn tuples(n: usize, arity: usize) -> String {
 /// over a claim not renewed for the lease, or report it done / held. A key named more than once
 /// is acquired at most once (its later places find it held).
 ///
-/// A key whose place in `resumable` is true (missing places are false) is one the owner says it
-/// runs nowhere now: a live claim of that same owner on it was made by a call whose answer the
-/// owner never heard (its connection cut, the write service killed before answering), and is
-/// handed back with its token and renewed, instead of reported held until its lease ends.
+/// With `resume_own` the owner says it runs none of `keys` now: a live claim of that same owner
+/// on one of them was made by a call whose answer it never heard (its connection cut, the write
+/// service killed before answering) or by work of its that is gone, and is handed back with its
+/// token and renewed, instead of reported held until its lease ends.
 pub async fn claim(
     tx: &mut WriteTx,
     keys: &[LedgerKey],
-    resumable: &[bool],
+    resume_own: bool,
     owner: &str,
     now: i64,
     policy: LedgerPolicy,
 ) -> Result<Vec<ClaimOutcome>, sqlx::Error> {
     let lease = policy.lease.as_millis() as i64;
-    let resumable: HashSet<&LedgerKey> =
-        keys.iter().zip(resumable).filter(|(_, resumable)| **resumable).map(|(key, _)| key).collect();
     let mut outcomes: HashMap<&LedgerKey, ClaimOutcome> = HashMap::with_capacity(keys.len());
     for chunk in keys.chunks(CHUNK) {
         // Fresh keys: one insert for the chunk; RETURNING names the ones that were free.
@@ -130,7 +128,7 @@ pub async fn claim(
             };
             let outcome = match leases.standing(status, *renewed) {
                 Standing::Finished => ClaimOutcome::Done,
-                Standing::HeldUntil(_) if held_by.as_deref() == Some(owner) && resumable.contains(key) => {
+                Standing::HeldUntil(_) if resume_own && held_by.as_deref() == Some(owner) => {
                     sqlx::query(
                         "UPDATE processed_events SET renewed_at = ? WHERE event_id = ? AND handler = ? AND started_at = ?",
                     )
@@ -141,7 +139,7 @@ pub async fn claim(
                     .execute(tx.conn())
                     .await?;
                     tracing::warn!(event_id = %key.event_id, handler = %key.handler, owner,
-                        "handing a ledger claim back to its owner, which never heard the answer that made it");
+                        "handing a live ledger claim back to its owner, which runs the pair nowhere (the answer that made it was lost, or the work it was for is gone)");
                     ClaimOutcome::Resumed(*started)
                 }
                 Standing::HeldUntil(until) => ClaimOutcome::HeldUntil(until),

@@ -174,13 +174,14 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
     let keys = vec![key("e1", "search"), key("e1", "posters"), key("e2", "search")];
 
     let k = keys.clone();
-    let first = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w1#a", T0, policy).await })).await;
+    let first =
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w1#a", T0, policy).await })).await;
     assert_eq!(first, vec![ClaimOutcome::Acquired(T0); 3]);
 
     // A second worker a minute later: held until the lease ends.
     let k = keys.clone();
     let second =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w2#a", T0 + 60_000, policy).await }))
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w2#a", T0 + 60_000, policy).await }))
             .await;
     assert_eq!(second, vec![ClaimOutcome::HeldUntil(T0 + 1_800_000); 3]);
 
@@ -195,7 +196,7 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
     let k = keys.clone();
     let later = T0 + 1_800_001;
     let third =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w3#a", later, policy).await })).await;
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w3#a", later, policy).await })).await;
     assert_eq!(third, vec![ClaimOutcome::Done, ClaimOutcome::Acquired(later), ClaimOutcome::Acquired(later)]);
 
     // The first owner of e2 wakes up late: its complete and release are refused.
@@ -222,7 +223,8 @@ async fn a_key_asked_twice_in_one_claim_is_acquired_once() {
     let policy = LedgerPolicy { lease: Duration::from_secs(30), retention: Duration::from_secs(30 * 86_400) };
     let keys = vec![key("e1", "search"), key("e2", "search"), key("e1", "search")];
     let k = keys.clone();
-    let first = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w1#a", T0, policy).await })).await;
+    let first =
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w1#a", T0, policy).await })).await;
     assert_eq!(
         first,
         vec![ClaimOutcome::Acquired(T0), ClaimOutcome::Acquired(T0), ClaimOutcome::HeldUntil(T0 + 30_000)]
@@ -232,46 +234,32 @@ async fn a_key_asked_twice_in_one_claim_is_acquired_once() {
     let later = T0 + 60_000;
     let k = vec![key("e1", "search"), key("e1", "search")];
     let taken =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w2#a", later, policy).await })).await;
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w2#a", later, policy).await })).await;
     assert_eq!(taken, vec![ClaimOutcome::Acquired(later), ClaimOutcome::HeldUntil(later + 30_000)]);
 }
 
-/// A claim whose answer its owner never heard: asked again by the same owner as resumable (it
-/// runs the pair nowhere), the live claim is handed back with its token and renewed; asked
-/// without the mark, or by another owner, it is held as before.
+/// A claim whose answer its owner never heard: asked again by the same owner with `resume_own`
+/// (it runs none of the pairs now), the live claim is handed back with its token and renewed;
+/// asked without it, or by another owner, it is held as before.
 #[tokio::test]
-async fn an_owners_own_live_claim_is_handed_back_when_asked_as_resumable() {
+async fn an_owners_own_live_claim_is_handed_back_when_it_says_it_runs_it_nowhere() {
     let (_dir, db) = open().await;
     let policy = LedgerPolicy { lease: Duration::from_secs(30), retention: Duration::from_secs(30 * 86_400) };
+    let claim = |keys: Vec<LedgerKey>, resume_own: bool, owner: &'static str, now: i64| {
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &keys, resume_own, owner, now, policy).await }))
+    };
     let keys = vec![key("e1", "search"), key("e2", "search")];
-    let k = keys.clone();
-    let lost = job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w1#a", T0, policy).await })).await;
-    assert_eq!(lost, vec![ClaimOutcome::Acquired(T0); 2]);
+    assert_eq!(claim(keys.clone(), false, "w1#a", T0).await, vec![ClaimOutcome::Acquired(T0); 2], "answer lost");
 
-    let k = keys.clone();
-    let unmarked =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w1#a", T0 + 1_000, policy).await })).await;
-    assert_eq!(unmarked, vec![ClaimOutcome::HeldUntil(T0 + 30_000); 2], "not marked resumable: held");
-    let k = keys.clone();
-    let other = job(&db, move |tx| {
-        Box::pin(async move { ledger::claim(tx, &k, &[true, true], "w2#a", T0 + 1_000, policy).await })
-    })
-    .await;
-    assert_eq!(other, vec![ClaimOutcome::HeldUntil(T0 + 30_000); 2], "another owner's mark changes nothing");
+    let held = vec![ClaimOutcome::HeldUntil(T0 + 30_000); 2];
+    assert_eq!(claim(keys.clone(), false, "w1#a", T0 + 1_000).await, held, "without resume_own: held");
+    assert_eq!(claim(keys.clone(), true, "w2#a", T0 + 1_000).await, held, "another owner's resume_own changes nothing");
 
-    // e1 marked: handed back with its first token, and its lease counts from now.
-    let k = keys.clone();
-    let resumed = job(&db, move |tx| {
-        Box::pin(async move { ledger::claim(tx, &k, &[true, false], "w1#a", T0 + 2_000, policy).await })
-    })
-    .await;
-    assert_eq!(resumed, vec![ClaimOutcome::Resumed(T0), ClaimOutcome::HeldUntil(T0 + 30_000)]);
-    let k = keys.clone();
-    let held =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w2#a", T0 + 31_000, policy).await }))
-            .await;
-    assert_eq!(held[0], ClaimOutcome::HeldUntil(T0 + 32_000), "renewed when handed back");
-    assert_eq!(held[1], ClaimOutcome::Acquired(T0 + 31_000), "e2's lease ran out: taken over");
+    // e1 asked again: handed back with its first token, its lease counted from now.
+    assert_eq!(claim(vec![keys[0].clone()], true, "w1#a", T0 + 2_000).await, vec![ClaimOutcome::Resumed(T0)]);
+    let later = claim(keys.clone(), false, "w2#a", T0 + 31_000).await;
+    assert_eq!(later[0], ClaimOutcome::HeldUntil(T0 + 32_000), "renewed when handed back");
+    assert_eq!(later[1], ClaimOutcome::Acquired(T0 + 31_000), "e2's lease ran out: taken over");
     // The token it was handed settles it.
     let done = vec![OwnedKey { key: keys[0].clone(), token: T0 }];
     assert_eq!(
@@ -279,14 +267,9 @@ async fn an_owners_own_live_claim_is_handed_back_when_asked_as_resumable() {
         vec![true]
     );
 
-    // A key twice in one call, both marked: handed back once.
-    let k = vec![key("e3", "search")];
-    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, &[], "w1#a", T0, policy).await })).await;
-    let k = vec![key("e3", "search"), key("e3", "search")];
-    let twice = job(&db, move |tx| {
-        Box::pin(async move { ledger::claim(tx, &k, &[true, true], "w1#a", T0 + 1_000, policy).await })
-    })
-    .await;
+    // A key twice in one call: handed back once.
+    claim(vec![key("e3", "search")], false, "w1#a", T0).await;
+    let twice = claim(vec![key("e3", "search"); 2], true, "w1#a", T0 + 1_000).await;
     assert_eq!(twice, vec![ClaimOutcome::Resumed(T0), ClaimOutcome::HeldUntil(T0 + 31_000)]);
 }
 
@@ -299,7 +282,7 @@ async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
     let claimed = vec![key("done", "search"), key("live", "search"), key("stale", "search")];
     job(&db, move |tx| {
         Box::pin(async move {
-            ledger::claim(tx, &claimed, &[], "w1#a", T0, policy).await?;
+            ledger::claim(tx, &claimed, false, "w1#a", T0, policy).await?;
             ledger::complete(tx, &[OwnedKey { key: key("done", "search"), token: T0 }], T0).await
         })
     })
@@ -386,17 +369,19 @@ async fn purge_removes_only_rows_older_than_the_retention() {
         let claim_key = vec![owned[0].key.clone()];
         job(&db, move |tx| {
             Box::pin(async move {
-                ledger::claim(tx, &claim_key, &[], "w#a", started, policy).await?;
+                ledger::claim(tx, &claim_key, false, "w#a", started, policy).await?;
                 ledger::complete(tx, &owned, started).await
             })
         })
         .await;
     }
     let abandoned = vec![key("old", "search")];
-    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &abandoned, &[], "w#a", T0 - 31 * day, policy).await }))
-        .await;
+    job(&db, move |tx| {
+        Box::pin(async move { ledger::claim(tx, &abandoned, false, "w#a", T0 - 31 * day, policy).await })
+    })
+    .await;
     let fresh = vec![key("new", "search")];
-    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, &[], "w#a", T0, policy).await })).await;
+    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, false, "w#a", T0, policy).await })).await;
     // Dead letters an operator discarded are purged like done rows: two old ones, one recent.
     job(&db, |tx| {
         Box::pin(async move {

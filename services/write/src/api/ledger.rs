@@ -74,20 +74,14 @@ impl v1::ledger_server::Ledger for LedgerApi {
         let (keys, owner) = (request.keys, request.owner);
         batch_size("keys", "keys", keys.len())?;
         let keys = keys.into_iter().map(|k| ledger_key("keys", Some(k))).collect::<Result<Vec<_>, _>>()?;
-        let mut resumable = vec![false; keys.len()];
-        for &index in &request.resumable {
-            let place = resumable.get_mut(index as usize).ok_or_else(|| {
-                ServiceError::invalid("resumable", format!("index {index} is past the request's {} keys", keys.len()))
-            })?;
-            *place = true;
-        }
+        let resume_own = request.resume_own;
         let policy = self.policy;
         let claims = keys.clone();
         let outcomes = self
             .db
             .writer
             .transact::<_, WriteError, _>("ledger_claim", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(ledger::claim(tx, &claims, &resumable, &owner, tx.now_ms(), policy).await?) })
+                Box::pin(async move { Ok(ledger::claim(tx, &claims, resume_own, &owner, tx.now_ms(), policy).await?) })
             })
             .await?;
         for outcome in &outcomes {
