@@ -544,6 +544,11 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
         })
         .collect();
     assert_eq!(tokens, held[2..], "h1..h7 handed back, h0 done");
+    // What was taken is asked for once.
+    let taken = claims.take(keys_of("h8"));
+    claims.claim(&taken).await.expect("the first ask");
+    let again = claims.claim(&taken).await.expect_err("a second ask of the same pairs");
+    assert_eq!(again.code(), tonic::Code::FailedPrecondition, "{again:?}");
     write.stop().await;
 }
 

@@ -3,7 +3,8 @@
 //! For every (event, subscribed handler) pair the ledger is asked first, in one batched call
 //! (which goes out with the claims other dispatchers of the process ask at the same time, see
 //! [`LedgerClaims`]):
-//! `done` → skip; held by a fresh claim elsewhere → defer the delivery to the lease expiry;
+//! `done` → skip; held by a fresh claim elsewhere (or by another batch of this process, which
+//! then is not asked of the ledger at all) → defer the delivery to the lease expiry;
 //! acquired → run the handler, then complete the claim (success) or release it (failure). A
 //! delivery is acked when all its handlers are done or skipped. Handlers run batched: each gets
 //! all its acquired events of the batch in one `handle_batch` call.
@@ -29,7 +30,9 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::hash::{Hash, Hasher};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -144,8 +147,19 @@ struct ClaimAsk {
 /// a batch that is gone (its work dropped, its settlement refused): the ledger hands such a
 /// claim back (`resume_own`) instead of holding it against its own owner until its lease ends
 /// (a delivery spent waiting, a dead letter if it was the last).
+///
+/// Pairs are counted by a 64-bit hash of the pair (no copies of their strings on this path):
+/// two pairs that shared one would only make the later of them wait as held.
 #[derive(Clone, Default)]
-struct InHand(Arc<Mutex<HashMap<(String, String), usize>>>);
+struct InHand(Arc<Mutex<HashMap<u64, usize>>>);
+
+impl InHand {
+    fn pair(key: &v1::LedgerKey) -> u64 {
+        let mut hasher = std::hash::DefaultHasher::new();
+        (&key.event_id, &key.handler).hash(&mut hasher);
+        hasher.finish()
+    }
+}
 
 /// One batch's pairs in the process's hand; they leave it when this is dropped (its claims
 /// settled or their settling given up, its work dropped, or its claim call failed).
@@ -154,6 +168,8 @@ pub struct Taken {
     keys: Vec<v1::LedgerKey>,
     /// Whether the batch has each of `keys` alone (no other batch had it when it was taken).
     alone: Vec<bool>,
+    /// Whether they were asked of the ledger: once only, or two asks could be out for a pair.
+    asked: AtomicBool,
 }
 
 impl Taken {
@@ -167,7 +183,7 @@ impl Drop for Taken {
     fn drop(&mut self) {
         let mut held = self.in_hand.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for key in &self.keys {
-            if let Entry::Occupied(mut batches) = held.entry((key.event_id.clone(), key.handler.clone())) {
+            if let Entry::Occupied(mut batches) = held.entry(InHand::pair(key)) {
                 *batches.get_mut() -= 1;
                 if *batches.get() == 0 {
                     batches.remove();
@@ -226,17 +242,21 @@ impl LedgerClaims {
         let alone = keys
             .iter()
             .map(|key| {
-                let batches = held.entry((key.event_id.clone(), key.handler.clone())).or_default();
+                let batches = held.entry(InHand::pair(key)).or_default();
                 *batches += 1;
                 *batches == 1
             })
             .collect();
-        Taken { in_hand: self.in_hand.clone(), keys, alone }
+        Taken { in_hand: self.in_hand.clone(), keys, alone, asked: AtomicBool::new(false) }
     }
 
     /// The ledger's answer for each key `taken` has alone (at most the server's limit), in
-    /// order, and the lease it gave the claims. No call when it has none alone.
+    /// order, and the lease it gave the claims. No call when it has none alone. Once per
+    /// `taken` (FailedPrecondition after).
     pub async fn claim(&self, taken: &Taken) -> Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status> {
+        if taken.asked.swap(true, Ordering::SeqCst) {
+            return Err(tonic::Status::failed_precondition("these pairs were asked for already; take them again"));
+        }
         let keys: Vec<v1::LedgerKey> =
             taken.keys.iter().zip(&taken.alone).filter(|(_, alone)| **alone).map(|(key, _)| key.clone()).collect();
         if keys.is_empty() {
@@ -250,7 +270,18 @@ impl LedgerClaims {
 }
 
 /// One `Claim` call for several asks; each hears the answers for its own keys.
-async fn claim_call(mut client: LedgerClient<ServiceChannel>, owner: String, lease: ServerLease, asks: Vec<ClaimAsk>) {
+async fn claim_call(
+    mut client: LedgerClient<ServiceChannel>,
+    owner: String,
+    lease: ServerLease,
+    mut asks: Vec<ClaimAsk>,
+) {
+    // An asker that stopped waiting (its batch dropped) has let its pairs go: asking for them
+    // anyway could hold them against a batch that has taken them since, in this same call.
+    asks.retain(|ask| !ask.reply.is_closed());
+    if asks.is_empty() {
+        return;
+    }
     let keys = asks.iter().flat_map(|ask| ask.keys.iter().cloned()).collect();
     // Every key asked is one its batch has alone (see `InHand`).
     match client.claim(v1::LedgerClaimRequest { keys, owner, resume_own: true }).await {
@@ -574,8 +605,8 @@ impl Dispatcher {
     /// the others. The effects happened, so this is retried until the ledger answers (or the
     /// process stops; the claims then expire and the idempotent handlers run again).
     pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
-        // The pairs leave the process's hand once settled (at the end of this call).
-        let LedgerSettlement { complete, release, dead, in_hand: _settled } = settlement;
+        let LedgerSettlement { complete, release, dead, in_hand } = settlement;
+        let mut given_up = false;
         for chunk in dead.chunks(LEDGER_BATCH) {
             let owned = self
                 .until_answered("dead-letter", |mut ledger| {
@@ -584,6 +615,7 @@ impl Dispatcher {
                 })
                 .await;
             let keys: Vec<&v1::OwnedKey> = chunk.iter().filter_map(|d| d.key.as_ref()).collect();
+            given_up |= owned.is_none();
             warn_lost(&keys, owned);
         }
         for (keys, completing) in [(complete, true), (release, false)] {
@@ -596,8 +628,20 @@ impl Dispatcher {
                         }
                     })
                     .await;
+                given_up |= owned.is_none();
                 warn_lost(&chunk.iter().collect::<Vec<_>>(), owned);
             }
+        }
+        // The pairs leave the process's hand once settled. A settlement given up may still
+        // reach the ledger later (a call cut off by shutdown): its pairs stay in hand until
+        // their claims have run out, so none of them is handed back to this process under the
+        // token that late call names (a late release would free a claim a new run holds).
+        if given_up {
+            let lease = self.claims.lease.bound(self.config.ledger_lease);
+            tokio::spawn(async move {
+                tokio::time::sleep(lease).await;
+                drop(in_hand);
+            });
         }
     }
 

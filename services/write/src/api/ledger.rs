@@ -19,7 +19,7 @@ use crate::WriteError;
 static LEDGER_CLAIMS: LazyLock<Counter> = LazyLock::new(|| {
     metrics::counter(
         "reelay_ledger_claims_total",
-        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), resumed (the claimer's own claim, whose answer it never heard, handed back), done (skip), held (another worker has it).",
+        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), resumed (the claimer's own live claim handed back: the answer that made it was lost, or the work it was for is gone), done (skip), held (another worker has it).",
         &["outcome"],
     )
 });
