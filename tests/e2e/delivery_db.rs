@@ -719,6 +719,96 @@ async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart()
     reelay.stop().await;
 }
 
+/// Two handlers processes started in one data dir, neither given an instance name: the second
+/// runs under a name of its own, so it takes back none of the first's live claims. (Both used to
+/// be named after the host and the dir: the second, starting, released the claim of an event the
+/// first was still running, the first lost it at its next renewal, and the event ran again.) A
+/// process started in the dir after one of them was SIGKILLed takes the dead one's name, and
+/// its claims, at once. A second write service on the cluster's database is refused.
+#[tokio::test]
+async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db).probes("probe-a,probe-b").start(dir.path()).await;
+    let mut c = cluster.write.clients().await;
+    let shared = dir.path().join("shared");
+    let effects_db = cluster.effects.to_str().unwrap();
+    let env = |handler| {
+        [
+            ("REELAY_PROBE_HANDLERS", "probe-a,probe-b"),
+            ("REELAY_HANDLERS", handler),
+            ("REELAY_PROBE_DB", effects_db),
+            ("REELAY_PROBE_DELAY_MS", "probe-a=6000"),
+        ]
+    };
+    let mut first = Reelay::start_handlers(BIN, &cluster.write, &shared, &env("probe-a")).await;
+    let event_id = a_user_inside_probe_a(&cluster, &mut c).await;
+    let claimed = format!(
+        "SELECT owner, CAST(started_at AS TEXT) FROM processed_events WHERE event_id = '{event_id}' AND handler = 'probe-a'"
+    );
+    let claim = query_strings(&cluster.db, &claimed).await;
+
+    let mut second = Reelay::start_handlers(BIN, &cluster.write, &shared, &env("probe-b")).await;
+    eventually("the second process handled probe-b", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-b").await.is_some_and(|d| d.0 == "done") }
+    })
+    .await;
+    assert_eq!(query_strings(&cluster.db, &claimed).await, claim, "the first process's claim is still its own");
+    assert!(!second.log_text().contains("took back the claims"), "{}", second.log_text());
+    let owner = |process: &Reelay| {
+        let log = process.log_text();
+        let line = log.lines().find(|l| l.contains("handlers service starting")).map(str::to_owned);
+        line.and_then(|l| l.split("owner=").nth(1).and_then(|o| o.split('#').next()).map(str::to_owned)).unwrap()
+    };
+    assert_eq!(format!("{}/2", owner(&first)), owner(&second), "the second runs under the next free name");
+    eventually("probe-a's run ends", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), event_id.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
+    })
+    .await;
+    let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
+    assert_eq!(attempts.get(&(event_id.clone(), "probe-a".into())), Some(&1), "probe-a ran the event once");
+
+    // The first is killed inside its run of bob's event; a process started in the dir takes its
+    // name (the second still holds the other) and its claim at once, not after the 30 s lease.
+    c.user("bob").await;
+    let bobs = event_ids(&cluster.db).await.into_iter().find(|id| *id != event_id).unwrap();
+    eventually("probe-a is inside its run of bob's event", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), bobs.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
+    })
+    .await;
+    let first_name = owner(&first);
+    first.kill();
+    let restarted = std::time::Instant::now();
+    let mut third = Reelay::start_handlers(BIN, &cluster.write, &shared, &env("probe-a")).await;
+    assert_eq!(owner(&third), first_name);
+    eventually("bob's event is handled again", Duration::from_secs(20), || {
+        let (db, id) = (cluster.db.clone(), bobs.clone());
+        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
+    })
+    .await;
+    assert!(restarted.elapsed() < Duration::from_secs(20), "taken back at once: {:?}", restarted.elapsed());
+    assert!(third.log_text().contains("took back the claims"), "{}", third.log_text());
+
+    let out = tokio::process::Command::new(BIN)
+        .args(["run", "--service", "write", "--dev"])
+        .env("REELAY_DATABASE", &cluster.db)
+        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+        .env("REELAY_METRICS_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let holder = format!("pid {}", cluster.write.pid());
+    assert!(stderr.contains("in use by another write service") && stderr.contains(&holder), "{stderr}");
+    for process in [&mut second, &mut third] {
+        process.stop().await;
+    }
+    cluster.stop().await;
+}
+
 /// A claim of up to 10 deliveries of `event_type` for `handler` by `owner`, waiting up to
 /// `wait_ms`.
 fn claim_of(handler: &str, event_type: &str, owner: &str, wait_ms: u32) -> v1::ClaimDeliveriesRequest {

@@ -773,7 +773,8 @@ pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status 
 /// without spending an attempt, instead of waiting out their leases. Covers per-handler
 /// deliveries, ledger claims (nats backend) and the relay's outbox rows. Returns how many.
 ///
-/// Only sound if no two live processes share an instance name.
+/// Only sound if no two live processes share an instance name (the `reelay` binary keeps the
+/// names of the live processes of one data dir apart with lock files).
 pub async fn release_instance(tx: &mut WriteTx, instance: &str, me: &str, now: i64) -> Result<u64, sqlx::Error> {
     let pattern = format!("{}#%", escape_like(instance));
     let deliveries =

@@ -128,7 +128,9 @@ pub struct RunArgs {
 
     /// This process's name among Reelay's processes; it must be unique among live ones (a pod
     /// name). A process starting under a name takes back, at once, the claims an earlier run of
-    /// the same name still held when it died. Defaults to `<hostname>:<data dir>`.
+    /// the same name still held when it died. Defaults to `<hostname>:<data dir>`, or that with
+    /// `/2`, `/3`, ... when live processes in the same data dir hold it; a name a live process
+    /// holds in the same data dir is refused.
     #[arg(long, env = "REELAY_INSTANCE")]
     pub instance: Option<String>,
 

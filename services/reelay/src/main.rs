@@ -3,6 +3,7 @@
 
 mod commands;
 mod config;
+mod locks;
 mod node;
 
 use std::process::ExitCode;

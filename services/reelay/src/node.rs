@@ -53,24 +53,33 @@ fn service_token(args: &RunArgs) -> anyhow::Result<Option<String>> {
 }
 
 /// Who this process is to the write service: `<instance>#<incarnation>`. The instance name is
-/// stable across restarts (so a restarted process can take back its predecessor's claims); the
+/// stable across restarts (so a restarted process can take back its predecessor's claims) and
+/// its own among the live processes of its data dir (see [`crate::locks::instance`]); the
 /// incarnation is new for every run.
+#[derive(Clone)]
 struct Identity {
     instance: String,
     incarnation: String,
 }
 
 impl Identity {
-    fn new(args: &RunArgs) -> Self {
-        let instance = args.instance.clone().unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_owned())
-                .unwrap_or_else(|_| "localhost".into());
-            let dir = std::fs::canonicalize(&args.database.data_dir).unwrap_or_else(|_| args.database.data_dir.clone());
-            format!("{host}:{}", dir.display())
-        });
+    /// The name, and the lock that keeps it this process's own while it runs (when `claims`: the
+    /// process runs a service that claims work; the others need no name of their own).
+    async fn claim(args: &RunArgs, claims: bool) -> anyhow::Result<(Self, Option<crate::locks::Held>)> {
+        let data_dir = &args.database.data_dir;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_else(|_| "localhost".into());
+        let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.clone());
+        let default = format!("{host}:{}", dir.display());
+        let explicit = args.instance.as_deref();
+        let (instance, lock) = if claims {
+            crate::locks::instance(explicit, &default, data_dir).await?
+        } else {
+            (explicit.unwrap_or(&default).to_owned(), None)
+        };
         let incarnation = format!("{}-{}", std::process::id(), reelay_kit::now_ms());
-        Self { instance: instance.replace('#', "_"), incarnation }
+        Ok((Self { instance: instance.replace('#', "_"), incarnation }, lock))
     }
 
     fn owner(&self) -> String {
@@ -189,7 +198,15 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let public_url =
         args.handlers.settings.federation.public_url.get_or_insert_with(|| format!("http://{gateway_addr}")).clone();
     let urls = reelay_activitypub::Urls::new(&public_url).map_err(anyhow::Error::msg)?;
-    let identity = Identity::new(&args);
+    // Held until the process ends: the database's writer, and this process's instance name
+    // (its claims are taken back by the next process of that name).
+    let _writer_lock = if services.contains(&Service::Write) {
+        Some(crate::locks::database_writer(&args.database.database_path()).await?)
+    } else {
+        None
+    };
+    let claims = [Service::Relay, Service::Handlers, Service::Gateway].iter().any(|s| services.contains(s));
+    let (identity, _instance_lock) = Identity::claim(&args, claims).await?;
     let grpc = GrpcConfig {
         service_token: service_token(&args)?,
         max_message_bytes: args.grpc_max_message_bytes,
@@ -254,9 +271,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
 
     // Sent once every consumer is set up (below).
     let (all_set_up, set_up) = tokio::sync::oneshot::channel::<()>();
-    if [Service::Relay, Service::Handlers, Service::Gateway].iter().any(|s| services.contains(s)) {
+    if claims {
         let (write, stop) = (write_channel.clone(), shutdown.clone());
-        let identity = Identity { instance: identity.instance.clone(), incarnation: identity.incarnation.clone() };
+        let identity = identity.clone();
         // The relay, the handlers and the gateway are ready once the write service answers
         // (and, on nats, the stream and their consumers are set up, which happened above or
         // happens below before this task can run to the end of its first call).

@@ -1,0 +1,200 @@
+//! Files a process keeps locked while it runs, so that two live processes cannot take one role
+//! that must have a single holder: the writer of a database, or an instance name (a process
+//! starting under a name takes back every claim of that name's earlier runs, which is only sound
+//! if none of them is alive).
+//!
+//! The locks are `flock`s on small files. The kernel lets go of them when the process exits,
+//! however it exits (a SIGKILL too), so a lock that is held always means a live holder. They
+//! see processes on one machine only (files on one filesystem); across machines the names stay
+//! the operator's to keep apart (a pod name).
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{self, Read, Seek, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+/// A lock this process holds; let go when dropped or when the process ends.
+#[derive(Debug)]
+pub struct Held(#[allow(dead_code, reason = "held for its lock")] File);
+
+/// Who holds a lock that could not be taken, as its holder wrote it into the file.
+fn holder(path: &Path) -> String {
+    let mut text = String::new();
+    let read = File::open(path).and_then(|mut f| f.read_to_string(&mut text));
+    match read.ok().map(|_| text.trim().to_owned()).filter(|t| !t.is_empty()) {
+        Some(holder) => holder,
+        None => "a process that has not said who it is".into(),
+    }
+}
+
+/// Takes the lock at `path` if no live process holds it, and writes `who` into it for whoever
+/// finds it taken. `None`: a live process holds it.
+fn try_take(path: &Path, who: &str) -> io::Result<Option<Held>> {
+    let mut file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => return Ok(None),
+        Err(TryLockError::Error(error)) => return Err(error),
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    writeln!(file, "{who}")?;
+    Ok(Some(Held(file)))
+}
+
+/// How long a lock that is held is asked for again before giving up: a process restarted the
+/// moment its predecessor was told to stop may start while the predecessor is still exiting.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+/// Takes the lock at `path`, waiting up to [`PATIENCE`] for a live holder to let go.
+async fn take_waiting(path: &Path, who: &str, what: &str) -> anyhow::Result<Result<Held, String>> {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut said = false;
+    loop {
+        if let Some(held) = try_take(path, who).with_context(|| format!("cannot lock {}", path.display()))? {
+            return Ok(Ok(held));
+        }
+        let holder = holder(path);
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Err(holder));
+        }
+        if !said {
+            tracing::warn!(lock = %path.display(), %holder, "{what} is held by another process; waiting for it to let go");
+            said = true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn me() -> String {
+    format!("pid {}", std::process::id())
+}
+
+/// One write service per database: the write service keeps state of its own beside the file
+/// (which claims wait, which leases it holds back), and two of them would each hand out work
+/// the other does not know of. Refused with the holder named.
+pub async fn database_writer(database: &Path) -> anyhow::Result<Held> {
+    let dir = database.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut name = database.file_name().unwrap_or_default().to_owned();
+    name.push(".writer.lock");
+    let path = dir.join(name);
+    let who = format!("{} (write service of {})", me(), database.display());
+    match take_waiting(&path, &who, "the database's writer lock").await? {
+        Ok(held) => Ok(held),
+        Err(holder) => bail!(
+            "the database {} is in use by another write service ({holder}); a database has one write service. \
+             Stop that one, or give this one another REELAY_DATABASE",
+            database.display()
+        ),
+    }
+}
+
+/// The file whose lock stands for the instance name `name` in `dir`. Names may hold any
+/// character (a path, a host name), so the file is named by a hash of the name.
+fn instance_lock_path(dir: &Path, name: &str) -> PathBuf {
+    // FNV-1a: stable across builds and processes, which std's hasher does not promise.
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    dir.join(format!(".instance-{hash:016x}.lock"))
+}
+
+/// How many live processes may share a data dir under the default instance name.
+const MAX_SLOTS: u32 = 64;
+
+/// This process's instance name, and the lock that keeps it its own among the live processes
+/// that keep their locks in `dir` (the data dir).
+///
+/// An explicit name (`REELAY_INSTANCE`) held by a live process is refused: its claims would be
+/// taken back by this one. Without one, the name is `default` (host and data dir) for the first
+/// live process in the dir and `default/2`, `default/3`, ... for the others, so replicas started
+/// side by side in one dir each get a name of their own, and a restarted one takes the name (and
+/// the claims) of a dead one, never of a live one.
+///
+/// When the dir cannot hold a lock (read-only, a filesystem without `flock`), the name is used
+/// unchecked, as before there were locks, and a warning says so.
+pub async fn instance(explicit: Option<&str>, default: &str, dir: &Path) -> anyhow::Result<(String, Option<Held>)> {
+    if let Err(error) = std::fs::create_dir_all(dir) {
+        return Ok(unchecked(explicit.unwrap_or(default), dir, &error));
+    }
+    if let Some(name) = explicit {
+        let path = instance_lock_path(dir, name);
+        let who = format!("{} (instance {name})", me());
+        return match take_waiting(&path, &who, "the instance name").await {
+            Ok(Ok(held)) => Ok((name.to_owned(), Some(held))),
+            Ok(Err(holder)) => bail!(
+                "the instance name {name:?} (REELAY_INSTANCE) is in use by a live process on this machine ({holder}); \
+                 every live process needs a name of its own, or it would take back the other's claims"
+            ),
+            Err(error) => Ok(unchecked(name, dir, &error)),
+        };
+    }
+    for slot in 1..=MAX_SLOTS {
+        let name = if slot == 1 { default.to_owned() } else { format!("{default}/{slot}") };
+        let path = instance_lock_path(dir, &name);
+        match try_take(&path, &format!("{} (instance {name})", me())) {
+            Ok(Some(held)) => {
+                if slot > 1 {
+                    tracing::info!(instance = %name, data_dir = %dir.display(),
+                        "other live processes use this data dir; this one runs under a name of its own");
+                }
+                return Ok((name, Some(held)));
+            }
+            Ok(None) => continue,
+            Err(error) => return Ok(unchecked(&name, dir, &error)),
+        }
+    }
+    bail!(
+        "{MAX_SLOTS} live processes already use the data dir {}; give this one a REELAY_DATA_DIR or a \
+         REELAY_INSTANCE of its own",
+        dir.display()
+    )
+}
+
+fn unchecked(name: &str, dir: &Path, error: &dyn std::fmt::Display) -> (String, Option<Held>) {
+    tracing::warn!(instance = %name, data_dir = %dir.display(), %error,
+        "cannot lock the instance name in the data dir, so it is not checked against the other live processes \
+         here: make sure no other live process runs under it");
+    (name.to_owned(), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_default_name_taken_by_a_live_process_moves_to_the_next_free_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, first_lock) = instance(None, "host:/data", dir.path()).await.unwrap();
+        let (second, _second_lock) = instance(None, "host:/data", dir.path()).await.unwrap();
+        assert_eq!((first.as_str(), second.as_str()), ("host:/data", "host:/data/2"));
+        // The first one gone, its name is free again; the second keeps its own.
+        drop(first_lock);
+        let (third, _third_lock) = instance(None, "host:/data", dir.path()).await.unwrap();
+        assert_eq!(third, "host:/data");
+        let says = std::fs::read_to_string(instance_lock_path(dir.path(), "host:/data/2")).unwrap();
+        assert!(says.contains("host:/data/2") && says.contains(&format!("pid {}", std::process::id())), "{says}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_explicit_name_taken_by_a_live_process_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, _held) = instance(Some("pod-1"), "unused", dir.path()).await.unwrap();
+        let error = instance(Some("pod-1"), "unused", dir.path()).await.unwrap_err().to_string();
+        assert!(error.contains("\"pod-1\"") && error.contains(&format!("pid {}", std::process::id())), "{error}");
+        let (other, _) = instance(Some("pod-2"), "unused", dir.path()).await.unwrap();
+        assert_eq!(other, "pod-2");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_writer_of_a_database_is_refused_and_a_released_one_is_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("sub").join("reelay.db");
+        let held = database_writer(&db).await.unwrap();
+        let error = database_writer(&db).await.unwrap_err().to_string();
+        assert!(error.contains("in use by another write service") && error.contains("reelay.db"), "{error}");
+        drop(held);
+        database_writer(&db).await.unwrap();
+    }
+}
