@@ -19,19 +19,20 @@ use anyhow::{Context, bail};
 #[derive(Debug)]
 pub struct Held(#[allow(dead_code, reason = "held for its lock")] File);
 
-/// Who holds a lock that could not be taken, as its holder wrote it into the file.
+/// Who holds a lock that could not be taken, as its holder wrote it on the file's first line.
 fn holder(path: &Path) -> String {
     let mut text = String::new();
     let read = File::open(path).and_then(|mut f| f.read_to_string(&mut text));
-    match read.ok().map(|_| text.trim().to_owned()).filter(|t| !t.is_empty()) {
+    match read.ok().and_then(|_| text.lines().next().map(|l| l.trim().to_owned())).filter(|t| !t.is_empty()) {
         Some(holder) => holder,
         None => "a process that has not said who it is".into(),
     }
 }
 
-/// Takes the lock at `path` if no live process holds it, and writes `who` into it for whoever
-/// finds it taken. `None`: a live process holds it.
-fn try_take(path: &Path, who: &str) -> io::Result<Option<Held>> {
+/// Takes the lock at `path` if no live process holds it, and writes this process's pid and
+/// `what` it holds the lock as into it, for whoever finds it taken. `None`: a live process
+/// holds it.
+fn try_take(path: &Path, what: &str) -> io::Result<Option<Held>> {
     let mut file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path)?;
     match file.try_lock() {
         Ok(()) => {}
@@ -40,7 +41,7 @@ fn try_take(path: &Path, who: &str) -> io::Result<Option<Held>> {
     }
     file.set_len(0)?;
     file.rewind()?;
-    writeln!(file, "{who}")?;
+    writeln!(file, "pid {}\n{what}", std::process::id())?;
     Ok(Some(Held(file)))
 }
 
@@ -49,11 +50,11 @@ fn try_take(path: &Path, who: &str) -> io::Result<Option<Held>> {
 const PATIENCE: Duration = Duration::from_secs(5);
 
 /// Takes the lock at `path`, waiting up to [`PATIENCE`] for a live holder to let go.
-async fn take_waiting(path: &Path, who: &str, what: &str) -> anyhow::Result<Result<Held, String>> {
+async fn take_waiting(path: &Path, what: &str) -> anyhow::Result<Result<Held, String>> {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     let mut said = false;
     loop {
-        if let Some(held) = try_take(path, who).with_context(|| format!("cannot lock {}", path.display()))? {
+        if let Some(held) = try_take(path, what).with_context(|| format!("cannot lock {}", path.display()))? {
             return Ok(Ok(held));
         }
         let holder = holder(path);
@@ -61,15 +62,11 @@ async fn take_waiting(path: &Path, who: &str, what: &str) -> anyhow::Result<Resu
             return Ok(Err(holder));
         }
         if !said {
-            tracing::warn!(lock = %path.display(), %holder, "{what} is held by another process; waiting for it to let go");
+            tracing::warn!(lock = %path.display(), %holder, "held by another process ({what}); waiting for it to let go");
             said = true;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-fn me() -> String {
-    format!("pid {}", std::process::id())
 }
 
 /// One write service per database: the write service keeps state of its own beside the file
@@ -81,12 +78,11 @@ pub async fn database_writer(database: &Path) -> anyhow::Result<Held> {
     let mut name = database.file_name().unwrap_or_default().to_owned();
     name.push(".writer.lock");
     let path = dir.join(name);
-    let who = format!("{} (write service of {})", me(), database.display());
-    match take_waiting(&path, &who, "the database's writer lock").await? {
+    match take_waiting(&path, &format!("the write service of {}", database.display())).await? {
         Ok(held) => Ok(held),
         Err(holder) => bail!(
-            "the database {} is in use by another write service ({holder}); a database has one write service. \
-             Stop that one, or give this one another REELAY_DATABASE",
+            "the database {} is in use by another write service ({holder}); a database has one write service: \
+             stop that one, or give this one another REELAY_DATABASE",
             database.display()
         ),
     }
@@ -120,8 +116,7 @@ pub async fn instance(explicit: Option<&str>, default: &str, dir: &Path) -> anyh
     }
     if let Some(name) = explicit {
         let path = instance_lock_path(dir, name);
-        let who = format!("{} (instance {name})", me());
-        return match take_waiting(&path, &who, "the instance name").await {
+        return match take_waiting(&path, &format!("instance {name}")).await {
             Ok(Ok(held)) => Ok((name.to_owned(), Some(held))),
             Ok(Err(holder)) => bail!(
                 "the instance name {name:?} (REELAY_INSTANCE) is in use by a live process on this machine ({holder}); \
@@ -133,7 +128,7 @@ pub async fn instance(explicit: Option<&str>, default: &str, dir: &Path) -> anyh
     for slot in 1..=MAX_SLOTS {
         let name = if slot == 1 { default.to_owned() } else { format!("{default}/{slot}") };
         let path = instance_lock_path(dir, &name);
-        match try_take(&path, &format!("{} (instance {name})", me())) {
+        match try_take(&path, &format!("instance {name}")) {
             Ok(Some(held)) => {
                 if slot > 1 {
                     tracing::info!(instance = %name, data_dir = %dir.display(),
