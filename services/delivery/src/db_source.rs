@@ -11,7 +11,16 @@
 //! settling it (done, failed, deferred) settles the claim too, and while the handler works the
 //! source renews the claim's lease, so a live consumer keeps it and a dead one's comes back in
 //! seconds.
+//!
+//! A claim call that ends without an answer (the connection cut, the call timed out) may still
+//! have claimed deliveries for this process, which it never heard of. The handler's next call
+//! names it (`Unanswered`), and the write service hands back what it claimed and this process
+//! still holds under the same tokens: only this process's own unheard answers, so nothing it
+//! runs comes to it twice.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, delivery_settlement::Outcome, outbox_client::OutboxClient};
@@ -91,7 +100,10 @@ impl DeliveryClaimer {
         // meanwhile go out in the next call.
         let lease = ServerLease::default();
         let heard = lease.clone();
-        let wants = gather(split, move |wants| claim_call(client.clone(), config.clone(), heard.clone(), wants));
+        let unanswered = Unanswered::default();
+        let wants = gather(split, move |wants| {
+            claim_call(client.clone(), config.clone(), heard.clone(), unanswered.clone(), wants)
+        });
         Self { wants, lease }
     }
 
@@ -110,11 +122,54 @@ impl DeliveryClaimer {
     }
 }
 
+/// Numbers this process's claim calls (with its owner, unique).
+static CALLS: AtomicU64 = AtomicU64::new(1);
+
+/// Most unanswered calls remembered per handler.
+const UNANSWERED_KEPT: usize = 8;
+
+/// The claim calls of each handler that ended without an answer since its last answered one:
+/// the next call names them, and the write service hands back what they claimed (the process
+/// never heard of it, so runs none of it) instead of holding it against this process until its
+/// lease runs out.
+#[derive(Clone, Default)]
+struct Unanswered(Arc<Mutex<HashMap<&'static str, Vec<u64>>>>);
+
+impl Unanswered {
+    /// The unanswered calls of `handlers`, to name in the next call.
+    fn of(&self, handlers: &[&'static str]) -> Vec<u64> {
+        let calls = self.0.lock().expect("unanswered lock");
+        let mut ids: Vec<u64> = handlers.iter().filter_map(|h| calls.get(h)).flatten().copied().collect();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        ids.dedup();
+        ids.truncate(64);
+        ids
+    }
+
+    /// The call `call_id` for `handlers` was answered (forget their unanswered calls: the write
+    /// service has seen them named) or not (remember it).
+    fn settle(&self, handlers: &[&'static str], call_id: u64, answered: bool) {
+        let mut calls = self.0.lock().expect("unanswered lock");
+        for handler in handlers {
+            if answered {
+                calls.remove(handler);
+            } else {
+                let ids = calls.entry(handler).or_default();
+                ids.push(call_id);
+                if ids.len() > UNANSWERED_KEPT {
+                    ids.remove(0);
+                }
+            }
+        }
+    }
+}
+
 /// One `ClaimDeliveriesForHandlers` call; each handler hears its part of the answer.
 async fn claim_call(
     mut client: OutboxClient<ServiceChannel>,
     config: ClaimerConfig,
     lease: ServerLease,
+    unanswered: Unanswered,
     wants: Vec<Want>,
 ) {
     let (handlers, replies): (Vec<v1::HandlerWants>, Vec<_>) = wants
@@ -130,14 +185,20 @@ async fn claim_call(
     // sixth of the lease leaves the worker at least two thirds of it from the claim, and half
     // of it for its first renewal to be answered, however long the claim waited.
     let long_poll = config.long_poll.min(lease.bound(config.lease) / 6);
+    let names: Vec<&'static str> = replies.iter().map(|(handler, _)| *handler).collect();
+    let call_id = CALLS.fetch_add(1, Ordering::Relaxed);
     let mut request = tonic::Request::new(v1::ClaimDeliveriesForHandlersRequest {
         handlers,
         owner: config.owner.clone(),
         wait_ms: long_poll.as_millis() as u32,
         max_bytes: config.max_message_bytes as u32,
+        call_id,
+        unanswered: unanswered.of(&names),
     });
     request.set_timeout(long_poll + Duration::from_secs(10));
-    match client.claim_deliveries_for_handlers(request).await {
+    let result = client.claim_deliveries_for_handlers(request).await;
+    unanswered.settle(&names, call_id, result.is_ok());
+    match result {
         Ok(answer) => {
             let answer = answer.into_inner();
             let granted = lease.heard(answer.lease_ms);

@@ -766,6 +766,57 @@ pub async fn renew(
     Ok(lost)
 }
 
+/// A delivery as its claim answer handed it, without its payload: enough to hand it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handed {
+    pub row_id: i64,
+    pub key: String,
+    pub token: i64,
+    pub attempt: u32,
+}
+
+impl From<&ClaimedDelivery> for Handed {
+    fn from(d: &ClaimedDelivery) -> Self {
+        Self { row_id: d.row_id, key: d.key.clone(), token: d.token, attempt: d.attempt }
+    }
+}
+
+/// Hands `owner` back deliveries of `handler` it was handed in a claim whose answer never
+/// reached it: those still claimed by `owner` under the same tokens have their leases renewed
+/// and come back, payloads read again. The others (settled, released, taken over since) are
+/// left out. The caller must know the owner runs none of them (their answer was lost).
+pub async fn resume(
+    tx: &mut WriteTx,
+    handler: &str,
+    owner: &str,
+    handed: &[Handed],
+    now: i64,
+) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
+    let mut kept: Vec<&Handed> = Vec::new();
+    for chunk in handed.chunks(200) {
+        let sql = format!(
+            "UPDATE processed_events SET renewed_at = ? WHERE handler = ? AND owner = ? AND status = 'in_progress' \
+             AND (event_id, started_at) IN (VALUES {}) RETURNING event_id",
+            vec!["(?, ?)"; chunk.len()].join(", ")
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(handler).bind(owner);
+        for h in chunk {
+            query = query.bind(&h.key).bind(h.token);
+        }
+        let renewed: HashSet<String> = query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get(0)).collect();
+        kept.extend(chunk.iter().filter(|h| renewed.contains(&h.key)));
+    }
+    let loaded = load(tx, kept.iter().map(|h| h.row_id).collect()).await?;
+    Ok(kept
+        .into_iter()
+        .filter_map(|h| {
+            let (event_type, aggregate_id, payload) = loaded.get(&h.row_id)?.clone();
+            let (row_id, key, attempt, token) = (h.row_id, h.key.clone(), h.attempt, h.token);
+            Some(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token })
+        })
+        .collect())
+}
+
 pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
      WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?";
 

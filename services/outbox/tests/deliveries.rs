@@ -8,7 +8,7 @@ use reelay_contracts::v1;
 use reelay_domain::{NewEvent, RetryPolicy};
 use reelay_outbox::dead_letters::{self, Acted, Action, Target};
 use reelay_outbox::deliveries::{
-    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
+    self, ClaimError, ClaimedDelivery, DeliveryOutcome, Handed, HandlerClaim, HandlerPolicy, Settlement,
 };
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
@@ -233,6 +233,52 @@ async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
         .unwrap();
     assert_eq!(lost, vec![held[1].key.clone()]);
     assert_eq!(settle(&db, "a", vec![outcome(&taken[0], DeliveryOutcome::Done)], T0 + 33_000).await.settled, 1);
+}
+
+async fn resume(
+    db: &Database,
+    handler: &str,
+    owner: &str,
+    handed: &[ClaimedDelivery],
+    now: i64,
+) -> Vec<ClaimedDelivery> {
+    let (handler, owner) = (handler.to_owned(), owner.to_owned());
+    let handed: Vec<Handed> = handed.iter().map(Handed::from).collect();
+    job(db, move |tx| Box::pin(async move { Ok(deliveries::resume(tx, &handler, &owner, &handed, now).await?) }))
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_while_it_holds_them() {
+    let (_dir, db) = open().await;
+    register(&db, &["a"], T0).await;
+    enqueue(&db, 3).await;
+    let types = ["MovieDeleted", "UserRegistered"];
+    let lost = claim(&db, &request("a", &types, "p1#x"), T0).await.unwrap();
+    assert_eq!(lost.len(), 3);
+    // The owner never heard of them. The first one's lease runs out and another owner takes it
+    // over at 31 s; the other two are still live (renewed at 20 s, so they need not be asked
+    // for back within the lease of the claim).
+    let keys = vec![(lost[1].key.clone(), lost[1].token), (lost[2].key.clone(), lost[2].token)];
+    job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, T0 + 20_000).await?) }))
+        .await
+        .unwrap();
+    let taken = claim(&db, &request("a", &types, "p2#y"), T0 + 31_000).await.unwrap();
+    assert_eq!(taken.iter().map(|d| &d.key).collect::<Vec<_>>(), vec![&lost[0].key]);
+
+    assert!(resume(&db, "a", "p2#y", &lost, T0 + 32_000).await.is_empty(), "another owner gets nothing");
+    assert!(resume(&db, "b", "p1#x", &lost, T0 + 32_000).await.is_empty(), "nor does another handler");
+    let back = resume(&db, "a", "p1#x", &lost, T0 + 32_000).await;
+    assert_eq!(back, lost[1..].to_vec(), "the ones still its own, as they were handed (payloads too)");
+    // Renewed by the hand-back: not taken over at 51 s (20 s after their renewal, 31 s after
+    // the one before it).
+    assert!(claim(&db, &request("a", &types, "p3#z"), T0 + 51_000).await.unwrap().is_empty());
+    assert_eq!(
+        settle(&db, "a", back.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), T0 + 52_000).await.settled,
+        2
+    );
+    assert!(resume(&db, "a", "p1#x", &lost, T0 + 53_000).await.is_empty(), "settled ones are not handed back");
 }
 
 #[tokio::test]

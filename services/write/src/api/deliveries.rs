@@ -3,12 +3,15 @@
 //! settle, renew, and take back a dead predecessor's claims. The storage side is
 //! `reelay_outbox::deliveries`.
 
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
+use reelay_kit::metrics::{self, Counter};
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
-    self, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
+    self, ClaimedDelivery, DeliveryOutcome, Handed, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
 };
 use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
@@ -17,6 +20,69 @@ use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
 use super::waiting::WaitingClaims;
 use crate::WriteError;
+
+static RESUMED: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_deliveries_resumed_total",
+        "Deliveries handed back to the owner they were claimed for, because the claim answer that handed them never reached it (db backend).",
+        &[],
+    )
+});
+
+/// Declares the metrics of per-handler delivery, so they are scraped before the first claim.
+pub(crate) fn register_metrics() {
+    LazyLock::force(&RESUMED);
+}
+
+/// Most ids a claim may name as unanswered.
+const MAX_UNANSWERED: usize = 64;
+
+/// What the last claim call of each (owner, handler) handed it, and which call that was: kept
+/// so that a call whose answer never reached its owner can be handed back to it (see
+/// `ClaimDeliveriesForHandlersRequest.unanswered`). A handler's next call from the owner
+/// replaces it; one older than a lease is dropped (its claims go to any claimer by then).
+#[derive(Clone, Default)]
+pub(super) struct LastAnswers(Arc<Mutex<HashMap<(String, String), LastAnswer>>>);
+
+struct LastAnswer {
+    call_id: u64,
+    at: Instant,
+    handed: Vec<Handed>,
+}
+
+impl LastAnswers {
+    /// Takes out what the last calls of `owner` for `handlers` handed, each by the handler's
+    /// index, where that call is one of `unanswered` (the others are dropped: the owner heard
+    /// their answers).
+    fn take(&self, owner: &str, handlers: &[String], unanswered: &[u64]) -> Vec<(usize, Vec<Handed>)> {
+        let mut last = self.0.lock().expect("last answers lock");
+        let mut lost = Vec::new();
+        for (index, handler) in handlers.iter().enumerate() {
+            if let Some(answer) = last.remove(&(owner.to_owned(), handler.clone()))
+                && unanswered.contains(&answer.call_id)
+            {
+                lost.push((index, answer.handed));
+            }
+        }
+        lost
+    }
+
+    /// Keeps what call `call_id` of `owner` handed each handler with deliveries in `answers`.
+    fn record(&self, owner: &str, handlers: &[String], call_id: u64, answers: &[HandlerAnswer], lease: Duration) {
+        let now = Instant::now();
+        let mut last = self.0.lock().expect("last answers lock");
+        if last.len() >= 1024 {
+            last.retain(|_, answer| now.duration_since(answer.at) < lease);
+        }
+        for answer in answers {
+            if let Ok(claimed) = &answer.claimed {
+                let handed = claimed.iter().map(Handed::from).collect();
+                let key = (owner.to_owned(), handlers[answer.index].clone());
+                last.insert(key, LastAnswer { call_id, at: now, handed });
+            }
+        }
+    }
+}
 
 /// Registers the handlers this deployment delivers to (cursors for the new ones), before the
 /// write service takes writes, so no event written from now on is missed by any of them.
@@ -175,6 +241,13 @@ impl OutboxApi {
             let max_rows = max_rows("handlers.max_rows", wants.max_rows)?;
             checked.push(v1::HandlerWants { handler, event_types, max_rows });
         }
+        if r.unanswered.len() > MAX_UNANSWERED {
+            return Err(ServiceError::invalid(
+                "unanswered",
+                format!("must hold at most {MAX_UNANSWERED} call ids, got {}", r.unanswered.len()),
+            )
+            .into());
+        }
         let mut handlers: Vec<v1::HandlerDeliveries> = checked
             .iter()
             .map(|w| v1::HandlerDeliveries {
@@ -183,7 +256,18 @@ impl OutboxApi {
                 refused: String::new(),
             })
             .collect();
-        for answer in self.claim_group(checked, r.owner, r.wait_ms, r.max_bytes).await? {
+        let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
+        let lost =
+            if r.owner.is_empty() { Vec::new() } else { self.last_answers.take(&r.owner, &names, &r.unanswered) };
+        let mut answers =
+            if lost.is_empty() { Vec::new() } else { self.hand_back(&names, r.owner.clone(), lost).await? };
+        if answers.is_empty() {
+            answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes).await?;
+        }
+        if r.call_id != 0 {
+            self.last_answers.record(&r.owner, &names, r.call_id, &answers, self.deliveries.lease);
+        }
+        for answer in answers {
             let entry = &mut handlers[answer.index];
             match answer.claimed {
                 Ok(claimed) => entry.deliveries = claimed.into_iter().map(delivery).collect(),
@@ -191,6 +275,44 @@ impl OutboxApi {
             }
         }
         Ok(v1::ClaimDeliveriesForHandlersResponse { handlers, lease_ms: self.deliveries.lease.as_millis() as i64 })
+    }
+
+    /// Hands `owner` back what its unanswered calls handed `handlers` (by index) and it still
+    /// holds under the same tokens, renewed; nothing else is claimed.
+    async fn hand_back(
+        &self,
+        handlers: &[String],
+        owner: String,
+        lost: Vec<(usize, Vec<Handed>)>,
+    ) -> Result<Vec<HandlerAnswer>, WriteError> {
+        let handlers = handlers.to_vec();
+        let answers = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>("resume_deliveries", {
+                let (handlers, owner) = (handlers.clone(), owner.clone());
+                move |tx: &mut WriteTx| {
+                    Box::pin(async move {
+                        let now = tx.now_ms();
+                        let mut answers = Vec::with_capacity(lost.len());
+                        for (index, handed) in lost {
+                            let resumed = deliveries::resume(tx, &handlers[index], &owner, &handed, now).await?;
+                            if !resumed.is_empty() {
+                                answers.push(HandlerAnswer { index, claimed: Ok(resumed) });
+                            }
+                        }
+                        Ok(answers)
+                    })
+                }
+            })
+            .await?;
+        for answer in &answers {
+            let count = answer.claimed.as_ref().map_or(0, Vec::len);
+            RESUMED.inc_by(&[], count as u64);
+            tracing::warn!(handler = %handlers[answer.index], %owner, deliveries = count,
+                "handed deliveries back to their owner: the claim answer that handed them never reached it");
+        }
+        Ok(answers)
     }
 
     /// Claims for a group of handlers (their names checked, never none) as soon as any of them

@@ -65,6 +65,7 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         delivery_settlements: Default::default(),
         waiting_deliveries: waiting_deliveries(policy.deliveries),
         waiting_rows: waiting_rows(policy.queue),
+        last_answers: Default::default(),
         bus: policy.bus,
     };
     // Whoever takes new events on this backend has its waiting claims written with them.

@@ -38,6 +38,8 @@ pub(super) struct OutboxApi {
     pub(super) waiting_deliveries: super::deliveries::WaitingDeliveries,
     /// The relay's claims waiting for rows (nats backend), likewise.
     pub(super) waiting_rows: WaitingRows,
+    /// What each handler's last claim handed, to hand back an answer that never arrived.
+    pub(super) last_answers: super::deliveries::LastAnswers,
     /// The event bus: on db the outbox's rows stay `pending` and handlers progress by cursor.
     pub(super) bus: Bus,
 }
