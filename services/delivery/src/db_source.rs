@@ -12,11 +12,11 @@
 //! source renews the claim's lease, so a live consumer keeps it and a dead one's comes back in
 //! seconds.
 //!
-//! A claim call that ends without an answer (the connection cut, the call timed out) may still
-//! have claimed deliveries for this process, which it never heard of. The handler's next call
-//! names it (`Unanswered`), and the write service hands back what it claimed and this process
-//! still holds under the same tokens: only this process's own unheard answers, so nothing it
-//! runs comes to it twice.
+//! A claim call that ends without an answer (the connection cut as the answer came back) may
+//! still have claimed deliveries for this process, which it never heard of. The handler's
+//! next call names it (`Unanswered`), and the write service hands back what it claimed and
+//! this process still holds under the same tokens: only this process's own unheard answers,
+//! so nothing it runs comes to it twice.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -139,9 +139,15 @@ impl Unanswered {
     /// The unanswered calls of `handlers`, to name in the next call.
     fn of(&self, handlers: &[&'static str]) -> Vec<u64> {
         let calls = self.0.lock().expect("unanswered lock");
-        let mut ids: Vec<u64> = handlers.iter().filter_map(|h| calls.get(h)).flatten().copied().collect();
-        ids.sort_unstable_by(|a, b| b.cmp(a));
-        ids.dedup();
+        let of_handlers = || handlers.iter().filter_map(|h| calls.get(h));
+        // Each handler's newest first (the one the write service most likely kept), then the
+        // others, newest first, up to the 64 a call may name.
+        let mut ids: Vec<u64> = of_handlers().filter_map(|ids| ids.last().copied()).collect();
+        let mut older: Vec<u64> = of_handlers().flat_map(|ids| ids.iter().rev().skip(1).copied()).collect();
+        older.sort_unstable_by(|a, b| b.cmp(a));
+        ids.extend(older);
+        let mut seen = std::collections::HashSet::new();
+        ids.retain(|id| seen.insert(*id));
         ids.truncate(64);
         ids
     }

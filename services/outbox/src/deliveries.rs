@@ -782,39 +782,60 @@ impl From<&ClaimedDelivery> for Handed {
 }
 
 /// Hands `owner` back deliveries of `handler` it was handed in a claim whose answer never
-/// reached it: those still claimed by `owner` under the same tokens have their leases renewed
-/// and come back, payloads read again. The others (settled, released, taken over since) are
-/// left out. The caller must know the owner runs none of them (their answer was lost).
+/// reached it: those still claimed by `owner` under the same tokens, within `budget` bytes of
+/// answer (each costs its payload and [`CLAIM_ROW_OVERHEAD`]; `budget` is reduced by what is
+/// taken), have their leases renewed and come back, payloads read again. The others (settled,
+/// released, taken over since, their outbox row gone, or over the budget) are left as they
+/// are. The caller must know the owner runs none of them (their answer was lost).
 pub async fn resume(
     tx: &mut WriteTx,
     handler: &str,
     owner: &str,
     handed: &[Handed],
     now: i64,
+    budget: &mut usize,
 ) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
-    let mut kept: Vec<&Handed> = Vec::new();
+    // Which are still the owner's, under the same tokens.
+    let mut held: HashSet<String> = HashSet::new();
     for chunk in handed.chunks(200) {
         let sql = format!(
-            "UPDATE processed_events SET renewed_at = ? WHERE handler = ? AND owner = ? AND status = 'in_progress' \
-             AND (event_id, started_at) IN (VALUES {}) RETURNING event_id",
+            "SELECT event_id FROM processed_events WHERE handler = ? AND owner = ? AND status = 'in_progress' \
+             AND (event_id, started_at) IN (VALUES {})",
             vec!["(?, ?)"; chunk.len()].join(", ")
         );
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(handler).bind(owner);
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(handler).bind(owner);
         for h in chunk {
             query = query.bind(&h.key).bind(h.token);
         }
-        let renewed: HashSet<String> = query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get(0)).collect();
-        kept.extend(chunk.iter().filter(|h| renewed.contains(&h.key)));
+        held.extend(query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get::<String, _>(0)));
     }
-    let loaded = load(tx, kept.iter().map(|h| h.row_id).collect()).await?;
-    Ok(kept
-        .into_iter()
-        .filter_map(|h| {
-            let (event_type, aggregate_id, payload) = loaded.get(&h.row_id)?.clone();
-            let (row_id, key, attempt, token) = (h.row_id, h.key.clone(), h.attempt, h.token);
-            Some(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token })
-        })
-        .collect())
+    let still: Vec<&Handed> = handed.iter().filter(|h| held.contains(&h.key)).collect();
+    let mut loaded = load(tx, still.iter().map(|h| h.row_id).collect()).await?;
+    let mut resumed = Vec::with_capacity(still.len());
+    for h in still {
+        let Some((event_type, aggregate_id, payload)) = loaded.remove(&h.row_id) else { continue };
+        let cost = payload.len() + CLAIM_ROW_OVERHEAD;
+        if cost > *budget {
+            continue;
+        }
+        *budget -= cost;
+        let (row_id, key, attempt, token) = (h.row_id, h.key.clone(), h.attempt, h.token);
+        resumed.push(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token });
+    }
+    // Renewed in the same transaction as the look above: nothing settles them in between.
+    for chunk in resumed.chunks(200) {
+        let sql = format!(
+            "UPDATE processed_events SET renewed_at = ? WHERE handler = ? AND owner = ? AND status = 'in_progress' \
+             AND (event_id, started_at) IN (VALUES {})",
+            vec!["(?, ?)"; chunk.len()].join(", ")
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(handler).bind(owner);
+        for d in chunk {
+            query = query.bind(&d.key).bind(d.token);
+        }
+        query.execute(tx.conn()).await?;
+    }
+    Ok(resumed)
 }
 
 pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \

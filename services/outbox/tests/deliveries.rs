@@ -47,7 +47,16 @@ where
     db.writer.transact::<T, Error, _>("test", work).await
 }
 
-const T0: i64 = 1_800_000_000_000;
+/// The tests' clock: a month after the day they run. Ahead of the real clock, as a write
+/// service's clock always is of the time its leases count from (the writer counts them from
+/// its real start); a fixed date would stop doing that once the real clock passed it.
+fn t0() -> i64 {
+    static T0: std::sync::LazyLock<i64> = std::sync::LazyLock::new(|| {
+        const DAY: i64 = 86_400_000;
+        (reelay_kit::now_ms() / DAY + 30) * DAY
+    });
+    *T0
+}
 const POLICY: HandlerPolicy = HandlerPolicy {
     lease: Duration::from_secs(30),
     max_attempts: 3,
@@ -117,11 +126,11 @@ fn outcome(delivery: &ClaimedDelivery, outcome: DeliveryOutcome) -> Settlement {
     Settlement { key: delivery.key.clone(), token: delivery.token, outcome }
 }
 
-/// Puts a ledger row in place by hand: `sql` with the event id as ?1 and T0 as ?2.
+/// Puts a ledger row in place by hand: `sql` with the event id as ?1 and t0() as ?2.
 async fn put_ledger_row(db: &Database, sql: &'static str, key: String) {
     job(db, move |tx| {
         Box::pin(async move {
-            sqlx::query(sql).bind(key).bind(T0).execute(tx.conn()).await?;
+            sqlx::query(sql).bind(key).bind(t0()).execute(tx.conn()).await?;
             Ok(())
         })
     })
@@ -142,16 +151,16 @@ async fn state(db: &Database, key: &str, handler: &str) -> (String, i64) {
 #[tokio::test]
 async fn each_handler_gets_its_own_events_attempts_and_fate() {
     let (_dir, db) = open().await;
-    register(&db, &["a", "b"], T0).await;
+    register(&db, &["a", "b"], t0()).await;
     enqueue(&db, 6).await;
     let a = request("a", &["MovieDeleted", "UserRegistered"], "p1#x");
     let b = request("b", &["MovieDeleted"], "p2#x");
-    let for_a = claim(&db, &a, T0).await.unwrap();
-    let for_b = claim(&db, &b, T0).await.unwrap();
+    let for_a = claim(&db, &a, t0()).await.unwrap();
+    let for_b = claim(&db, &b, t0()).await.unwrap();
     assert_eq!(for_a.len(), 6, "a takes both types");
     assert_eq!(for_b.len(), 3, "b only MovieDeleted");
     assert!(for_b.iter().all(|d| d.event_type == "MovieDeleted" && d.attempt == 1));
-    assert!(claim(&db, &a, T0).await.unwrap().is_empty(), "nothing is handed out twice");
+    assert!(claim(&db, &a, t0()).await.unwrap().is_empty(), "nothing is handed out twice");
 
     // a gives up on its second event for good and finishes the rest; b fails its first event
     // (which a finished) and is retried.
@@ -163,17 +172,17 @@ async fn each_handler_gets_its_own_events_attempts_and_fate() {
             _ => outcome(d, DeliveryOutcome::Done),
         })
         .collect();
-    let settled = settle(&db, "a", settlements, T0 + 10).await;
+    let settled = settle(&db, "a", settlements, t0() + 10).await;
     assert_eq!(settled.dead_lettered, vec![for_a[1].key.clone()]);
     let mut settlements = vec![outcome(&for_b[0], DeliveryOutcome::Failed { error: "busy".into(), terminal: false })];
     settlements.extend(for_b[1..].iter().map(|d| outcome(d, DeliveryOutcome::Done)));
-    settle(&db, "b", settlements, T0 + 10).await;
+    settle(&db, "b", settlements, t0() + 10).await;
     assert_eq!(state(&db, &for_a[1].key, "a").await, ("dead_lettered".into(), 1));
     assert_eq!(state(&db, &for_b[0].key, "b").await, ("retry".into(), 1), "b's fate is its own");
 
     // b's retry is due 5 s later, not a millisecond sooner; a is not involved.
-    assert!(claim(&db, &b, T0 + 5_009).await.unwrap().is_empty());
-    let retry = claim(&db, &b, T0 + 5_010).await.unwrap();
+    assert!(claim(&db, &b, t0() + 5_009).await.unwrap().is_empty());
+    let retry = claim(&db, &b, t0() + 5_010).await.unwrap();
     assert_eq!((retry.len(), retry[0].key.clone(), retry[0].attempt), (1, for_b[0].key.clone(), 2));
     assert!(retry[0].token > for_b[0].token, "a new claim, a newer token");
     // Fails again, then the third failure dead-letters it (max 3 attempts), with its error.
@@ -181,16 +190,16 @@ async fn each_handler_gets_its_own_events_attempts_and_fate() {
         &db,
         "b",
         vec![outcome(&retry[0], DeliveryOutcome::Failed { error: "busy 2".into(), terminal: false })],
-        T0 + 5_020,
+        t0() + 5_020,
     )
     .await;
-    let third = claim(&db, &b, T0 + 5_020 + 10_000).await.unwrap();
+    let third = claim(&db, &b, t0() + 5_020 + 10_000).await.unwrap();
     assert_eq!(third[0].attempt, 3);
     settle(
         &db,
         "b",
         vec![outcome(&third[0], DeliveryOutcome::Failed { error: "busy 3".into(), terminal: false })],
-        T0 + 20_000,
+        t0() + 20_000,
     )
     .await;
     let row =
@@ -209,30 +218,47 @@ async fn each_handler_gets_its_own_events_attempts_and_fate() {
 #[tokio::test]
 async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 2).await;
     let a = request("a", &["MovieDeleted", "UserRegistered"], "p1#x");
-    let held = claim(&db, &a, T0).await.unwrap();
+    let held = claim(&db, &a, t0()).await.unwrap();
     assert_eq!(held.len(), 2);
     // The owner renews the first at 25 s; at 31 s only the second is taken over.
     let keys = vec![(held[0].key.clone(), held[0].token)];
-    let lost = job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, T0 + 25_000).await?) }))
+    let lost = job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, t0() + 25_000).await?) }))
         .await
         .unwrap();
     assert!(lost.is_empty());
     let other = request("a", &["MovieDeleted", "UserRegistered"], "p2#y");
-    let taken = claim(&db, &other, T0 + 31_000).await.unwrap();
+    let taken = claim(&db, &other, t0() + 31_000).await.unwrap();
     assert_eq!(taken.iter().map(|d| d.key.clone()).collect::<Vec<_>>(), vec![held[1].key.clone()]);
     assert_eq!(taken[0].attempt, 1, "a take-over spends no attempt");
     // The old owner of the second is late: its settle and renewal change nothing.
-    let late = settle(&db, "a", vec![outcome(&held[1], DeliveryOutcome::Done)], T0 + 32_000).await;
+    let late = settle(&db, "a", vec![outcome(&held[1], DeliveryOutcome::Done)], t0() + 32_000).await;
     assert_eq!(late.lost, vec![held[1].key.clone()]);
     let keys = vec![(held[1].key.clone(), held[1].token)];
-    let lost = job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, T0 + 32_000).await?) }))
+    let lost = job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, t0() + 32_000).await?) }))
         .await
         .unwrap();
     assert_eq!(lost, vec![held[1].key.clone()]);
-    assert_eq!(settle(&db, "a", vec![outcome(&taken[0], DeliveryOutcome::Done)], T0 + 33_000).await.settled, 1);
+    assert_eq!(settle(&db, "a", vec![outcome(&taken[0], DeliveryOutcome::Done)], t0() + 33_000).await.settled, 1);
+}
+
+async fn resume_within(
+    db: &Database,
+    handler: &str,
+    owner: &str,
+    handed: &[ClaimedDelivery],
+    now: i64,
+    mut budget: usize,
+) -> Vec<ClaimedDelivery> {
+    let (handler, owner) = (handler.to_owned(), owner.to_owned());
+    let handed: Vec<Handed> = handed.iter().map(Handed::from).collect();
+    job(db, move |tx| {
+        Box::pin(async move { Ok(deliveries::resume(tx, &handler, &owner, &handed, now, &mut budget).await?) })
+    })
+    .await
+    .unwrap()
 }
 
 async fn resume(
@@ -242,67 +268,66 @@ async fn resume(
     handed: &[ClaimedDelivery],
     now: i64,
 ) -> Vec<ClaimedDelivery> {
-    let (handler, owner) = (handler.to_owned(), owner.to_owned());
-    let handed: Vec<Handed> = handed.iter().map(Handed::from).collect();
-    job(db, move |tx| Box::pin(async move { Ok(deliveries::resume(tx, &handler, &owner, &handed, now).await?) }))
-        .await
-        .unwrap()
+    resume_within(db, handler, owner, handed, now, 4 * 1024 * 1024).await
 }
 
 #[tokio::test]
 async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_while_it_holds_them() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 3).await;
     let types = ["MovieDeleted", "UserRegistered"];
-    let lost = claim(&db, &request("a", &types, "p1#x"), T0).await.unwrap();
+    let lost = claim(&db, &request("a", &types, "p1#x"), t0()).await.unwrap();
     assert_eq!(lost.len(), 3);
     // The owner never heard of them. The first one's lease runs out and another owner takes it
     // over at 31 s; the other two are still live (renewed at 20 s, so they need not be asked
     // for back within the lease of the claim).
     let keys = vec![(lost[1].key.clone(), lost[1].token), (lost[2].key.clone(), lost[2].token)];
-    job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, T0 + 20_000).await?) }))
+    job(&db, move |tx| Box::pin(async move { Ok(deliveries::renew(tx, "a", &keys, t0() + 20_000).await?) }))
         .await
         .unwrap();
-    let taken = claim(&db, &request("a", &types, "p2#y"), T0 + 31_000).await.unwrap();
+    let taken = claim(&db, &request("a", &types, "p2#y"), t0() + 31_000).await.unwrap();
     assert_eq!(taken.iter().map(|d| &d.key).collect::<Vec<_>>(), vec![&lost[0].key]);
 
-    assert!(resume(&db, "a", "p2#y", &lost, T0 + 32_000).await.is_empty(), "another owner gets nothing");
-    assert!(resume(&db, "b", "p1#x", &lost, T0 + 32_000).await.is_empty(), "nor does another handler");
-    let back = resume(&db, "a", "p1#x", &lost, T0 + 32_000).await;
+    assert!(resume(&db, "a", "p2#y", &lost, t0() + 32_000).await.is_empty(), "another owner gets nothing");
+    assert!(resume(&db, "b", "p1#x", &lost, t0() + 32_000).await.is_empty(), "nor does another handler");
+    let one = lost[1].payload.len() + reelay_outbox::queue::CLAIM_ROW_OVERHEAD;
+    let within = resume_within(&db, "a", "p1#x", &lost, t0() + 31_500, one).await;
+    assert_eq!(within, lost[1..2].to_vec(), "no more than the answer may carry");
+    let back = resume(&db, "a", "p1#x", &lost, t0() + 32_000).await;
     assert_eq!(back, lost[1..].to_vec(), "the ones still its own, as they were handed (payloads too)");
     // Renewed by the hand-back: not taken over at 51 s (20 s after their renewal, 31 s after
     // the one before it).
-    assert!(claim(&db, &request("a", &types, "p3#z"), T0 + 51_000).await.unwrap().is_empty());
+    assert!(claim(&db, &request("a", &types, "p3#z"), t0() + 51_000).await.unwrap().is_empty());
     assert_eq!(
-        settle(&db, "a", back.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), T0 + 52_000).await.settled,
+        settle(&db, "a", back.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), t0() + 52_000).await.settled,
         2
     );
-    assert!(resume(&db, "a", "p1#x", &lost, T0 + 53_000).await.is_empty(), "settled ones are not handed back");
+    assert!(resume(&db, "a", "p1#x", &lost, t0() + 53_000).await.is_empty(), "settled ones are not handed back");
 }
 
 #[tokio::test]
 async fn a_restarted_instance_takes_back_its_predecessors_claims_at_once() {
     let (_dir, db) = open().await;
-    register(&db, &["a", "b"], T0).await;
+    register(&db, &["a", "b"], t0()).await;
     enqueue(&db, 3).await;
     let types = ["MovieDeleted", "UserRegistered"];
-    let dead = claim(&db, &request("a", &types, "host:/data#1111"), T0).await.unwrap();
-    let other = claim(&db, &request("b", &types, "otherhost:/data#2222"), T0).await.unwrap();
+    let dead = claim(&db, &request("a", &types, "host:/data#1111"), t0()).await.unwrap();
+    let other = claim(&db, &request("b", &types, "otherhost:/data#2222"), t0()).await.unwrap();
     assert_eq!((dead.len(), other.len()), (3, 3));
     let released = job(&db, |tx| {
         Box::pin(
-            async move { Ok(deliveries::release_instance(tx, "host:/data", "host:/data#3333", T0 + 1_000).await?) },
+            async move { Ok(deliveries::release_instance(tx, "host:/data", "host:/data#3333", t0() + 1_000).await?) },
         )
     })
     .await
     .unwrap();
     assert_eq!(released, 3, "only the predecessor's claims");
-    let again = claim(&db, &request("a", &types, "host:/data#3333"), T0 + 1_000).await.unwrap();
+    let again = claim(&db, &request("a", &types, "host:/data#3333"), t0() + 1_000).await.unwrap();
     assert_eq!(again.len(), 3, "well before the 30 s lease");
     assert!(again.iter().all(|d| d.attempt == 1), "no attempt spent");
     assert!(
-        claim(&db, &request("b", &types, "host:/data#3333"), T0 + 1_000).await.unwrap().is_empty(),
+        claim(&db, &request("b", &types, "host:/data#3333"), t0() + 1_000).await.unwrap().is_empty(),
         "another instance's live claims are untouched"
     );
 }
@@ -312,28 +337,28 @@ async fn cursors_start_at_the_floor_then_at_the_newest_row_and_unknown_handlers_
     let (_dir, db) = open().await;
     enqueue(&db, 4).await;
     // The first handlers of a fresh database get everything from the start.
-    assert_eq!(register(&db, &["a"], T0).await, vec!["a".to_owned()]);
-    assert!(register(&db, &["a"], T0).await.is_empty(), "registering again changes nothing");
+    assert_eq!(register(&db, &["a"], t0()).await, vec!["a".to_owned()]);
+    assert!(register(&db, &["a"], t0()).await.is_empty(), "registering again changes nothing");
     let types = ["MovieDeleted", "UserRegistered"];
-    assert_eq!(claim(&db, &request("a", &types, "p#1"), T0).await.unwrap().len(), 4);
+    assert_eq!(claim(&db, &request("a", &types, "p#1"), t0()).await.unwrap().len(), 4);
     // A handler added later gets the events written from then on.
-    register(&db, &["a", "late"], T0).await;
+    register(&db, &["a", "late"], t0()).await;
     enqueue(&db, 2).await;
-    assert_eq!(claim(&db, &request("late", &types, "p#1"), T0).await.unwrap().len(), 2);
-    let unknown = claim(&db, &request("stranger", &types, "p#1"), T0).await.unwrap_err();
+    assert_eq!(claim(&db, &request("late", &types, "p#1"), t0()).await.unwrap().len(), 2);
+    let unknown = claim(&db, &request("stranger", &types, "p#1"), t0()).await.unwrap_err();
     assert!(matches!(unknown, Error::Claim(ClaimError::UnknownHandler(_))), "{unknown:?}");
 }
 
 #[tokio::test]
 async fn claims_stay_within_the_answer_size() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 50).await;
     let mut small = request("a", &["MovieDeleted", "UserRegistered"], "p#1");
     small.max_bytes = 10 * (deliveries_overhead() + 64);
     let mut total = 0;
     loop {
-        let claimed = claim(&db, &small, T0).await.unwrap();
+        let claimed = claim(&db, &small, t0()).await.unwrap();
         if claimed.is_empty() {
             break;
         }
@@ -349,7 +374,7 @@ async fn claims_stay_within_the_answer_size() {
 #[tokio::test]
 async fn handlers_sharing_one_answer_stay_within_it_together() {
     let (_dir, db) = open().await;
-    register(&db, &["a", "b", "c"], T0).await;
+    register(&db, &["a", "b", "c"], t0()).await;
     enqueue(&db, 40).await;
     let limit = 10 * (deliveries_overhead() + 64);
     let mut handed: Vec<Vec<String>> = vec![Vec::new(); 3];
@@ -366,7 +391,7 @@ async fn handlers_sharing_one_answer_stay_within_it_together() {
             .into_iter()
             .collect();
         let answers =
-            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, T0, POLICY, &requests).await?) }))
+            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, t0(), POLICY, &requests).await?) }))
                 .await
                 .unwrap();
         let claimed: Vec<Vec<ClaimedDelivery>> = answers.into_iter().map(Result::unwrap).collect();
@@ -393,7 +418,7 @@ async fn handlers_sharing_one_answer_stay_within_it_together() {
 #[tokio::test]
 async fn claims_and_settlements_that_meet_other_rows_report_only_their_own() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 4).await;
     let keys: Vec<String> =
         sqlx::query_scalar("SELECT event_id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
@@ -406,12 +431,12 @@ async fn claims_and_settlements_that_meet_other_rows_report_only_their_own() {
     )
     .await;
     let a = request("a", &["MovieDeleted", "UserRegistered"], "p#1");
-    let claimed = claim(&db, &a, T0).await.unwrap();
+    let claimed = claim(&db, &a, t0()).await.unwrap();
     let handed: Vec<&str> = claimed.iter().map(|d| d.key.as_str()).collect();
     assert_eq!(handed, [&keys[0], &keys[2], &keys[3]], "the row done before is passed");
     let mut settlements: Vec<Settlement> = claimed.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect();
     settlements[1].token -= 1;
-    let settled = settle(&db, "a", settlements, T0 + 1).await;
+    let settled = settle(&db, "a", settlements, t0() + 1).await;
     assert_eq!((settled.settled, settled.lost), (2, vec![keys[2].clone()]));
     assert_eq!(state(&db, &keys[2], "a").await.0, "in_progress", "a stale token changes nothing");
     assert_eq!(state(&db, &keys[3], "a").await.0, "done");
@@ -423,7 +448,7 @@ async fn claims_and_settlements_that_meet_other_rows_report_only_their_own() {
 #[tokio::test]
 async fn an_expired_claim_from_before_the_cursor_is_handed_once() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 2).await;
     let keys: Vec<String> =
         sqlx::query_scalar("SELECT event_id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
@@ -434,7 +459,7 @@ async fn an_expired_claim_from_before_the_cursor_is_handed_once() {
         keys[1].clone(),
     )
     .await;
-    let later = T0 + 2 * POLICY.lease.as_millis() as i64;
+    let later = t0() + 2 * POLICY.lease.as_millis() as i64;
     let claimed = claim(&db, &request("a", &["MovieDeleted", "UserRegistered"], "p#1"), later).await.unwrap();
     let mut handed: Vec<&str> = claimed.iter().map(|d| d.key.as_str()).collect();
     handed.sort_unstable();
@@ -456,7 +481,7 @@ async fn purge(db: &Database, cursors: bool) -> u64 {
 }
 
 async fn act(db: &Database, target: Target, action: Action) -> Acted {
-    job(db, move |tx| Box::pin(async move { Ok(dead_letters::act(tx, &target, action, "ops", T0).await?) }))
+    job(db, move |tx| Box::pin(async move { Ok(dead_letters::act(tx, &target, action, "ops", t0()).await?) }))
         .await
         .unwrap()
 }
@@ -470,10 +495,10 @@ async fn outbox_ids(db: &Database) -> Vec<i64> {
 #[tokio::test]
 async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 4).await;
     let a = request("a", &["MovieDeleted", "UserRegistered"], "p1#x");
-    let claimed = claim(&db, &a, T0).await.unwrap();
+    let claimed = claim(&db, &a, t0()).await.unwrap();
     let failed = DeliveryOutcome::Failed { error: "boom".into(), terminal: true };
     settle(
         &db,
@@ -483,7 +508,7 @@ async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
             outcome(&claimed[1], DeliveryOutcome::Done),
             outcome(&claimed[2], failed),
         ],
-        T0,
+        t0(),
     )
     .await;
     // claimed[3] stays in progress.
@@ -501,18 +526,18 @@ async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
     let audit: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM dead_letter_actions").fetch_one(&db.reads).await.unwrap();
     assert_eq!(audit, 1, "one replay, recorded once");
     assert_eq!(state(&db, &dead, "a").await, ("retry".into(), 0), "due again with fresh attempts");
-    let again = claim(&db, &a, T0 + 1).await.unwrap();
+    let again = claim(&db, &a, t0() + 1).await.unwrap();
     assert_eq!(again.iter().map(|d| (d.key.as_str(), d.attempt)).collect::<Vec<_>>(), vec![(dead.as_str(), 1)]);
-    settle(&db, "a", vec![outcome(&again[0], DeliveryOutcome::Done)], T0 + 2).await;
+    settle(&db, "a", vec![outcome(&again[0], DeliveryOutcome::Done)], t0() + 2).await;
     assert_eq!(purge(&db, true).await, 1, "handled after the replay, its row goes");
 
     // Discarding: never delivered again, and the event may go.
-    settle(&db, "a", vec![outcome(&claimed[3], DeliveryOutcome::Failed { error: "no".into(), terminal: true })], T0)
+    settle(&db, "a", vec![outcome(&claimed[3], DeliveryOutcome::Failed { error: "no".into(), terminal: true })], t0())
         .await;
     let discarded = act(&db, Target::AllOf("a".into()), Action::Discard).await;
     assert_eq!(discarded.changed.len(), 1);
     assert_eq!(state(&db, &claimed[3].key, "a").await.0, "discarded");
-    assert!(claim(&db, &a, T0 + 10_000_000).await.unwrap().is_empty(), "a discarded delivery is not claimed");
+    assert!(claim(&db, &a, t0() + 10_000_000).await.unwrap().is_empty(), "a discarded delivery is not claimed");
     assert_eq!(purge(&db, true).await, 1);
     assert!(outbox_ids(&db).await.is_empty());
 }
@@ -524,16 +549,21 @@ async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
 async fn every_handlers_standing_is_what_counting_its_own_rows_gives() {
     let (_dir, db) = open().await;
     let handlers = ["a", "b", "c", "d", "e", "f"];
-    register(&db, &handlers, T0).await;
+    register(&db, &handlers, t0()).await;
     enqueue(&db, 60).await;
     let ids = outbox_ids(&db).await;
     assert_eq!(ids, (1..=60).collect::<Vec<i64>>());
     job(&db, |tx| {
         Box::pin(async move {
-            for sql in [
-                // Written 10 ms apart, of every status an outbox row can have.
-                "UPDATE event_queue SET created_at = 1800000000000 + 10 * id, status = CASE id % 4 \
+            // Written 10 ms apart, of every status an outbox row can have.
+            sqlx::query(
+                "UPDATE event_queue SET created_at = ? + 10 * id, status = CASE id % 4 \
                      WHEN 0 THEN 'pending' WHEN 1 THEN 'processing' WHEN 2 THEN 'done' ELSE 'dead_lettered' END",
+            )
+            .bind(t0())
+            .execute(tx.conn())
+            .await?;
+            for sql in [
                 // Retention took the first ten; three in the middle are gone too.
                 "DELETE FROM event_queue WHERE id <= 10 OR id BETWEEN 31 AND 33",
                 "UPDATE handler_cursors SET position = CASE handler \
@@ -563,23 +593,23 @@ async fn every_handlers_standing_is_what_counting_its_own_rows_gives() {
     }
     let behind: Vec<u64> = stats.iter().map(|h| h.behind).collect();
     assert_eq!(behind, [47, 36, 36, 27, 0, 0]);
-    assert_eq!(stats[3].first_behind_at, Some(T0 + 340), "d: the gap's last row is behind its cursor");
+    assert_eq!(stats[3].first_behind_at, Some(t0() + 340), "d: the gap's last row is behind its cursor");
 
     // The operator's view: a's oldest is its first row after the cursor (id 11); the outbox's
     // oldest due is the first pending row after the lowest cursor (id 12).
-    let now = T0 + 10_000;
+    let now = t0() + 10_000;
     let status = reelay_outbox::inspect::status(&mut conn, now, true).await.unwrap();
     let a = &status.handlers[0];
-    assert_eq!((a.pending, a.oldest_age_ms), (47, now - (T0 + 110)));
+    assert_eq!((a.pending, a.oldest_age_ms), (47, now - (t0() + 110)));
     assert_eq!(status.handlers[4].oldest_age_ms, 0, "e has nothing waiting");
-    assert_eq!(status.outbox.oldest_due_age_ms, now - (T0 + 120));
+    assert_eq!(status.outbox.oldest_due_age_ms, now - (t0() + 120));
 }
 
 /// On nats a replay is an outbox row of its own, for one handler, with a message id of its own.
 #[tokio::test]
 async fn a_nats_replay_is_a_row_for_one_handler() {
     let (_dir, db) = open().await;
-    register(&db, &["a"], T0).await;
+    register(&db, &["a"], t0()).await;
     enqueue(&db, 1).await;
     let key: String = sqlx::query_scalar("SELECT event_id FROM event_queue").fetch_one(&db.reads).await.unwrap();
     let key2 = key.clone();
@@ -608,7 +638,7 @@ async fn a_nats_replay_is_a_row_for_one_handler() {
 #[tokio::test]
 async fn a_cursor_behind_thousands_of_other_rows_catches_up_in_one_claim() {
     let (_dir, db) = open().await;
-    register(&db, &["wrap"], T0).await;
+    register(&db, &["wrap"], t0()).await;
     enqueue(&db, 3000).await;
     job(&db, |tx| {
         Box::pin(async move {
@@ -622,7 +652,7 @@ async fn a_cursor_behind_thousands_of_other_rows_catches_up_in_one_claim() {
     })
     .await
     .unwrap();
-    let claimed = claim(&db, &request("wrap", &["WrapUpRequested"], "p#1"), T0).await.unwrap();
+    let claimed = claim(&db, &request("wrap", &["WrapUpRequested"], "p#1"), t0()).await.unwrap();
     assert_eq!(claimed.len(), 1, "the one WrapUpRequested behind 3,000 other rows");
 }
 
@@ -648,15 +678,15 @@ async fn claims_of_many_handlers_in_one_job_equal_one_claim_each() {
     let mut answers = Vec::new();
     for merged in [true, false] {
         let (dir, db) = open().await;
-        register(&db, &["x", "y", "z"], T0).await;
+        register(&db, &["x", "y", "z"], t0()).await;
         enqueue(&db, 40).await;
         let mut first = request("y", &all, "p#1");
         first.max_rows = 5;
-        let early = claim(&db, &first, T0).await.unwrap();
+        let early = claim(&db, &first, t0()).await.unwrap();
         let failed = outcome(&early[0], DeliveryOutcome::Failed { error: "boom".into(), terminal: false });
         let done: Vec<Settlement> = early[1..].iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect();
-        settle(&db, "y", [vec![failed], done].concat(), T0).await;
-        let now = T0 + 60_000;
+        settle(&db, "y", [vec![failed], done].concat(), t0()).await;
+        let now = t0() + 60_000;
         let claimed: Vec<Result<Vec<ClaimedDelivery>, String>> = if merged {
             let requests = asked(7);
             job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, now, POLICY, &requests).await?) }))
@@ -743,20 +773,20 @@ async fn handlers_at_near_and_far_positions_claimed_together_get_their_own_rows(
     let mut outcomes = Vec::new();
     for merged in [true, false] {
         let (dir, db) = open().await;
-        register(&db, &["near", "nearer", "far", "types"], T0).await;
+        register(&db, &["near", "nearer", "far", "types"], t0()).await;
         enqueue(&db, 3000).await;
         // Move `nearer` 8 rows and `far` 2,500 rows on; `near` and `types` stay at the start.
         for (handler, rows) in [("nearer", 8), ("far", 2500)] {
             let mut ahead = request(handler, &all, "p#1");
             ahead.max_rows = rows;
-            claim(&db, &ahead, T0).await.unwrap();
+            claim(&db, &ahead, t0()).await.unwrap();
         }
         let requests: Vec<HandlerClaim> = [("near", &all[..]), ("nearer", &all), ("far", &all), ("types", &all[1..])]
             .into_iter()
             .map(|(handler, types)| HandlerClaim { max_rows: 5, ..request(handler, types, "p#2") })
             .collect();
         let claimed: Vec<Vec<ClaimedDelivery>> = if merged {
-            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, T0, POLICY, &requests).await?) }))
+            job(&db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, t0(), POLICY, &requests).await?) }))
                 .await
                 .unwrap()
                 .into_iter()
@@ -765,7 +795,7 @@ async fn handlers_at_near_and_far_positions_claimed_together_get_their_own_rows(
         } else {
             let mut one_by_one = Vec::new();
             for request in &requests {
-                one_by_one.push(claim(&db, request, T0).await.unwrap());
+                one_by_one.push(claim(&db, request, t0()).await.unwrap());
             }
             one_by_one
         };

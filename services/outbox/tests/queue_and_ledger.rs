@@ -77,14 +77,23 @@ async fn row_state(db: &Database, id: i64) -> (String, i64, i64) {
     (r.get(0), r.get(1), r.get(2))
 }
 
-const T0: i64 = 1_800_000_000_000;
+/// The tests' clock: a month after the day they run. Ahead of the real clock, as a write
+/// service's clock always is of the time its leases count from (the writer counts them from
+/// its real start); a fixed date would stop doing that once the real clock passed it.
+fn t0() -> i64 {
+    static T0: std::sync::LazyLock<i64> = std::sync::LazyLock::new(|| {
+        const DAY: i64 = 86_400_000;
+        (reelay_kit::now_ms() / DAY + 30) * DAY
+    });
+    *T0
+}
 
 #[tokio::test]
 async fn failures_follow_the_backoff_schedule_then_dead_letter() {
     let (_dir, db) = open().await;
     enqueue(&db, 1).await;
     let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 5, ..QueuePolicy::default() };
-    let mut now = T0;
+    let mut now = t0();
     for attempt in 1..=5u32 {
         let claimed = claim(&db, now, policy).await;
         assert_eq!(claimed.len(), 1, "attempt {attempt} is due at {now}");
@@ -118,25 +127,25 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let (_dir, db) = open().await;
     enqueue(&db, 3).await;
     let policy = QueuePolicy { lease: Duration::from_secs(600), max_attempts: 3, ..QueuePolicy::default() };
-    let claimed = claim(&db, T0, policy).await;
+    let claimed = claim(&db, t0(), policy).await;
     assert_eq!(claimed.len(), 3);
     let claims: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
 
     // Defer the first until later: no attempt spent, not claimable before then.
     let first = claims[0];
-    job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[first], T0 + 60_000).await })).await;
-    assert_eq!(row_state(&db, first.id).await, ("pending".into(), 0, T0 + 60_000));
-    assert!(claim(&db, T0 + 59_999, policy).await.is_empty());
+    job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[first], t0() + 60_000).await })).await;
+    assert_eq!(row_state(&db, first.id).await, ("pending".into(), 0, t0() + 60_000));
+    assert!(claim(&db, t0() + 59_999, policy).await.is_empty());
     // An idle claimer's look agrees: nothing due yet, the deferred row next; then due, and the
     // next due time is not looked up.
     let mut conn = db.reads.acquire().await.unwrap();
-    assert_eq!(queue::peek(&mut conn, T0 + 59_999, policy).await.unwrap(), (false, Some(T0 + 60_000)));
-    assert_eq!(queue::peek(&mut conn, T0 + 60_000, policy).await.unwrap(), (true, None));
+    assert_eq!(queue::peek(&mut conn, t0() + 59_999, policy).await.unwrap(), (false, Some(t0() + 60_000)));
+    assert_eq!(queue::peek(&mut conn, t0() + 60_000, policy).await.unwrap(), (true, None));
     drop(conn);
 
     // The second claimer dies; after the lease its row is claimed again under a new token.
     let second = claims[1];
-    let reclaimed = claim(&db, T0 + 600_001, policy).await;
+    let reclaimed = claim(&db, t0() + 600_001, policy).await;
     let ids: Vec<i64> = reclaimed.iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![first.id, second.id, claims[2].id], "the deferred row is due, the stale ones reclaimed");
     // The dead claimer's late settle is refused and changes nothing.
@@ -144,7 +153,7 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[late_done]).await })).await;
     assert_eq!((late.settled, late.lost), (0, vec![second.id]));
     let stale_fail = FailedRow { row: second, error: "late".into(), terminal: false };
-    let late = job(&db, move |tx| Box::pin(async move { queue::fail(tx, &[stale_fail], T0, policy).await })).await;
+    let late = job(&db, move |tx| Box::pin(async move { queue::fail(tx, &[stale_fail], t0(), policy).await })).await;
     assert_eq!(late.lost, vec![second.id]);
     assert_eq!(row_state(&db, second.id).await.0, "processing");
     // The new owner completes.
@@ -159,7 +168,7 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     assert_eq!(sequence, Some(7), "the PubAck's sequence is kept for `events explain`");
 
     let mut conn = db.reads.acquire().await.unwrap();
-    let stats = queue::stats(&mut conn, T0 + 600_001, false).await.unwrap();
+    let stats = queue::stats(&mut conn, t0() + 600_001, false).await.unwrap();
     assert_eq!((stats.pending, stats.processing, stats.done, stats.dead_lettered), (0, 2, 1, 0));
 }
 
@@ -175,32 +184,32 @@ async fn ledger_claims_are_exclusive_owned_and_expire() {
 
     let k = keys.clone();
     let first =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w1#a", T0, policy).await })).await;
-    assert_eq!(first, vec![ClaimOutcome::Acquired(T0); 3]);
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w1#a", t0(), policy).await })).await;
+    assert_eq!(first, vec![ClaimOutcome::Acquired(t0()); 3]);
 
     // A second worker a minute later: held until the lease ends.
     let k = keys.clone();
     let second =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w2#a", T0 + 60_000, policy).await }))
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w2#a", t0() + 60_000, policy).await }))
             .await;
-    assert_eq!(second, vec![ClaimOutcome::HeldUntil(T0 + 1_800_000); 3]);
+    assert_eq!(second, vec![ClaimOutcome::HeldUntil(t0() + 1_800_000); 3]);
 
     // The owner completes one and releases another; a wrong token is "claim lost".
-    let done = vec![OwnedKey { key: keys[0].clone(), token: T0 }, OwnedKey { key: keys[2].clone(), token: T0 - 1 }];
-    let owned = job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &done, T0 + 1).await })).await;
+    let done = vec![OwnedKey { key: keys[0].clone(), token: t0() }, OwnedKey { key: keys[2].clone(), token: t0() - 1 }];
+    let owned = job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &done, t0() + 1).await })).await;
     assert_eq!(owned, vec![true, false]);
-    let released = vec![OwnedKey { key: keys[1].clone(), token: T0 }];
+    let released = vec![OwnedKey { key: keys[1].clone(), token: t0() }];
     assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::release(tx, &released).await })).await, vec![true]);
 
     // Now: done is skipped, released is free again, the stale one is taken over after the lease.
     let k = keys.clone();
-    let later = T0 + 1_800_001;
+    let later = t0() + 1_800_001;
     let third =
         job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w3#a", later, policy).await })).await;
     assert_eq!(third, vec![ClaimOutcome::Done, ClaimOutcome::Acquired(later), ClaimOutcome::Acquired(later)]);
 
     // The first owner of e2 wakes up late: its complete and release are refused.
-    let stale = vec![OwnedKey { key: keys[2].clone(), token: T0 }];
+    let stale = vec![OwnedKey { key: keys[2].clone(), token: t0() }];
     let s = stale.clone();
     assert_eq!(
         job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &s, later + 5).await })).await,
@@ -224,14 +233,14 @@ async fn a_key_asked_twice_in_one_claim_is_acquired_once() {
     let keys = vec![key("e1", "search"), key("e2", "search"), key("e1", "search")];
     let k = keys.clone();
     let first =
-        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w1#a", T0, policy).await })).await;
+        job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w1#a", t0(), policy).await })).await;
     assert_eq!(
         first,
-        vec![ClaimOutcome::Acquired(T0), ClaimOutcome::Acquired(T0), ClaimOutcome::HeldUntil(T0 + 30_000)]
+        vec![ClaimOutcome::Acquired(t0()), ClaimOutcome::Acquired(t0()), ClaimOutcome::HeldUntil(t0() + 30_000)]
     );
 
     // Its owner died: after the lease, the stale claim is taken over once.
-    let later = T0 + 60_000;
+    let later = t0() + 60_000;
     let k = vec![key("e1", "search"), key("e1", "search")];
     let taken =
         job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &k, false, "w2#a", later, policy).await })).await;
@@ -249,28 +258,32 @@ async fn an_owners_own_live_claim_is_handed_back_when_it_says_it_runs_it_nowhere
         job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &keys, resume_own, owner, now, policy).await }))
     };
     let keys = vec![key("e1", "search"), key("e2", "search")];
-    assert_eq!(claim(keys.clone(), false, "w1#a", T0).await, vec![ClaimOutcome::Acquired(T0); 2], "answer lost");
+    assert_eq!(claim(keys.clone(), false, "w1#a", t0()).await, vec![ClaimOutcome::Acquired(t0()); 2], "answer lost");
 
-    let held = vec![ClaimOutcome::HeldUntil(T0 + 30_000); 2];
-    assert_eq!(claim(keys.clone(), false, "w1#a", T0 + 1_000).await, held, "without resume_own: held");
-    assert_eq!(claim(keys.clone(), true, "w2#a", T0 + 1_000).await, held, "another owner's resume_own changes nothing");
+    let held = vec![ClaimOutcome::HeldUntil(t0() + 30_000); 2];
+    assert_eq!(claim(keys.clone(), false, "w1#a", t0() + 1_000).await, held, "without resume_own: held");
+    assert_eq!(
+        claim(keys.clone(), true, "w2#a", t0() + 1_000).await,
+        held,
+        "another owner's resume_own changes nothing"
+    );
 
     // e1 asked again: handed back with its first token, its lease counted from now.
-    assert_eq!(claim(vec![keys[0].clone()], true, "w1#a", T0 + 2_000).await, vec![ClaimOutcome::Resumed(T0)]);
-    let later = claim(keys.clone(), false, "w2#a", T0 + 31_000).await;
-    assert_eq!(later[0], ClaimOutcome::HeldUntil(T0 + 32_000), "renewed when handed back");
-    assert_eq!(later[1], ClaimOutcome::Acquired(T0 + 31_000), "e2's lease ran out: taken over");
+    assert_eq!(claim(vec![keys[0].clone()], true, "w1#a", t0() + 2_000).await, vec![ClaimOutcome::Resumed(t0())]);
+    let later = claim(keys.clone(), false, "w2#a", t0() + 31_000).await;
+    assert_eq!(later[0], ClaimOutcome::HeldUntil(t0() + 32_000), "renewed when handed back");
+    assert_eq!(later[1], ClaimOutcome::Acquired(t0() + 31_000), "e2's lease ran out: taken over");
     // The token it was handed settles it.
-    let done = vec![OwnedKey { key: keys[0].clone(), token: T0 }];
+    let done = vec![OwnedKey { key: keys[0].clone(), token: t0() }];
     assert_eq!(
-        job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &done, T0 + 33_000).await })).await,
+        job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &done, t0() + 33_000).await })).await,
         vec![true]
     );
 
     // A key twice in one call: handed back once.
-    claim(vec![key("e3", "search")], false, "w1#a", T0).await;
-    let twice = claim(vec![key("e3", "search"); 2], true, "w1#a", T0 + 1_000).await;
-    assert_eq!(twice, vec![ClaimOutcome::Resumed(T0), ClaimOutcome::HeldUntil(T0 + 31_000)]);
+    claim(vec![key("e3", "search")], false, "w1#a", t0()).await;
+    let twice = claim(vec![key("e3", "search"); 2], true, "w1#a", t0() + 1_000).await;
+    assert_eq!(twice, vec![ClaimOutcome::Resumed(t0()), ClaimOutcome::HeldUntil(t0() + 31_000)]);
 }
 
 /// Pairs JetStream gave up (deliveries spent or terminated) become dead letters unless they
@@ -282,15 +295,15 @@ async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
     let claimed = vec![key("done", "search"), key("live", "search"), key("stale", "search")];
     job(&db, move |tx| {
         Box::pin(async move {
-            ledger::claim(tx, &claimed, false, "w1#a", T0, policy).await?;
-            ledger::complete(tx, &[OwnedKey { key: key("done", "search"), token: T0 }], T0).await
+            ledger::claim(tx, &claimed, false, "w1#a", t0(), policy).await?;
+            ledger::complete(tx, &[OwnedKey { key: key("done", "search"), token: t0() }], t0()).await
         })
     })
     .await;
     job(&db, move |tx| {
-        Box::pin(
-            async move { ledger::renew(tx, &[OwnedKey { key: key("live", "search"), token: T0 }], T0 + 50_000).await },
-        )
+        Box::pin(async move {
+            ledger::renew(tx, &[OwnedKey { key: key("live", "search"), token: t0() }], t0() + 50_000).await
+        })
     })
     .await;
     let given = |event: &str| GivenUp {
@@ -298,16 +311,16 @@ async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
         attempts: 5,
         error: format!("{event} given up"),
         replay: 0,
-        given_up_at: T0 + 59_000,
+        given_up_at: t0() + 59_000,
     };
     let pairs = vec![given("done"), given("live"), given("stale"), given("unclaimed")];
-    let at = T0 + 60_000;
+    let at = t0() + 60_000;
     let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &pairs, at, policy).await })).await;
     assert_eq!(
         outcomes,
         vec![
             GivenUpOutcome::Finished,
-            GivenUpOutcome::HeldUntil(T0 + 80_000),
+            GivenUpOutcome::HeldUntil(t0() + 80_000),
             GivenUpOutcome::DeadLettered,
             GivenUpOutcome::DeadLettered,
         ]
@@ -329,7 +342,7 @@ async fn a_pair_given_up_without_an_outcome_becomes_a_dead_letter() {
     assert_eq!(row("live").1, "in_progress");
     // The stale claim's owner, back late, cannot complete what is now a dead letter; asked
     // again, the pair has its outcome.
-    let late = vec![OwnedKey { key: key("stale", "search"), token: T0 }];
+    let late = vec![OwnedKey { key: key("stale", "search"), token: t0() }];
     assert_eq!(job(&db, move |tx| Box::pin(async move { ledger::complete(tx, &late, at).await })).await, vec![false]);
     let again = vec![given("stale")];
     let outcomes = job(&db, move |tx| Box::pin(async move { ledger::given_up(tx, &again, at, policy).await })).await;
@@ -364,7 +377,7 @@ async fn purge_removes_only_rows_older_than_the_retention() {
     let policy = LedgerPolicy { lease: Duration::from_secs(1800), retention: Duration::from_secs(30 * 86_400) };
     // 50 rows done 40 days ago, 50 done 10 days ago, one abandoned claim 31 days old, one fresh claim.
     for (i, processed_days_ago) in (0..100).map(|i| (i, if i < 50 { 40 } else { 10 })) {
-        let started = T0 - processed_days_ago * day;
+        let started = t0() - processed_days_ago * day;
         let owned = vec![OwnedKey { key: key(&format!("e{i}"), "search"), token: started }];
         let claim_key = vec![owned[0].key.clone()];
         job(&db, move |tx| {
@@ -377,11 +390,11 @@ async fn purge_removes_only_rows_older_than_the_retention() {
     }
     let abandoned = vec![key("old", "search")];
     job(&db, move |tx| {
-        Box::pin(async move { ledger::claim(tx, &abandoned, false, "w#a", T0 - 31 * day, policy).await })
+        Box::pin(async move { ledger::claim(tx, &abandoned, false, "w#a", t0() - 31 * day, policy).await })
     })
     .await;
     let fresh = vec![key("new", "search")];
-    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, false, "w#a", T0, policy).await })).await;
+    job(&db, move |tx| Box::pin(async move { ledger::claim(tx, &fresh, false, "w#a", t0(), policy).await })).await;
     // Dead letters an operator discarded are purged like done rows: two old ones, one recent.
     job(&db, |tx| {
         Box::pin(async move {
@@ -397,7 +410,7 @@ async fn purge_removes_only_rows_older_than_the_retention() {
         async move {
             let mut total = 0;
             loop {
-                let purged = job(db, move |tx| Box::pin(ledger::purge(tx, T0, policy, 16, abandoned_claims))).await;
+                let purged = job(db, move |tx| Box::pin(ledger::purge(tx, t0(), policy, 16, abandoned_claims))).await;
                 assert!(purged <= 16, "purges in small batches");
                 if purged == 0 {
                     return total;
@@ -458,7 +471,7 @@ async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
     loop {
         let request = limits.clone();
         let claimed =
-            job(&db, move |tx| Box::pin(async move { queue::claim_due(tx, T0, policy, &request).await })).await;
+            job(&db, move |tx| Box::pin(async move { queue::claim_due(tx, t0(), policy, &request).await })).await;
         if claimed.is_empty() {
             break;
         }
@@ -542,16 +555,16 @@ async fn a_shorter_lease_holds_take_overs_back_for_the_longer_one() {
             .await
         }
     };
-    let (held, counted) = note(30, T0).await;
-    assert!(held.is_none() && counted < T0, "the first run holds nothing back");
-    let (held, counted) = note(3, T0 + 1_000).await;
-    assert_eq!((held, counted), (Some(Duration::from_secs(30)), T0 + 28_000));
+    let (held, counted) = note(30, t0()).await;
+    assert!(held.is_none() && counted < t0(), "the first run holds nothing back");
+    let (held, counted) = note(3, t0() + 1_000).await;
+    assert_eq!((held, counted), (Some(Duration::from_secs(30)), t0() + 28_000));
     // Restarted again within the longer lease: still held back, from this start.
-    let (held, counted) = note(3, T0 + 5_000).await;
-    assert_eq!((held, counted), (Some(Duration::from_secs(30)), T0 + 32_000));
+    let (held, counted) = note(3, t0() + 5_000).await;
+    assert_eq!((held, counted), (Some(Duration::from_secs(30)), t0() + 32_000));
     // Once the longer lease has passed since the last start that remembered it, it is over.
-    let (held, counted) = note(3, T0 + 40_000).await;
-    assert_eq!((held, counted), (None, T0 + 32_000));
-    let (held, _) = note(60, T0 + 41_000).await;
+    let (held, counted) = note(3, t0() + 40_000).await;
+    assert_eq!((held, counted), (None, t0() + 32_000));
+    let (held, _) = note(60, t0() + 41_000).await;
     assert_eq!(held, None, "a longer lease holds nothing back");
 }

@@ -39,10 +39,19 @@ const MAX_UNANSWERED: usize = 64;
 
 /// What the last claim call of each (owner, handler) handed it, and which call that was: kept
 /// so that a call whose answer never reached its owner can be handed back to it (see
-/// `ClaimDeliveriesForHandlersRequest.unanswered`). A handler's next call from the owner
-/// replaces it; one older than a lease is dropped (its claims go to any claimer by then).
+/// `ClaimDeliveriesForHandlersRequest.unanswered`). A handler's next call from the owner with
+/// deliveries in its answer replaces it, one named as unanswered is taken out, and every lease
+/// those older than a lease are dropped (their claims go to any claimer by then; a dead
+/// owner's go that way too).
 #[derive(Clone, Default)]
-pub(super) struct LastAnswers(Arc<Mutex<HashMap<(String, String), LastAnswer>>>);
+pub(super) struct LastAnswers(Arc<Mutex<Remembered>>);
+
+#[derive(Default)]
+struct Remembered {
+    last: HashMap<(String, String), LastAnswer>,
+    /// When entries older than a lease are next dropped.
+    next_sweep: Option<Instant>,
+}
 
 struct LastAnswer {
     call_id: u64,
@@ -52,14 +61,17 @@ struct LastAnswer {
 
 impl LastAnswers {
     /// Takes out what the last calls of `owner` for `handlers` handed, each by the handler's
-    /// index, where that call is one of `unanswered` (the others are dropped: the owner heard
-    /// their answers).
+    /// index, where that call is one of `unanswered`.
     fn take(&self, owner: &str, handlers: &[String], unanswered: &[u64]) -> Vec<(usize, Vec<Handed>)> {
-        let mut last = self.0.lock().expect("last answers lock");
+        if unanswered.is_empty() {
+            return Vec::new();
+        }
+        let mut remembered = self.0.lock().expect("last answers lock");
         let mut lost = Vec::new();
         for (index, handler) in handlers.iter().enumerate() {
-            if let Some(answer) = last.remove(&(owner.to_owned(), handler.clone()))
-                && unanswered.contains(&answer.call_id)
+            let key = (owner.to_owned(), handler.clone());
+            if remembered.last.get(&key).is_some_and(|answer| unanswered.contains(&answer.call_id))
+                && let Some(answer) = remembered.last.remove(&key)
             {
                 lost.push((index, answer.handed));
             }
@@ -70,17 +82,20 @@ impl LastAnswers {
     /// Keeps what call `call_id` of `owner` handed each handler with deliveries in `answers`.
     fn record(&self, owner: &str, handlers: &[String], call_id: u64, answers: &[HandlerAnswer], lease: Duration) {
         let now = Instant::now();
-        let mut last = self.0.lock().expect("last answers lock");
-        if last.len() >= 1024 {
-            last.retain(|_, answer| now.duration_since(answer.at) < lease);
-        }
-        for answer in answers {
-            if let Ok(claimed) = &answer.claimed {
+        let handed: Vec<((String, String), LastAnswer)> = answers
+            .iter()
+            .filter_map(|answer| {
+                let claimed = answer.claimed.as_ref().ok()?;
                 let handed = claimed.iter().map(Handed::from).collect();
-                let key = (owner.to_owned(), handlers[answer.index].clone());
-                last.insert(key, LastAnswer { call_id, at: now, handed });
-            }
+                Some(((owner.to_owned(), handlers[answer.index].clone()), LastAnswer { call_id, at: now, handed }))
+            })
+            .collect();
+        let mut remembered = self.0.lock().expect("last answers lock");
+        if remembered.next_sweep.is_none_or(|at| now >= at) {
+            remembered.last.retain(|_, answer| now.duration_since(answer.at) < lease);
+            remembered.next_sweep = Some(now + lease);
         }
+        remembered.last.extend(handed);
     }
 }
 
@@ -188,6 +203,16 @@ fn event_types(field: &str, types: Vec<String>, handler: &str) -> Result<Vec<Str
     Ok(types)
 }
 
+fn check_wait_and_owner(wait_ms: u32, owner: &str) -> Result<(), ServiceError> {
+    if wait_ms > MAX_CLAIM_WAIT_MS {
+        return Err(ServiceError::invalid("wait_ms", format!("must be at most {MAX_CLAIM_WAIT_MS}, got {wait_ms}")));
+    }
+    if owner.is_empty() {
+        return Err(ServiceError::invalid("owner", "is required (<instance>#<incarnation>)"));
+    }
+    Ok(())
+}
+
 fn delivery(d: ClaimedDelivery) -> v1::Delivery {
     v1::Delivery {
         row_id: d.row_id,
@@ -256,11 +281,14 @@ impl OutboxApi {
                 refused: String::new(),
             })
             .collect();
+        check_wait_and_owner(r.wait_ms, &r.owner)?;
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
-        let lost =
-            if r.owner.is_empty() { Vec::new() } else { self.last_answers.take(&r.owner, &names, &r.unanswered) };
-        let mut answers =
-            if lost.is_empty() { Vec::new() } else { self.hand_back(&names, r.owner.clone(), lost).await? };
+        let lost = self.last_answers.take(&r.owner, &names, &r.unanswered);
+        let mut answers = if lost.is_empty() {
+            Vec::new()
+        } else {
+            self.hand_back(&names, r.owner.clone(), lost, self.answer_bytes(r.max_bytes)).await?
+        };
         if answers.is_empty() {
             answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes).await?;
         }
@@ -278,12 +306,14 @@ impl OutboxApi {
     }
 
     /// Hands `owner` back what its unanswered calls handed `handlers` (by index) and it still
-    /// holds under the same tokens, renewed; nothing else is claimed.
+    /// holds under the same tokens, renewed, within one answer of `max_bytes`; nothing else is
+    /// claimed. (What does not fit is left to its lease: the process does not know of it.)
     async fn hand_back(
         &self,
         handlers: &[String],
         owner: String,
         lost: Vec<(usize, Vec<Handed>)>,
+        mut max_bytes: usize,
     ) -> Result<Vec<HandlerAnswer>, WriteError> {
         let handlers = handlers.to_vec();
         let answers = self
@@ -296,7 +326,8 @@ impl OutboxApi {
                         let now = tx.now_ms();
                         let mut answers = Vec::with_capacity(lost.len());
                         for (index, handed) in lost {
-                            let resumed = deliveries::resume(tx, &handlers[index], &owner, &handed, now).await?;
+                            let resumed =
+                                deliveries::resume(tx, &handlers[index], &owner, &handed, now, &mut max_bytes).await?;
                             if !resumed.is_empty() {
                                 answers.push(HandlerAnswer { index, claimed: Ok(resumed) });
                             }
@@ -324,16 +355,7 @@ impl OutboxApi {
         wait_ms: u32,
         max_bytes: u32,
     ) -> Result<Vec<HandlerAnswer>, WriteError> {
-        if wait_ms > MAX_CLAIM_WAIT_MS {
-            return Err(ServiceError::invalid(
-                "wait_ms",
-                format!("must be at most {MAX_CLAIM_WAIT_MS}, got {wait_ms}"),
-            )
-            .into());
-        }
-        if owner.is_empty() {
-            return Err(ServiceError::invalid("owner", "is required (<instance>#<incarnation>)").into());
-        }
+        check_wait_and_owner(wait_ms, &owner)?;
         let max_bytes = self.answer_bytes(max_bytes);
         let names: Vec<String> = wants.iter().map(|w| w.handler.clone()).collect();
         let group: ClaimGroup = wants
