@@ -33,6 +33,13 @@ async fn delivery(db: &Path, event_id: &str, handler: &str) -> Option<(String, i
     rows.first().map(|r| (r[0].clone(), r[1].parse().unwrap(), r[2].parse().unwrap()))
 }
 
+/// Waits (up to `within`, failing with `what`) until the delivery of (event, handler) has
+/// `status`.
+async fn delivery_reaches(db: &Path, event_id: &str, handler: &str, status: &str, what: &str, within: Duration) {
+    eventually(what, within, || async move { delivery(db, event_id, handler).await.is_some_and(|d| d.0 == status) })
+        .await;
+}
+
 /// True when the probe handlers have looked at every row and have nothing in flight (the write
 /// service also registers `search`, which these tests do not run).
 async fn settled(c: &mut reelay_harness::Clients) -> bool {
@@ -165,10 +172,14 @@ async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused()
         &[("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
     )
     .await;
-    eventually("the survivor handles the event", Duration::from_secs(30), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-    })
+    delivery_reaches(
+        &cluster.db,
+        &event_id,
+        "probe-a",
+        "done",
+        "the survivor handles the event",
+        Duration::from_secs(30),
+    )
     .await;
     assert_eq!(effects(&cluster.effects).await.get(&(event_id.clone(), "probe-a".to_owned())), Some(&1));
     let taken: i64 = query_strings(&cluster.db, &claim_sql).await[0][1].parse().unwrap();
@@ -234,10 +245,14 @@ async fn a_claim_held_elsewhere_waits_out_its_lease_without_spending_an_attempt(
         &[("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
     )
     .await;
-    eventually("the delivery runs once the other claim lapses", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-    })
+    delivery_reaches(
+        &cluster.db,
+        &event_id,
+        "probe-a",
+        "done",
+        "the delivery runs once the other claim lapses",
+        Duration::from_secs(20),
+    )
     .await;
     let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
     let attempt_at: i64 =
@@ -294,10 +309,14 @@ async fn a_failing_handler_retries_on_the_backoff_schedule_and_dead_letters() {
     let mut c = cluster.write.clients().await;
     c.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);
-    eventually("the delivery is dead-lettered", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "dead_lettered") }
-    })
+    delivery_reaches(
+        &cluster.db,
+        &event_id,
+        "probe-a",
+        "dead_lettered",
+        "the delivery is dead-lettered",
+        Duration::from_secs(20),
+    )
     .await;
     let stats = c.outbox.stats(v1::StatsRequest {}).await.unwrap().into_inner();
     let probe = stats.handlers.iter().find(|h| h.handler == "probe-a").unwrap();
@@ -357,10 +376,14 @@ fn probe_a_with_a_3s_lease() -> reelay_harness::ClusterBuilder {
 async fn a_user_inside_probe_a(cluster: &Cluster, c: &mut reelay_harness::Clients) -> String {
     c.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);
-    eventually("probe-a is inside its handler call", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
-    })
+    delivery_reaches(
+        &cluster.db,
+        &event_id,
+        "probe-a",
+        "in_progress",
+        "probe-a is inside its handler call",
+        Duration::from_secs(20),
+    )
     .await;
     event_id
 }
@@ -407,11 +430,7 @@ async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_leas
     assert!(claimed_by_another_replica(&mut c).await.is_empty(), "no claim is taken over at the restart");
     tokio::time::sleep(Duration::from_millis(2_000)).await;
     assert!(claimed_by_another_replica(&mut c).await.is_empty(), "nor within a lease of it");
-    eventually("probe-a finishes", Duration::from_secs(30), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-    })
-    .await;
+    delivery_reaches(&cluster.db, &event_id, "probe-a", "done", "probe-a finishes", Duration::from_secs(30)).await;
     let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
     assert_eq!(attempts[0][0], "2", "the run dropped in the outage, and the one that finished");
     assert_eq!(effects(&cluster.effects).await.get(&(event_id, "probe-a".to_owned())), Some(&1));
@@ -441,11 +460,8 @@ async fn a_shorter_lease_after_a_restart_takes_no_live_claim_over() {
         assert!(claimed_by_another_replica(&mut c).await.is_empty(), "a live worker's claim was taken over");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    eventually("probe-a's delivery is done", Duration::from_secs(10), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-    })
-    .await;
+    delivery_reaches(&cluster.db, &event_id, "probe-a", "done", "probe-a's delivery is done", Duration::from_secs(10))
+        .await;
     let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
     let log = cluster.handlers[0].log_text();
     assert_eq!(attempts[0][0], "1", "one run, not dropped: {log}");
@@ -558,11 +574,7 @@ async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
         &[("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
     )
     .await;
-    eventually("probe-b runs", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-b").await.is_some_and(|d| d.0 == "done") }
-    })
-    .await;
+    delivery_reaches(&cluster.db, &event_id, "probe-b", "done", "probe-b runs", Duration::from_secs(20)).await;
     eventually("nothing is left", Duration::from_secs(10), || {
         let mut c = c.clone();
         async move { settled(&mut c).await }
@@ -754,10 +766,14 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     };
 
     let mut second = Reelay::start_handlers(BIN, &cluster.write, &shared, &env("probe-b")).await;
-    eventually("the second process handled probe-b", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-b").await.is_some_and(|d| d.0 == "done") }
-    })
+    delivery_reaches(
+        &cluster.db,
+        &event_id,
+        "probe-b",
+        "done",
+        "the second process handled probe-b",
+        Duration::from_secs(20),
+    )
     .await;
     assert!(still_claimed().await, "the first process's claim is still its own");
     assert!(!second.log_text().contains("took back the claims"), "{}", second.log_text());
@@ -767,11 +783,7 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
         line.and_then(|l| l.split("owner=").nth(1).and_then(|o| o.split('#').next()).map(str::to_owned)).unwrap()
     };
     assert_eq!(owner(&first).replacen(':', "/2:", 1), owner(&second), "the second runs under the next free name");
-    eventually("probe-a's run ends", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), event_id.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-    })
-    .await;
+    delivery_reaches(&cluster.db, &event_id, "probe-a", "done", "probe-a's run ends", Duration::from_secs(20)).await;
     let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
     assert_eq!(attempts.get(&(event_id.clone(), "probe-a".into())), Some(&1), "probe-a ran the event once");
 
@@ -779,21 +791,22 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     // name (the second still holds the other) and its claim at once, not after the 30 s lease.
     c.user("bob").await;
     let bobs = event_ids(&cluster.db).await.into_iter().find(|id| *id != event_id).unwrap();
-    eventually("probe-a is inside its run of bob's event", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), bobs.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "in_progress") }
-    })
+    delivery_reaches(
+        &cluster.db,
+        &bobs,
+        "probe-a",
+        "in_progress",
+        "probe-a is inside its run of bob's event",
+        Duration::from_secs(20),
+    )
     .await;
     let first_name = owner(&first);
     first.kill();
     let restarted = std::time::Instant::now();
     let mut third = Reelay::start_handlers(BIN, &cluster.write, &shared, &env("probe-a")).await;
     assert_eq!(owner(&third), first_name);
-    eventually("bob's event is handled again", Duration::from_secs(20), || {
-        let (db, id) = (cluster.db.clone(), bobs.clone());
-        async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-    })
-    .await;
+    delivery_reaches(&cluster.db, &bobs, "probe-a", "done", "bob's event is handled again", Duration::from_secs(20))
+        .await;
     assert!(restarted.elapsed() < Duration::from_secs(20), "taken back at once: {:?}", restarted.elapsed());
     assert!(third.log_text().contains("took back the claims"), "{}", third.log_text());
 
@@ -841,10 +854,14 @@ async fn a_claim_answer_that_never_arrived_is_handed_back_to_its_owner() {
         proxy.cut_next_answer();
         c.user(&format!("user{round}")).await;
         let event_id = event_ids(&cluster.db).await.into_iter().find(|e| !before.contains(e)).unwrap();
-        eventually("the event is handled well within the lease of a lost claim", Duration::from_secs(15), || {
-            let (db, id) = (cluster.db.clone(), event_id.clone());
-            async move { delivery(&db, &id, "probe-a").await.is_some_and(|d| d.0 == "done") }
-        })
+        delivery_reaches(
+            &cluster.db,
+            &event_id,
+            "probe-a",
+            "done",
+            "the event is handled well within the lease of a lost claim",
+            Duration::from_secs(15),
+        )
         .await;
         if resumed().await > 0.0 {
             handed_back = Some(event_id);

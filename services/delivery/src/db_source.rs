@@ -128,6 +128,9 @@ static CALLS: AtomicU64 = AtomicU64::new(1);
 /// Most unanswered calls remembered per handler.
 const UNANSWERED_KEPT: usize = 8;
 
+/// Most unanswered calls one claim may name (the write service refuses more).
+const UNANSWERED_NAMED: usize = 64;
+
 /// The claim calls of each handler that ended without an answer since its last answered one:
 /// the next call names them, and the write service hands back what they claimed (the process
 /// never heard of it, so runs none of it) instead of holding it against this process until its
@@ -141,14 +144,14 @@ impl Unanswered {
         let calls = self.0.lock().expect("unanswered lock");
         let of_handlers = || handlers.iter().filter_map(|h| calls.get(h));
         // Each handler's newest first (the one the write service most likely kept), then the
-        // others, newest first, up to the 64 a call may name.
+        // others, newest first, up to what a call may name.
         let mut ids: Vec<u64> = of_handlers().filter_map(|ids| ids.last().copied()).collect();
         let mut older: Vec<u64> = of_handlers().flat_map(|ids| ids.iter().rev().skip(1).copied()).collect();
         older.sort_unstable_by(|a, b| b.cmp(a));
         ids.extend(older);
         let mut seen = std::collections::HashSet::new();
         ids.retain(|id| seen.insert(*id));
-        ids.truncate(64);
+        ids.truncate(UNANSWERED_NAMED);
         ids
     }
 

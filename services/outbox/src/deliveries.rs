@@ -823,18 +823,8 @@ pub async fn resume(
         resumed.push(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token });
     }
     // Renewed in the same transaction as the look above: nothing settles them in between.
-    for chunk in resumed.chunks(200) {
-        let sql = format!(
-            "UPDATE processed_events SET renewed_at = ? WHERE handler = ? AND owner = ? AND status = 'in_progress' \
-             AND (event_id, started_at) IN (VALUES {})",
-            vec!["(?, ?)"; chunk.len()].join(", ")
-        );
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(handler).bind(owner);
-        for d in chunk {
-            query = query.bind(&d.key).bind(d.token);
-        }
-        query.execute(tx.conn()).await?;
-    }
+    let keys: Vec<(String, i64)> = resumed.iter().map(|d| (d.key.clone(), d.token)).collect();
+    renew(tx, handler, &keys, now).await?;
     Ok(resumed)
 }
 

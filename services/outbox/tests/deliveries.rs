@@ -13,6 +13,9 @@ use reelay_outbox::deliveries::{
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
 
+mod common;
+use common::t0;
+
 #[derive(Debug)]
 #[allow(dead_code, reason = "shown by Debug when a test fails")]
 enum Error {
@@ -47,16 +50,6 @@ where
     db.writer.transact::<T, Error, _>("test", work).await
 }
 
-/// The tests' clock: a month after the day they run. Ahead of the real clock, as a write
-/// service's clock always is of the time its leases count from (the writer counts them from
-/// its real start); a fixed date would stop doing that once the real clock passed it.
-fn t0() -> i64 {
-    static T0: std::sync::LazyLock<i64> = std::sync::LazyLock::new(|| {
-        const DAY: i64 = 86_400_000;
-        (reelay_kit::now_ms() / DAY + 30) * DAY
-    });
-    *T0
-}
 const POLICY: HandlerPolicy = HandlerPolicy {
     lease: Duration::from_secs(30),
     max_attempts: 3,

@@ -10,6 +10,9 @@ use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy,
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
 
+mod common;
+use common::t0;
+
 #[derive(Debug)]
 enum Error {
     Commit(#[allow(dead_code, reason = "shown by Debug when a test fails")] CommitError),
@@ -75,17 +78,6 @@ async fn row_state(db: &Database, id: i64) -> (String, i64, i64) {
         .await
         .unwrap();
     (r.get(0), r.get(1), r.get(2))
-}
-
-/// The tests' clock: a month after the day they run. Ahead of the real clock, as a write
-/// service's clock always is of the time its leases count from (the writer counts them from
-/// its real start); a fixed date would stop doing that once the real clock passed it.
-fn t0() -> i64 {
-    static T0: std::sync::LazyLock<i64> = std::sync::LazyLock::new(|| {
-        const DAY: i64 = 86_400_000;
-        (reelay_kit::now_ms() / DAY + 30) * DAY
-    });
-    *T0
 }
 
 #[tokio::test]

@@ -33,18 +33,11 @@ fn holder(path: &Path) -> String {
 /// `what` it holds the lock as into it, for whoever finds it taken. `None`: a live process
 /// holds it.
 fn try_take(path: &Path, what: &str) -> io::Result<Option<Held>> {
-    let mut file = match OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path) {
-        Ok(file) => file,
-        // Another user's lock file (a process run as someone else): a lock is taken on a file
-        // opened for reading as well, it just cannot say who holds it.
-        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => {
-            let file = File::open(path)?;
-            return match file.try_lock() {
-                Ok(()) => Ok(Some(Held(file))),
-                Err(TryLockError::WouldBlock) => Ok(None),
-                Err(TryLockError::Error(error)) => Err(error),
-            };
-        }
+    let (mut file, writable) = match OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path) {
+        Ok(file) => (file, true),
+        // Another user's lock file (a process run as someone else): a lock is taken on a
+        // file opened for reading as well, it just cannot say who holds it.
+        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => (File::open(path)?, false),
         Err(error) => return Err(error),
     };
     match file.try_lock() {
@@ -52,9 +45,11 @@ fn try_take(path: &Path, what: &str) -> io::Result<Option<Held>> {
         Err(TryLockError::WouldBlock) => return Ok(None),
         Err(TryLockError::Error(error)) => return Err(error),
     }
-    file.set_len(0)?;
-    file.rewind()?;
-    writeln!(file, "pid {}\n{what}", std::process::id())?;
+    if writable {
+        file.set_len(0)?;
+        file.rewind()?;
+        writeln!(file, "pid {}\n{what}", std::process::id())?;
+    }
     Ok(Some(Held(file)))
 }
 
@@ -116,64 +111,60 @@ const MAX_SLOTS: u32 = 64;
 
 /// The default instance name of the `slot`th live process in the data dir `dir` on `host`:
 /// `host:dir` for the first, `host/2:dir` and so on for the others. A host name holds no `/`,
-/// so no other data dir's name can be one of these.
-pub fn default_name(host: &str, dir: &str, slot: u32) -> String {
-    if slot == 1 { format!("{host}:{dir}") } else { format!("{host}/{slot}:{dir}") }
+/// so no other data dir's name can be one of these. `dir` is named by its full path when it
+/// exists, and `#` (which ends the instance in an owner) is left out of the name.
+pub fn default_name(host: &str, dir: &Path, slot: u32) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let name = if slot == 1 { format!("{host}:{}", dir.display()) } else { format!("{host}/{slot}:{}", dir.display()) };
+    name.replace('#', "_")
 }
 
 /// This process's instance name, and the lock that keeps it its own among the live processes
-/// that keep their locks in `lock_dir` (the data dir).
+/// that keep their locks in `data_dir` (made here if it is missing, so the name holds the dir's
+/// full path from the first run on).
 ///
-/// An explicit name (`REELAY_INSTANCE`) held by a live process is refused (after waiting a
-/// little for it to exit): its claims would be taken back by this one. Without one, the name
-/// is the first [`default_name`] no live process holds, so replicas started side by side in
-/// one dir each get a name of their own, and a restarted one takes the name (and the claims)
-/// of a dead one, never of a live one.
+/// An explicit name (`REELAY_INSTANCE`, `#` already left out) held by a live process is refused
+/// (after waiting a little for it to exit): its claims would be taken back by this one.
+/// Without one, the name is the first [`default_name`] no live process holds, so replicas
+/// started side by side in one dir each get a name of their own, and a restarted one takes the
+/// name (and the claims) of a dead one, never of a live one.
 ///
 /// When the dir cannot hold a lock (read-only, a filesystem without `flock`), the name is used
 /// unchecked, as before there were locks, and a warning says so.
-pub async fn instance(
-    explicit: Option<&str>,
-    host: &str,
-    dir: &str,
-    lock_dir: &Path,
-) -> anyhow::Result<(String, Option<Held>)> {
+pub async fn instance(explicit: Option<&str>, host: &str, data_dir: &Path) -> anyhow::Result<(String, Option<Held>)> {
+    if let Err(error) = std::fs::create_dir_all(data_dir) {
+        let name = explicit.map_or_else(|| default_name(host, data_dir, 1), str::to_owned);
+        return Ok(unchecked(&name, data_dir, &error));
+    }
     if let Some(name) = explicit {
-        if let Err(error) = std::fs::create_dir_all(lock_dir) {
-            return Ok(unchecked(name, lock_dir, &error));
-        }
-        let path = instance_lock_path(lock_dir, name);
+        let path = instance_lock_path(data_dir, name);
         return match take_waiting(&path, &format!("instance {name}")).await {
             Ok(Ok(held)) => Ok((name.to_owned(), Some(held))),
             Ok(Err(holder)) => bail!(
                 "the instance name {name:?} (REELAY_INSTANCE) is in use by a live process on this machine ({holder}); \
                  every live process needs a name of its own, or it would take back the other's claims"
             ),
-            Err(error) => Ok(unchecked(name, lock_dir, &error)),
+            Err(error) => Ok(unchecked(name, data_dir, &error)),
         };
     }
-    if let Err(error) = std::fs::create_dir_all(lock_dir) {
-        return Ok(unchecked(&default_name(host, dir, 1), lock_dir, &error));
-    }
     for slot in 1..=MAX_SLOTS {
-        let name = default_name(host, dir, slot);
-        let path = instance_lock_path(lock_dir, &name);
-        match try_take(&path, &format!("instance {name}")) {
+        let name = default_name(host, data_dir, slot);
+        match try_take(&instance_lock_path(data_dir, &name), &format!("instance {name}")) {
             Ok(Some(held)) => {
                 if slot > 1 {
-                    tracing::info!(instance = %name, data_dir = %lock_dir.display(),
+                    tracing::info!(instance = %name, data_dir = %data_dir.display(),
                         "other live processes use this data dir; this one runs under a name of its own");
                 }
                 return Ok((name, Some(held)));
             }
             Ok(None) => continue,
-            Err(error) => return Ok(unchecked(&name, lock_dir, &error)),
+            Err(error) => return Ok(unchecked(&name, data_dir, &error)),
         }
     }
     bail!(
         "{MAX_SLOTS} live processes already use the data dir {}; give this one a REELAY_DATA_DIR or a \
          REELAY_INSTANCE of its own",
-        lock_dir.display()
+        data_dir.display()
     )
 }
 
@@ -191,29 +182,32 @@ mod tests {
     #[tokio::test]
     async fn a_default_name_taken_by_a_live_process_moves_to_the_next_free_one() {
         let dir = tempfile::tempdir().unwrap();
-        let (first, first_lock) = instance(None, "host", "/data", dir.path()).await.unwrap();
-        let (second, _second_lock) = instance(None, "host", "/data", dir.path()).await.unwrap();
-        assert_eq!((first.as_str(), second.as_str()), ("host:/data", "host/2:/data"));
+        let path = std::fs::canonicalize(dir.path()).unwrap();
+        let name = |slot: u32| default_name("host", dir.path(), slot);
+        assert_eq!((name(1), name(2)), (format!("host:{}", path.display()), format!("host/2:{}", path.display())));
+        let (first, first_lock) = instance(None, "host", dir.path()).await.unwrap();
+        let (second, _second_lock) = instance(None, "host", dir.path()).await.unwrap();
+        assert_eq!((first, second.clone()), (name(1), name(2)));
         // The first one gone, its name is free again; the second keeps its own.
         drop(first_lock);
-        let (third, _third_lock) = instance(None, "host", "/data", dir.path()).await.unwrap();
-        assert_eq!(third, "host:/data");
-        let says = std::fs::read_to_string(instance_lock_path(dir.path(), "host/2:/data")).unwrap();
-        assert!(says.contains("host/2:/data") && says.contains(&format!("pid {}", std::process::id())), "{says}");
+        let (third, _third_lock) = instance(None, "host", dir.path()).await.unwrap();
+        assert_eq!(third, name(1));
+        let says = std::fs::read_to_string(instance_lock_path(dir.path(), &second)).unwrap();
+        assert!(says.contains(&second) && says.contains(&format!("pid {}", std::process::id())), "{says}");
         // A lock file someone else holds (here another open file of this process) is skipped.
-        let holder = File::create(instance_lock_path(dir.path(), "host/3:/data")).unwrap();
+        let holder = File::create(instance_lock_path(dir.path(), &name(3))).unwrap();
         holder.lock().unwrap();
-        let (fourth, _fourth_lock) = instance(None, "host", "/data", dir.path()).await.unwrap();
-        assert_eq!(fourth, "host/4:/data");
+        let (fourth, _fourth_lock) = instance(None, "host", dir.path()).await.unwrap();
+        assert_eq!(fourth, name(4));
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_explicit_name_taken_by_a_live_process_is_refused_naming_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (_, _held) = instance(Some("pod-1"), "host", "/unused", dir.path()).await.unwrap();
-        let error = instance(Some("pod-1"), "host", "/unused", dir.path()).await.unwrap_err().to_string();
+        let (_, _held) = instance(Some("pod-1"), "host", dir.path()).await.unwrap();
+        let error = instance(Some("pod-1"), "host", dir.path()).await.unwrap_err().to_string();
         assert!(error.contains("\"pod-1\"") && error.contains(&format!("pid {}", std::process::id())), "{error}");
-        let (other, _) = instance(Some("pod-2"), "host", "/unused", dir.path()).await.unwrap();
+        let (other, _) = instance(Some("pod-2"), "host", dir.path()).await.unwrap();
         assert_eq!(other, "pod-2");
     }
 

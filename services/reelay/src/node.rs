@@ -66,23 +66,18 @@ impl Identity {
     /// The name, and the lock that keeps it this process's own while it runs (when `claims`: the
     /// process runs a service that claims work; the others need no name of their own).
     async fn claim(args: &RunArgs, claims: bool) -> anyhow::Result<(Self, Option<crate::locks::Held>)> {
-        let data_dir = &args.database.data_dir;
         // `#` ends the instance in an owner; a name cannot hold one.
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
             .unwrap_or_else(|_| "localhost".into())
             .replace('#', "_");
-        if claims {
-            // Made first, so the name is the same (the dir's full path) from the first run on.
-            let _ = std::fs::create_dir_all(data_dir);
-        }
-        let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.clone());
-        let dir = dir.display().to_string().replace('#', "_");
         let explicit = args.instance.as_ref().map(|name| name.replace('#', "_"));
+        let data_dir = &args.database.data_dir;
         let (instance, lock) = if claims {
-            crate::locks::instance(explicit.as_deref(), &host, &dir, data_dir).await?
+            crate::locks::instance(explicit.as_deref(), &host, data_dir).await?
         } else {
-            (explicit.unwrap_or_else(|| crate::locks::default_name(&host, &dir, 1)), None)
+            // Unused: this process claims nothing, so nothing is taken back under its name.
+            (explicit.unwrap_or_else(|| crate::locks::default_name(&host, data_dir, 1)), None)
         };
         let incarnation = format!("{}-{}", std::process::id(), reelay_kit::now_ms());
         Ok((Self { instance, incarnation }, lock))

@@ -4,6 +4,7 @@
 //! `reelay_outbox::deliveries`.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
@@ -40,9 +41,9 @@ const MAX_UNANSWERED: usize = 64;
 /// What the last claim call of each (owner, handler) handed it, and which call that was: kept
 /// so that a call whose answer never reached its owner can be handed back to it (see
 /// `ClaimDeliveriesForHandlersRequest.unanswered`). A handler's next call from the owner with
-/// deliveries in its answer replaces it, one named as unanswered is taken out, and every lease
-/// those older than a lease are dropped (their claims go to any claimer by then; a dead
-/// owner's go that way too).
+/// deliveries in its answer replaces it, a call naming it as unanswered takes it out, and once
+/// a lease the entries older than a lease are dropped (their claims go to any claimer by then,
+/// a dead owner's too).
 #[derive(Clone, Default)]
 pub(super) struct LastAnswers(Arc<Mutex<Remembered>>);
 
@@ -69,11 +70,10 @@ impl LastAnswers {
         let mut remembered = self.0.lock().expect("last answers lock");
         let mut lost = Vec::new();
         for (index, handler) in handlers.iter().enumerate() {
-            let key = (owner.to_owned(), handler.clone());
-            if remembered.last.get(&key).is_some_and(|answer| unanswered.contains(&answer.call_id))
-                && let Some(answer) = remembered.last.remove(&key)
+            if let Entry::Occupied(last) = remembered.last.entry((owner.to_owned(), handler.clone()))
+                && unanswered.contains(&last.get().call_id)
             {
-                lost.push((index, answer.handed));
+                lost.push((index, last.remove().handed));
             }
         }
         lost
@@ -233,6 +233,7 @@ impl OutboxApi {
         let handler = handler_name("handler", &r.handler)?;
         let max_rows = max_rows("max_rows", r.max_rows)?;
         let event_types = event_types("event_types", r.event_types, &handler)?;
+        check_wait_and_owner(r.wait_ms, &r.owner)?;
         let wants = v1::HandlerWants { handler, event_types, max_rows };
         let mut answered = self.claim_group(vec![wants], r.owner, r.wait_ms, r.max_bytes).await?;
         let deliveries = match answered.pop() {
@@ -315,19 +316,20 @@ impl OutboxApi {
         lost: Vec<(usize, Vec<Handed>)>,
         mut max_bytes: usize,
     ) -> Result<Vec<HandlerAnswer>, WriteError> {
-        let handlers = handlers.to_vec();
+        let lost: Vec<(usize, String, Vec<Handed>)> =
+            lost.into_iter().map(|(index, handed)| (index, handlers[index].clone(), handed)).collect();
         let answers = self
             .db
             .writer
             .transact::<_, WriteError, _>("resume_deliveries", {
-                let (handlers, owner) = (handlers.clone(), owner.clone());
+                let owner = owner.clone();
                 move |tx: &mut WriteTx| {
                     Box::pin(async move {
                         let now = tx.now_ms();
                         let mut answers = Vec::with_capacity(lost.len());
-                        for (index, handed) in lost {
+                        for (index, handler, handed) in lost {
                             let resumed =
-                                deliveries::resume(tx, &handlers[index], &owner, &handed, now, &mut max_bytes).await?;
+                                deliveries::resume(tx, &handler, &owner, &handed, now, &mut max_bytes).await?;
                             if !resumed.is_empty() {
                                 answers.push(HandlerAnswer { index, claimed: Ok(resumed) });
                             }
@@ -346,7 +348,8 @@ impl OutboxApi {
         Ok(answers)
     }
 
-    /// Claims for a group of handlers (their names checked, never none) as soon as any of them
+    /// Claims for a group of handlers (their names, `wait_ms` and `owner` checked; never none)
+    /// as soon as any of them
     /// has something, waiting up to `wait_ms` (the long poll both claim calls share).
     async fn claim_group(
         &self,
@@ -355,7 +358,6 @@ impl OutboxApi {
         wait_ms: u32,
         max_bytes: u32,
     ) -> Result<Vec<HandlerAnswer>, WriteError> {
-        check_wait_and_owner(wait_ms, &owner)?;
         let max_bytes = self.answer_bytes(max_bytes);
         let names: Vec<String> = wants.iter().map(|w| w.handler.clone()).collect();
         let group: ClaimGroup = wants
