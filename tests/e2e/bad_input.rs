@@ -347,6 +347,14 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 owner: "test#1".into(),
                 ..Default::default()
             })),
+        case!("an outbox claim naming 65 unanswered calls", InvalidArgument, "unanswered", |c, x| c.outbox.claim(
+            v1::ClaimRequest {
+                consumer: "test#1".into(),
+                max_rows: 10,
+                unanswered: (1..=65).collect(),
+                ..Default::default()
+            }
+        )),
         case!("a given-up pair with a malformed event id", InvalidArgument, "given_up.key.event_id", |c, x| c
             .ledger
             .given_up(v1::LedgerGivenUpRequest {

@@ -445,7 +445,8 @@ async fn a_waiting_relay_claim_is_written_with_the_event_it_is_handed() {
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
     crate::key_pairs_stored(&db, 1).await;
-    let claim = |wait_ms: u32| v1::ClaimRequest { consumer: "relay#1".into(), max_rows: 100, wait_ms, max_bytes: 0 };
+    let claim =
+        |wait_ms: u32| v1::ClaimRequest { consumer: "relay#1".into(), max_rows: 100, wait_ms, ..Default::default() };
     // Take what is due (ana's registration), so the next claim waits.
     let before = c.outbox.claim(claim(0)).await.unwrap().into_inner().rows;
     assert!(!before.is_empty(), "ana's registration is due");
@@ -930,4 +931,56 @@ async fn a_terminated_delivery_without_an_outcome_becomes_a_dead_letter() {
     assert!(row[2].starts_with("JetStream terminated the delivery with no outcome recorded"), "{row:?}");
     assert!(probe_records(&cluster.effects, "attempts").await.0.is_empty(), "the handler never ran the event");
     cluster.stop().await;
+}
+
+/// The relay's claim answer cut on its way back (the connection dropped as the rows came): the
+/// relay's next claim names the call, and the write service hands the rows back to it at once
+/// instead of holding them for the 30 s lease. The event is published once, no attempt spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_claim_answer_that_never_arrived_is_handed_back_to_the_relay() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let env = nats_env(&nats);
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &with(&env, &[])).await;
+    let proxy = reelay_harness::CuttingProxy::start(write.addr).await;
+    let proxy_url = format!("http://{}", proxy.addr);
+    let mut relay =
+        start(BIN, &dir.path().join("relay/x.db"), &["relay"], &with(&env, &[("REELAY_WRITE_URL", &proxy_url)])).await;
+    let mut c = write.clients().await;
+    let resumed = || async { write.metrics().await.value("reelay_outbox_rows_resumed_total").unwrap_or(0.0) };
+    let status = |event_id: String| {
+        let db = db.clone();
+        async move {
+            let sql = format!("SELECT status, attempts || '' FROM event_queue WHERE event_id = '{event_id}'");
+            query_strings(&db, &sql).await.remove(0)
+        }
+    };
+    // The relay's idle long poll ends every second with an empty answer, and the cut may hit
+    // one of those instead of the answer with the event: that event is then published as
+    // usual, and the next round cuts again.
+    let mut handed_back = None;
+    for round in 0..5 {
+        let before = event_ids(&db).await;
+        proxy.cut_next_answer();
+        c.user(&format!("user{round}")).await;
+        let event_id = event_ids(&db).await.into_iter().find(|e| !before.contains(e)).unwrap();
+        eventually("the event is published well within the lease of a lost claim", Duration::from_secs(15), || {
+            let status = status(event_id.clone());
+            async move { status.await[0] == "done" }
+        })
+        .await;
+        if resumed().await > 0.0 {
+            handed_back = Some(event_id);
+            break;
+        }
+    }
+    let event_id = handed_back.expect("a cut answer was a claim's with an event in it");
+    assert_eq!(resumed().await, 1.0, "one row handed back");
+    assert_eq!(status(event_id.clone()).await, ["done", "0"], "no attempt spent");
+    let copies = stream_messages(&nats.url()).await.into_iter().filter(|(_, id)| *id == event_id).count();
+    assert_eq!(copies, 1, "published once");
+    assert!(write.log_text().contains("handed outbox rows back to their claimer"));
+    relay.stop().await;
+    write.stop().await;
 }

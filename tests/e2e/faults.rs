@@ -425,7 +425,7 @@ async fn large_statements_need_no_writable_temp_directory() {
     assert!(imported.imported >= 300);
     let claimed = c
         .outbox
-        .claim(v1::ClaimRequest { consumer: "test#1".into(), max_rows: 1000, wait_ms: 0, max_bytes: 0 })
+        .claim(v1::ClaimRequest { consumer: "test#1".into(), max_rows: 1000, ..Default::default() })
         .await
         .expect("claiming every row at once")
         .into_inner()

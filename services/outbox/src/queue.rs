@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use reelay_domain::RetryPolicy;
+use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::WriteTx;
@@ -136,31 +137,83 @@ pub async fn claim_due(
     }
     // Nothing fits: every candidate was oversized (and is dead-lettered now), or none was due.
     let Some(last) = last else { return Ok(Vec::new()) };
-    let rows = sqlx::query(
+    let sql = format!(
         "UPDATE event_queue SET status = 'processing', claimed_at = ?1, claimed_by = ?3 \
-         WHERE status = 'pending' AND available_at <= ?1 AND id <= ?2 \
-         RETURNING id, event_id, event_type, aggregate_id, payload, attempts, claimed_at, replay_of, replay_handler",
-    )
-    .bind(now)
-    .bind(last)
-    .bind(&limits.owner)
-    .fetch_all(tx.conn())
-    .await?;
-    let mut claimed: Vec<ClaimedRow> = rows
-        .into_iter()
-        .map(|r| ClaimedRow {
-            id: r.get("id"),
-            event_id: r.get("event_id"),
-            event_type: r.get("event_type"),
-            aggregate_id: r.get("aggregate_id"),
-            payload: r.get("payload"),
-            attempts: r.get::<i64, _>("attempts") as u32,
-            claimed_at: r.get("claimed_at"),
-            replay: r.get::<Option<String>, _>("replay_of").zip(r.get::<Option<String>, _>("replay_handler")),
-        })
-        .collect();
+         WHERE status = 'pending' AND available_at <= ?1 AND id <= ?2 RETURNING {CLAIMED_COLUMNS}"
+    );
+    let rows = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(last).bind(&limits.owner).fetch_all(tx.conn()).await?;
+    let mut claimed: Vec<ClaimedRow> = rows.iter().map(claimed_row).collect();
     claimed.sort_by_key(|r| r.id);
     Ok(claimed)
+}
+
+/// What a claim reads back of each row it hands out.
+const CLAIMED_COLUMNS: &str =
+    "id, event_id, event_type, aggregate_id, payload, attempts, claimed_at, replay_of, replay_handler";
+
+fn claimed_row(r: &SqliteRow) -> ClaimedRow {
+    ClaimedRow {
+        id: r.get("id"),
+        event_id: r.get("event_id"),
+        event_type: r.get("event_type"),
+        aggregate_id: r.get("aggregate_id"),
+        payload: r.get("payload"),
+        attempts: r.get::<i64, _>("attempts") as u32,
+        claimed_at: r.get("claimed_at"),
+        replay: r.get::<Option<String>, _>("replay_of").zip(r.get::<Option<String>, _>("replay_handler")),
+    }
+}
+
+/// Hands `owner` back rows it was handed by a claim whose answer never reached it: those it
+/// still holds under the same tokens, oldest first within `max_bytes` of answer, claimed anew
+/// (a new token, the lease counted from `now`; no attempt spent). The others (settled,
+/// deferred, reclaimed since, or over the budget) are left as they are. The caller must know
+/// that the owner publishes none of them (their answer was lost).
+pub async fn resume(
+    tx: &mut WriteTx,
+    owner: &str,
+    handed: &[RowClaim],
+    now: i64,
+    max_bytes: usize,
+) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+    let mut held: Vec<(i64, i64)> = Vec::with_capacity(handed.len());
+    for chunk in handed.chunks(CHUNK) {
+        let mut query = sqlx::query_as::<_, (i64, i64)>(claims_sql(
+            "SELECT id, length(payload) FROM event_queue",
+            chunk.len(),
+            "AND status = 'processing' AND claimed_by = ?",
+        ));
+        for row in chunk {
+            query = query.bind(row.id).bind(row.claimed_at);
+        }
+        held.extend(query.bind(owner).fetch_all(tx.conn()).await?);
+    }
+    held.sort_unstable();
+    let (mut ids, mut bytes) = (Vec::with_capacity(held.len()), 0usize);
+    for (id, length) in held {
+        let cost = length as usize + CLAIM_ROW_OVERHEAD;
+        if bytes + cost > max_bytes {
+            break;
+        }
+        bytes += cost;
+        ids.push(id);
+    }
+    // Claimed anew in the same transaction as the look above: nothing settles them in between.
+    let mut resumed = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(CHUNK) {
+        let sql = format!(
+            "UPDATE event_queue SET claimed_at = ? WHERE id IN ({}) AND status = 'processing' AND claimed_by = ? \
+             RETURNING {CLAIMED_COLUMNS}",
+            vec!["?"; chunk.len()].join(", ")
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now);
+        for id in chunk {
+            query = query.bind(id);
+        }
+        resumed.extend(query.bind(owner).fetch_all(tx.conn()).await?.iter().map(claimed_row));
+    }
+    resumed.sort_by_key(|r| r.id);
+    Ok(resumed)
 }
 
 async fn dead_letter_oversized(tx: &mut WriteTx, id: i64, length: i64, max_bytes: usize) -> Result<(), sqlx::Error> {

@@ -436,6 +436,48 @@ async fn purge_removes_only_rows_older_than_the_retention() {
 /// Claims stay within the claimer's answer size, and a row no answer can hold (a foreign
 /// writer's, or one from before the size limit) is dead-lettered with its reason instead of
 /// failing every claim forever.
+/// A relay's claim whose answer was lost: the rows it still holds under the tokens of that answer
+/// come back to it (and to no other claimer) under new tokens, within the answer's bytes, their
+/// leases counted anew; rows settled, deferred or held under another token since stay as they are.
+#[tokio::test]
+async fn rows_whose_claim_answer_was_lost_are_handed_back_to_their_claimer_only_while_it_holds_them() {
+    let (_dir, db) = open().await;
+    enqueue(&db, 5).await;
+    let policy = QueuePolicy { lease: Duration::from_secs(600), ..QueuePolicy::default() };
+    let claimed = claim(&db, t0(), policy).await;
+    let handed: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
+    let resume = |owner: &'static str, handed: Vec<RowClaim>, now: i64, max_bytes: usize| {
+        job(&db, move |tx| Box::pin(async move { queue::resume(tx, owner, &handed, now, max_bytes).await }))
+    };
+    let done = Published { row: handed[0], stream_sequence: 1 };
+    job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[done]).await })).await;
+    let deferred = handed[1];
+    job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[deferred], t0() + 3_600_000).await })).await;
+    // Row 2 is named under a token it is not held under.
+    let mut asked = handed.clone();
+    asked[2].claimed_at += 1;
+
+    assert!(resume("other#1", asked.clone(), t0() + 1_000, usize::MAX).await.is_empty(), "not another's");
+    let one_row = claimed[3].payload.len() + queue::CLAIM_ROW_OVERHEAD;
+    let first = resume("test#1", asked.clone(), t0() + 1_000, one_row).await;
+    assert_eq!(first.iter().map(|r| (r.id, r.claimed_at)).collect::<Vec<_>>(), vec![(handed[3].id, t0() + 1_000)]);
+    assert_eq!(first[0].payload, claimed[3].payload);
+    // The lost answer's token of the row handed back settles nothing; the new one does.
+    let stale = Published { row: handed[3], stream_sequence: 2 };
+    let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[stale]).await })).await;
+    assert_eq!((late.settled, late.lost), (0, vec![handed[3].id]));
+    let rest = resume("test#1", asked, t0() + 2_000, usize::MAX).await;
+    assert_eq!(rest.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[4].id], "row 3 is held under its new token");
+    let fresh = Published { row: RowClaim { id: first[0].id, claimed_at: first[0].claimed_at }, stream_sequence: 3 };
+    let settled = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[fresh]).await })).await;
+    assert_eq!(settled.settled, 1);
+    assert_eq!(row_state(&db, handed[1].id).await, ("pending".into(), 0, t0() + 3_600_000), "deferred stays deferred");
+    // Past the first claim's lease only row 2 is taken over: row 4's lease counts from its hand-back.
+    let reclaimed = claim(&db, t0() + 600_001, policy).await;
+    assert_eq!(reclaimed.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[2].id]);
+    assert_eq!(row_state(&db, handed[4].id).await.1, 0, "no attempt spent");
+}
+
 #[tokio::test]
 async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
     let (_dir, db) = open().await;

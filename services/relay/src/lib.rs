@@ -76,6 +76,9 @@ fn relay_backoff() -> Backoff {
 }
 /// Published batches whose PubAcks and mark-done are still under way while the next is sent.
 const MAX_SETTLING: usize = 3;
+/// Most unanswered claim calls named in the next one (the newest; the write service keeps only
+/// what its last answer with rows handed out).
+const UNANSWERED_NAMED: usize = 8;
 
 pub struct Relay {
     outbox: OutboxClient<ServiceChannel>,
@@ -108,17 +111,31 @@ impl Relay {
         tracing::info!(mode = ?self.config.mode, prefix = %self.config.subject_prefix, batch = self.config.batch, "relay started");
         let mut backoff = relay_backoff();
         let mut settling = tokio::task::JoinSet::new();
+        // Claim calls since the last answer: if one was answered with rows that never arrived
+        // (the connection cut, the deadline passed), the write service hands them back to the
+        // next call that names it instead of holding them for their lease.
+        let (mut call_id, mut unanswered) = (0u64, Vec::new());
         while !shutdown.is_requested() {
+            call_id += 1;
             let mut request = tonic::Request::new(v1::ClaimRequest {
                 consumer: self.config.owner.clone(),
                 max_rows: self.config.batch,
                 wait_ms: self.config.long_poll.as_millis() as u32,
                 max_bytes: self.config.max_message_bytes as u32,
+                call_id,
+                unanswered: unanswered.clone(),
             });
             request.set_timeout(self.config.long_poll + Duration::from_secs(10));
             let rows = match self.outbox.claim(request).await {
-                Ok(reply) => reply.into_inner().rows,
+                Ok(reply) => {
+                    unanswered.clear();
+                    reply.into_inner().rows
+                }
                 Err(status) => {
+                    if unanswered.len() == UNANSWERED_NAMED {
+                        unanswered.remove(0);
+                    }
+                    unanswered.push(call_id);
                     let transport = is_transport_failure(&status);
                     tracing::warn!(code = ?status.code(), error = status.message(), transport, "cannot claim outbox rows; pausing");
                     backoff.sleep().await;

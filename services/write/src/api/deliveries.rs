@@ -3,9 +3,7 @@
 //! settle, renew, and take back a dead predecessor's claims. The storage side is
 //! `reelay_outbox::deliveries`.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use reelay_contracts::v1::{self, delivery_settlement::Outcome};
@@ -18,6 +16,7 @@ use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
 
 use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
+use super::last_answers::{LastAnswers, check_unanswered};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
 use super::waiting::WaitingClaims;
 use crate::WriteError;
@@ -35,69 +34,8 @@ pub(crate) fn register_metrics() {
     LazyLock::force(&RESUMED);
 }
 
-/// Most ids a claim may name as unanswered.
-const MAX_UNANSWERED: usize = 64;
-
-/// What the last claim call of each (owner, handler) handed it, and which call that was: kept
-/// so that a call whose answer never reached its owner can be handed back to it (see
-/// `ClaimDeliveriesForHandlersRequest.unanswered`). A handler's next call from the owner with
-/// deliveries in its answer replaces it, a call naming it as unanswered takes it out, and once
-/// a lease the entries older than a lease are dropped (their claims go to any claimer by then,
-/// a dead owner's too).
-#[derive(Clone, Default)]
-pub(super) struct LastAnswers(Arc<Mutex<Remembered>>);
-
-#[derive(Default)]
-struct Remembered {
-    last: HashMap<(String, String), LastAnswer>,
-    /// When entries older than a lease are next dropped.
-    next_sweep: Option<Instant>,
-}
-
-struct LastAnswer {
-    call_id: u64,
-    at: Instant,
-    handed: Vec<Handed>,
-}
-
-impl LastAnswers {
-    /// Takes out what the last calls of `owner` for `handlers` handed, each by the handler's
-    /// index, where that call is one of `unanswered`.
-    fn take(&self, owner: &str, handlers: &[String], unanswered: &[u64]) -> Vec<(usize, Vec<Handed>)> {
-        if unanswered.is_empty() {
-            return Vec::new();
-        }
-        let mut remembered = self.0.lock().expect("last answers lock");
-        let mut lost = Vec::new();
-        for (index, handler) in handlers.iter().enumerate() {
-            if let Entry::Occupied(last) = remembered.last.entry((owner.to_owned(), handler.clone()))
-                && unanswered.contains(&last.get().call_id)
-            {
-                lost.push((index, last.remove().handed));
-            }
-        }
-        lost
-    }
-
-    /// Keeps what call `call_id` of `owner` handed each handler with deliveries in `answers`.
-    fn record(&self, owner: &str, handlers: &[String], call_id: u64, answers: &[HandlerAnswer], lease: Duration) {
-        let now = Instant::now();
-        let handed: Vec<((String, String), LastAnswer)> = answers
-            .iter()
-            .filter_map(|answer| {
-                let claimed = answer.claimed.as_ref().ok()?;
-                let handed = claimed.iter().map(Handed::from).collect();
-                Some(((owner.to_owned(), handlers[answer.index].clone()), LastAnswer { call_id, at: now, handed }))
-            })
-            .collect();
-        let mut remembered = self.0.lock().expect("last answers lock");
-        if remembered.next_sweep.is_none_or(|at| now >= at) {
-            remembered.last.retain(|_, answer| now.duration_since(answer.at) < lease);
-            remembered.next_sweep = Some(now + lease);
-        }
-        remembered.last.extend(handed);
-    }
-}
+/// What each (owner, handler)'s last claim call handed it (see `last_answers`).
+pub(super) type LastDeliveries = LastAnswers<(String, String), Vec<Handed>>;
 
 /// Registers the handlers this deployment delivers to (cursors for the new ones), before the
 /// write service takes writes, so no event written from now on is missed by any of them.
@@ -267,13 +205,7 @@ impl OutboxApi {
             let max_rows = max_rows("handlers.max_rows", wants.max_rows)?;
             checked.push(v1::HandlerWants { handler, event_types, max_rows });
         }
-        if r.unanswered.len() > MAX_UNANSWERED {
-            return Err(ServiceError::invalid(
-                "unanswered",
-                format!("must hold at most {MAX_UNANSWERED} call ids, got {}", r.unanswered.len()),
-            )
-            .into());
-        }
+        check_unanswered(&r.unanswered)?;
         let mut handlers: Vec<v1::HandlerDeliveries> = checked
             .iter()
             .map(|w| v1::HandlerDeliveries {
@@ -284,7 +216,7 @@ impl OutboxApi {
             .collect();
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
-        let lost = self.last_answers.take(&r.owner, &names, &r.unanswered);
+        let lost = self.last_deliveries.take(names.iter().map(|name| (r.owner.clone(), name.clone())), &r.unanswered);
         let mut answers = if lost.is_empty() {
             Vec::new()
         } else {
@@ -294,7 +226,11 @@ impl OutboxApi {
             answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes).await?;
         }
         if r.call_id != 0 {
-            self.last_answers.record(&r.owner, &names, r.call_id, &answers, self.deliveries.lease);
+            let handed = answers.iter().filter_map(|answer| {
+                let claimed = answer.claimed.as_ref().ok()?;
+                Some(((r.owner.clone(), names[answer.index].clone()), claimed.iter().map(Handed::from).collect()))
+            });
+            self.last_deliveries.record(r.call_id, handed, self.deliveries.lease);
         }
         for answer in answers {
             let entry = &mut handlers[answer.index];

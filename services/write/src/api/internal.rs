@@ -65,7 +65,8 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         delivery_settlements: Default::default(),
         waiting_deliveries: waiting_deliveries(policy.deliveries),
         waiting_rows: waiting_rows(policy.queue),
-        last_answers: Default::default(),
+        last_deliveries: Default::default(),
+        last_rows: Default::default(),
         bus: policy.bus,
     };
     // Whoever takes new events on this backend has its waiting claims written with them.

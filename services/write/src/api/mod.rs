@@ -18,6 +18,7 @@ mod deliveries;
 mod federation;
 mod integrations;
 mod internal;
+mod last_answers;
 mod ledger;
 mod movies;
 mod outbox;
@@ -33,6 +34,7 @@ pub(crate) use deliveries::register_metrics as register_delivery_metrics;
 pub use deliveries::{note_lease, register_handlers};
 pub use internal::{DeliveryPolicy, mount_internal};
 pub(crate) use ledger::register_metrics as register_ledger_metrics;
+pub(crate) use outbox::register_metrics as register_outbox_metrics;
 
 type Reply<T> = Result<Response<T>, Status>;
 

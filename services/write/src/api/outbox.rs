@@ -1,8 +1,10 @@
 //! The Outbox service: claim event rows (waiting for due ones up to a deadline) and settle them.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use reelay_contracts::v1;
+use reelay_kit::metrics::{self, Counter};
 use reelay_kit::{ServiceError, Shutdown, now_ms};
 use reelay_outbox::deliveries::{self, HandlerPolicy, Settled as DeliveriesSettled, Settlement as DeliverySettlement};
 use reelay_outbox::queue::{self, ClaimLimits, FailedRow, Published, QueuePolicy, RowClaim, Settled};
@@ -12,9 +14,23 @@ use tonic::{Request, Response, Status};
 
 use super::admin::Bus;
 use super::internal::MAX_BATCH_KEYS;
+use super::last_answers::{LastAnswers, check_unanswered};
 use super::waiting::WaitingClaims;
 use crate::WriteError;
 use crate::merge::Merged;
+
+static ROWS_RESUMED: LazyLock<Counter> = LazyLock::new(|| {
+    metrics::counter(
+        "reelay_outbox_rows_resumed_total",
+        "Outbox rows handed back to the relay they were claimed for, because the claim answer that handed them never reached it (nats backend).",
+        &[],
+    )
+});
+
+/// Declares the Outbox API's own metrics, so they are scraped before the first claim.
+pub(crate) fn register_metrics() {
+    LazyLock::force(&ROWS_RESUMED);
+}
 
 /// How long an idle claimer sleeps at most before looking again, even without a commit: rows
 /// also become due when a retry delay or a claim lease runs out.
@@ -39,7 +55,9 @@ pub(super) struct OutboxApi {
     /// The relay's claims waiting for rows (nats backend), likewise.
     pub(super) waiting_rows: WaitingRows,
     /// What each handler's last claim handed, to hand back an answer that never arrived.
-    pub(super) last_answers: super::deliveries::LastAnswers,
+    pub(super) last_deliveries: super::deliveries::LastDeliveries,
+    /// What the relay's last claim handed it, likewise.
+    pub(super) last_rows: LastAnswers<String, Vec<RowClaim>>,
     /// The event bus: on db the outbox's rows stay `pending` and handlers progress by cursor.
     pub(super) bus: Bus,
 }
@@ -107,6 +125,33 @@ impl OutboxApi {
             .await
     }
 
+    /// Hands `owner` back the rows its unanswered call was handed and it still holds under the
+    /// same tokens, claimed anew, within one answer of `max_bytes` (what does not fit is left
+    /// to its lease: the relay does not know of it).
+    async fn hand_back_rows(
+        &self,
+        owner: String,
+        handed: Vec<RowClaim>,
+        max_bytes: usize,
+    ) -> Result<Vec<queue::ClaimedRow>, WriteError> {
+        let rows = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>("outbox_resume", {
+                let owner = owner.clone();
+                move |tx: &mut WriteTx| {
+                    Box::pin(async move { Ok(queue::resume(tx, &owner, &handed, tx.now_ms(), max_bytes).await?) })
+                }
+            })
+            .await?;
+        if !rows.is_empty() {
+            ROWS_RESUMED.inc_by(&[], rows.len() as u64);
+            tracing::warn!(consumer = %owner, rows = rows.len(),
+                "handed outbox rows back to their claimer: the claim answer that handed them never reached it");
+        }
+        Ok(rows)
+    }
+
     /// Whether anything is claimable now, and when to look again if not: the next row's due
     /// time, bounded by the fallback poll and the deadline.
     async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), WriteError> {
@@ -135,20 +180,34 @@ impl v1::outbox_server::Outbox for OutboxApi {
             )
             .into());
         }
+        check_unanswered(&r.unanswered)?;
         let limits =
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
-        let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
-        let rows = self
-            .waiting_rows
-            .long_poll(
-                &self.db.writer,
-                &self.shutdown,
-                deadline,
-                &limits,
-                || self.peek(deadline),
-                || self.claim_now(limits.clone()),
-            )
-            .await?;
+        // Without a consumer's name there is no telling whose rows are whose.
+        let named = !r.consumer.is_empty();
+        let mut rows = match self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered).pop() {
+            Some((_, handed)) => self.hand_back_rows(r.consumer.clone(), handed, limits.max_bytes).await?,
+            None => Vec::new(),
+        };
+        if rows.is_empty() {
+            let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
+            rows = self
+                .waiting_rows
+                .long_poll(
+                    &self.db.writer,
+                    &self.shutdown,
+                    deadline,
+                    &limits,
+                    || self.peek(deadline),
+                    || self.claim_now(limits.clone()),
+                )
+                .await?;
+        }
+        if named && r.call_id != 0 {
+            let handed = rows.iter().map(|row| RowClaim { id: row.id, claimed_at: row.claimed_at }).collect();
+            let handed = (!rows.is_empty()).then(|| (r.consumer.clone(), handed));
+            self.last_rows.record(r.call_id, handed, self.policy.lease);
+        }
         if !rows.is_empty() {
             tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
         }
