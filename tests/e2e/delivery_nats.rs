@@ -984,3 +984,42 @@ async fn a_relay_claim_answer_that_never_arrived_is_handed_back_to_the_relay() {
     relay.stop().await;
     write.stop().await;
 }
+
+/// A deployment that moves to a cluster and asks for three copies of its streams
+/// (`REELAY_STREAM_REPLICAS=3`) has both brought to it in place at its next start: the event
+/// stream and the stream of given-up advisories beside it.
+#[tokio::test]
+async fn a_new_replica_count_is_applied_to_both_streams_in_place() {
+    let dir = temp_dir();
+    let cluster = NatsServer::start_cluster(&dir.path().join("nats"), 3);
+    let env = nats_env(&cluster[0]);
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &with(&env, &[])).await;
+    let write_url = format!("http://{}", write.addr);
+    let relay_env = with(&env, &[("REELAY_WRITE_URL", &write_url)]);
+    let mut relay = start(BIN, &dir.path().join("relay/x.db"), &["relay"], &relay_env).await;
+    let js = jetstream::new(async_nats::connect(cluster[0].url()).await.unwrap());
+    let replicas = || async {
+        let mut copies = Vec::new();
+        for name in [STREAM.to_owned(), format!("{STREAM}_GIVEN_UP")] {
+            let info = match js.get_stream(&name).await {
+                Ok(mut stream) => stream.info().await.ok().map(|info| info.config.num_replicas),
+                Err(_) => None,
+            };
+            copies.push(info.unwrap_or(0));
+        }
+        copies
+    };
+    eventually("both streams are made, in one copy", Duration::from_secs(30), || async { replicas().await == [1, 1] })
+        .await;
+    relay.restart_with(&[("REELAY_STREAM_REPLICAS", "3")]).await;
+    eventually("both streams are kept in three copies", Duration::from_secs(30), || async {
+        replicas().await == [3, 3]
+    })
+    .await;
+    let log = relay.log_text();
+    assert!(log.contains("updated the existing stream's duplicate_window and replicas in place"), "{log}");
+    assert!(log.contains("updated the existing stream's replicas in place"), "{log}");
+    relay.stop().await;
+    write.stop().await;
+}

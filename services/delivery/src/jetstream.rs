@@ -141,23 +141,37 @@ pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) ->
 /// How long a given-up advisory is kept for a handler that does not run to read it.
 const GIVEN_UP_MAX_AGE: Duration = Duration::from_secs(30 * 86_400);
 
+/// Creates the stream of given-up advisories, or brings an existing one's replicas to the
+/// event stream's (a deployment that moved to a cluster keeps both in as many copies).
 async fn ensure_given_up_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     let name = config.given_up_stream();
-    js.get_or_create_stream(stream::Config {
-        name: name.clone(),
-        subjects: config.given_up_subjects("*"),
-        storage: stream::StorageType::File,
-        num_replicas: config.replicas,
-        max_age: GIVEN_UP_MAX_AGE,
-        description: Some(format!(
-            "JetStream's advisories that it stopped delivering a message of {} to a handler (its deliveries ran \
+    let mut stream = js
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: config.given_up_subjects("*"),
+            storage: stream::StorageType::File,
+            num_replicas: config.replicas,
+            max_age: GIVEN_UP_MAX_AGE,
+            description: Some(format!(
+                "JetStream's advisories that it stopped delivering a message of {} to a handler (its deliveries ran \
              out, or it was terminated); each handler records those without an outcome as dead letters",
-            config.stream
-        )),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| js_error(format!("creating stream {name}"), e))?;
+                config.stream
+            )),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| js_error(format!("creating stream {name}"), e))?;
+    let current = stream.info().await.map_err(|e| js_error(format!("reading stream {name}"), e))?.config.clone();
+    if current.num_replicas != config.replicas {
+        let wanted = stream::Config { num_replicas: config.replicas, ..current.clone() };
+        match js.update_stream(&wanted).await {
+            Ok(_) => tracing::warn!(stream = %name, from_replicas = current.num_replicas,
+                to_replicas = config.replicas, "updated the existing stream's replicas in place"),
+            // It still keeps the advisories, in fewer copies than asked for.
+            Err(error) => tracing::warn!(stream = %name, %error,
+                "could not update the stream; apply it by hand: nats stream edit {name} --replicas {}", config.replicas),
+        }
+    }
     Ok(())
 }
 
