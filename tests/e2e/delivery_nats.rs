@@ -961,6 +961,11 @@ async fn a_relay_claim_answer_that_never_arrived_is_handed_back_to_the_relay() {
     // usual, and the next round cuts again.
     let mut handed_back = None;
     for round in 0..5 {
+        // The cut is for the relay's claim, not for the answer to an earlier call (its start-up
+        // calls, the last round's mark-done): wait until those are answered and the relay waits
+        // in a claim.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        crate::claims_waiting(&write, 1.0).await;
         let before = event_ids(&db).await;
         proxy.cut_next_answer();
         c.user(&format!("user{round}")).await;

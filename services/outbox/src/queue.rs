@@ -165,17 +165,17 @@ fn claimed_row(r: &SqliteRow) -> ClaimedRow {
 }
 
 /// Hands `owner` back rows it was handed by a claim whose answer never reached it: those it
-/// still holds under the same tokens, oldest first within `max_bytes` of answer, claimed anew
+/// still holds under the same tokens, oldest first within `limits`, claimed anew
 /// (a new token, the lease counted from `now`; no attempt spent). The others (settled,
 /// deferred, reclaimed since, or over the budget) are left as they are. The caller must know
 /// that the owner publishes none of them (their answer was lost).
 pub async fn resume(
     tx: &mut WriteTx,
-    owner: &str,
+    limits: &ClaimLimits,
     handed: &[RowClaim],
     now: i64,
-    max_bytes: usize,
 ) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+    let owner = limits.owner.as_str();
     let mut held: Vec<(i64, i64)> = Vec::with_capacity(handed.len());
     for chunk in handed.chunks(CHUNK) {
         let mut query = sqlx::query_as::<_, (i64, i64)>(claims_sql(
@@ -190,9 +190,9 @@ pub async fn resume(
     }
     held.sort_unstable();
     let (mut ids, mut bytes) = (Vec::with_capacity(held.len()), 0usize);
-    for (id, length) in held {
+    for (id, length) in held.into_iter().take(limits.max_rows as usize) {
         let cost = length as usize + CLAIM_ROW_OVERHEAD;
-        if bytes + cost > max_bytes {
+        if bytes + cost > limits.max_bytes {
             break;
         }
         bytes += cost;

@@ -433,9 +433,6 @@ async fn purge_removes_only_rows_older_than_the_retention() {
     assert!(left.contains(&"e60".to_string()), "a dead letter discarded 10 days ago stays");
 }
 
-/// Claims stay within the claimer's answer size, and a row no answer can hold (a foreign
-/// writer's, or one from before the size limit) is dead-lettered with its reason instead of
-/// failing every claim forever.
 /// A relay's claim whose answer was lost: the rows it still holds under the tokens of that answer
 /// come back to it (and to no other claimer) under new tokens, within the answer's bytes, their
 /// leases counted anew; rows settled, deferred or held under another token since stay as they are.
@@ -446,8 +443,9 @@ async fn rows_whose_claim_answer_was_lost_are_handed_back_to_their_claimer_only_
     let policy = QueuePolicy { lease: Duration::from_secs(600), ..QueuePolicy::default() };
     let claimed = claim(&db, t0(), policy).await;
     let handed: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
-    let resume = |owner: &'static str, handed: Vec<RowClaim>, now: i64, max_bytes: usize| {
-        job(&db, move |tx| Box::pin(async move { queue::resume(tx, owner, &handed, now, max_bytes).await }))
+    let resume = |owner: &'static str, handed: Vec<RowClaim>, now: i64, (max_rows, max_bytes): (u32, usize)| {
+        let limits = ClaimLimits { owner: owner.into(), max_rows, max_bytes };
+        job(&db, move |tx| Box::pin(async move { queue::resume(tx, &limits, &handed, now).await }))
     };
     let done = Published { row: handed[0], stream_sequence: 1 };
     job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[done]).await })).await;
@@ -457,16 +455,16 @@ async fn rows_whose_claim_answer_was_lost_are_handed_back_to_their_claimer_only_
     let mut asked = handed.clone();
     asked[2].claimed_at += 1;
 
-    assert!(resume("other#1", asked.clone(), t0() + 1_000, usize::MAX).await.is_empty(), "not another's");
+    assert!(resume("other#1", asked.clone(), t0() + 1_000, (10, usize::MAX)).await.is_empty(), "not another's");
     let one_row = claimed[3].payload.len() + queue::CLAIM_ROW_OVERHEAD;
-    let first = resume("test#1", asked.clone(), t0() + 1_000, one_row).await;
+    let first = resume("test#1", asked.clone(), t0() + 1_000, (10, one_row)).await;
     assert_eq!(first.iter().map(|r| (r.id, r.claimed_at)).collect::<Vec<_>>(), vec![(handed[3].id, t0() + 1_000)]);
     assert_eq!(first[0].payload, claimed[3].payload);
     // The lost answer's token of the row handed back settles nothing; the new one does.
     let stale = Published { row: handed[3], stream_sequence: 2 };
     let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[stale]).await })).await;
     assert_eq!((late.settled, late.lost), (0, vec![handed[3].id]));
-    let rest = resume("test#1", asked, t0() + 2_000, usize::MAX).await;
+    let rest = resume("test#1", asked, t0() + 2_000, (10, usize::MAX)).await;
     assert_eq!(rest.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[4].id], "row 3 is held under its new token");
     let fresh = Published { row: RowClaim { id: first[0].id, claimed_at: first[0].claimed_at }, stream_sequence: 3 };
     let settled = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[fresh]).await })).await;
@@ -476,8 +474,18 @@ async fn rows_whose_claim_answer_was_lost_are_handed_back_to_their_claimer_only_
     let reclaimed = claim(&db, t0() + 600_001, policy).await;
     assert_eq!(reclaimed.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[2].id]);
     assert_eq!(row_state(&db, handed[4].id).await.1, 0, "no attempt spent");
+    // Within the answer's rows too: of two held, the older comes back.
+    let held = vec![
+        RowClaim { id: rest[0].id, claimed_at: rest[0].claimed_at },
+        RowClaim { id: reclaimed[0].id, claimed_at: reclaimed[0].claimed_at },
+    ];
+    let one = resume("test#1", held, t0() + 600_002, (1, usize::MAX)).await;
+    assert_eq!(one.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[2].id]);
 }
 
+/// Claims stay within the claimer's answer size, and a row no answer can hold (a foreign
+/// writer's, or one from before the size limit) is dead-lettered with its reason instead of
+/// failing every claim forever.
 #[tokio::test]
 async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
     let (_dir, db) = open().await;

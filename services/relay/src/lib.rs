@@ -109,7 +109,9 @@ impl Relay {
 
     pub async fn run(mut self, shutdown: Shutdown) {
         tracing::info!(mode = ?self.config.mode, prefix = %self.config.subject_prefix, batch = self.config.batch, "relay started");
-        let mut backoff = relay_backoff();
+        // The broker's pauses and the write service's grow apart: an answered claim says the
+        // write service is back, not the broker.
+        let (mut backoff, mut claim_backoff) = (relay_backoff(), relay_backoff());
         let mut settling = tokio::task::JoinSet::new();
         // Claim calls since the last answer: if one was answered with rows that never arrived
         // (the connection cut, the deadline passed), the write service hands them back to the
@@ -129,6 +131,7 @@ impl Relay {
             let rows = match self.outbox.claim(request).await {
                 Ok(reply) => {
                     unanswered.clear();
+                    claim_backoff.reset();
                     reply.into_inner().rows
                 }
                 Err(status) => {
@@ -138,7 +141,7 @@ impl Relay {
                     unanswered.push(call_id);
                     let transport = is_transport_failure(&status);
                     tracing::warn!(code = ?status.code(), error = status.message(), transport, "cannot claim outbox rows; pausing");
-                    backoff.sleep().await;
+                    claim_backoff.sleep().await;
                     continue;
                 }
             };

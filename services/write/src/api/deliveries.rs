@@ -216,7 +216,7 @@ impl OutboxApi {
             .collect();
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
-        let lost = self.last_deliveries.take(names.iter().map(|name| (r.owner.clone(), name.clone())), &r.unanswered);
+        let lost = self.last_deliveries.lost(names.iter().map(|name| (r.owner.clone(), name.clone())), &r.unanswered);
         let mut answers = if lost.is_empty() {
             Vec::new()
         } else {

@@ -3,7 +3,6 @@
 //! and the handlers' `ClaimDeliveriesForHandlers`).
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,9 +25,11 @@ pub(super) fn check_unanswered(unanswered: &[u64]) -> Result<(), ServiceError> {
 }
 
 /// What the last call for each key (a claimer, or a claimer's handler) handed it, and which
-/// call that was. The key's next call with something in its answer replaces it, a call naming
-/// it as unanswered takes it out, and once a lease the entries older than a lease are dropped
-/// (what they handed goes to any claimer by then, a dead one's too).
+/// call that was. The key's next call with something in its answer replaces it (a hand-back
+/// too), and once a lease the entries older than a lease are dropped (what they handed goes to
+/// any claimer by then, a dead one's too). A call naming it as unanswered reads it and leaves
+/// it: a hand-back that fails or whose caller goes away can be asked for again, and the
+/// claimer never names a call again once an answer has reached it.
 pub(super) struct LastAnswers<K, T>(Arc<Mutex<Remembered<K, T>>>);
 
 struct Remembered<K, T> {
@@ -55,20 +56,20 @@ impl<K, T> Default for LastAnswers<K, T> {
     }
 }
 
-impl<K: Eq + Hash, T> LastAnswers<K, T> {
-    /// Takes out what the last calls for `keys` handed, each with its key's position in `keys`,
-    /// where that call is one of `unanswered`.
-    pub(super) fn take(&self, keys: impl IntoIterator<Item = K>, unanswered: &[u64]) -> Vec<(usize, T)> {
+impl<K: Eq + Hash, T: Clone> LastAnswers<K, T> {
+    /// What the last calls for `keys` handed, each with its key's position in `keys`, where that
+    /// call is one of `unanswered`.
+    pub(super) fn lost(&self, keys: impl IntoIterator<Item = K>, unanswered: &[u64]) -> Vec<(usize, T)> {
         if unanswered.is_empty() {
             return Vec::new();
         }
-        let mut remembered = self.0.lock().expect("last answers lock");
+        let remembered = self.0.lock().expect("last answers lock");
         let mut lost = Vec::new();
         for (index, key) in keys.into_iter().enumerate() {
-            if let Entry::Occupied(last) = remembered.last.entry(key)
-                && unanswered.contains(&last.get().call_id)
+            if let Some(last) = remembered.last.get(&key)
+                && unanswered.contains(&last.call_id)
             {
-                lost.push((index, last.remove().handed));
+                lost.push((index, last.handed.clone()));
             }
         }
         lost
@@ -85,5 +86,37 @@ impl<K: Eq + Hash, T> LastAnswers<K, T> {
             remembered.next_sweep = Some(now + lease);
         }
         remembered.last.extend(entries);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn only_a_named_call_of_the_same_key_is_lost_and_it_stays_until_replaced() {
+        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
+        answers.record(7, [("relay#1", vec![1, 2]), ("relay#2", vec![3])], LEASE);
+        assert!(answers.lost(["relay#1"], &[]).is_empty(), "no call named");
+        assert!(answers.lost(["relay#1"], &[6, 8]).is_empty(), "another call named");
+        assert!(answers.lost(["relay#3"], &[7]).is_empty(), "another key");
+        assert_eq!(answers.lost(["relay#3", "relay#1"], &[7]), vec![(1, vec![1, 2])]);
+        // Read, not taken: asked again (the first hand-back failed), it is still there.
+        assert_eq!(answers.lost(["relay#1"], &[7, 8]), vec![(0, vec![1, 2])]);
+        // The next call with something in its answer (a hand-back too) replaces it.
+        answers.record(8, [("relay#1", vec![1, 2])], LEASE);
+        assert!(answers.lost(["relay#1"], &[7]).is_empty());
+        assert_eq!(answers.lost(["relay#1", "relay#2"], &[7, 8]), vec![(0, vec![1, 2]), (1, vec![3])]);
+    }
+
+    #[test]
+    fn entries_older_than_a_lease_are_dropped_once_a_lease() {
+        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
+        answers.record(1, [("relay#1", vec![1])], Duration::ZERO);
+        answers.record(2, [("relay#2", vec![2])], Duration::ZERO);
+        assert!(answers.lost(["relay#1"], &[1]).is_empty(), "swept by the next record");
+        assert_eq!(answers.lost(["relay#2"], &[2]), vec![(0, vec![2])], "the new entry is kept");
     }
 }

@@ -125,23 +125,20 @@ impl OutboxApi {
             .await
     }
 
-    /// Hands `owner` back the rows its unanswered call was handed and it still holds under the
-    /// same tokens, claimed anew, within one answer of `max_bytes` (what does not fit is left
+    /// Hands the claimer back the rows its unanswered call was handed and it still holds under
+    /// the same tokens, claimed anew, within one answer's `limits` (what does not fit is left
     /// to its lease: the relay does not know of it).
     async fn hand_back_rows(
         &self,
-        owner: String,
+        limits: ClaimLimits,
         handed: Vec<RowClaim>,
-        max_bytes: usize,
     ) -> Result<Vec<queue::ClaimedRow>, WriteError> {
+        let owner = limits.owner.clone();
         let rows = self
             .db
             .writer
-            .transact::<_, WriteError, _>("outbox_resume", {
-                let owner = owner.clone();
-                move |tx: &mut WriteTx| {
-                    Box::pin(async move { Ok(queue::resume(tx, &owner, &handed, tx.now_ms(), max_bytes).await?) })
-                }
+            .transact::<_, WriteError, _>("outbox_resume", move |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(queue::resume(tx, &limits, &handed, tx.now_ms()).await?) })
             })
             .await?;
         if !rows.is_empty() {
@@ -185,8 +182,8 @@ impl v1::outbox_server::Outbox for OutboxApi {
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         // Without a consumer's name there is no telling whose rows are whose.
         let named = !r.consumer.is_empty();
-        let mut rows = match self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered).pop() {
-            Some((_, handed)) => self.hand_back_rows(r.consumer.clone(), handed, limits.max_bytes).await?,
+        let mut rows = match self.last_rows.lost(named.then(|| r.consumer.clone()), &r.unanswered).pop() {
+            Some((_, handed)) => self.hand_back_rows(limits.clone(), handed).await?,
             None => Vec::new(),
         };
         if rows.is_empty() {
