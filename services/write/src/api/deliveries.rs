@@ -216,12 +216,15 @@ impl OutboxApi {
             .collect();
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
-        let lost = self.last_deliveries.lost(names.iter().map(|name| (r.owner.clone(), name.clone())), &r.unanswered);
-        let mut answers = if lost.is_empty() {
+        let keys = names.iter().map(|name| (r.owner.clone(), name.clone()));
+        let taken = self.last_deliveries.take(keys, &r.unanswered, r.call_id, self.deliveries.lease);
+        let mut answers = if taken.is_empty() {
             Vec::new()
         } else {
+            let lost = taken.lost().map(|(index, handed)| (index, handed.clone())).collect();
             self.hand_back(&names, r.owner.clone(), lost, self.answer_bytes(r.max_bytes)).await?
         };
+        taken.handed_back();
         if answers.is_empty() {
             answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes).await?;
         }

@@ -3,6 +3,7 @@
 //! and the handlers' `ClaimDeliveriesForHandlers`).
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,11 +26,10 @@ pub(super) fn check_unanswered(unanswered: &[u64]) -> Result<(), ServiceError> {
 }
 
 /// What the last call for each key (a claimer, or a claimer's handler) handed it, and which
-/// call that was. The key's next call with something in its answer replaces it (a hand-back
-/// too), and once a lease the entries older than a lease are dropped (what they handed goes to
-/// any claimer by then, a dead one's too). A call naming it as unanswered reads it and leaves
-/// it: a hand-back that fails or whose caller goes away can be asked for again, and the
-/// claimer never names a call again once an answer has reached it.
+/// call that was. The key's next call with something in its answer replaces it, a call naming
+/// it as unanswered takes it out (so two calls naming it at once cannot both hand it back), and
+/// once a lease the entries older than a lease are dropped (what they handed goes to any
+/// claimer by then, a dead one's too).
 pub(super) struct LastAnswers<K, T>(Arc<Mutex<Remembered<K, T>>>);
 
 struct Remembered<K, T> {
@@ -56,23 +56,32 @@ impl<K, T> Default for LastAnswers<K, T> {
     }
 }
 
-impl<K: Eq + Hash, T: Clone> LastAnswers<K, T> {
-    /// What the last calls for `keys` handed, each with its key's position in `keys`, where that
-    /// call is one of `unanswered`.
-    pub(super) fn lost(&self, keys: impl IntoIterator<Item = K>, unanswered: &[u64]) -> Vec<(usize, T)> {
+impl<K: Eq + Hash, T> LastAnswers<K, T> {
+    /// Takes out what the last calls for `keys` handed, each with its key's position in `keys`,
+    /// where that call is one of `unanswered`. Unless [`Taken::handed_back`] is called (the
+    /// hand-back failed, or the call went away before answering), they are put back under
+    /// `call_id`, the call taking them, which its claimer names next since it got no answer.
+    pub(super) fn take(
+        &self,
+        keys: impl IntoIterator<Item = K>,
+        unanswered: &[u64],
+        call_id: u64,
+        lease: Duration,
+    ) -> Taken<K, T> {
+        let mut taken = Taken { answers: self.clone(), call_id, lease, lost: Vec::new() };
         if unanswered.is_empty() {
-            return Vec::new();
+            return taken;
         }
-        let remembered = self.0.lock().expect("last answers lock");
-        let mut lost = Vec::new();
+        let mut remembered = self.0.lock().expect("last answers lock");
         for (index, key) in keys.into_iter().enumerate() {
-            if let Some(last) = remembered.last.get(&key)
-                && unanswered.contains(&last.call_id)
+            if let Entry::Occupied(last) = remembered.last.entry(key)
+                && unanswered.contains(&last.get().call_id)
             {
-                lost.push((index, last.handed.clone()));
+                let (key, last) = last.remove_entry();
+                taken.lost.push((index, key, last.handed));
             }
         }
-        lost
+        taken
     }
 
     /// Keeps what call `call_id` handed each key in `handed` (in place of an earlier call's).
@@ -89,26 +98,82 @@ impl<K: Eq + Hash, T: Clone> LastAnswers<K, T> {
     }
 }
 
+/// What a call took out to hand back (see [`LastAnswers::take`]).
+pub(super) struct Taken<K: Eq + Hash, T> {
+    answers: LastAnswers<K, T>,
+    call_id: u64,
+    lease: Duration,
+    lost: Vec<(usize, K, T)>,
+}
+
+impl<K: Eq + Hash, T> Taken<K, T> {
+    pub(super) fn is_empty(&self) -> bool {
+        self.lost.is_empty()
+    }
+
+    /// What was taken, each with its key's position.
+    pub(super) fn lost(&self) -> impl Iterator<Item = (usize, &T)> {
+        self.lost.iter().map(|(index, _, handed)| (*index, handed))
+    }
+
+    /// The hand-back was made: nothing is put back.
+    pub(super) fn handed_back(mut self) {
+        self.lost.clear();
+    }
+}
+
+impl<K: Eq + Hash, T> Drop for Taken<K, T> {
+    fn drop(&mut self) {
+        if self.call_id != 0 && !self.lost.is_empty() {
+            let lost = std::mem::take(&mut self.lost).into_iter().map(|(_, key, handed)| (key, handed));
+            self.answers.record(self.call_id, lost, self.lease);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const LEASE: Duration = Duration::from_secs(30);
 
+    fn lost(taken: &Taken<&'static str, Vec<i64>>) -> Vec<(usize, Vec<i64>)> {
+        taken.lost().map(|(index, handed)| (index, handed.clone())).collect()
+    }
+
     #[test]
-    fn only_a_named_call_of_the_same_key_is_lost_and_it_stays_until_replaced() {
+    fn only_a_named_call_of_the_same_key_is_taken_and_only_once() {
         let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
         answers.record(7, [("relay#1", vec![1, 2]), ("relay#2", vec![3])], LEASE);
-        assert!(answers.lost(["relay#1"], &[]).is_empty(), "no call named");
-        assert!(answers.lost(["relay#1"], &[6, 8]).is_empty(), "another call named");
-        assert!(answers.lost(["relay#3"], &[7]).is_empty(), "another key");
-        assert_eq!(answers.lost(["relay#3", "relay#1"], &[7]), vec![(1, vec![1, 2])]);
-        // Read, not taken: asked again (the first hand-back failed), it is still there.
-        assert_eq!(answers.lost(["relay#1"], &[7, 8]), vec![(0, vec![1, 2])]);
-        // The next call with something in its answer (a hand-back too) replaces it.
-        answers.record(8, [("relay#1", vec![1, 2])], LEASE);
-        assert!(answers.lost(["relay#1"], &[7]).is_empty());
-        assert_eq!(answers.lost(["relay#1", "relay#2"], &[7, 8]), vec![(0, vec![1, 2]), (1, vec![3])]);
+        assert!(answers.take(["relay#1"], &[], 9, LEASE).is_empty(), "no call named");
+        assert!(answers.take(["relay#1"], &[6, 8], 9, LEASE).is_empty(), "another call named");
+        assert!(answers.take(["relay#3"], &[7], 9, LEASE).is_empty(), "another key");
+        let taken = answers.take(["relay#3", "relay#1"], &[7], 9, LEASE);
+        assert_eq!(lost(&taken), vec![(1, vec![1, 2])]);
+        // A second call naming it at the same time gets nothing: one hand-back at a time.
+        assert!(answers.take(["relay#1"], &[7], 10, LEASE).is_empty());
+        taken.handed_back();
+        assert!(answers.take(["relay#1"], &[7, 9], 11, LEASE).is_empty(), "handed back: gone");
+        // The next call with something in its answer replaces an entry.
+        answers.record(12, [("relay#2", vec![4])], LEASE);
+        assert!(answers.take(["relay#2"], &[7], 13, LEASE).is_empty());
+        assert_eq!(lost(&answers.take(["relay#2"], &[12], 13, LEASE)), vec![(0, vec![4])]);
+    }
+
+    #[test]
+    fn what_a_call_took_and_did_not_hand_back_is_put_back_under_that_call() {
+        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
+        answers.record(7, [("relay#1", vec![1, 2])], LEASE);
+        // Call 8 takes it and fails (or goes away) before handing it back.
+        drop(answers.take(["relay#1"], &[7], 8, LEASE));
+        assert!(answers.take(["relay#1"], &[7], 9, LEASE).is_empty(), "no longer under call 7");
+        let again = answers.take(["relay#1"], &[7, 8], 9, LEASE);
+        assert_eq!(lost(&again), vec![(0, vec![1, 2])], "named with call 8, it comes back");
+        again.handed_back();
+        // A call without an id cannot be named: nothing is put back under it.
+        answers.record(10, [("relay#1", vec![5])], LEASE);
+        drop(answers.take(["relay#1"], &[10], 0, LEASE));
+        assert!(answers.take(["relay#1"], &[0, 10], 11, LEASE).is_empty());
     }
 
     #[test]
@@ -116,7 +181,7 @@ mod tests {
         let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
         answers.record(1, [("relay#1", vec![1])], Duration::ZERO);
         answers.record(2, [("relay#2", vec![2])], Duration::ZERO);
-        assert!(answers.lost(["relay#1"], &[1]).is_empty(), "swept by the next record");
-        assert_eq!(answers.lost(["relay#2"], &[2]), vec![(0, vec![2])], "the new entry is kept");
+        assert!(answers.take(["relay#1"], &[1], 3, LEASE).is_empty(), "swept by the next record");
+        assert_eq!(lost(&answers.take(["relay#2"], &[2], 3, LEASE)), vec![(0, vec![2])], "the new entry is kept");
     }
 }

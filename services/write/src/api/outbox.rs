@@ -182,10 +182,13 @@ impl v1::outbox_server::Outbox for OutboxApi {
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         // Without a consumer's name there is no telling whose rows are whose.
         let named = !r.consumer.is_empty();
-        let mut rows = match self.last_rows.lost(named.then(|| r.consumer.clone()), &r.unanswered).pop() {
-            Some((_, handed)) => self.hand_back_rows(limits.clone(), handed).await?,
+        let lease = self.policy.lease;
+        let taken = self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered, r.call_id, lease);
+        let mut rows = match taken.lost().next() {
+            Some((_, handed)) => self.hand_back_rows(limits.clone(), handed.clone()).await?,
             None => Vec::new(),
         };
+        taken.handed_back();
         if rows.is_empty() {
             let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
             rows = self
