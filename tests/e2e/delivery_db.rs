@@ -843,33 +843,13 @@ async fn a_claim_answer_that_never_arrived_is_handed_back_to_its_owner() {
     let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
     let mut handlers =
         crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &[("REELAY_PROBE_DELAY_MS", "0")]).await;
-    let mut c = cluster.write.clients().await;
-    let resumed = || async { cluster.write.metrics().await.value("reelay_deliveries_resumed_total").unwrap_or(0.0) };
-    // An idle claim's long poll ends every second with an empty answer, and the cut may hit
-    // one of those instead of the answer with the event: that event is then handled as usual,
-    // and the next round cuts again.
-    let mut handed_back = None;
-    for round in 0..5 {
-        let before = event_ids(&cluster.db).await;
-        proxy.cut_next_answer();
-        c.user(&format!("user{round}")).await;
-        let event_id = event_ids(&cluster.db).await.into_iter().find(|e| !before.contains(e)).unwrap();
-        delivery_reaches(
-            &cluster.db,
-            &event_id,
-            "probe-a",
-            "done",
-            "the event is handled well within the lease of a lost claim",
-            Duration::from_secs(15),
-        )
-        .await;
-        if resumed().await > 0.0 {
-            handed_back = Some(event_id);
-            break;
-        }
-    }
-    let event_id = handed_back.expect("a cut answer was a claim's with an event in it");
-    assert_eq!(resumed().await, 1.0);
+    let resumed = "reelay_deliveries_resumed_total";
+    let event_id = crate::cut_claim_answers_until_one_is_handed_back(&cluster.write, &proxy, resumed, |event_id| {
+        let db = cluster.db.clone();
+        async move { delivery(&db, &event_id, "probe-a").await.is_some_and(|d| d.0 == "done") }
+    })
+    .await;
+    assert_eq!(cluster.write.metrics().await.value(resumed), Some(1.0));
     let (attempts, _) = probe_records(&cluster.effects, "attempts").await;
     assert_eq!(attempts.get(&(event_id.clone(), "probe-a".to_owned())), Some(&1), "one run: {attempts:?}");
     assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 0, "no attempt spent");

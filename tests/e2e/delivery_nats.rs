@@ -947,8 +947,6 @@ async fn a_relay_claim_answer_that_never_arrived_is_handed_back_to_the_relay() {
     let proxy_url = format!("http://{}", proxy.addr);
     let mut relay =
         start(BIN, &dir.path().join("relay/x.db"), &["relay"], &with(&env, &[("REELAY_WRITE_URL", &proxy_url)])).await;
-    let mut c = write.clients().await;
-    let resumed = || async { write.metrics().await.value("reelay_outbox_rows_resumed_total").unwrap_or(0.0) };
     let status = |event_id: String| {
         let db = db.clone();
         async move {
@@ -956,32 +954,13 @@ async fn a_relay_claim_answer_that_never_arrived_is_handed_back_to_the_relay() {
             query_strings(&db, &sql).await.remove(0)
         }
     };
-    // The relay's idle long poll ends every second with an empty answer, and the cut may hit
-    // one of those instead of the answer with the event: that event is then published as
-    // usual, and the next round cuts again.
-    let mut handed_back = None;
-    for round in 0..5 {
-        // The cut is for the relay's claim, not for the answer to an earlier call (its start-up
-        // calls, the last round's mark-done): wait until those are answered and the relay waits
-        // in a claim.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        crate::claims_waiting(&write, 1.0).await;
-        let before = event_ids(&db).await;
-        proxy.cut_next_answer();
-        c.user(&format!("user{round}")).await;
-        let event_id = event_ids(&db).await.into_iter().find(|e| !before.contains(e)).unwrap();
-        eventually("the event is published well within the lease of a lost claim", Duration::from_secs(15), || {
-            let status = status(event_id.clone());
-            async move { status.await[0] == "done" }
-        })
-        .await;
-        if resumed().await > 0.0 {
-            handed_back = Some(event_id);
-            break;
-        }
-    }
-    let event_id = handed_back.expect("a cut answer was a claim's with an event in it");
-    assert_eq!(resumed().await, 1.0, "one row handed back");
+    let resumed = "reelay_outbox_rows_resumed_total";
+    let event_id = crate::cut_claim_answers_until_one_is_handed_back(&write, &proxy, resumed, |event_id| {
+        let status = status(event_id);
+        async move { status.await[0] == "done" }
+    })
+    .await;
+    assert_eq!(write.metrics().await.value(resumed), Some(1.0), "one row handed back");
     assert_eq!(status(event_id.clone()).await, ["done", "0"], "no attempt spent");
     let copies = stream_messages(&nats.url()).await.into_iter().filter(|(_, id)| *id == event_id).count();
     assert_eq!(copies, 1, "published once");

@@ -131,6 +131,47 @@ async fn claims_waiting(write: &Reelay, n: f64) {
     .await;
 }
 
+/// Writes a user a round, with `proxy` (between the write service and the claimer under test)
+/// set to cut the next answer it carries, until the write service's counter `resumed` says a
+/// claim answer that never arrived was handed back; returns that round's event. Each round's
+/// event must be `done` within 15 s, well inside the 30 s lease that a lost answer would
+/// otherwise hold it for. Before each cut the last round's answers (its settlement) are let out
+/// and a claim waits with the writer, so the cut takes a claim's answer; unless that claim's long
+/// poll ends first (every second, with nothing): then the event is handled as usual and the next
+/// round cuts again, five rounds at most.
+async fn cut_claim_answers_until_one_is_handed_back<F, Fut>(
+    write: &Reelay,
+    proxy: &reelay_harness::CuttingProxy,
+    resumed: &str,
+    done: F,
+) -> String
+where
+    F: Fn(String) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let mut c = write.clients().await;
+    for round in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        eventually("a claim waits with the writer", Duration::from_secs(10), || async {
+            write.metrics().await.value("reelay_claims_waiting").is_some_and(|n| n >= 1.0)
+        })
+        .await;
+        let before = reelay_harness::event_ids(&write.database).await;
+        proxy.cut_next_answer();
+        c.user(&format!("user{round}")).await;
+        let event_id =
+            reelay_harness::event_ids(&write.database).await.into_iter().find(|e| !before.contains(e)).unwrap();
+        eventually("the event is handled well within the lease of a lost claim", Duration::from_secs(15), || {
+            done(event_id.clone())
+        })
+        .await;
+        if write.metrics().await.value(resumed).is_some_and(|n| n > 0.0) {
+            return event_id;
+        }
+    }
+    panic!("no cut answer was a claim's with an event in it");
+}
+
 /// The write service's batches so far, and its write jobs named `job`.
 async fn batches_and_jobs(write: &Reelay, job: &str) -> (f64, f64) {
     let metrics = write.metrics().await;

@@ -114,7 +114,15 @@ const MAX_SLOTS: u32 = 64;
 /// so no other data dir's name can be one of these. `dir` is named by its full path when it
 /// exists, and `#` (which ends the instance in an owner) is left out of the name.
 pub fn default_name(host: &str, dir: &Path, slot: u32) -> String {
-    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    slot_name(host, &full_path(dir), slot)
+}
+
+fn full_path(dir: &Path) -> PathBuf {
+    std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned())
+}
+
+/// [`default_name`] of a dir already named by its full path.
+fn slot_name(host: &str, dir: &Path, slot: u32) -> String {
     let name = if slot == 1 { format!("{host}:{}", dir.display()) } else { format!("{host}/{slot}:{}", dir.display()) };
     name.replace('#', "_")
 }
@@ -147,8 +155,9 @@ pub async fn instance(explicit: Option<&str>, host: &str, data_dir: &Path) -> an
             Err(error) => Ok(unchecked(name, data_dir, &error)),
         };
     }
+    let full = full_path(data_dir);
     for slot in 1..=MAX_SLOTS {
-        let name = default_name(host, data_dir, slot);
+        let name = slot_name(host, &full, slot);
         match try_take(&instance_lock_path(data_dir, &name), &format!("instance {name}")) {
             Ok(Some(held)) => {
                 if slot > 1 {

@@ -66,11 +66,10 @@ impl Identity {
     /// The name, and the lock that keeps it this process's own while it runs (when `claims`: the
     /// process runs a service that claims work; the others need no name of their own).
     async fn claim(args: &RunArgs, claims: bool) -> anyhow::Result<(Self, Option<crate::locks::Held>)> {
-        // `#` ends the instance in an owner; a name cannot hold one.
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
-            .unwrap_or_else(|_| "localhost".into())
-            .replace('#', "_");
+            .unwrap_or_else(|_| "localhost".into());
+        // `#` ends the instance in an owner; a name cannot hold one (default names leave it out).
         let explicit = args.instance.as_ref().map(|name| name.replace('#', "_"));
         let data_dir = &args.database.data_dir;
         let (instance, lock) = if claims {

@@ -28,7 +28,6 @@ pub use store::Store;
 /// before the first request.
 pub fn register_metrics() {
     api::register_ledger_metrics();
-    api::register_delivery_metrics();
     api::register_outbox_metrics();
     merge::register_metrics();
 }

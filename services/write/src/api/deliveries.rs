@@ -30,7 +30,7 @@ static RESUMED: LazyLock<Counter> = LazyLock::new(|| {
 });
 
 /// Declares the metrics of per-handler delivery, so they are scraped before the first claim.
-pub(crate) fn register_metrics() {
+pub(super) fn register_metrics() {
     LazyLock::force(&RESUMED);
 }
 
@@ -217,7 +217,7 @@ impl OutboxApi {
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
         let keys = names.iter().map(|name| (r.owner.clone(), name.clone()));
-        let taken = self.last_deliveries.take(keys, &r.unanswered, r.call_id, self.deliveries.lease);
+        let taken = self.last_deliveries.take(keys, &r.unanswered, r.call_id);
         let mut answers = if taken.is_empty() {
             Vec::new()
         } else {
@@ -228,13 +228,11 @@ impl OutboxApi {
         if answers.is_empty() {
             answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes).await?;
         }
-        if r.call_id != 0 {
-            let handed = answers.iter().filter_map(|answer| {
-                let claimed = answer.claimed.as_ref().ok()?;
-                Some(((r.owner.clone(), names[answer.index].clone()), claimed.iter().map(Handed::from).collect()))
-            });
-            self.last_deliveries.record(r.call_id, handed, self.deliveries.lease);
-        }
+        let handed = answers.iter().filter_map(|answer| {
+            let claimed = answer.claimed.as_ref().ok()?;
+            Some(((r.owner.clone(), names[answer.index].clone()), claimed.iter().map(Handed::from).collect()))
+        });
+        self.last_deliveries.record(r.call_id, handed);
         for answer in answers {
             let entry = &mut handlers[answer.index];
             match answer.claimed {

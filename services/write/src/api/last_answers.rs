@@ -29,8 +29,13 @@ pub(super) fn check_unanswered(unanswered: &[u64]) -> Result<(), ServiceError> {
 /// call that was. The key's next call with something in its answer replaces it, a call naming
 /// it as unanswered takes it out (so two calls naming it at once cannot both hand it back), and
 /// once a lease the entries older than a lease are dropped (what they handed goes to any
-/// claimer by then, a dead one's too).
-pub(super) struct LastAnswers<K, T>(Arc<Mutex<Remembered<K, T>>>);
+/// claimer by then, a dead one's too). A call without an id (0) cannot be named, so nothing is
+/// kept for it.
+pub(super) struct LastAnswers<K, T> {
+    remembered: Arc<Mutex<Remembered<K, T>>>,
+    /// The claims' lease.
+    lease: Duration,
+}
 
 struct Remembered<K, T> {
     last: HashMap<K, LastAnswer<T>>,
@@ -46,33 +51,26 @@ struct LastAnswer<T> {
 
 impl<K, T> Clone for LastAnswers<K, T> {
     fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
-
-impl<K, T> Default for LastAnswers<K, T> {
-    fn default() -> Self {
-        Self(Arc::new(Mutex::new(Remembered { last: HashMap::new(), next_sweep: None })))
+        Self { remembered: self.remembered.clone(), lease: self.lease }
     }
 }
 
 impl<K: Eq + Hash, T> LastAnswers<K, T> {
+    /// Nothing kept yet, for claims of `lease`.
+    pub(super) fn new(lease: Duration) -> Self {
+        Self { remembered: Arc::new(Mutex::new(Remembered { last: HashMap::new(), next_sweep: None })), lease }
+    }
+
     /// Takes out what the last calls for `keys` handed, each with its key's position in `keys`,
     /// where that call is one of `unanswered`. Unless [`Taken::handed_back`] is called (the
     /// hand-back failed, or the call went away before answering), they are put back under
     /// `call_id`, the call taking them, which its claimer names next since it got no answer.
-    pub(super) fn take(
-        &self,
-        keys: impl IntoIterator<Item = K>,
-        unanswered: &[u64],
-        call_id: u64,
-        lease: Duration,
-    ) -> Taken<K, T> {
-        let mut taken = Taken { answers: self.clone(), call_id, lease, lost: Vec::new() };
+    pub(super) fn take(&self, keys: impl IntoIterator<Item = K>, unanswered: &[u64], call_id: u64) -> Taken<K, T> {
+        let mut taken = Taken { answers: self.clone(), call_id, lost: Vec::new() };
         if unanswered.is_empty() {
             return taken;
         }
-        let mut remembered = self.0.lock().expect("last answers lock");
+        let mut remembered = self.remembered.lock().expect("last answers lock");
         for (index, key) in keys.into_iter().enumerate() {
             if let Entry::Occupied(last) = remembered.last.entry(key)
                 && unanswered.contains(&last.get().call_id)
@@ -85,14 +83,17 @@ impl<K: Eq + Hash, T> LastAnswers<K, T> {
     }
 
     /// Keeps what call `call_id` handed each key in `handed` (in place of an earlier call's).
-    pub(super) fn record(&self, call_id: u64, handed: impl IntoIterator<Item = (K, T)>, lease: Duration) {
+    pub(super) fn record(&self, call_id: u64, handed: impl IntoIterator<Item = (K, T)>) {
+        if call_id == 0 {
+            return;
+        }
         let now = Instant::now();
         let entries: Vec<(K, LastAnswer<T>)> =
             handed.into_iter().map(|(key, handed)| (key, LastAnswer { call_id, at: now, handed })).collect();
-        let mut remembered = self.0.lock().expect("last answers lock");
+        let mut remembered = self.remembered.lock().expect("last answers lock");
         if remembered.next_sweep.is_none_or(|at| now >= at) {
-            remembered.last.retain(|_, answer| now.duration_since(answer.at) < lease);
-            remembered.next_sweep = Some(now + lease);
+            remembered.last.retain(|_, answer| now.duration_since(answer.at) < self.lease);
+            remembered.next_sweep = Some(now + self.lease);
         }
         remembered.last.extend(entries);
     }
@@ -102,7 +103,6 @@ impl<K: Eq + Hash, T> LastAnswers<K, T> {
 pub(super) struct Taken<K: Eq + Hash, T> {
     answers: LastAnswers<K, T>,
     call_id: u64,
-    lease: Duration,
     lost: Vec<(usize, K, T)>,
 }
 
@@ -124,9 +124,9 @@ impl<K: Eq + Hash, T> Taken<K, T> {
 
 impl<K: Eq + Hash, T> Drop for Taken<K, T> {
     fn drop(&mut self) {
-        if self.call_id != 0 && !self.lost.is_empty() {
+        if !self.lost.is_empty() {
             let lost = std::mem::take(&mut self.lost).into_iter().map(|(_, key, handed)| (key, handed));
-            self.answers.record(self.call_id, lost, self.lease);
+            self.answers.record(self.call_id, lost);
         }
     }
 }
@@ -143,45 +143,45 @@ mod tests {
 
     #[test]
     fn only_a_named_call_of_the_same_key_is_taken_and_only_once() {
-        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
-        answers.record(7, [("relay#1", vec![1, 2]), ("relay#2", vec![3])], LEASE);
-        assert!(answers.take(["relay#1"], &[], 9, LEASE).is_empty(), "no call named");
-        assert!(answers.take(["relay#1"], &[6, 8], 9, LEASE).is_empty(), "another call named");
-        assert!(answers.take(["relay#3"], &[7], 9, LEASE).is_empty(), "another key");
-        let taken = answers.take(["relay#3", "relay#1"], &[7], 9, LEASE);
+        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::new(LEASE);
+        answers.record(7, [("relay#1", vec![1, 2]), ("relay#2", vec![3])]);
+        assert!(answers.take(["relay#1"], &[], 9).is_empty(), "no call named");
+        assert!(answers.take(["relay#1"], &[6, 8], 9).is_empty(), "another call named");
+        assert!(answers.take(["relay#3"], &[7], 9).is_empty(), "another key");
+        let taken = answers.take(["relay#3", "relay#1"], &[7], 9);
         assert_eq!(lost(&taken), vec![(1, vec![1, 2])]);
         // A second call naming it at the same time gets nothing: one hand-back at a time.
-        assert!(answers.take(["relay#1"], &[7], 10, LEASE).is_empty());
+        assert!(answers.take(["relay#1"], &[7], 10).is_empty());
         taken.handed_back();
-        assert!(answers.take(["relay#1"], &[7, 9], 11, LEASE).is_empty(), "handed back: gone");
+        assert!(answers.take(["relay#1"], &[7, 9], 11).is_empty(), "handed back: gone");
         // The next call with something in its answer replaces an entry.
-        answers.record(12, [("relay#2", vec![4])], LEASE);
-        assert!(answers.take(["relay#2"], &[7], 13, LEASE).is_empty());
-        assert_eq!(lost(&answers.take(["relay#2"], &[12], 13, LEASE)), vec![(0, vec![4])]);
+        answers.record(12, [("relay#2", vec![4])]);
+        assert!(answers.take(["relay#2"], &[7], 13).is_empty());
+        assert_eq!(lost(&answers.take(["relay#2"], &[12], 13)), vec![(0, vec![4])]);
     }
 
     #[test]
     fn what_a_call_took_and_did_not_hand_back_is_put_back_under_that_call() {
-        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
-        answers.record(7, [("relay#1", vec![1, 2])], LEASE);
+        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::new(LEASE);
+        answers.record(7, [("relay#1", vec![1, 2])]);
         // Call 8 takes it and fails (or goes away) before handing it back.
-        drop(answers.take(["relay#1"], &[7], 8, LEASE));
-        assert!(answers.take(["relay#1"], &[7], 9, LEASE).is_empty(), "no longer under call 7");
-        let again = answers.take(["relay#1"], &[7, 8], 9, LEASE);
+        drop(answers.take(["relay#1"], &[7], 8));
+        assert!(answers.take(["relay#1"], &[7], 9).is_empty(), "no longer under call 7");
+        let again = answers.take(["relay#1"], &[7, 8], 9);
         assert_eq!(lost(&again), vec![(0, vec![1, 2])], "named with call 8, it comes back");
         again.handed_back();
         // A call without an id cannot be named: nothing is put back under it.
-        answers.record(10, [("relay#1", vec![5])], LEASE);
-        drop(answers.take(["relay#1"], &[10], 0, LEASE));
-        assert!(answers.take(["relay#1"], &[0, 10], 11, LEASE).is_empty());
+        answers.record(10, [("relay#1", vec![5])]);
+        drop(answers.take(["relay#1"], &[10], 0));
+        assert!(answers.take(["relay#1"], &[0, 10], 11).is_empty());
     }
 
     #[test]
     fn entries_older_than_a_lease_are_dropped_once_a_lease() {
-        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::default();
-        answers.record(1, [("relay#1", vec![1])], Duration::ZERO);
-        answers.record(2, [("relay#2", vec![2])], Duration::ZERO);
-        assert!(answers.take(["relay#1"], &[1], 3, LEASE).is_empty(), "swept by the next record");
-        assert_eq!(lost(&answers.take(["relay#2"], &[2], 3, LEASE)), vec![(0, vec![2])], "the new entry is kept");
+        let answers: LastAnswers<&str, Vec<i64>> = LastAnswers::new(Duration::ZERO);
+        answers.record(1, [("relay#1", vec![1])]);
+        answers.record(2, [("relay#2", vec![2])]);
+        assert!(answers.take(["relay#1"], &[1], 3).is_empty(), "swept by the next record");
+        assert_eq!(lost(&answers.take(["relay#2"], &[2], 3)), vec![(0, vec![2])], "the new entry is kept");
     }
 }

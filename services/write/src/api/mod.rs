@@ -30,7 +30,6 @@ mod watchlist;
 mod wrap_ups;
 
 pub use admin::{Bus, sample_status};
-pub(crate) use deliveries::register_metrics as register_delivery_metrics;
 pub use deliveries::{note_lease, register_handlers};
 pub use internal::{DeliveryPolicy, mount_internal};
 pub(crate) use ledger::register_metrics as register_ledger_metrics;

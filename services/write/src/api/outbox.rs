@@ -27,9 +27,11 @@ static ROWS_RESUMED: LazyLock<Counter> = LazyLock::new(|| {
     )
 });
 
-/// Declares the Outbox API's own metrics, so they are scraped before the first claim.
+/// Declares the Outbox API's metrics (per-handler delivery's too), so they are scraped before
+/// the first claim.
 pub(crate) fn register_metrics() {
     LazyLock::force(&ROWS_RESUMED);
+    super::deliveries::register_metrics();
 }
 
 /// How long an idle claimer sleeps at most before looking again, even without a commit: rows
@@ -182,8 +184,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         // Without a consumer's name there is no telling whose rows are whose.
         let named = !r.consumer.is_empty();
-        let lease = self.policy.lease;
-        let taken = self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered, r.call_id, lease);
+        let taken = self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered, r.call_id);
         let mut rows = match taken.lost().next() {
             Some((_, handed)) => self.hand_back_rows(limits.clone(), handed.clone()).await?,
             None => Vec::new(),
@@ -203,10 +204,9 @@ impl v1::outbox_server::Outbox for OutboxApi {
                 )
                 .await?;
         }
-        if named && r.call_id != 0 {
+        if named && !rows.is_empty() {
             let handed = rows.iter().map(|row| RowClaim { id: row.id, claimed_at: row.claimed_at }).collect();
-            let handed = (!rows.is_empty()).then(|| (r.consumer.clone(), handed));
-            self.last_rows.record(r.call_id, handed, self.policy.lease);
+            self.last_rows.record(r.call_id, [(r.consumer.clone(), handed)]);
         }
         if !rows.is_empty() {
             tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
