@@ -1047,3 +1047,41 @@ async fn one_claim_call_serves_several_handlers() {
     );
     write.stop().await;
 }
+
+/// The deliveries claimed for a handlers process whose call went away while the claim's commit
+/// was on its way to a slow disk (its deadline passed first) are handed back to its next call
+/// naming that call, whether a claim job of its own wrote them or the batch of the event they
+/// are for; before, they waited out the 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_claimed_for_a_call_that_went_away_are_handed_back() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let (mut write, c, ana) = write_for_two_probes(&db).await;
+    let new_event = |n: usize| {
+        let (mut c, ana, db) = (c.clone(), ana.clone(), db.clone());
+        async move {
+            c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 5 + n as u32).await;
+            let reviews = reelay_harness::events_of(&db, "ReviewLogged").await;
+            reviews.last().expect("the review's event").event_id.clone()
+        }
+    };
+    let claim = |call_id: u64, unanswered: Vec<u64>, wait_ms: u32, deadline: Duration| {
+        let mut outbox = c.outbox.clone();
+        let mut request = tonic::Request::new(v1::ClaimDeliveriesForHandlersRequest {
+            handlers: wants(&["probe-a"]),
+            owner: "test#1".into(),
+            wait_ms,
+            call_id,
+            unanswered,
+            ..Default::default()
+        });
+        request.set_timeout(deadline);
+        async move {
+            let answer = outbox.claim_deliveries_for_handlers(request).await?.into_inner();
+            Ok(answer.handlers.into_iter().flat_map(|h| h.deliveries).map(|d| d.key).collect())
+        }
+    };
+    let resumed = "reelay_deliveries_resumed_total";
+    crate::claims_for_a_caller_that_went_away_are_handed_back(&write, dir.path(), resumed, new_event, claim).await;
+    write.stop().await;
+}

@@ -1007,3 +1007,41 @@ async fn a_new_replica_count_is_applied_to_both_streams_in_place() {
     relay.stop().await;
     write.stop().await;
 }
+
+/// The outbox rows claimed for a relay whose call went away while the claim's commit was on its
+/// way to a slow disk (its deadline passed first) are handed back to its next call naming that
+/// call, whether a claim job of its own wrote them or the batch that wrote them; before, they
+/// waited out the 30 s lease. (The write service alone: the test claims as the relay does.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[("EVENT_BUS_BACKEND", "nats")]).await;
+    let c = write.clients().await;
+    let new_event = |n: usize| {
+        let (mut c, db) = (c.clone(), db.clone());
+        async move {
+            let before = event_ids(&db).await;
+            c.user(&format!("user{n}")).await;
+            let new: Vec<String> = event_ids(&db).await.into_iter().filter(|e| !before.contains(e)).collect();
+            assert_eq!(new.len(), 1, "one event per user: {new:?}");
+            new[0].clone()
+        }
+    };
+    let claim = |call_id: u64, unanswered: Vec<u64>, wait_ms: u32, deadline: Duration| {
+        let mut outbox = c.outbox.clone();
+        let mut request = tonic::Request::new(v1::ClaimRequest {
+            consumer: "relay-test#1".into(),
+            max_rows: 10,
+            wait_ms,
+            call_id,
+            unanswered,
+            ..Default::default()
+        });
+        request.set_timeout(deadline);
+        async move { Ok(outbox.claim(request).await?.into_inner().rows.into_iter().map(|r| r.event_id).collect()) }
+    };
+    let resumed = "reelay_outbox_rows_resumed_total";
+    crate::claims_for_a_caller_that_went_away_are_handed_back(&write, dir.path(), resumed, new_event, claim).await;
+    write.stop().await;
+}

@@ -172,6 +172,66 @@ where
     panic!("no cut answer was a claim's with an event in it");
 }
 
+/// How long each fsync of the write service waits while a claim's caller goes away.
+const SLOW_FSYNC: Duration = Duration::from_secs(4);
+
+/// A claim made for a caller that went away while its commit was on its way to the disk (a slow
+/// fsync; the call's deadline passed first) is handed back to the claimer's next call naming
+/// that call, well within the 30 s lease it would otherwise wait out. Both ways a claim is
+/// written: in a claim job of its own (the event was due when the call came) and with the event,
+/// for a call waiting when it was written. `new_event(n)` writes an event the claimer takes and
+/// returns its id; `claim(call_id, unanswered, wait_ms, deadline)` makes a call and returns the
+/// ids of the events it was handed; the write service's counter `resumed` counts what it handed
+/// back.
+async fn claims_for_a_caller_that_went_away_are_handed_back<E, EF, C, CF>(
+    write: &Reelay,
+    dir: &Path,
+    resumed: &str,
+    new_event: E,
+    claim: C,
+) where
+    E: Fn(usize) -> EF,
+    EF: Future<Output = String>,
+    C: Fn(u64, Vec<u64>, u32, Duration) -> CF,
+    CF: Future<Output = Result<Vec<String>, tonic::Status>> + Send + 'static,
+{
+    let mut call_ids = 1..;
+    let mut handed_back = 0;
+    for written_with_the_event in [false, true] {
+        let event = if written_with_the_event { None } else { Some(new_event(0).await) };
+        let slow = reelay_harness::Strace::delay(write.pid(), "fsync,fdatasync", SLOW_FSYNC, dir).await;
+        let gone_call = call_ids.next().unwrap();
+        // A waiting call's deadline leaves room for the event's batch to start before it and
+        // passes well before that batch's slow commit ends.
+        let (wait_ms, deadline) = if written_with_the_event { (20_000, 2_000) } else { (0, 300) };
+        let call = tokio::spawn(claim(gone_call, Vec::new(), wait_ms, Duration::from_millis(deadline)));
+        let event = match event {
+            Some(event) => event,
+            None => {
+                claims_waiting(write, 1.0).await;
+                new_event(1).await
+            }
+        };
+        let answer = call.await.unwrap();
+        assert!(answer.is_err(), "the call's deadline passes while its claim is written: {answer:?}");
+        // strace detached mid-delay does not log the call: let the claim's commit finish first.
+        tokio::time::sleep(SLOW_FSYNC).await;
+        assert!(slow.stop().await > 0, "the write service's fsyncs waited");
+        let handed = reelay_harness::eventually_some(
+            "the claim made for the caller that went away is handed back",
+            Duration::from_secs(10),
+            || {
+                let answer = claim(call_ids.next().unwrap(), vec![gone_call], 0, Duration::from_secs(10));
+                async move { Some(answer.await.expect("a claim naming the call")).filter(|ids| !ids.is_empty()) }
+            },
+        )
+        .await;
+        assert_eq!(handed, [event], "only the event claimed for the call that went away");
+        handed_back += 1;
+        assert_eq!(write.metrics().await.value(resumed), Some(f64::from(handed_back)));
+    }
+}
+
 /// The write service's batches so far, and its write jobs named `job`.
 async fn batches_and_jobs(write: &Reelay, job: &str) -> (f64, f64) {
     let metrics = write.metrics().await;

@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::signal;
 
-/// strace attached to every thread of a process, making some of its system calls fail.
+/// strace attached to every thread of a process, making some of its system calls fail or wait.
 pub struct Strace {
     child: Option<Child>,
     trace: PathBuf,
@@ -25,14 +25,24 @@ impl Strace {
     /// `7+61` is the 7th call and every 61st after it, counted per thread). Returns once strace
     /// has attached. strace, not a mock: the process really sees the error.
     pub async fn inject(pid: u32, syscalls: &str, errno: &str, when: &str, dir: &Path) -> Self {
-        let name = format!("strace-{pid}-{}-{errno}", syscalls.replace(',', "+"));
+        Self::attach(pid, syscalls, &format!("error={errno}:when={when}"), errno, dir).await
+    }
+
+    /// Makes every call of `syscalls` of `pid` wait `delay` before it runs (a slow disk, when
+    /// they are its fsyncs). Returns once strace has attached.
+    pub async fn delay(pid: u32, syscalls: &str, delay: Duration, dir: &Path) -> Self {
+        Self::attach(pid, syscalls, &format!("delay_enter={}", delay.as_micros()), "delay", dir).await
+    }
+
+    async fn attach(pid: u32, syscalls: &str, injection: &str, label: &str, dir: &Path) -> Self {
+        let name = format!("strace-{pid}-{}-{label}", syscalls.replace(',', "+"));
         let trace = dir.join(format!("{name}.trace"));
         let stderr = dir.join(format!("{name}.stderr"));
         let child = Command::new("strace")
             .args(["-f", "-o"])
             .arg(&trace)
             .args(["-e", &format!("trace={syscalls}")])
-            .args(["-e", &format!("inject={syscalls}:error={errno}:when={when}")])
+            .args(["-e", &format!("inject={syscalls}:{injection}")])
             .args(["-p", &pid.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -54,7 +64,8 @@ impl Strace {
         }
     }
 
-    /// Detaches (the process runs on unharmed) and returns how many calls failed by injection.
+    /// Detaches (the process runs on unharmed) and returns how many calls failed or waited by
+    /// injection.
     pub async fn stop(mut self) -> usize {
         if let Some(mut child) = self.child.take() {
             signal(child.id(), "INT");
@@ -68,7 +79,11 @@ impl Strace {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
-        std::fs::read_to_string(&self.trace).unwrap_or_default().lines().filter(|l| l.contains("(INJECTED)")).count()
+        std::fs::read_to_string(&self.trace)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("(INJECTED)") || l.contains("(DELAYED)"))
+            .count()
     }
 }
 

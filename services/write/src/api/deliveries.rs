@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
 use super::last_answers::{LastAnswers, check_unanswered};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
-use super::waiting::WaitingClaims;
+use super::waiting::{WaitingClaims, to_the_end};
 use crate::WriteError;
 
 static RESUMED: LazyLock<Counter> = LazyLock::new(|| {
@@ -173,7 +173,8 @@ impl OutboxApi {
         let event_types = event_types("event_types", r.event_types, &handler)?;
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let wants = v1::HandlerWants { handler, event_types, max_rows };
-        let mut answered = self.claim_group(vec![wants], r.owner, r.wait_ms, r.max_bytes).await?;
+        let mut answered =
+            self.claim_group(vec![wants], r.owner, r.wait_ms, r.max_bytes, self.shutdown.requested()).await?;
         let deliveries = match answered.pop() {
             None => Vec::new(),
             Some(HandlerAnswer { claimed: Ok(claimed), .. }) => claimed.into_iter().map(delivery).collect(),
@@ -186,7 +187,7 @@ impl OutboxApi {
 
     pub(super) async fn claim_deliveries_for_handlers(
         &self,
-        r: v1::ClaimDeliveriesForHandlersRequest,
+        mut r: v1::ClaimDeliveriesForHandlersRequest,
     ) -> Result<v1::ClaimDeliveriesForHandlersResponse, WriteError> {
         if r.handlers.is_empty() || r.handlers.len() > MAX_HANDLERS_PER_CLAIM {
             return Err(ServiceError::invalid(
@@ -196,7 +197,7 @@ impl OutboxApi {
             .into());
         }
         let mut checked: Vec<v1::HandlerWants> = Vec::with_capacity(r.handlers.len());
-        for wants in r.handlers {
+        for wants in std::mem::take(&mut r.handlers) {
             let handler = handler_name("handlers.handler", &wants.handler)?;
             if checked.iter().any(|w| w.handler == handler) {
                 return Err(ServiceError::invalid("handlers.handler", format!("{handler:?} is named twice")).into());
@@ -206,6 +207,24 @@ impl OutboxApi {
             checked.push(v1::HandlerWants { handler, event_types, max_rows });
         }
         check_unanswered(&r.unanswered)?;
+        check_wait_and_owner(r.wait_ms, &r.owner)?;
+        let this = self.clone();
+        to_the_end(move |caller| async move {
+            let stop = caller.or_shutdown(&this.shutdown);
+            this.claim_for_handlers(r, checked, stop).await
+        })
+        .await
+    }
+
+    /// `ClaimDeliveriesForHandlers` for the `checked` handlers: what the call's unanswered calls
+    /// handed them and the owner still holds, else what is due, waiting up to `wait_ms` or until
+    /// `stop`. What it hands out is recorded first, for a hand-back should the answer not arrive.
+    async fn claim_for_handlers(
+        &self,
+        r: v1::ClaimDeliveriesForHandlersRequest,
+        checked: Vec<v1::HandlerWants>,
+        stop: impl Future<Output = ()>,
+    ) -> Result<v1::ClaimDeliveriesForHandlersResponse, WriteError> {
         let mut handlers: Vec<v1::HandlerDeliveries> = checked
             .iter()
             .map(|w| v1::HandlerDeliveries {
@@ -214,7 +233,6 @@ impl OutboxApi {
                 refused: String::new(),
             })
             .collect();
-        check_wait_and_owner(r.wait_ms, &r.owner)?;
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
         let keys = names.iter().map(|name| (r.owner.clone(), name.clone()));
         let taken = self.last_deliveries.take(keys, &r.unanswered, r.call_id);
@@ -226,7 +244,7 @@ impl OutboxApi {
         };
         taken.handed_back();
         if answers.is_empty() {
-            answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes).await?;
+            answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes, stop).await?;
         }
         let handed = answers.iter().filter_map(|answer| {
             let claimed = answer.claimed.as_ref().ok()?;
@@ -286,14 +304,15 @@ impl OutboxApi {
     }
 
     /// Claims for a group of handlers (their names, `wait_ms` and `owner` checked; never none)
-    /// as soon as any of them
-    /// has something, waiting up to `wait_ms` (the long poll both claim calls share).
+    /// as soon as any of them has something, waiting up to `wait_ms` or until `stop` (the long
+    /// poll both claim calls share).
     async fn claim_group(
         &self,
         wants: Vec<v1::HandlerWants>,
         owner: String,
         wait_ms: u32,
         max_bytes: u32,
+        stop: impl Future<Output = ()>,
     ) -> Result<Vec<HandlerAnswer>, WriteError> {
         let max_bytes = self.answer_bytes(max_bytes);
         let names: Vec<String> = wants.iter().map(|w| w.handler.clone()).collect();
@@ -312,11 +331,11 @@ impl OutboxApi {
         self.waiting_deliveries
             .long_poll(
                 &self.db.writer,
-                &self.shutdown,
                 deadline,
                 &group,
                 || self.peek_deliveries(&names, deadline),
                 || self.claim_deliveries_now(group.clone()),
+                stop,
             )
             .await
     }

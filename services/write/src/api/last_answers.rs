@@ -63,7 +63,7 @@ impl<K: Eq + Hash, T> LastAnswers<K, T> {
 
     /// Takes out what the last calls for `keys` handed, each with its key's position in `keys`,
     /// where that call is one of `unanswered`. Unless [`Taken::handed_back`] is called (the
-    /// hand-back failed, or the call went away before answering), they are put back under
+    /// hand-back failed, or the call ended some other way first), they are put back under
     /// `call_id`, the call taking them, which its claimer names next since it got no answer.
     pub(super) fn take(&self, keys: impl IntoIterator<Item = K>, unanswered: &[u64], call_id: u64) -> Taken<K, T> {
         let mut taken = Taken { answers: self.clone(), call_id, lost: Vec::new() };

@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 use super::admin::Bus;
 use super::internal::MAX_BATCH_KEYS;
 use super::last_answers::{LastAnswers, check_unanswered};
-use super::waiting::WaitingClaims;
+use super::waiting::{WaitingClaims, to_the_end};
 use crate::WriteError;
 use crate::merge::Merged;
 
@@ -151,6 +151,61 @@ impl OutboxApi {
         Ok(rows)
     }
 
+    /// The relay's claim (its request checked): what its unanswered calls were handed and it
+    /// still holds, else what is due, waiting for it up to `wait_ms` or until `stop`. What it
+    /// hands out is recorded first, for a hand-back should the answer never arrive.
+    async fn claim_rows(
+        &self,
+        r: v1::ClaimRequest,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Vec<v1::OutboxRow>, WriteError> {
+        let limits =
+            ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
+        // Without a consumer's name there is no telling whose rows are whose.
+        let named = !r.consumer.is_empty();
+        let taken = self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered, r.call_id);
+        let mut rows = match taken.lost().next() {
+            Some((_, handed)) => self.hand_back_rows(limits.clone(), handed.clone()).await?,
+            None => Vec::new(),
+        };
+        taken.handed_back();
+        if rows.is_empty() {
+            let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
+            rows = self
+                .waiting_rows
+                .long_poll(
+                    &self.db.writer,
+                    deadline,
+                    &limits,
+                    || self.peek(deadline),
+                    || self.claim_now(limits.clone()),
+                    stop,
+                )
+                .await?;
+        }
+        if named && !rows.is_empty() {
+            let handed = rows.iter().map(|row| RowClaim { id: row.id, claimed_at: row.claimed_at }).collect();
+            self.last_rows.record(r.call_id, [(r.consumer.clone(), handed)]);
+        }
+        if !rows.is_empty() {
+            tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
+        }
+        Ok(rows
+            .into_iter()
+            .map(|row| v1::OutboxRow {
+                id: row.id,
+                event_id: row.event_id.unwrap_or_default(),
+                event_type: row.event_type,
+                aggregate_id: row.aggregate_id,
+                payload: row.payload,
+                attempts: row.attempts,
+                claimed_at_ms: row.claimed_at,
+                replay_of: row.replay.as_ref().map(|r| r.0.clone()).unwrap_or_default(),
+                replay_handler: row.replay.map(|r| r.1).unwrap_or_default(),
+            })
+            .collect())
+    }
+
     /// Whether anything is claimable now, and when to look again if not: the next row's due
     /// time, bounded by the fallback poll and the deadline.
     async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), WriteError> {
@@ -180,51 +235,10 @@ impl v1::outbox_server::Outbox for OutboxApi {
             .into());
         }
         check_unanswered(&r.unanswered)?;
-        let limits =
-            ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
-        // Without a consumer's name there is no telling whose rows are whose.
-        let named = !r.consumer.is_empty();
-        let taken = self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered, r.call_id);
-        let mut rows = match taken.lost().next() {
-            Some((_, handed)) => self.hand_back_rows(limits.clone(), handed.clone()).await?,
-            None => Vec::new(),
-        };
-        taken.handed_back();
-        if rows.is_empty() {
-            let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
-            rows = self
-                .waiting_rows
-                .long_poll(
-                    &self.db.writer,
-                    &self.shutdown,
-                    deadline,
-                    &limits,
-                    || self.peek(deadline),
-                    || self.claim_now(limits.clone()),
-                )
+        let this = self.clone();
+        let rows =
+            to_the_end(move |caller| async move { this.claim_rows(r, caller.or_shutdown(&this.shutdown)).await })
                 .await?;
-        }
-        if named && !rows.is_empty() {
-            let handed = rows.iter().map(|row| RowClaim { id: row.id, claimed_at: row.claimed_at }).collect();
-            self.last_rows.record(r.call_id, [(r.consumer.clone(), handed)]);
-        }
-        if !rows.is_empty() {
-            tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
-        }
-        let rows = rows
-            .into_iter()
-            .map(|row| v1::OutboxRow {
-                id: row.id,
-                event_id: row.event_id.unwrap_or_default(),
-                event_type: row.event_type,
-                aggregate_id: row.aggregate_id,
-                payload: row.payload,
-                attempts: row.attempts,
-                claimed_at_ms: row.claimed_at,
-                replay_of: row.replay.as_ref().map(|r| r.0.clone()).unwrap_or_default(),
-                replay_handler: row.replay.map(|r| r.1).unwrap_or_default(),
-            })
-            .collect();
         Ok(Response::new(v1::ClaimResponse { rows }))
     }
 

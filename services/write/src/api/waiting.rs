@@ -13,18 +13,59 @@
 //! A claim the writer took is always answered: with what it claimed, with the batch's failure,
 //! or with nothing (nothing for it, another claimer was first, or the claim's statements
 //! failed), and the claimer then looks again the ordinary way.
+//!
+//! The claim calls that can hand back a lost answer (the relay's `Claim`, the handlers'
+//! `ClaimDeliveriesForHandlers`) run to their end in a task of their own ([`to_the_end`]): when
+//! the caller goes away (its deadline passed, its connection dropped) while its claim is being
+//! written, the answer is still made and recorded for a hand-back to the call naming it, instead
+//! of being dropped with the call while the claimer's lease holds what it claimed.
 
+use std::convert::Infallible;
+use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 use futures_util::future::BoxFuture;
-use reelay_kit::Shutdown;
 use reelay_kit::metrics::{self, Gauge};
+use reelay_kit::{ErrorCode, ServiceError, Shutdown};
 use reelay_outbox::{AfterCommit, CommitError, Rider, WriteTx, Writer};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::WriteError;
+
+/// Tells a claim call run by [`to_the_end`] that its caller has gone away.
+pub(super) struct CallerGone(oneshot::Receiver<Infallible>);
+
+impl CallerGone {
+    /// Resolves once the caller has gone away or the service is shutting down: when a claim
+    /// stops waiting for events.
+    pub(super) async fn or_shutdown(self, shutdown: &Shutdown) {
+        tokio::select! {
+            _ = self.0 => {}
+            () = shutdown.requested() => {}
+        }
+    }
+}
+
+/// Runs `call` in a task of its own and returns its answer. When the caller goes away first
+/// (the future returned here is dropped), the task still runs to its end, so a claim being
+/// written is answered and recorded as handed out rather than lost; `call` is told through
+/// [`CallerGone`], so it claims nothing more after that.
+pub(super) async fn to_the_end<T, C, F>(call: C) -> Result<T, WriteError>
+where
+    C: FnOnce(CallerGone) -> F,
+    F: Future<Output = Result<T, WriteError>> + Send + 'static,
+    T: Send + 'static,
+{
+    let (_here, gone) = oneshot::channel();
+    // Dropping the handle leaves the task running.
+    let task = tokio::spawn(call(CallerGone(gone)));
+    task.await.map_err(|error| {
+        tracing::error!(%error, "a claim call's task failed");
+        WriteError::from(ServiceError::new(ErrorCode::Internal, "the claim failed"))
+    })?
+}
 
 static WAITING: LazyLock<Gauge> = LazyLock::new(|| {
     metrics::gauge(
@@ -116,20 +157,21 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
     /// (`peek` answers whether anything is due, and when to look again), since an empty claim
     /// would still cost a write job, and claims what is due with `claim`. Otherwise it waits
     /// with the writer for the next batch with events (when riding), for any commit that adds
-    /// events, for the next due time, or for shutdown.
+    /// events or for the next due time, until `stop` (shutdown, or the caller went away).
     pub(super) async fn long_poll<P, C>(
         &self,
         writer: &Writer,
-        shutdown: &Shutdown,
         deadline: Instant,
         request: &Q,
         peek: impl Fn() -> P,
         claim: impl Fn() -> C,
+        stop: impl Future<Output = ()>,
     ) -> Answer<A>
     where
         P: Future<Output = Result<(bool, Instant), WriteError>>,
         C: Future<Output = Answer<A>>,
     {
+        let mut stop = pin!(stop);
         let mut commits = writer.subscribe_commits();
         loop {
             // Mark the commits seen before looking, so one landing after the look wakes us.
@@ -141,7 +183,7 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
                     return Ok(claimed);
                 }
             }
-            if Instant::now() >= deadline || shutdown.is_requested() {
+            if Instant::now() >= deadline {
                 return Ok(Vec::new());
             }
             let mut parked = self.riding.load(Ordering::SeqCst).then(|| self.park(request.clone()));
@@ -161,7 +203,7 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
                 },
                 changed = commits.changed() => closed = changed.is_err(),
                 () = tokio::time::sleep_until(wake) => {}
-                () = shutdown.requested() => closed = true,
+                () = &mut stop => closed = true,
             }
             if let Some(mut parked) = parked
                 && !parked.take_back()
@@ -180,9 +222,9 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
     }
 }
 
-/// One parked claim, from the claimer's side. Dropped (its call cancelled, say), it takes the
-/// claim back: nothing is claimed for a claimer that went away, which would hold what it was
-/// handed until its lease ran out.
+/// One parked claim, from the claimer's side. Dropped (the claimer stopped waiting: its
+/// deadline, shutdown, its caller gone), it takes the claim back: nothing is claimed for a
+/// claimer that went away, which would hold what it was handed until its lease ran out.
 struct WaitingClaim<Q, A> {
     waiting: WaitingClaims<Q, A>,
     id: u64,
