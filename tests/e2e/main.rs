@@ -177,12 +177,12 @@ const SLOW_FSYNC: Duration = Duration::from_secs(4);
 
 /// A claim made for a caller that went away while its commit was on its way to the disk (a slow
 /// fsync; the call's deadline passed first) is handed back to the claimer's next call naming
-/// that call, well within the 30 s lease it would otherwise wait out. Both ways a claim is
-/// written: in a claim job of its own (the event was due when the call came) and with the event,
-/// for a call waiting when it was written. `new_event(n)` writes an event the claimer takes and
-/// returns its id; `claim(call_id, unanswered, wait_ms, deadline)` makes a call and returns the
-/// ids of the events it was handed; the write service's counter `resumed` counts what it handed
-/// back.
+/// that call, made at once (the named call is still running when it comes), instead of waiting
+/// out the 30 s lease. Both ways a claim is written: in a claim job of its own (the event was
+/// due when the call came) and with the event, for a call waiting when it was written.
+/// `new_event(n)` writes an event the claimer takes and returns its id; `claim(call_id,
+/// unanswered, wait_ms, deadline)` makes a call and returns the ids of the events it was
+/// handed; the write service's counter `resumed` counts what it handed back.
 async fn claims_for_a_caller_that_went_away_are_handed_back<E, EF, C, CF>(
     write: &Reelay,
     dir: &Path,
@@ -195,15 +195,13 @@ async fn claims_for_a_caller_that_went_away_are_handed_back<E, EF, C, CF>(
     C: Fn(u64, Vec<u64>, u32, Duration) -> CF,
     CF: Future<Output = Result<Vec<String>, tonic::Status>> + Send + 'static,
 {
-    let mut call_ids = 1..;
     let mut handed_back = 0;
-    for written_with_the_event in [false, true] {
+    for (gone_call, written_with_the_event) in [(1, false), (3, true)] {
         let event = if written_with_the_event { None } else { Some(new_event(0).await) };
         let slow = reelay_harness::Strace::delay(write.pid(), "fsync,fdatasync", SLOW_FSYNC, dir).await;
-        let gone_call = call_ids.next().unwrap();
-        // A waiting call's deadline leaves room for the event's batch to start before it and
-        // passes well before that batch's slow commit ends.
-        let (wait_ms, deadline) = if written_with_the_event { (20_000, 2_000) } else { (0, 300) };
+        // The deadline leaves room for the claim (or the event's batch, for a waiting call) to
+        // start before it, and passes well before that claim's slow commit ends.
+        let (wait_ms, deadline) = if written_with_the_event { (20_000, 3_000) } else { (0, 1_000) };
         let call = tokio::spawn(claim(gone_call, Vec::new(), wait_ms, Duration::from_millis(deadline)));
         let event = match event {
             Some(event) => event,
@@ -214,19 +212,9 @@ async fn claims_for_a_caller_that_went_away_are_handed_back<E, EF, C, CF>(
         };
         let answer = call.await.unwrap();
         assert!(answer.is_err(), "the call's deadline passes while its claim is written: {answer:?}");
-        // strace detached mid-delay does not log the call: let the claim's commit finish first.
-        tokio::time::sleep(SLOW_FSYNC).await;
+        let handed = claim(gone_call + 1, vec![gone_call], 0, Duration::from_secs(30)).await;
+        assert_eq!(handed.unwrap(), [event], "the event claimed for the call that went away, handed back");
         assert!(slow.stop().await > 0, "the write service's fsyncs waited");
-        let handed = reelay_harness::eventually_some(
-            "the claim made for the caller that went away is handed back",
-            Duration::from_secs(10),
-            || {
-                let answer = claim(call_ids.next().unwrap(), vec![gone_call], 0, Duration::from_secs(10));
-                async move { Some(answer.await.expect("a claim naming the call")).filter(|ids| !ids.is_empty()) }
-            },
-        )
-        .await;
-        assert_eq!(handed, [event], "only the event claimed for the call that went away");
         handed_back += 1;
         assert_eq!(write.metrics().await.value(resumed), Some(f64::from(handed_back)));
     }

@@ -234,8 +234,10 @@ impl OutboxApi {
             })
             .collect();
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
-        let keys = names.iter().map(|name| (r.owner.clone(), name.clone()));
-        let taken = self.last_deliveries.take(keys, &r.unanswered, r.call_id);
+        let keys: Vec<(String, String)> = names.iter().map(|name| (r.owner.clone(), name.clone())).collect();
+        // Ends after this call recorded its answer: a call naming this one waits for that.
+        let _running = self.last_deliveries.running(&keys, r.call_id);
+        let taken = self.last_deliveries.take(&keys, &r.unanswered, r.call_id).await;
         let mut answers = if taken.is_empty() {
             Vec::new()
         } else {

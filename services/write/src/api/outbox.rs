@@ -163,7 +163,10 @@ impl OutboxApi {
             ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         // Without a consumer's name there is no telling whose rows are whose.
         let named = !r.consumer.is_empty();
-        let taken = self.last_rows.take(named.then(|| r.consumer.clone()), &r.unanswered, r.call_id);
+        let keys: Vec<String> = named.then(|| r.consumer.clone()).into_iter().collect();
+        // Ends after this call recorded its answer: a call naming this one waits for that.
+        let _running = self.last_rows.running(&keys, r.call_id);
+        let taken = self.last_rows.take(&keys, &r.unanswered, r.call_id).await;
         let mut rows = match taken.lost().next() {
             Some((_, handed)) => self.hand_back_rows(limits.clone(), handed.clone()).await?,
             None => Vec::new(),

@@ -25,12 +25,15 @@ use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, FusedFuture};
 use reelay_kit::metrics::{self, Gauge};
+use reelay_kit::telemetry::{TRACEPARENT, current_traceparent};
 use reelay_kit::{ErrorCode, ServiceError, Shutdown};
 use reelay_outbox::{AfterCommit, CommitError, Rider, WriteTx, Writer};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::WriteError;
 
@@ -59,8 +62,9 @@ where
     T: Send + 'static,
 {
     let (_here, gone) = oneshot::channel();
-    // Dropping the handle leaves the task running.
-    let task = tokio::spawn(call(CallerGone(gone)));
+    // The call's span and trace go with it. Dropping the handle leaves the task running.
+    let traceparent = current_traceparent();
+    let task = tokio::spawn(TRACEPARENT.scope(traceparent, call(CallerGone(gone))).in_current_span());
     task.await.map_err(|error| {
         tracing::error!(%error, "a claim call's task failed");
         WriteError::from(ServiceError::new(ErrorCode::Internal, "the claim failed"))
@@ -171,12 +175,17 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
         P: Future<Output = Result<(bool, Instant), WriteError>>,
         C: Future<Output = Answer<A>>,
     {
-        let mut stop = pin!(stop);
+        let mut stop = pin!(stop.fuse());
         let mut commits = writer.subscribe_commits();
         loop {
             // Mark the commits seen before looking, so one landing after the look wakes us.
             commits.borrow_and_update();
             let (due, wake) = peek().await?;
+            // Nothing new is claimed once stopped (a commit or the due time may have won the
+            // wait below, or the caller left while looking).
+            if stop.is_terminated() || stop.as_mut().now_or_never().is_some() {
+                return Ok(Vec::new());
+            }
             if due {
                 let claimed = claim().await?;
                 if !claimed.is_empty() {
@@ -201,9 +210,9 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
                     Ok(answered) => return answered,
                     Err(_) => continue,
                 },
+                () = &mut stop => closed = true,
                 changed = commits.changed() => closed = changed.is_err(),
                 () = tokio::time::sleep_until(wake) => {}
-                () = &mut stop => closed = true,
             }
             if let Some(mut parked) = parked
                 && !parked.take_back()
