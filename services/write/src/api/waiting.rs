@@ -15,23 +15,26 @@
 //! failed), and the claimer then looks again the ordinary way.
 //!
 //! The claim calls that can hand back a lost answer (the relay's `Claim`, the handlers'
-//! `ClaimDeliveriesForHandlers`) run to their end in a task of their own ([`to_the_end`]): when
-//! the caller goes away (its deadline passed, its connection dropped) while its claim is being
-//! written, the answer is still made and recorded for a hand-back to the call naming it, instead
-//! of being dropped with the call while the claimer's lease holds what it claimed.
+//! `ClaimDeliveriesForHandlers`) run to their end ([`to_the_end`]): when the caller goes away
+//! (its deadline passed, its connection dropped) while its claim is being written, the call goes
+//! on in a task of its own, and its answer is still made and recorded for a hand-back to the
+//! call naming it, instead of being dropped with the call while the claimer's lease holds what
+//! it claimed.
 
 use std::convert::Infallible;
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
+use std::task::{Context, Poll};
 
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, FusedFuture};
+use reelay_kit::Shutdown;
 use reelay_kit::metrics::{self, Gauge};
 use reelay_kit::telemetry::{TRACEPARENT, current_traceparent};
-use reelay_kit::{ErrorCode, ServiceError, Shutdown};
 use reelay_outbox::{AfterCommit, CommitError, Rider, WriteTx, Writer};
 use tokio::sync::oneshot;
+use tokio::task::futures::TaskLocalFuture;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -51,24 +54,52 @@ impl CallerGone {
     }
 }
 
-/// Runs `call` in a task of its own and returns its answer. When the caller goes away first
-/// (the future returned here is dropped), the task still runs to its end, so a claim being
-/// written is answered and recorded as handed out rather than lost; `call` is told through
-/// [`CallerGone`], so it claims nothing more after that.
-pub(super) async fn to_the_end<T, C, F>(call: C) -> Result<T, WriteError>
+/// Runs `call` to its end: in the caller's own task while the caller waits for it, and, when
+/// the caller goes away first (the future returned here is dropped), in a task of its own, so
+/// a claim being written is answered and recorded as handed out rather than lost; `call` is
+/// told through [`CallerGone`], so it claims nothing more after that.
+pub(super) fn to_the_end<C, F>(call: C) -> ToTheEnd<F>
 where
     C: FnOnce(CallerGone) -> F,
-    F: Future<Output = Result<T, WriteError>> + Send + 'static,
-    T: Send + 'static,
+    F: Future<Output: Send> + Send + 'static,
 {
-    let (_here, gone) = oneshot::channel();
-    // The call's span and trace go with it. Dropping the handle leaves the task running.
-    let traceparent = current_traceparent();
-    let task = tokio::spawn(TRACEPARENT.scope(traceparent, call(CallerGone(gone))).in_current_span());
-    task.await.map_err(|error| {
-        tracing::error!(%error, "a claim call's task failed");
-        WriteError::from(ServiceError::new(ErrorCode::Internal, "the claim failed"))
-    })?
+    let (here, gone) = oneshot::channel();
+    // The call's span and trace go with it, into its own task if it comes to that.
+    let call = TRACEPARENT.scope(current_traceparent(), call(CallerGone(gone))).in_current_span();
+    ToTheEnd { call: Some(Box::pin(call)), here: Some(here) }
+}
+
+/// A call with its span and trace.
+type Traced<F> = tracing::instrument::Instrumented<TaskLocalFuture<String, F>>;
+
+/// A claim call run by [`to_the_end`].
+pub(super) struct ToTheEnd<F: Future<Output: Send> + Send + 'static> {
+    call: Option<Pin<Box<Traced<F>>>>,
+    /// Dropped, it tells the call that its caller has gone.
+    here: Option<oneshot::Sender<Infallible>>,
+}
+
+impl<F: Future<Output: Send> + Send + 'static> Future for ToTheEnd<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let call = self.call.as_mut().expect("not polled after it finished");
+        let finished = std::task::ready!(call.as_mut().poll(cx));
+        self.call = None;
+        Poll::Ready(finished)
+    }
+}
+
+impl<F: Future<Output: Send> + Send + 'static> Drop for ToTheEnd<F> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            drop(self.here.take());
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(call)),
+                Err(_) => tracing::warn!("a claim call whose caller went away was dropped: no runtime to finish it"),
+            }
+        }
+    }
 }
 
 static WAITING: LazyLock<Gauge> = LazyLock::new(|| {
