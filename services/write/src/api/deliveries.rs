@@ -209,11 +209,7 @@ impl OutboxApi {
         check_unanswered(&r.unanswered)?;
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let this = self.clone();
-        to_the_end(move |caller| async move {
-            let stop = caller.or_shutdown(&this.shutdown);
-            this.claim_for_handlers(r, checked, stop).await
-        })
-        .await
+        to_the_end(&self.shutdown, move |stop| async move { this.claim_for_handlers(r, checked, stop).await }).await
     }
 
     /// `ClaimDeliveriesForHandlers` for the `checked` handlers: what the call's unanswered calls

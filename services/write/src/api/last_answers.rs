@@ -124,8 +124,8 @@ impl<K: Eq + Hash + Clone, T> LastAnswers<K, T> {
             ended.as_mut().enable();
             {
                 let remembered = self.remembered.lock().expect("last answers lock");
-                let named_runs = keys.iter().filter_map(|key| remembered.running.get(key)).flatten();
-                if !named_runs.into_iter().any(|id| *id != call_id && unanswered.contains(id)) {
+                let mut named_runs = keys.iter().filter_map(|key| remembered.running.get(key)).flatten();
+                if !named_runs.any(|id| *id != call_id && unanswered.contains(id)) {
                     return;
                 }
             }

@@ -239,9 +239,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
         }
         check_unanswered(&r.unanswered)?;
         let this = self.clone();
-        let rows =
-            to_the_end(move |caller| async move { this.claim_rows(r, caller.or_shutdown(&this.shutdown)).await })
-                .await?;
+        let rows = to_the_end(&self.shutdown, move |stop| async move { this.claim_rows(r, stop).await }).await?;
         Ok(Response::new(v1::ClaimResponse { rows }))
     }
 

@@ -28,7 +28,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::task::{Context, Poll};
 
 use futures_util::FutureExt;
-use futures_util::future::{BoxFuture, FusedFuture};
+use futures_util::future::BoxFuture;
 use reelay_kit::Shutdown;
 use reelay_kit::metrics::{self, Gauge};
 use reelay_kit::telemetry::{TRACEPARENT, current_traceparent};
@@ -40,32 +40,26 @@ use tracing::Instrument;
 
 use crate::WriteError;
 
-/// Tells a claim call run by [`to_the_end`] that its caller has gone away.
-pub(super) struct CallerGone(oneshot::Receiver<Infallible>);
-
-impl CallerGone {
-    /// Resolves once the caller has gone away or the service is shutting down: when a claim
-    /// stops waiting for events.
-    pub(super) async fn or_shutdown(self, shutdown: &Shutdown) {
-        tokio::select! {
-            _ = self.0 => {}
-            () = shutdown.requested() => {}
-        }
-    }
-}
-
-/// Runs `call` to its end: in the caller's own task while the caller waits for it, and, when
-/// the caller goes away first (the future returned here is dropped), in a task of its own, so
-/// a claim being written is answered and recorded as handed out rather than lost; `call` is
-/// told through [`CallerGone`], so it claims nothing more after that.
-pub(super) fn to_the_end<C, F>(call: C) -> ToTheEnd<F>
+/// Runs a claim call, which `call` makes given its stop signal, to its end: in the caller's own
+/// task while the caller waits for it, and, when the caller goes away first (the future
+/// returned here is dropped), in a task of its own, so a claim being written is answered and
+/// recorded as handed out rather than lost. The stop signal resolves once the caller has gone
+/// or `shutdown` is requested: the call claims nothing more after that.
+pub(super) fn to_the_end<C, F>(shutdown: &Shutdown, call: C) -> ToTheEnd<F>
 where
-    C: FnOnce(CallerGone) -> F,
+    C: FnOnce(BoxFuture<'static, ()>) -> F,
     F: Future<Output: Send> + Send + 'static,
 {
-    let (here, gone) = oneshot::channel();
+    let (here, gone) = oneshot::channel::<Infallible>();
+    let shutdown = shutdown.clone();
+    let stop = Box::pin(async move {
+        tokio::select! {
+            _ = gone => {}
+            () = shutdown.requested() => {}
+        }
+    });
     // The call's span and trace go with it, into its own task if it comes to that.
-    let call = TRACEPARENT.scope(current_traceparent(), call(CallerGone(gone))).in_current_span();
+    let call = TRACEPARENT.scope(current_traceparent(), call(stop)).in_current_span();
     ToTheEnd { call: Some(Box::pin(call)), here: Some(here) }
 }
 
@@ -206,7 +200,7 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
         P: Future<Output = Result<(bool, Instant), WriteError>>,
         C: Future<Output = Answer<A>>,
     {
-        let mut stop = pin!(stop.fuse());
+        let mut stop = pin!(stop);
         let mut commits = writer.subscribe_commits();
         loop {
             // Mark the commits seen before looking, so one landing after the look wakes us.
@@ -214,7 +208,7 @@ impl<Q: Clone + Send + 'static, A: Send + 'static> WaitingClaims<Q, A> {
             let (due, wake) = peek().await?;
             // Nothing new is claimed once stopped (a commit or the due time may have won the
             // wait below, or the caller left while looking).
-            if stop.is_terminated() || stop.as_mut().now_or_never().is_some() {
+            if stop.as_mut().now_or_never().is_some() {
                 return Ok(Vec::new());
             }
             if due {
