@@ -1065,8 +1065,7 @@ async fn deliveries_claimed_for_a_call_that_went_away_are_handed_back() {
             reviews.last().expect("the review's event").event_id.clone()
         }
     };
-    let claim = |call_id: u64, unanswered: Vec<u64>, wait_ms: u32, deadline: Duration| {
-        let mut outbox = c.outbox.clone();
+    let claim = |mut outbox: crate::Outbox, call_id: u64, unanswered: Vec<u64>, wait_ms: u32, deadline: Duration| {
         let mut request = tonic::Request::new(v1::ClaimDeliveriesForHandlersRequest {
             handlers: wants(&["probe-a"]),
             owner: "test#1".into(),
@@ -1081,7 +1080,11 @@ async fn deliveries_claimed_for_a_call_that_went_away_are_handed_back() {
             Ok(answer.handlers.into_iter().flat_map(|h| h.deliveries).map(|d| d.key).collect())
         }
     };
-    let resumed = "reelay_deliveries_resumed_total";
-    crate::claims_for_a_caller_that_went_away_are_handed_back(&write, dir.path(), resumed, new_event, claim).await;
+    let counts = (
+        "reelay_deliveries_resumed_total",
+        "SELECT COUNT(*) || '' FROM processed_events WHERE owner = 'test#1' AND status = 'in_progress'",
+    );
+    let paths = (dir.path(), db.as_path());
+    crate::claims_for_a_caller_that_went_away_are_handed_back(&mut write, paths, counts, new_event, claim).await;
     write.stop().await;
 }

@@ -1030,8 +1030,7 @@ async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
             new[0].clone()
         }
     };
-    let claim = |call_id: u64, unanswered: Vec<u64>, wait_ms: u32, deadline: Duration| {
-        let mut outbox = c.outbox.clone();
+    let claim = |mut outbox: crate::Outbox, call_id: u64, unanswered: Vec<u64>, wait_ms: u32, deadline: Duration| {
         let mut request = tonic::Request::new(v1::ClaimRequest {
             consumer: "relay-test#1".into(),
             max_rows: 10,
@@ -1043,7 +1042,11 @@ async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
         request.set_timeout(deadline);
         async move { Ok(outbox.claim(request).await?.into_inner().rows.into_iter().map(|r| r.event_id).collect()) }
     };
-    let resumed = "reelay_outbox_rows_resumed_total";
-    crate::claims_for_a_caller_that_went_away_are_handed_back(&write, dir.path(), resumed, new_event, claim).await;
+    let counts = (
+        "reelay_outbox_rows_resumed_total",
+        "SELECT COUNT(*) || '' FROM event_queue WHERE claimed_by = 'relay-test#1' AND status = 'processing'",
+    );
+    let paths = (dir.path(), db.as_path());
+    crate::claims_for_a_caller_that_went_away_are_handed_back(&mut write, paths, counts, new_event, claim).await;
     write.stop().await;
 }

@@ -175,50 +175,82 @@ where
 /// How long each fsync of the write service waits while a claim's caller goes away.
 const SLOW_FSYNC: Duration = Duration::from_secs(4);
 
+/// How a claim's answer is lost, in [`claims_for_a_caller_that_went_away_are_handed_back`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    /// The caller goes away while a claim job of its own is written (the event was due when
+    /// the call came); its next call names it at once, while that claim is still being written.
+    ClaimJob,
+    /// The same for a call waiting when the event was written: the claim rides in its batch.
+    WrittenWithTheEvent,
+    /// As `ClaimJob`, and once the claim is written the write service is killed (SIGKILL) and
+    /// started again before the next call names it.
+    ThenRestarted,
+}
+
 /// A claim made for a caller that went away while its commit was on its way to the disk (a slow
 /// fsync; the call's deadline passed first) is handed back to the claimer's next call naming
-/// that call, made at once (the named call is still running when it comes), instead of waiting
-/// out the 30 s lease. Both ways a claim is written: in a claim job of its own (the event was
-/// due when the call came) and with the event, for a call waiting when it was written.
-/// `new_event(n)` writes an event the claimer takes and returns its id; `claim(call_id,
-/// unanswered, wait_ms, deadline)` makes a call and returns the ids of the events it was
-/// handed; the write service's counter `resumed` counts what it handed back.
+/// that call instead of waiting out the 30 s lease (see [`Lost`] for the three ways).
+/// `new_event(n)` writes an event the claimer takes and returns its id; `claim(outbox,
+/// call_id, unanswered, wait_ms, deadline)` makes a call and returns the ids of the events it
+/// was handed; `held` is a query of `db` counting the rows the claimer holds; the write
+/// service's counter `resumed` counts what it handed back.
 async fn claims_for_a_caller_that_went_away_are_handed_back<E, EF, C, CF>(
-    write: &Reelay,
-    dir: &Path,
-    resumed: &str,
+    write: &mut Reelay,
+    (dir, db): (&Path, &Path),
+    (resumed, held): (&str, &str),
     new_event: E,
     claim: C,
 ) where
     E: Fn(usize) -> EF,
     EF: Future<Output = String>,
-    C: Fn(u64, Vec<u64>, u32, Duration) -> CF,
+    C: Fn(Outbox, u64, Vec<u64>, u32, Duration) -> CF,
     CF: Future<Output = Result<Vec<String>, tonic::Status>> + Send + 'static,
 {
+    let mut outbox = write.clients().await.outbox;
     let mut handed_back = 0;
-    for (gone_call, written_with_the_event) in [(1, false), (3, true)] {
-        let event = if written_with_the_event { None } else { Some(new_event(0).await) };
+    let cases = [(1, Lost::ClaimJob), (3, Lost::WrittenWithTheEvent), (5, Lost::ThenRestarted)];
+    for (n, (gone_call, lost)) in cases.into_iter().enumerate() {
+        let written_with_the_event = lost == Lost::WrittenWithTheEvent;
+        let event = if written_with_the_event { None } else { Some(new_event(n).await) };
         let slow = reelay_harness::Strace::delay(write.pid(), "fsync,fdatasync", SLOW_FSYNC, dir).await;
         // The deadline leaves room for the claim (or the event's batch, for a waiting call) to
         // start before it, and passes well before that claim's slow commit ends.
         let (wait_ms, deadline) = if written_with_the_event { (20_000, 3_000) } else { (0, 1_000) };
-        let call = tokio::spawn(claim(gone_call, Vec::new(), wait_ms, Duration::from_millis(deadline)));
+        let call = tokio::spawn(claim(outbox.clone(), gone_call, Vec::new(), wait_ms, Duration::from_millis(deadline)));
         let event = match event {
             Some(event) => event,
             None => {
                 claims_waiting(write, 1.0).await;
-                new_event(1).await
+                new_event(n).await
             }
         };
         let answer = call.await.unwrap();
         assert!(answer.is_err(), "the call's deadline passes while its claim is written: {answer:?}");
-        let handed = claim(gone_call + 1, vec![gone_call], 0, Duration::from_secs(30)).await;
-        assert_eq!(handed.unwrap(), [event], "the event claimed for the call that went away, handed back");
-        assert!(slow.stop().await > 0, "the write service's fsyncs waited");
-        handed_back += 1;
-        assert_eq!(write.metrics().await.value(resumed), Some(f64::from(handed_back)));
+        if lost == Lost::ThenRestarted {
+            let written = [vec![(handed_back + 1).to_string()]];
+            eventually("the claim is written", Duration::from_secs(30), || async {
+                query_strings(db, held).await == written
+            })
+            .await;
+            assert!(slow.stop().await > 0, "the write service's fsyncs waited");
+            write.restart().await;
+            outbox = write.clients().await.outbox;
+            let handed = claim(outbox.clone(), gone_call + 1, vec![gone_call], 0, Duration::from_secs(30)).await;
+            assert_eq!(handed.unwrap(), [event], "the event claimed for the call that went away, after a restart");
+            assert_eq!(write.metrics().await.value(resumed), Some(1.0), "counted by the restarted service");
+        } else {
+            let handed = claim(outbox.clone(), gone_call + 1, vec![gone_call], 0, Duration::from_secs(30)).await;
+            assert_eq!(handed.unwrap(), [event], "the event claimed for the call that went away, handed back");
+            assert!(slow.stop().await > 0, "the write service's fsyncs waited");
+            handed_back += 1;
+            assert_eq!(write.metrics().await.value(resumed), Some(f64::from(handed_back)));
+        }
     }
 }
+
+/// The Outbox API's client, as a test's claim calls use it.
+type Outbox = reelay_contracts::v1::outbox_client::OutboxClient<reelay_harness::AuthedChannel>;
 
 /// The write service's batches so far, and its write jobs named `job`.
 async fn batches_and_jobs(write: &Reelay, job: &str) -> (f64, f64) {

@@ -143,8 +143,8 @@ impl Unanswered {
     fn of(&self, handlers: &[&'static str]) -> Vec<u64> {
         let calls = self.0.lock().expect("unanswered lock");
         let of_handlers = || handlers.iter().filter_map(|h| calls.get(h));
-        // Each handler's newest first (the one the write service most likely kept), then the
-        // others, newest first, up to what a call may name.
+        // Each handler's newest first (the likeliest to hold claims still), then the others,
+        // newest first, up to what a call may name.
         let mut ids: Vec<u64> = of_handlers().filter_map(|ids| ids.last().copied()).collect();
         let mut older: Vec<u64> = of_handlers().flat_map(|ids| ids.iter().rev().skip(1).copied()).collect();
         older.sort_unstable_by(|a, b| b.cmp(a));

@@ -19,7 +19,7 @@ use reelay_domain::RetryPolicy;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::WriteTx;
-use crate::queue::CLAIM_ROW_OVERHEAD;
+use crate::queue::{CLAIM_ROW_OVERHEAD, claim_call};
 
 /// How per-handler deliveries are leased and retried.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +48,9 @@ pub struct HandlerClaim {
     pub max_rows: u32,
     /// The largest answer the claimer can read.
     pub max_bytes: usize,
+    /// The claimer's id of the call claiming (0: none), written on the deliveries it claims so
+    /// that, should the answer be lost, the claimer's next call can name it (see [`resume`]).
+    pub call: u64,
     /// Set when this claim's deliveries go out in one answer with other handlers' (one call
     /// claiming for several handlers of a process): the answer's bytes are drawn from here,
     /// not from `max_bytes` each.
@@ -346,12 +349,13 @@ async fn claim_open(
         }
         let token = now.max(started_at + 1);
         sqlx::query(
-            "UPDATE processed_events SET status = 'in_progress', started_at = ?, renewed_at = ?, owner = ? \
-             WHERE event_id = ? AND handler = ? AND started_at = ?",
+            "UPDATE processed_events SET status = 'in_progress', started_at = ?, renewed_at = ?, owner = ?, \
+             claim_call = ? WHERE event_id = ? AND handler = ? AND started_at = ?",
         )
         .bind(token)
         .bind(now)
         .bind(&c.request.owner)
+        .bind(claim_call(c.request.call))
         .bind(&key)
         .bind(&handler)
         .bind(started_at)
@@ -495,9 +499,9 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
         .collect();
     for chunk in handed.chunks(200) {
         let sql = format!(
-            "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner, attempts) VALUES {} \
-             ON CONFLICT DO NOTHING",
-            vec!["(?, ?, 'in_progress', ?, ?, ?, 0)"; chunk.len()].join(", ")
+            "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner, claim_call, \
+             attempts) VALUES {} ON CONFLICT DO NOTHING",
+            vec!["(?, ?, 'in_progress', ?, ?, ?, ?, 0)"; chunk.len()].join(", ")
         );
         let mut insert = sqlx::query(AssertSqlSafe(sql));
         for (i, candidate) in chunk {
@@ -507,7 +511,8 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
                 .bind(&request.handler)
                 .bind(now)
                 .bind(now)
-                .bind(&request.owner);
+                .bind(&request.owner)
+                .bind(claim_call(request.call));
         }
         // Every row inserted is the common case, and needs no rows back; otherwise a key that
         // already had a row was handled before (or is claimed elsewhere, and comes back through
@@ -766,65 +771,68 @@ pub async fn renew(
     Ok(lost)
 }
 
-/// A delivery as its claim answer handed it, without its payload: enough to hand it back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Handed {
-    pub row_id: i64,
-    pub key: String,
-    pub token: i64,
-    pub attempt: u32,
-}
-
-impl From<&ClaimedDelivery> for Handed {
-    fn from(d: &ClaimedDelivery) -> Self {
-        Self { row_id: d.row_id, key: d.key.clone(), token: d.token, attempt: d.attempt }
-    }
-}
-
-/// Hands `owner` back deliveries of `handler` it was handed in a claim whose answer never
-/// reached it: those still claimed by `owner` under the same tokens, within `budget` bytes of
-/// answer (each costs its payload and [`CLAIM_ROW_OVERHEAD`]; `budget` is reduced by what is
-/// taken), have their leases renewed and come back, payloads read again. The others (settled,
-/// released, taken over since, their outbox row gone, or over the budget) are left as they
-/// are. The caller must know the owner runs none of them (their answer was lost).
+/// Hands `owner` back the deliveries of `handler` that its calls `unanswered` claimed (their
+/// answers never reached it) and it still holds, within `budget` bytes of answer (each costs its
+/// payload and [`CLAIM_ROW_OVERHEAD`]; `budget` is reduced by what is taken), oldest first:
+/// their leases are renewed, they are marked as claimed by `call`, and they come back as they
+/// were handed (same tokens and attempts, payloads read again). The others (settled, released,
+/// taken over since, their outbox row gone, or over the budget) are left as they are. The caller
+/// must know that the owner runs none of them (it never heard of them) and that none of those
+/// calls is still claiming.
 pub async fn resume(
     tx: &mut WriteTx,
     handler: &str,
     owner: &str,
-    handed: &[Handed],
+    unanswered: &[u64],
+    call: u64,
     now: i64,
     budget: &mut usize,
 ) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
-    // Which are still the owner's, under the same tokens.
-    let mut held: HashSet<String> = HashSet::new();
-    for chunk in handed.chunks(200) {
-        let sql = format!(
-            "SELECT event_id FROM processed_events WHERE handler = ? AND owner = ? AND status = 'in_progress' \
-             AND (event_id, started_at) IN (VALUES {})",
-            vec!["(?, ?)"; chunk.len()].join(", ")
-        );
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(handler).bind(owner);
-        for h in chunk {
-            query = query.bind(&h.key).bind(h.token);
-        }
-        held.extend(query.fetch_all(tx.conn()).await?.into_iter().map(|r| r.get::<String, _>(0)));
+    let calls: Vec<i64> = unanswered.iter().filter_map(|call| claim_call(*call)).collect();
+    if calls.is_empty() {
+        return Ok(Vec::new());
     }
-    let still: Vec<&Handed> = handed.iter().filter(|h| held.contains(&h.key)).collect();
-    let mut loaded = load(tx, still.iter().map(|h| h.row_id).collect()).await?;
-    let mut resumed = Vec::with_capacity(still.len());
-    for h in still {
-        let Some((event_type, aggregate_id, payload)) = loaded.remove(&h.row_id) else { continue };
+    let sql = format!(
+        "SELECT event_id, started_at, attempts FROM processed_events WHERE handler = ? \
+         AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner = ? AND claim_call IN ({})",
+        vec!["?"; calls.len()].join(", ")
+    );
+    let mut query = sqlx::query_as::<_, (String, i64, i64)>(AssertSqlSafe(sql)).bind(handler).bind(owner);
+    for call in &calls {
+        query = query.bind(call);
+    }
+    let held = query.fetch_all(tx.conn()).await?;
+    let rows = outbox_rows_of(tx, held.iter().map(|(key, _, _)| key.as_str())).await?;
+    let mut held: Vec<(i64, String, i64, i64)> = held
+        .into_iter()
+        .filter_map(|(key, token, attempts)| rows.get(&key).map(|&(row_id, _)| (row_id, key, token, attempts)))
+        .collect();
+    held.sort_unstable();
+    let mut loaded = load(tx, held.iter().map(|h| h.0).collect()).await?;
+    let mut resumed = Vec::with_capacity(held.len());
+    for (row_id, key, token, attempts) in held {
+        let Some((event_type, aggregate_id, payload)) = loaded.remove(&row_id) else { continue };
         let cost = payload.len() + CLAIM_ROW_OVERHEAD;
         if cost > *budget {
             continue;
         }
         *budget -= cost;
-        let (row_id, key, attempt, token) = (h.row_id, h.key.clone(), h.attempt, h.token);
+        let attempt = attempts as u32 + 1;
         resumed.push(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token });
     }
     // Renewed in the same transaction as the look above: nothing settles them in between.
-    let keys: Vec<(String, i64)> = resumed.iter().map(|d| (d.key.clone(), d.token)).collect();
-    renew(tx, handler, &keys, now).await?;
+    for chunk in resumed.chunks(200) {
+        let sql = format!(
+            "UPDATE processed_events SET renewed_at = ?, claim_call = ? WHERE handler = ? AND status = 'in_progress' \
+             AND (event_id, started_at) IN (VALUES {})",
+            vec!["(?, ?)"; chunk.len()].join(", ")
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(claim_call(call)).bind(handler);
+        for d in chunk {
+            query = query.bind(&d.key).bind(d.token);
+        }
+        query.execute(tx.conn()).await?;
+    }
     Ok(resumed)
 }
 

@@ -84,6 +84,14 @@ pub struct ClaimLimits {
     pub max_rows: u32,
     /// The largest answer the claimer can read: rows are claimed until the next would not fit.
     pub max_bytes: usize,
+    /// The claimer's id of the call claiming (0: none), written on the rows it claims so that,
+    /// should the answer be lost, the claimer's next call can name it (see [`resume`]).
+    pub call: u64,
+}
+
+/// A claim call's id as it is stored in `claim_call` (the bits of the u64; none for 0).
+pub(crate) fn claim_call(call: u64) -> Option<i64> {
+    (call != 0).then_some(call as i64)
 }
 
 /// What a claim answer costs per row beyond its payload (ids, type, token, framing), rounded up.
@@ -138,10 +146,16 @@ pub async fn claim_due(
     // Nothing fits: every candidate was oversized (and is dead-lettered now), or none was due.
     let Some(last) = last else { return Ok(Vec::new()) };
     let sql = format!(
-        "UPDATE event_queue SET status = 'processing', claimed_at = ?1, claimed_by = ?3 \
+        "UPDATE event_queue SET status = 'processing', claimed_at = ?1, claimed_by = ?3, claim_call = ?4 \
          WHERE status = 'pending' AND available_at <= ?1 AND id <= ?2 RETURNING {CLAIMED_COLUMNS}"
     );
-    let rows = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(last).bind(&limits.owner).fetch_all(tx.conn()).await?;
+    let rows = sqlx::query(AssertSqlSafe(sql))
+        .bind(now)
+        .bind(last)
+        .bind(&limits.owner)
+        .bind(claim_call(limits.call))
+        .fetch_all(tx.conn())
+        .await?;
     let mut claimed: Vec<ClaimedRow> = rows.iter().map(claimed_row).collect();
     claimed.sort_by_key(|r| r.id);
     Ok(claimed)
@@ -164,33 +178,35 @@ fn claimed_row(r: &SqliteRow) -> ClaimedRow {
     }
 }
 
-/// Hands `owner` back rows it was handed by a claim whose answer never reached it: those it
-/// still holds under the same tokens, oldest first within `limits`, claimed anew
-/// (a new token, the lease counted from `now`; no attempt spent). The others (settled,
-/// deferred, reclaimed since, or over the budget) are left as they are. The caller must know
-/// that the owner publishes none of them (their answer was lost).
+/// Hands the claimer of `limits` back the rows its calls `unanswered` claimed (their answers
+/// never reached it) and it still holds: oldest first within `limits`, claimed anew by
+/// `limits.call` (a new token, the lease counted from `now`; no attempt spent). The others
+/// (settled, deferred, reclaimed since, or over the budget) are left as they are. The caller must
+/// know that the claimer publishes none of them (it never heard of them) and that none of those
+/// calls is still claiming.
 pub async fn resume(
     tx: &mut WriteTx,
     limits: &ClaimLimits,
-    handed: &[RowClaim],
+    unanswered: &[u64],
     now: i64,
 ) -> Result<Vec<ClaimedRow>, sqlx::Error> {
-    let owner = limits.owner.as_str();
-    let mut held: Vec<(i64, i64)> = Vec::with_capacity(handed.len());
-    for chunk in handed.chunks(CHUNK) {
-        let mut query = sqlx::query_as::<_, (i64, i64)>(claims_sql(
-            "SELECT id, length(payload) FROM event_queue",
-            chunk.len(),
-            "AND status = 'processing' AND claimed_by = ?",
-        ));
-        for row in chunk {
-            query = query.bind(row.id).bind(row.claimed_at);
-        }
-        held.extend(query.bind(owner).fetch_all(tx.conn()).await?);
+    let calls: Vec<i64> = unanswered.iter().filter_map(|call| claim_call(*call)).collect();
+    if calls.is_empty() {
+        return Ok(Vec::new());
     }
-    held.sort_unstable();
+    let owner = limits.owner.as_str();
+    let sql = format!(
+        "SELECT id, length(payload) FROM event_queue WHERE status = 'processing' AND claimed_by = ? \
+         AND claim_call IN ({}) ORDER BY id LIMIT ?",
+        vec!["?"; calls.len()].join(", ")
+    );
+    let mut query = sqlx::query_as::<_, (i64, i64)>(AssertSqlSafe(sql)).bind(owner);
+    for call in &calls {
+        query = query.bind(call);
+    }
+    let held = query.bind(i64::from(limits.max_rows)).fetch_all(tx.conn()).await?;
     let (mut ids, mut bytes) = (Vec::with_capacity(held.len()), 0usize);
-    for (id, length) in held.into_iter().take(limits.max_rows as usize) {
+    for (id, length) in held {
         let cost = length as usize + CLAIM_ROW_OVERHEAD;
         if bytes + cost > limits.max_bytes {
             break;
@@ -202,11 +218,11 @@ pub async fn resume(
     let mut resumed = Vec::with_capacity(ids.len());
     for chunk in ids.chunks(CHUNK) {
         let sql = format!(
-            "UPDATE event_queue SET claimed_at = ? WHERE id IN ({}) AND status = 'processing' AND claimed_by = ? \
-             RETURNING {CLAIMED_COLUMNS}",
+            "UPDATE event_queue SET claimed_at = ?, claim_call = ? WHERE id IN ({}) AND status = 'processing' \
+             AND claimed_by = ? RETURNING {CLAIMED_COLUMNS}",
             vec!["?"; chunk.len()].join(", ")
         );
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now);
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(claim_call(limits.call));
         for id in chunk {
             query = query.bind(id);
         }

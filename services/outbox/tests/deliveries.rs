@@ -8,7 +8,7 @@ use reelay_contracts::v1;
 use reelay_domain::{NewEvent, RetryPolicy};
 use reelay_outbox::dead_letters::{self, Acted, Action, Target};
 use reelay_outbox::deliveries::{
-    self, ClaimError, ClaimedDelivery, DeliveryOutcome, Handed, HandlerClaim, HandlerPolicy, Settlement,
+    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
 };
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
@@ -99,6 +99,7 @@ fn request(handler: &str, types: &[&str], owner: &str) -> HandlerClaim {
         owner: owner.into(),
         max_rows: 100,
         max_bytes: 4 * 1024 * 1024,
+        call: 0,
         shared: None,
     }
 }
@@ -237,31 +238,27 @@ async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
     assert_eq!(settle(&db, "a", vec![outcome(&taken[0], DeliveryOutcome::Done)], t0() + 33_000).await.settled, 1);
 }
 
+/// What `owner`'s call `call` gets back of what its calls `unanswered` claimed for `handler`.
 async fn resume_within(
     db: &Database,
-    handler: &str,
-    owner: &str,
-    handed: &[ClaimedDelivery],
+    (handler, owner): (&str, &str),
+    unanswered: &[u64],
+    call: u64,
     now: i64,
     mut budget: usize,
 ) -> Vec<ClaimedDelivery> {
-    let (handler, owner) = (handler.to_owned(), owner.to_owned());
-    let handed: Vec<Handed> = handed.iter().map(Handed::from).collect();
+    let (handler, owner, unanswered) = (handler.to_owned(), owner.to_owned(), unanswered.to_vec());
     job(db, move |tx| {
-        Box::pin(async move { Ok(deliveries::resume(tx, &handler, &owner, &handed, now, &mut budget).await?) })
+        Box::pin(
+            async move { Ok(deliveries::resume(tx, &handler, &owner, &unanswered, call, now, &mut budget).await?) },
+        )
     })
     .await
     .unwrap()
 }
 
-async fn resume(
-    db: &Database,
-    handler: &str,
-    owner: &str,
-    handed: &[ClaimedDelivery],
-    now: i64,
-) -> Vec<ClaimedDelivery> {
-    resume_within(db, handler, owner, handed, now, 4 * 1024 * 1024).await
+async fn resume(db: &Database, who: (&str, &str), unanswered: &[u64], call: u64, now: i64) -> Vec<ClaimedDelivery> {
+    resume_within(db, who, unanswered, call, now, 4 * 1024 * 1024).await
 }
 
 #[tokio::test]
@@ -270,7 +267,7 @@ async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_wh
     register(&db, &["a"], t0()).await;
     enqueue(&db, 3).await;
     let types = ["MovieDeleted", "UserRegistered"];
-    let lost = claim(&db, &request("a", &types, "p1#x"), t0()).await.unwrap();
+    let lost = claim(&db, &HandlerClaim { call: 7, ..request("a", &types, "p1#x") }, t0()).await.unwrap();
     assert_eq!(lost.len(), 3);
     // The owner never heard of them. The first one's lease runs out and another owner takes it
     // over at 31 s; the other two are still live (renewed at 20 s, so they need not be asked
@@ -282,13 +279,17 @@ async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_wh
     let taken = claim(&db, &request("a", &types, "p2#y"), t0() + 31_000).await.unwrap();
     assert_eq!(taken.iter().map(|d| &d.key).collect::<Vec<_>>(), vec![&lost[0].key]);
 
-    assert!(resume(&db, "a", "p2#y", &lost, t0() + 32_000).await.is_empty(), "another owner gets nothing");
-    assert!(resume(&db, "b", "p1#x", &lost, t0() + 32_000).await.is_empty(), "nor does another handler");
+    assert!(resume(&db, ("a", "p2#y"), &[7], 8, t0() + 32_000).await.is_empty(), "another owner gets nothing");
+    assert!(resume(&db, ("b", "p1#x"), &[7], 8, t0() + 32_000).await.is_empty(), "nor does another handler");
+    assert!(resume(&db, ("a", "p1#x"), &[6, 8], 8, t0() + 32_000).await.is_empty(), "nor another call");
+    assert!(resume(&db, ("a", "p1#x"), &[0], 8, t0() + 32_000).await.is_empty(), "nor a call without an id");
     let one = lost[1].payload.len() + reelay_outbox::queue::CLAIM_ROW_OVERHEAD;
-    let within = resume_within(&db, "a", "p1#x", &lost, t0() + 31_500, one).await;
+    let within = resume_within(&db, ("a", "p1#x"), &[7], 8, t0() + 31_500, one).await;
     assert_eq!(within, lost[1..2].to_vec(), "no more than the answer may carry");
-    let back = resume(&db, "a", "p1#x", &lost, t0() + 32_000).await;
+    // Call 8's answer was lost too: named with call 7, each comes back once, now under call 9.
+    let back = resume(&db, ("a", "p1#x"), &[7, 8], 9, t0() + 32_000).await;
     assert_eq!(back, lost[1..].to_vec(), "the ones still its own, as they were handed (payloads too)");
+    assert!(resume(&db, ("a", "p1#x"), &[7, 8], 10, t0() + 32_000).await.is_empty(), "handed back: moved on");
     // Renewed by the hand-back: not taken over at 51 s (20 s after their renewal, 31 s after
     // the one before it).
     assert!(claim(&db, &request("a", &types, "p3#z"), t0() + 51_000).await.unwrap().is_empty());
@@ -296,7 +297,7 @@ async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_wh
         settle(&db, "a", back.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), t0() + 52_000).await.settled,
         2
     );
-    assert!(resume(&db, "a", "p1#x", &lost, t0() + 53_000).await.is_empty(), "settled ones are not handed back");
+    assert!(resume(&db, ("a", "p1#x"), &[9], 11, t0() + 53_000).await.is_empty(), "settled ones are not handed back");
 }
 
 #[tokio::test]

@@ -43,7 +43,7 @@ where
 }
 
 fn limits() -> ClaimLimits {
-    ClaimLimits { owner: "test#1".into(), max_rows: 10, max_bytes: 4 * 1024 * 1024 }
+    ClaimLimits { owner: "test#1".into(), max_rows: 10, max_bytes: 4 * 1024 * 1024, call: 0 }
 }
 
 async fn claim(db: &Database, now: i64, policy: QueuePolicy) -> Vec<queue::ClaimedRow> {
@@ -433,54 +433,56 @@ async fn purge_removes_only_rows_older_than_the_retention() {
     assert!(left.contains(&"e60".to_string()), "a dead letter discarded 10 days ago stays");
 }
 
-/// A relay's claim whose answer was lost: the rows it still holds under the tokens of that answer
-/// come back to it (and to no other claimer) under new tokens, within the answer's bytes, their
-/// leases counted anew; rows settled, deferred or held under another token since stay as they are.
+/// A relay's claim whose answer was lost: the rows that call claimed and the relay still holds
+/// come back to it (to no other claimer, and only to a call naming that one) claimed anew by the
+/// call naming it, oldest first within the answer's rows and bytes, their leases counted anew;
+/// rows settled, deferred or reclaimed since stay as they are.
 #[tokio::test]
 async fn rows_whose_claim_answer_was_lost_are_handed_back_to_their_claimer_only_while_it_holds_them() {
     let (_dir, db) = open().await;
     enqueue(&db, 5).await;
     let policy = QueuePolicy { lease: Duration::from_secs(600), ..QueuePolicy::default() };
-    let claimed = claim(&db, t0(), policy).await;
+    let lost_call = ClaimLimits { call: 7, ..limits() };
+    let claimed =
+        job(&db, move |tx| Box::pin(async move { queue::claim_due(tx, t0(), policy, &lost_call).await })).await;
     let handed: Vec<RowClaim> = claimed.iter().map(|r| RowClaim { id: r.id, claimed_at: r.claimed_at }).collect();
-    let resume = |owner: &'static str, handed: Vec<RowClaim>, now: i64, (max_rows, max_bytes): (u32, usize)| {
-        let limits = ClaimLimits { owner: owner.into(), max_rows, max_bytes };
-        job(&db, move |tx| Box::pin(async move { queue::resume(tx, &limits, &handed, now).await }))
+    let resume = |owner: &'static str, unanswered: Vec<u64>, call: u64, now: i64, (max_rows, max_bytes)| {
+        let limits = ClaimLimits { owner: owner.into(), max_rows, max_bytes, call };
+        job(&db, move |tx| Box::pin(async move { queue::resume(tx, &limits, &unanswered, now).await }))
     };
+    let ids = |rows: &[queue::ClaimedRow]| rows.iter().map(|r| r.id).collect::<Vec<_>>();
     let done = Published { row: handed[0], stream_sequence: 1 };
     job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[done]).await })).await;
     let deferred = handed[1];
     job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[deferred], t0() + 3_600_000).await })).await;
-    // Row 2 is named under a token it is not held under.
-    let mut asked = handed.clone();
-    asked[2].claimed_at += 1;
 
-    assert!(resume("other#1", asked.clone(), t0() + 1_000, (10, usize::MAX)).await.is_empty(), "not another's");
-    let one_row = claimed[3].payload.len() + queue::CLAIM_ROW_OVERHEAD;
-    let first = resume("test#1", asked.clone(), t0() + 1_000, (10, one_row)).await;
-    assert_eq!(first.iter().map(|r| (r.id, r.claimed_at)).collect::<Vec<_>>(), vec![(handed[3].id, t0() + 1_000)]);
-    assert_eq!(first[0].payload, claimed[3].payload);
+    let all = (10, usize::MAX);
+    assert!(resume("other#1", vec![7], 8, t0() + 1_000, all).await.is_empty(), "not another's");
+    assert!(resume("test#1", vec![6, 8], 8, t0() + 1_000, all).await.is_empty(), "not another call's");
+    assert!(resume("test#1", vec![0], 8, t0() + 1_000, all).await.is_empty(), "not a call without an id's");
+    let one_row = claimed[2].payload.len() + queue::CLAIM_ROW_OVERHEAD;
+    let first = resume("test#1", vec![7], 8, t0() + 1_000, (10, one_row)).await;
+    assert_eq!(first.iter().map(|r| (r.id, r.claimed_at)).collect::<Vec<_>>(), vec![(handed[2].id, t0() + 1_000)]);
+    assert_eq!(first[0].payload, claimed[2].payload);
     // The lost answer's token of the row handed back settles nothing; the new one does.
-    let stale = Published { row: handed[3], stream_sequence: 2 };
+    let stale = Published { row: handed[2], stream_sequence: 2 };
     let late = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[stale]).await })).await;
-    assert_eq!((late.settled, late.lost), (0, vec![handed[3].id]));
-    let rest = resume("test#1", asked, t0() + 2_000, (10, usize::MAX)).await;
-    assert_eq!(rest.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[4].id], "row 3 is held under its new token");
-    let fresh = Published { row: RowClaim { id: first[0].id, claimed_at: first[0].claimed_at }, stream_sequence: 3 };
+    assert_eq!((late.settled, late.lost), (0, vec![handed[2].id]));
+    let next = resume("test#1", vec![7], 9, t0() + 2_000, (1, usize::MAX)).await;
+    assert_eq!(ids(&next), vec![handed[3].id], "row 2 is call 8's now; one row asked for");
+    // Calls 8 and 9 went unanswered too: what they took comes back under call 10.
+    let again = resume("test#1", vec![8, 9], 10, t0() + 3_000, all).await;
+    assert_eq!(ids(&again), vec![handed[2].id, handed[3].id]);
+    let fresh = Published { row: RowClaim { id: again[0].id, claimed_at: again[0].claimed_at }, stream_sequence: 3 };
     let settled = job(&db, move |tx| Box::pin(async move { queue::complete(tx, &[fresh]).await })).await;
     assert_eq!(settled.settled, 1);
     assert_eq!(row_state(&db, handed[1].id).await, ("pending".into(), 0, t0() + 3_600_000), "deferred stays deferred");
-    // Past the first claim's lease only row 2 is taken over: row 4's lease counts from its hand-back.
+    // Past the first claim's lease only row 4 is taken over: row 3's lease counts from its hand-back.
     let reclaimed = claim(&db, t0() + 600_001, policy).await;
-    assert_eq!(reclaimed.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[2].id]);
-    assert_eq!(row_state(&db, handed[4].id).await.1, 0, "no attempt spent");
-    // Within the answer's rows too: of two held, the older comes back.
-    let held = vec![
-        RowClaim { id: rest[0].id, claimed_at: rest[0].claimed_at },
-        RowClaim { id: reclaimed[0].id, claimed_at: reclaimed[0].claimed_at },
-    ];
-    let one = resume("test#1", held, t0() + 600_002, (1, usize::MAX)).await;
-    assert_eq!(one.iter().map(|r| r.id).collect::<Vec<_>>(), vec![handed[2].id]);
+    assert_eq!(ids(&reclaimed), vec![handed[4].id]);
+    assert_eq!(row_state(&db, handed[3].id).await.1, 0, "no attempt spent");
+    assert!(resume("test#1", vec![7], 11, t0() + 600_002, all).await.is_empty(), "reclaimed: no longer call 7's");
+    assert_eq!(ids(&resume("test#1", vec![10], 11, t0() + 600_002, all).await), vec![handed[3].id]);
 }
 
 /// Claims stay within the claimer's answer size, and a row no answer can hold (a foreign
@@ -508,7 +510,7 @@ async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
         })
     })
     .await;
-    let limits = ClaimLimits { owner: "test#1".into(), max_rows: 100, max_bytes: 200_000 };
+    let limits = ClaimLimits { owner: "test#1".into(), max_rows: 100, max_bytes: 200_000, call: 0 };
     let mut batches = Vec::new();
     loop {
         let request = limits.clone();
@@ -564,6 +566,7 @@ async fn the_oldest_waiting_row_follows_the_handlers_cursors_on_db() {
         owner: "test#1".into(),
         max_rows: 1,
         max_bytes: 1 << 20,
+        call: 0,
         shared: None,
     };
     let handed = job(&db, move |tx| {

@@ -76,8 +76,8 @@ fn relay_backoff() -> Backoff {
 }
 /// Published batches whose PubAcks and mark-done are still under way while the next is sent.
 const MAX_SETTLING: usize = 3;
-/// Most unanswered claim calls named in the next one (the newest; the write service keeps only
-/// what its last answer with rows handed out).
+/// Most unanswered claim calls named in the next one (the newest: an older one's rows have
+/// most likely waited out their lease by then).
 const UNANSWERED_NAMED: usize = 8;
 
 pub struct Relay {

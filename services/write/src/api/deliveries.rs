@@ -10,14 +10,14 @@ use reelay_contracts::v1::{self, delivery_settlement::Outcome};
 use reelay_kit::metrics::{self, Counter};
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
-    self, ClaimedDelivery, DeliveryOutcome, Handed, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
+    self, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
 };
 use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
 
 use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
-use super::last_answers::{LastAnswers, check_unanswered};
 use super::outbox::{FALLBACK_POLL, MAX_CLAIM_ROWS, MAX_CLAIM_WAIT_MS, OutboxApi};
+use super::unanswered::check_unanswered;
 use super::waiting::{WaitingClaims, to_the_end};
 use crate::WriteError;
 
@@ -33,9 +33,6 @@ static RESUMED: LazyLock<Counter> = LazyLock::new(|| {
 pub(super) fn register_metrics() {
     LazyLock::force(&RESUMED);
 }
-
-/// What each (owner, handler)'s last claim call handed it (see `last_answers`).
-pub(super) type LastDeliveries = LastAnswers<(String, String), Vec<Handed>>;
 
 /// Registers the handlers this deployment delivers to (cursors for the new ones), before the
 /// write service takes writes, so no event written from now on is missed by any of them.
@@ -174,7 +171,7 @@ impl OutboxApi {
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let wants = v1::HandlerWants { handler, event_types, max_rows };
         let mut answered =
-            self.claim_group(vec![wants], r.owner, r.wait_ms, r.max_bytes, self.shutdown.requested()).await?;
+            self.claim_group(vec![wants], r.owner, 0, r.wait_ms, r.max_bytes, self.shutdown.requested()).await?;
         let deliveries = match answered.pop() {
             None => Vec::new(),
             Some(HandlerAnswer { claimed: Ok(claimed), .. }) => claimed.into_iter().map(delivery).collect(),
@@ -213,8 +210,9 @@ impl OutboxApi {
     }
 
     /// `ClaimDeliveriesForHandlers` for the `checked` handlers: what the call's unanswered calls
-    /// handed them and the owner still holds, else what is due, waiting up to `wait_ms` or until
-    /// `stop`. What it hands out is recorded first, for a hand-back should the answer not arrive.
+    /// claimed for them and the owner still holds, else what is due, waiting up to `wait_ms` or
+    /// until `stop`. Either way what it hands out is marked with its call id, for a hand-back
+    /// should the answer not arrive.
     async fn claim_for_handlers(
         &self,
         r: v1::ClaimDeliveriesForHandlersRequest,
@@ -231,24 +229,17 @@ impl OutboxApi {
             .collect();
         let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
         let keys: Vec<(String, String)> = names.iter().map(|name| (r.owner.clone(), name.clone())).collect();
-        // Ends after this call recorded its answer: a call naming this one waits for that.
-        let _running = self.last_deliveries.running(&keys, r.call_id);
-        let taken = self.last_deliveries.take(&keys, &r.unanswered, r.call_id).await;
-        let mut answers = if taken.is_empty() {
-            Vec::new()
-        } else {
-            let lost = taken.lost().map(|(index, handed)| (index, handed.clone())).collect();
-            self.hand_back(&names, r.owner.clone(), lost, self.answer_bytes(r.max_bytes)).await?
-        };
-        taken.handed_back();
-        if answers.is_empty() {
-            answers = self.claim_group(checked, r.owner.clone(), r.wait_ms, r.max_bytes, stop).await?;
+        // Ends after this call's claims are written: a call naming this one waits for that.
+        let _running = self.running_deliveries.running(&keys, r.call_id);
+        let mut answers = Vec::new();
+        if !r.unanswered.is_empty() {
+            self.running_deliveries.named_ended(&keys, &r.unanswered, r.call_id).await;
+            let max_bytes = self.answer_bytes(r.max_bytes);
+            answers = self.hand_back(&names, r.owner.clone(), r.unanswered.clone(), r.call_id, max_bytes).await?;
         }
-        let handed = answers.iter().filter_map(|answer| {
-            let claimed = answer.claimed.as_ref().ok()?;
-            Some(((r.owner.clone(), names[answer.index].clone()), claimed.iter().map(Handed::from).collect()))
-        });
-        self.last_deliveries.record(r.call_id, handed);
+        if answers.is_empty() {
+            answers = self.claim_group(checked, r.owner.clone(), r.call_id, r.wait_ms, r.max_bytes, stop).await?;
+        }
         for answer in answers {
             let entry = &mut handlers[answer.index];
             match answer.claimed {
@@ -259,18 +250,19 @@ impl OutboxApi {
         Ok(v1::ClaimDeliveriesForHandlersResponse { handlers, lease_ms: self.deliveries.lease.as_millis() as i64 })
     }
 
-    /// Hands `owner` back what its unanswered calls handed `handlers` (by index) and it still
-    /// holds under the same tokens, renewed, within one answer of `max_bytes`; nothing else is
-    /// claimed. (What does not fit is left to its lease: the process does not know of it.)
+    /// Hands `owner` back what its `unanswered` calls claimed for `handlers` (by index) and it
+    /// still holds, renewed and marked as claimed by `call`, within one answer of `max_bytes`;
+    /// nothing else is claimed. (What does not fit is left to its lease: the process does not
+    /// know of it.)
     async fn hand_back(
         &self,
         handlers: &[String],
         owner: String,
-        lost: Vec<(usize, Vec<Handed>)>,
+        unanswered: Vec<u64>,
+        call: u64,
         mut max_bytes: usize,
     ) -> Result<Vec<HandlerAnswer>, WriteError> {
-        let lost: Vec<(usize, String, Vec<Handed>)> =
-            lost.into_iter().map(|(index, handed)| (index, handlers[index].clone(), handed)).collect();
+        let names = handlers.to_vec();
         let answers = self
             .db
             .writer
@@ -279,10 +271,10 @@ impl OutboxApi {
                 move |tx: &mut WriteTx| {
                     Box::pin(async move {
                         let now = tx.now_ms();
-                        let mut answers = Vec::with_capacity(lost.len());
-                        for (index, handler, handed) in lost {
+                        let mut answers = Vec::new();
+                        for (index, handler) in names.iter().enumerate() {
                             let resumed =
-                                deliveries::resume(tx, &handler, &owner, &handed, now, &mut max_bytes).await?;
+                                deliveries::resume(tx, handler, &owner, &unanswered, call, now, &mut max_bytes).await?;
                             if !resumed.is_empty() {
                                 answers.push(HandlerAnswer { index, claimed: Ok(resumed) });
                             }
@@ -308,6 +300,7 @@ impl OutboxApi {
         &self,
         wants: Vec<v1::HandlerWants>,
         owner: String,
+        call: u64,
         wait_ms: u32,
         max_bytes: u32,
         stop: impl Future<Output = ()>,
@@ -322,6 +315,7 @@ impl OutboxApi {
                 owner: owner.clone(),
                 max_rows: w.max_rows,
                 max_bytes,
+                call,
                 shared: None,
             })
             .collect();

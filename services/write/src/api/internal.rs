@@ -14,7 +14,6 @@ use reelay_outbox::queue::QueuePolicy;
 
 use super::admin::{AdminApi, Bus};
 use super::deliveries::waiting_deliveries;
-use super::last_answers::LastAnswers;
 use super::ledger::LedgerApi;
 use super::outbox::{OutboxApi, waiting_rows};
 
@@ -66,8 +65,8 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         delivery_settlements: Default::default(),
         waiting_deliveries: waiting_deliveries(policy.deliveries),
         waiting_rows: waiting_rows(policy.queue),
-        last_deliveries: LastAnswers::new(policy.deliveries.lease),
-        last_rows: LastAnswers::new(policy.queue.lease),
+        running_deliveries: Default::default(),
+        running_rows: Default::default(),
         bus: policy.bus,
     };
     // Whoever takes new events on this backend has its waiting claims written with them.

@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 
 use super::admin::Bus;
 use super::internal::MAX_BATCH_KEYS;
-use super::last_answers::{LastAnswers, check_unanswered};
+use super::unanswered::{RunningCalls, check_unanswered};
 use super::waiting::{WaitingClaims, to_the_end};
 use crate::WriteError;
 use crate::merge::Merged;
@@ -56,10 +56,11 @@ pub(super) struct OutboxApi {
     pub(super) waiting_deliveries: super::deliveries::WaitingDeliveries,
     /// The relay's claims waiting for rows (nats backend), likewise.
     pub(super) waiting_rows: WaitingRows,
-    /// What each handler's last claim handed, to hand back an answer that never arrived.
-    pub(super) last_deliveries: super::deliveries::LastDeliveries,
-    /// What the relay's last claim handed it, likewise.
-    pub(super) last_rows: LastAnswers<String, Vec<RowClaim>>,
+    /// The handlers' claim calls running, by (owner, handler): a call naming one of them as
+    /// unanswered waits for it before looking for what it claimed.
+    pub(super) running_deliveries: RunningCalls<(String, String)>,
+    /// The relay's claim calls running, by claimer, likewise.
+    pub(super) running_rows: RunningCalls<String>,
     /// The event bus: on db the outbox's rows stay `pending` and handlers progress by cursor.
     pub(super) bus: Bus,
 }
@@ -127,20 +128,20 @@ impl OutboxApi {
             .await
     }
 
-    /// Hands the claimer back the rows its unanswered call was handed and it still holds under
-    /// the same tokens, claimed anew, within one answer's `limits` (what does not fit is left
-    /// to its lease: the relay does not know of it).
+    /// Hands the claimer back the rows its `unanswered` calls claimed and it still holds,
+    /// claimed anew, within one answer's `limits` (what does not fit is left to its lease: the
+    /// relay does not know of it).
     async fn hand_back_rows(
         &self,
         limits: ClaimLimits,
-        handed: Vec<RowClaim>,
+        unanswered: Vec<u64>,
     ) -> Result<Vec<queue::ClaimedRow>, WriteError> {
         let owner = limits.owner.clone();
         let rows = self
             .db
             .writer
             .transact::<_, WriteError, _>("outbox_resume", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(queue::resume(tx, &limits, &handed, tx.now_ms()).await?) })
+                Box::pin(async move { Ok(queue::resume(tx, &limits, &unanswered, tx.now_ms()).await?) })
             })
             .await?;
         if !rows.is_empty() {
@@ -151,27 +152,32 @@ impl OutboxApi {
         Ok(rows)
     }
 
-    /// The relay's claim (its request checked): what its unanswered calls were handed and it
-    /// still holds, else what is due, waiting for it up to `wait_ms` or until `stop`. What it
-    /// hands out is recorded first, for a hand-back should the answer never arrive.
+    /// The relay's claim (its request checked): what its unanswered calls claimed and it still
+    /// holds, else what is due, waiting for it up to `wait_ms` or until `stop`. Either way the
+    /// rows it hands out are marked with its call id, for a hand-back should the answer never
+    /// arrive.
     async fn claim_rows(
         &self,
         r: v1::ClaimRequest,
         stop: impl Future<Output = ()>,
     ) -> Result<Vec<v1::OutboxRow>, WriteError> {
-        let limits =
-            ClaimLimits { owner: r.consumer.clone(), max_rows: r.max_rows, max_bytes: self.answer_bytes(r.max_bytes) };
         // Without a consumer's name there is no telling whose rows are whose.
         let named = !r.consumer.is_empty();
-        let keys: Vec<String> = named.then(|| r.consumer.clone()).into_iter().collect();
-        // Ends after this call recorded its answer: a call naming this one waits for that.
-        let _running = self.last_rows.running(&keys, r.call_id);
-        let taken = self.last_rows.take(&keys, &r.unanswered, r.call_id).await;
-        let mut rows = match taken.lost().next() {
-            Some((_, handed)) => self.hand_back_rows(limits.clone(), handed.clone()).await?,
-            None => Vec::new(),
+        let call = if named { r.call_id } else { 0 };
+        let limits = ClaimLimits {
+            owner: r.consumer.clone(),
+            max_rows: r.max_rows,
+            max_bytes: self.answer_bytes(r.max_bytes),
+            call,
         };
-        taken.handed_back();
+        let keys = [r.consumer.clone()];
+        // Ends after this call's claims are written: a call naming this one waits for that.
+        let _running = self.running_rows.running(&keys, call);
+        let mut rows = Vec::new();
+        if named && !r.unanswered.is_empty() {
+            self.running_rows.named_ended(&keys, &r.unanswered, call).await;
+            rows = self.hand_back_rows(limits.clone(), r.unanswered.clone()).await?;
+        }
         if rows.is_empty() {
             let deadline = Instant::now() + Duration::from_millis(u64::from(r.wait_ms));
             rows = self
@@ -185,10 +191,6 @@ impl OutboxApi {
                     stop,
                 )
                 .await?;
-        }
-        if named && !rows.is_empty() {
-            let handed = rows.iter().map(|row| RowClaim { id: row.id, claimed_at: row.claimed_at }).collect();
-            self.last_rows.record(r.call_id, [(r.consumer.clone(), handed)]);
         }
         if !rows.is_empty() {
             tracing::debug!(consumer = %r.consumer, rows = rows.len(), "outbox rows claimed");
