@@ -883,8 +883,9 @@ fn assert_review_event(handed: &[v1::Delivery], review_id: &str) {
 /// A write service on `db` delivering to probe-a and probe-b, with no ledger purge while a test
 /// counts the writer's batches, its clients, and a user whose key pair is stored (so that no
 /// background write lands in the batches counted).
-async fn write_for_two_probes(db: &Path) -> (Reelay, Clients, String) {
-    let env = [("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
+async fn write_for_two_probes(db: &Path, extra_env: &[(&str, &str)]) -> (Reelay, Clients, String) {
+    let mut env = vec![("REELAY_PROBE_HANDLERS", "probe-a,probe-b"), ("REELAY_LEDGER_PURGE_INTERVAL_MS", "3600000")];
+    env.extend_from_slice(extra_env);
     let write = Reelay::start_write(BIN, db, &env).await;
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
@@ -900,7 +901,7 @@ async fn write_for_two_probes(db: &Path) -> (Reelay, Clients, String) {
 async fn a_waiting_claim_is_written_with_the_event_it_is_handed() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let (mut write, mut c, ana) = write_for_two_probes(&db).await;
+    let (mut write, mut c, ana) = write_for_two_probes(&db, &[]).await;
     let claim = |handler: &str, event_type: &str, wait_ms: u32| claim_of(handler, event_type, "test#1", wait_ms);
     // Nothing of either type is waiting to be claimed (ana's UserCreated is neither).
     for handler in ["probe-a", "probe-b"] {
@@ -975,7 +976,7 @@ fn wants(handlers: &[&str]) -> Vec<v1::HandlerWants> {
 async fn one_claim_call_serves_several_handlers() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let (mut write, mut c, ana) = write_for_two_probes(&db).await;
+    let (mut write, mut c, ana) = write_for_two_probes(&db, &[]).await;
     let call = |handlers: Vec<v1::HandlerWants>, wait_ms: u32| v1::ClaimDeliveriesForHandlersRequest {
         handlers,
         owner: "test#1".into(),
@@ -1051,12 +1052,14 @@ async fn one_claim_call_serves_several_handlers() {
 /// The deliveries claimed for a handlers process whose call went away while the claim's commit
 /// was on its way to a slow disk (its deadline passed first) are handed back to its next call
 /// naming that call, whether a claim job of its own wrote them or the batch of the event they
-/// are for; before, they waited out the 30 s lease.
+/// are for, and after the write service was killed and restarted too; before, they waited out
+/// the 30 s lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_claimed_for_a_call_that_went_away_are_handed_back() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let (mut write, c, ana) = write_for_two_probes(&db).await;
+    // Leases longer than the test: the deliveries handed back stay held by the claimer.
+    let (mut write, c, ana) = write_for_two_probes(&db, &[("REELAY_LEDGER_LEASE_MS", "300000")]).await;
     let new_event = |n: usize| {
         let (mut c, ana, db) = (c.clone(), ana.clone(), db.clone());
         async move {

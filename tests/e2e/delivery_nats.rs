@@ -1010,13 +1010,16 @@ async fn a_new_replica_count_is_applied_to_both_streams_in_place() {
 
 /// The outbox rows claimed for a relay whose call went away while the claim's commit was on its
 /// way to a slow disk (its deadline passed first) are handed back to its next call naming that
-/// call, whether a claim job of its own wrote them or the batch that wrote them; before, they
-/// waited out the 30 s lease. (The write service alone: the test claims as the relay does.)
+/// call, whether a claim job of its own wrote them or the batch that wrote them, and after the
+/// write service was killed and restarted too; before, they waited out the 30 s lease. (The
+/// write service alone: the test claims as the relay does.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let mut write = Reelay::start_write(BIN, &db, &[("EVENT_BUS_BACKEND", "nats")]).await;
+    // A lease longer than the test: the rows handed back stay held by the claimer.
+    let env = [("EVENT_BUS_BACKEND", "nats"), ("REELAY_OUTBOX_LEASE_MS", "300000")];
+    let mut write = Reelay::start_write(BIN, &db, &env).await;
     let c = write.clients().await;
     let new_event = |n: usize| {
         let (mut c, db) = (c.clone(), db.clone());

@@ -190,7 +190,7 @@ enum Lost {
 
 /// A claim made for a caller that went away while its commit was on its way to the disk (a slow
 /// fsync; the call's deadline passed first) is handed back to the claimer's next call naming
-/// that call instead of waiting out the 30 s lease (see [`Lost`] for the three ways).
+/// that call instead of waiting out its lease (see [`Lost`] for the three ways).
 /// `new_event(n)` writes an event the claimer takes and returns its id; `claim(outbox,
 /// call_id, unanswered, wait_ms, deadline)` makes a call and returns the ids of the events it
 /// was handed; `held` is a query of `db` counting the rows the claimer holds; the write

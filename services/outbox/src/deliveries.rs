@@ -250,10 +250,7 @@ async fn claim_round(
                 request,
                 position,
                 moved_to: position,
-                budget: Budget {
-                    rows: request.max_rows as usize,
-                    bytes: request.shared.clone().unwrap_or_else(|| SharedAnswer::new(request.max_bytes)),
-                },
+                budget: Budget::of(request),
                 taken: Vec::new(),
                 handed: Vec::new(),
             })
@@ -292,6 +289,14 @@ struct Budget {
 }
 
 impl Budget {
+    /// What `request` may be handed.
+    fn of(request: &HandlerClaim) -> Self {
+        Self {
+            rows: request.max_rows as usize,
+            bytes: request.shared.clone().unwrap_or_else(|| SharedAnswer::new(request.max_bytes)),
+        }
+    }
+
     /// Takes a row of `length` bytes if it fits. (A row too large for any answer never comes
     /// here: it is dead-lettered.)
     fn take(&mut self, length: i64) -> bool {
@@ -771,52 +776,49 @@ pub async fn renew(
     Ok(lost)
 }
 
-/// Hands `owner` back the deliveries of `handler` that its calls `unanswered` claimed (their
-/// answers never reached it) and it still holds, within `budget` bytes of answer (each costs its
-/// payload and [`CLAIM_ROW_OVERHEAD`]; `budget` is reduced by what is taken), oldest first:
-/// their leases are renewed, they are marked as claimed by `call`, and they come back as they
-/// were handed (same tokens and attempts, payloads read again). The others (settled, released,
-/// taken over since, their outbox row gone, or over the budget) are left as they are. The caller
-/// must know that the owner runs none of them (it never heard of them) and that none of those
-/// calls is still claiming.
+/// Hands the claimer of `claim` back the deliveries of its handler that its calls `unanswered`
+/// claimed (their answers never reached it) and it still holds, oldest first within the claim's
+/// rows and bytes (the bytes its own or shared, as for a claim): their leases are renewed, they
+/// are marked as claimed by `claim.call`, and they come back as they were handed (same tokens
+/// and attempts, payloads read again). The others (settled, released, taken over since, their
+/// outbox row gone, or over the budget) are left as they are. The caller must know that the
+/// owner runs none of them (it never heard of them) and that none of those calls is still
+/// claiming.
 pub async fn resume(
     tx: &mut WriteTx,
-    handler: &str,
-    owner: &str,
+    claim: &HandlerClaim,
     unanswered: &[u64],
-    call: u64,
     now: i64,
-    budget: &mut usize,
 ) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
     let calls: Vec<i64> = unanswered.iter().filter_map(|call| claim_call(*call)).collect();
     if calls.is_empty() {
         return Ok(Vec::new());
     }
+    let handler = claim.handler.as_str();
     let sql = format!(
         "SELECT event_id, started_at, attempts FROM processed_events WHERE handler = ? \
          AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner = ? AND claim_call IN ({})",
         vec!["?"; calls.len()].join(", ")
     );
-    let mut query = sqlx::query_as::<_, (String, i64, i64)>(AssertSqlSafe(sql)).bind(handler).bind(owner);
+    let mut query = sqlx::query_as::<_, (String, i64, i64)>(AssertSqlSafe(sql)).bind(handler).bind(&claim.owner);
     for call in &calls {
         query = query.bind(call);
     }
     let held = query.fetch_all(tx.conn()).await?;
     let rows = outbox_rows_of(tx, held.iter().map(|(key, _, _)| key.as_str())).await?;
-    let mut held: Vec<(i64, String, i64, i64)> = held
+    let mut held: Vec<(i64, i64, String, i64, i64)> = held
         .into_iter()
-        .filter_map(|(key, token, attempts)| rows.get(&key).map(|&(row_id, _)| (row_id, key, token, attempts)))
+        .filter_map(|(key, token, attempts)| {
+            rows.get(&key).map(|&(row_id, length)| (row_id, length, key, token, attempts))
+        })
         .collect();
     held.sort_unstable();
+    let mut budget = Budget::of(claim);
+    held.retain(|(_, length, ..)| budget.take(*length));
     let mut loaded = load(tx, held.iter().map(|h| h.0).collect()).await?;
     let mut resumed = Vec::with_capacity(held.len());
-    for (row_id, key, token, attempts) in held {
+    for (row_id, _, key, token, attempts) in held {
         let Some((event_type, aggregate_id, payload)) = loaded.remove(&row_id) else { continue };
-        let cost = payload.len() + CLAIM_ROW_OVERHEAD;
-        if cost > *budget {
-            continue;
-        }
-        *budget -= cost;
         let attempt = attempts as u32 + 1;
         resumed.push(ClaimedDelivery { row_id, key, event_type, aggregate_id, payload, attempt, token });
     }
@@ -827,7 +829,7 @@ pub async fn resume(
              AND (event_id, started_at) IN (VALUES {})",
             vec!["(?, ?)"; chunk.len()].join(", ")
         );
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(claim_call(call)).bind(handler);
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(now).bind(claim_call(claim.call)).bind(handler);
         for d in chunk {
             query = query.bind(&d.key).bind(d.token);
         }

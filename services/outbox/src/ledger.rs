@@ -148,8 +148,8 @@ pub async fn claim(
                     // the one it replaces.
                     let token = now.max(started + 1);
                     sqlx::query(
-                        "UPDATE processed_events SET status = 'in_progress', started_at = ?, renewed_at = ?, owner = ? \
-                         WHERE event_id = ? AND handler = ? AND started_at = ?",
+                        "UPDATE processed_events SET status = 'in_progress', started_at = ?, renewed_at = ?, owner = ?, \
+                         claim_call = NULL WHERE event_id = ? AND handler = ? AND started_at = ?",
                     )
                     .bind(token)
                     .bind(now)

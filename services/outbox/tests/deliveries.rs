@@ -238,27 +238,23 @@ async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
     assert_eq!(settle(&db, "a", vec![outcome(&taken[0], DeliveryOutcome::Done)], t0() + 33_000).await.settled, 1);
 }
 
-/// What `owner`'s call `call` gets back of what its calls `unanswered` claimed for `handler`.
-async fn resume_within(
+/// What the claim `claim` gets back of what its owner's calls `unanswered` claimed.
+async fn resume_within(db: &Database, claim: HandlerClaim, unanswered: &[u64], now: i64) -> Vec<ClaimedDelivery> {
+    let unanswered = unanswered.to_vec();
+    job(db, move |tx| Box::pin(async move { Ok(deliveries::resume(tx, &claim, &unanswered, now).await?) }))
+        .await
+        .unwrap()
+}
+
+/// The same for call `call` of `owner` for `handler`, with room for everything.
+async fn resume(
     db: &Database,
     (handler, owner): (&str, &str),
     unanswered: &[u64],
     call: u64,
     now: i64,
-    mut budget: usize,
 ) -> Vec<ClaimedDelivery> {
-    let (handler, owner, unanswered) = (handler.to_owned(), owner.to_owned(), unanswered.to_vec());
-    job(db, move |tx| {
-        Box::pin(
-            async move { Ok(deliveries::resume(tx, &handler, &owner, &unanswered, call, now, &mut budget).await?) },
-        )
-    })
-    .await
-    .unwrap()
-}
-
-async fn resume(db: &Database, who: (&str, &str), unanswered: &[u64], call: u64, now: i64) -> Vec<ClaimedDelivery> {
-    resume_within(db, who, unanswered, call, now, 4 * 1024 * 1024).await
+    resume_within(db, HandlerClaim { call, ..request(handler, &[], owner) }, unanswered, now).await
 }
 
 #[tokio::test]
@@ -283,13 +279,17 @@ async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_wh
     assert!(resume(&db, ("b", "p1#x"), &[7], 8, t0() + 32_000).await.is_empty(), "nor does another handler");
     assert!(resume(&db, ("a", "p1#x"), &[6, 8], 8, t0() + 32_000).await.is_empty(), "nor another call");
     assert!(resume(&db, ("a", "p1#x"), &[0], 8, t0() + 32_000).await.is_empty(), "nor a call without an id");
-    let one = lost[1].payload.len() + reelay_outbox::queue::CLAIM_ROW_OVERHEAD;
-    let within = resume_within(&db, ("a", "p1#x"), &[7], 8, t0() + 31_500, one).await;
-    assert_eq!(within, lost[1..2].to_vec(), "no more than the answer may carry");
-    // Call 8's answer was lost too: named with call 7, each comes back once, now under call 9.
-    let back = resume(&db, ("a", "p1#x"), &[7, 8], 9, t0() + 32_000).await;
+    let one_row = HandlerClaim { call: 8, max_rows: 1, ..request("a", &types, "p1#x") };
+    assert_eq!(resume_within(&db, one_row, &[7], t0() + 31_500).await, lost[1..2].to_vec(), "no more rows than asked");
+    let one = lost[2].payload.len() + reelay_outbox::queue::CLAIM_ROW_OVERHEAD;
+    let small = HandlerClaim { call: 9, max_bytes: one - 1, ..request("a", &types, "p1#x") };
+    assert!(resume_within(&db, small, &[7], t0() + 31_500).await.is_empty(), "nor more bytes than the answer carries");
+    let fits = HandlerClaim { call: 9, max_bytes: one, ..request("a", &types, "p1#x") };
+    assert_eq!(resume_within(&db, fits, &[7], t0() + 31_500).await, lost[2..3].to_vec());
+    // The answers of calls 8 and 9 were lost too: each delivery comes back once more, under 10.
+    let back = resume(&db, ("a", "p1#x"), &[7, 8, 9], 10, t0() + 32_000).await;
     assert_eq!(back, lost[1..].to_vec(), "the ones still its own, as they were handed (payloads too)");
-    assert!(resume(&db, ("a", "p1#x"), &[7, 8], 10, t0() + 32_000).await.is_empty(), "handed back: moved on");
+    assert!(resume(&db, ("a", "p1#x"), &[7, 8, 9], 11, t0() + 32_000).await.is_empty(), "handed back: moved on");
     // Renewed by the hand-back: not taken over at 51 s (20 s after their renewal, 31 s after
     // the one before it).
     assert!(claim(&db, &request("a", &types, "p3#z"), t0() + 51_000).await.unwrap().is_empty());
@@ -297,7 +297,7 @@ async fn deliveries_whose_answer_was_lost_are_handed_back_to_their_owner_only_wh
         settle(&db, "a", back.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), t0() + 52_000).await.settled,
         2
     );
-    assert!(resume(&db, ("a", "p1#x"), &[9], 11, t0() + 53_000).await.is_empty(), "settled ones are not handed back");
+    assert!(resume(&db, ("a", "p1#x"), &[10], 12, t0() + 53_000).await.is_empty(), "settled ones are not handed back");
 }
 
 #[tokio::test]

@@ -12,6 +12,7 @@
 //! own message id and a `Reelay-Replay-Of` header naming the event (the ledger's key).
 
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -76,6 +77,10 @@ fn relay_backoff() -> Backoff {
 }
 /// Published batches whose PubAcks and mark-done are still under way while the next is sent.
 const MAX_SETTLING: usize = 3;
+/// Numbers this process's claim calls: unique with its owner name (which carries the
+/// incarnation), however many times a relay runs in the process.
+static CALLS: AtomicU64 = AtomicU64::new(1);
+
 /// Most unanswered claim calls named in the next one (the newest: an older one's rows have
 /// most likely waited out their lease by then).
 const UNANSWERED_NAMED: usize = 8;
@@ -116,9 +121,9 @@ impl Relay {
         // Claim calls since the last answer: if one was answered with rows that never arrived
         // (the connection cut, the deadline passed), the write service hands them back to the
         // next call that names it instead of holding them for their lease.
-        let (mut call_id, mut unanswered) = (0u64, Vec::new());
+        let mut unanswered = Vec::new();
         while !shutdown.is_requested() {
-            call_id += 1;
+            let call_id = CALLS.fetch_add(1, Ordering::Relaxed);
             let mut request = tonic::Request::new(v1::ClaimRequest {
                 consumer: self.config.owner.clone(),
                 max_rows: self.config.batch,

@@ -71,6 +71,12 @@ pub(super) struct HandlerAnswer {
     claimed: Result<Vec<ClaimedDelivery>, String>,
 }
 
+/// The claims of `group`, drawing on one answer's bytes.
+fn sharing_one_answer(group: &[HandlerClaim]) -> Vec<HandlerClaim> {
+    let answer = SharedAnswer::new(group.first().map_or(0, |claim| claim.max_bytes));
+    group.iter().map(|claim| HandlerClaim { shared: Some(answer.clone()), ..claim.clone() }).collect()
+}
+
 /// Claims for every group in one `claim_many` (the statements shared between all their
 /// handlers); the handlers of a group share its answer's bytes.
 async fn claim_groups(
@@ -82,8 +88,7 @@ async fn claim_groups(
     for group in &groups {
         // A fresh answer for each attempt: bytes taken by a claim that was rolled back or
         // answered nothing are not lost.
-        let answer = SharedAnswer::new(group.first().map_or(0, |claim| claim.max_bytes));
-        requests.extend(group.iter().map(|claim| HandlerClaim { shared: Some(answer.clone()), ..claim.clone() }));
+        requests.extend(sharing_one_answer(group));
     }
     let mut answers = deliveries::claim_many(tx, tx.now_ms(), policy, &requests).await?.into_iter();
     Ok(groups
@@ -170,8 +175,8 @@ impl OutboxApi {
         let event_types = event_types("event_types", r.event_types, &handler)?;
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let wants = v1::HandlerWants { handler, event_types, max_rows };
-        let mut answered =
-            self.claim_group(vec![wants], r.owner, 0, r.wait_ms, r.max_bytes, self.shutdown.requested()).await?;
+        let group = self.group(vec![wants], &r.owner, 0, r.max_bytes);
+        let mut answered = self.claim_group(group, r.wait_ms, self.shutdown.requested()).await?;
         let deliveries = match answered.pop() {
             None => Vec::new(),
             Some(HandlerAnswer { claimed: Ok(claimed), .. }) => claimed.into_iter().map(delivery).collect(),
@@ -227,18 +232,17 @@ impl OutboxApi {
                 refused: String::new(),
             })
             .collect();
-        let names: Vec<String> = checked.iter().map(|w| w.handler.clone()).collect();
-        let keys: Vec<(String, String)> = names.iter().map(|name| (r.owner.clone(), name.clone())).collect();
+        let keys: Vec<(String, String)> = checked.iter().map(|w| (r.owner.clone(), w.handler.clone())).collect();
+        let group = self.group(checked, &r.owner, r.call_id, r.max_bytes);
         // Ends after this call's claims are written: a call naming this one waits for that.
         let _running = self.running_deliveries.running(&keys, r.call_id);
         let mut answers = Vec::new();
         if !r.unanswered.is_empty() {
             self.running_deliveries.named_ended(&keys, &r.unanswered, r.call_id).await;
-            let max_bytes = self.answer_bytes(r.max_bytes);
-            answers = self.hand_back(&names, r.owner.clone(), r.unanswered.clone(), r.call_id, max_bytes).await?;
+            answers = self.hand_back(&group, r.unanswered.clone()).await?;
         }
         if answers.is_empty() {
-            answers = self.claim_group(checked, r.owner.clone(), r.call_id, r.wait_ms, r.max_bytes, stop).await?;
+            answers = self.claim_group(group, r.wait_ms, stop).await?;
         }
         for answer in answers {
             let entry = &mut handlers[answer.index];
@@ -250,75 +254,68 @@ impl OutboxApi {
         Ok(v1::ClaimDeliveriesForHandlersResponse { handlers, lease_ms: self.deliveries.lease.as_millis() as i64 })
     }
 
-    /// Hands `owner` back what its `unanswered` calls claimed for `handlers` (by index) and it
-    /// still holds, renewed and marked as claimed by `call`, within one answer of `max_bytes`;
-    /// nothing else is claimed. (What does not fit is left to its lease: the process does not
-    /// know of it.)
-    async fn hand_back(
-        &self,
-        handlers: &[String],
-        owner: String,
-        unanswered: Vec<u64>,
-        call: u64,
-        mut max_bytes: usize,
-    ) -> Result<Vec<HandlerAnswer>, WriteError> {
-        let names = handlers.to_vec();
-        let answers = self
-            .db
-            .writer
-            .transact::<_, WriteError, _>("resume_deliveries", {
-                let owner = owner.clone();
-                move |tx: &mut WriteTx| {
-                    Box::pin(async move {
-                        let now = tx.now_ms();
-                        let mut answers = Vec::new();
-                        for (index, handler) in names.iter().enumerate() {
-                            let resumed =
-                                deliveries::resume(tx, handler, &owner, &unanswered, call, now, &mut max_bytes).await?;
-                            if !resumed.is_empty() {
-                                answers.push(HandlerAnswer { index, claimed: Ok(resumed) });
-                            }
-                        }
-                        Ok(answers)
-                    })
-                }
-            })
-            .await?;
-        for answer in &answers {
-            let count = answer.claimed.as_ref().map_or(0, Vec::len);
-            RESUMED.inc_by(&[], count as u64);
-            tracing::warn!(handler = %handlers[answer.index], %owner, deliveries = count,
-                "handed deliveries back to their owner: the claim answer that handed them never reached it");
-        }
-        Ok(answers)
-    }
-
-    /// Claims for a group of handlers (their names, `wait_ms` and `owner` checked; never none)
-    /// as soon as any of them has something, waiting up to `wait_ms` or until `stop` (the long
-    /// poll both claim calls share).
-    async fn claim_group(
-        &self,
-        wants: Vec<v1::HandlerWants>,
-        owner: String,
-        call: u64,
-        wait_ms: u32,
-        max_bytes: u32,
-        stop: impl Future<Output = ()>,
-    ) -> Result<Vec<HandlerAnswer>, WriteError> {
+    /// The claims of one call for `wants` (their names checked; never none), by `owner`'s call
+    /// `call`, answered together within `max_bytes` (0: this server's limit).
+    fn group(&self, wants: Vec<v1::HandlerWants>, owner: &str, call: u64, max_bytes: u32) -> ClaimGroup {
         let max_bytes = self.answer_bytes(max_bytes);
-        let names: Vec<String> = wants.iter().map(|w| w.handler.clone()).collect();
-        let group: ClaimGroup = wants
+        wants
             .into_iter()
             .map(|w| HandlerClaim {
                 handler: w.handler,
                 event_types: w.event_types,
-                owner: owner.clone(),
+                owner: owner.to_owned(),
                 max_rows: w.max_rows,
                 max_bytes,
                 call,
                 shared: None,
             })
-            .collect();
+            .collect()
+    }
+
+    /// Hands the owner of `group` back what its `unanswered` calls claimed for the group's
+    /// handlers and it still holds, renewed and marked as claimed by the group's call, within
+    /// one answer (each handler's rows, the answer's bytes); nothing else is claimed. (What
+    /// does not fit is left to its lease: the process does not know of it.)
+    async fn hand_back(&self, group: &[HandlerClaim], unanswered: Vec<u64>) -> Result<Vec<HandlerAnswer>, WriteError> {
+        let group = sharing_one_answer(group);
+        let names: Vec<String> = group.iter().map(|claim| claim.handler.clone()).collect();
+        let owner = group.first().map(|claim| claim.owner.clone()).unwrap_or_default();
+        let answers = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>("resume_deliveries", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    let now = tx.now_ms();
+                    let mut answers = Vec::new();
+                    for (index, claim) in group.iter().enumerate() {
+                        let resumed = deliveries::resume(tx, claim, &unanswered, now).await?;
+                        if !resumed.is_empty() {
+                            answers.push(HandlerAnswer { index, claimed: Ok(resumed) });
+                        }
+                    }
+                    Ok(answers)
+                })
+            })
+            .await?;
+        for answer in &answers {
+            let count = answer.claimed.as_ref().map_or(0, Vec::len);
+            RESUMED.inc_by(&[], count as u64);
+            tracing::warn!(handler = %names[answer.index], %owner, deliveries = count,
+                "handed deliveries back to their owner: the claim answer that handed them never reached it");
+        }
+        Ok(answers)
+    }
+
+    /// Claims for a group of handlers (their `wait_ms` and owner checked) as soon as any of them
+    /// has something, waiting up to `wait_ms` or until `stop` (the long poll both claim calls
+    /// share).
+    async fn claim_group(
+        &self,
+        group: ClaimGroup,
+        wait_ms: u32,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Vec<HandlerAnswer>, WriteError> {
+        let names: Vec<String> = group.iter().map(|claim| claim.handler.clone()).collect();
         let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
         self.waiting_deliveries
             .long_poll(

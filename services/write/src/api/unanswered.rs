@@ -21,7 +21,7 @@ const MAX_UNANSWERED: usize = 64;
 /// without what that call may claim (which then waits out its lease).
 const MAX_WAIT_FOR_NAMED: Duration = Duration::from_secs(10);
 
-/// Refuses a claim naming more unanswered calls than are kept.
+/// Refuses a claim naming more unanswered calls than a call may name.
 pub(super) fn check_unanswered(unanswered: &[u64]) -> Result<(), ServiceError> {
     if unanswered.len() > MAX_UNANSWERED {
         return Err(ServiceError::invalid(

@@ -17,9 +17,9 @@
 //! The claim calls that can hand back a lost answer (the relay's `Claim`, the handlers'
 //! `ClaimDeliveriesForHandlers`) run to their end ([`to_the_end`]): when the caller goes away
 //! (its deadline passed, its connection dropped) while its claim is being written, the call goes
-//! on in a task of its own, and its answer is still made and recorded for a hand-back to the
-//! call naming it, instead of being dropped with the call while the claimer's lease holds what
-//! it claimed.
+//! on in a task of its own and ends as it would have (its claims written with its call id, for
+//! a hand-back to the call naming it, and its mark as a running call dropped only then), instead
+//! of being dropped with the call halfway while the claimer's lease holds what it claimed.
 
 use std::convert::Infallible;
 use std::pin::{Pin, pin};
@@ -42,8 +42,8 @@ use crate::WriteError;
 
 /// Runs a claim call, which `call` makes given its stop signal, to its end: in the caller's own
 /// task while the caller waits for it, and, when the caller goes away first (the future
-/// returned here is dropped), in a task of its own, so a claim being written is answered and
-/// recorded as handed out rather than lost. The stop signal resolves once the caller has gone
+/// returned here is dropped), in a task of its own, so a claim being written ends as it would
+/// have, for a hand-back, rather than being dropped halfway. The stop signal resolves once the caller has gone
 /// or `shutdown` is requested: the call claims nothing more after that.
 pub(super) fn to_the_end<C, F>(shutdown: &Shutdown, call: C) -> ToTheEnd<F>
 where
