@@ -19,7 +19,7 @@ use reelay_domain::RetryPolicy;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::WriteTx;
-use crate::queue::{CLAIM_ROW_OVERHEAD, claim_call};
+use crate::queue::{CLAIM_ROW_OVERHEAD, claim_call, claim_calls};
 
 /// How per-handler deliveries are leased and retried.
 #[derive(Debug, Clone, Copy)]
@@ -790,15 +790,15 @@ pub async fn resume(
     unanswered: &[u64],
     now: i64,
 ) -> Result<Vec<ClaimedDelivery>, sqlx::Error> {
-    let calls: Vec<i64> = unanswered.iter().filter_map(|call| claim_call(*call)).collect();
+    let (calls, placeholders) = claim_calls(unanswered);
     if calls.is_empty() {
         return Ok(Vec::new());
     }
     let handler = claim.handler.as_str();
     let sql = format!(
         "SELECT event_id, started_at, attempts FROM processed_events WHERE handler = ? \
-         AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner = ? AND claim_call IN ({})",
-        vec!["?"; calls.len()].join(", ")
+         AND status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner = ? \
+         AND claim_call IN ({placeholders})"
     );
     let mut query = sqlx::query_as::<_, (String, i64, i64)>(AssertSqlSafe(sql)).bind(handler).bind(&claim.owner);
     for call in &calls {

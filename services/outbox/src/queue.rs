@@ -94,6 +94,13 @@ pub(crate) fn claim_call(call: u64) -> Option<i64> {
     (call != 0).then_some(call as i64)
 }
 
+/// The calls `unanswered` as stored (those with an id), and a `?` for each, to bind in `IN (…)`.
+pub(crate) fn claim_calls(unanswered: &[u64]) -> (Vec<i64>, String) {
+    let calls: Vec<i64> = unanswered.iter().filter_map(|call| claim_call(*call)).collect();
+    let placeholders = vec!["?"; calls.len()].join(", ");
+    (calls, placeholders)
+}
+
 /// What a claim answer costs per row beyond its payload (ids, type, token, framing), rounded up.
 pub const CLAIM_ROW_OVERHEAD: usize = 256;
 
@@ -190,15 +197,14 @@ pub async fn resume(
     unanswered: &[u64],
     now: i64,
 ) -> Result<Vec<ClaimedRow>, sqlx::Error> {
-    let calls: Vec<i64> = unanswered.iter().filter_map(|call| claim_call(*call)).collect();
+    let (calls, placeholders) = claim_calls(unanswered);
     if calls.is_empty() {
         return Ok(Vec::new());
     }
     let owner = limits.owner.as_str();
     let sql = format!(
         "SELECT id, length(payload) FROM event_queue WHERE status = 'processing' AND claimed_by = ? \
-         AND claim_call IN ({}) ORDER BY id LIMIT ?",
-        vec!["?"; calls.len()].join(", ")
+         AND claim_call IN ({placeholders}) ORDER BY id LIMIT ?"
     );
     let mut query = sqlx::query_as::<_, (i64, i64)>(AssertSqlSafe(sql)).bind(owner);
     for call in &calls {

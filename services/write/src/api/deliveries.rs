@@ -232,13 +232,12 @@ impl OutboxApi {
                 refused: String::new(),
             })
             .collect();
-        let keys: Vec<(String, String)> = checked.iter().map(|w| (r.owner.clone(), w.handler.clone())).collect();
         let group = self.group(checked, &r.owner, r.call_id, r.max_bytes);
         // Ends after this call's claims are written: a call naming this one waits for that.
-        let _running = self.running_deliveries.running(&keys, r.call_id);
+        let _running = self.running_deliveries.running(&r.owner, r.call_id);
         let mut answers = Vec::new();
         if !r.unanswered.is_empty() {
-            self.running_deliveries.named_ended(&keys, &r.unanswered, r.call_id).await;
+            self.running_deliveries.named_ended(&r.owner, &r.unanswered, r.call_id).await;
             answers = self.hand_back(&group, r.unanswered.clone()).await?;
         }
         if answers.is_empty() {

@@ -56,11 +56,11 @@ pub(super) struct OutboxApi {
     pub(super) waiting_deliveries: super::deliveries::WaitingDeliveries,
     /// The relay's claims waiting for rows (nats backend), likewise.
     pub(super) waiting_rows: WaitingRows,
-    /// The handlers' claim calls running, by (owner, handler): a call naming one of them as
-    /// unanswered waits for it before looking for what it claimed.
-    pub(super) running_deliveries: RunningCalls<(String, String)>,
-    /// The relay's claim calls running, by claimer, likewise.
-    pub(super) running_rows: RunningCalls<String>,
+    /// The handlers' claim calls running: a call naming one of them as unanswered waits for it
+    /// before looking for what it claimed.
+    pub(super) running_deliveries: RunningCalls,
+    /// The relay's claim calls running, likewise.
+    pub(super) running_rows: RunningCalls,
     /// The event bus: on db the outbox's rows stay `pending` and handlers progress by cursor.
     pub(super) bus: Bus,
 }
@@ -170,12 +170,11 @@ impl OutboxApi {
             max_bytes: self.answer_bytes(r.max_bytes),
             call,
         };
-        let keys = [r.consumer.clone()];
         // Ends after this call's claims are written: a call naming this one waits for that.
-        let _running = self.running_rows.running(&keys, call);
+        let _running = self.running_rows.running(&r.consumer, call);
         let mut rows = Vec::new();
         if named && !r.unanswered.is_empty() {
-            self.running_rows.named_ended(&keys, &r.unanswered, call).await;
+            self.running_rows.named_ended(&r.consumer, &r.unanswered, call).await;
             rows = self.hand_back_rows(limits.clone(), r.unanswered.clone()).await?;
         }
         if rows.is_empty() {

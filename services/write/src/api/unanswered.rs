@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,47 +31,35 @@ pub(super) fn check_unanswered(unanswered: &[u64]) -> Result<(), ServiceError> {
     Ok(())
 }
 
-/// The claim calls running here for each key (a claimer, or a claimer's handler). A caller that
-/// gave up on a call whose claim was being written (a slow commit) names it in its next call at
-/// once; that call waits for the named one to end before looking for what it claimed.
-pub(super) struct RunningCalls<K> {
-    running: Arc<Mutex<HashMap<K, Vec<u64>>>>,
+/// The claim calls running here for each claimer (by owner: a claimer's call ids are its own).
+/// A caller that gave up on a call whose claim was being written (a slow commit) names it in
+/// its next call at once; that call waits for the named one to end before looking for what it
+/// claimed.
+#[derive(Clone, Default)]
+pub(super) struct RunningCalls {
+    running: Arc<Mutex<HashMap<String, Vec<u64>>>>,
     /// Woken whenever a running call ends.
     ended: Arc<Notify>,
 }
 
-impl<K> Clone for RunningCalls<K> {
-    fn clone(&self) -> Self {
-        Self { running: self.running.clone(), ended: self.ended.clone() }
-    }
-}
-
-impl<K> Default for RunningCalls<K> {
-    fn default() -> Self {
-        Self { running: Arc::default(), ended: Arc::default() }
-    }
-}
-
-impl<K: Eq + Hash + Clone> RunningCalls<K> {
-    /// Marks call `call_id` as running for `keys` until the guard returned is dropped, which
-    /// must be after the call wrote its claims (or gave up). A call without an id (0) cannot be
+impl RunningCalls {
+    /// Marks `owner`'s call `call_id` as running until the guard returned is dropped, which must
+    /// be after the call wrote its claims (or gave up). A call without an id (0) cannot be
     /// named, so it is not marked.
-    pub(super) fn running(&self, keys: &[K], call_id: u64) -> Running<K> {
-        let keys = if call_id == 0 { Vec::new() } else { keys.to_vec() };
-        let mut running = self.running.lock().expect("running calls lock");
-        for key in &keys {
-            running.entry(key.clone()).or_default().push(call_id);
+    pub(super) fn running(&self, owner: &str, call_id: u64) -> Running {
+        if call_id != 0 {
+            self.running.lock().expect("running calls lock").entry(owner.to_owned()).or_default().push(call_id);
         }
-        Running { calls: self.clone(), keys, call_id }
+        Running { calls: self.clone(), owner: owner.to_owned(), call_id }
     }
 
-    /// Waits (up to [`MAX_WAIT_FOR_NAMED`]) until none of the calls `unanswered` (but
-    /// `call_id`, the call waiting) runs for any of `keys`.
-    pub(super) async fn named_ended(&self, keys: &[K], unanswered: &[u64], call_id: u64) {
+    /// Waits (up to [`MAX_WAIT_FOR_NAMED`]) until none of `owner`'s calls `unanswered` (but
+    /// `call_id`, the call waiting) runs.
+    pub(super) async fn named_ended(&self, owner: &str, unanswered: &[u64], call_id: u64) {
         if unanswered.is_empty() {
             return;
         }
-        let waited = tokio::time::timeout(MAX_WAIT_FOR_NAMED, self.none_running(keys, unanswered, call_id)).await;
+        let waited = tokio::time::timeout(MAX_WAIT_FOR_NAMED, self.none_running(owner, unanswered, call_id)).await;
         if waited.is_err() {
             tracing::warn!(
                 ?unanswered,
@@ -81,7 +68,7 @@ impl<K: Eq + Hash + Clone> RunningCalls<K> {
         }
     }
 
-    async fn none_running(&self, keys: &[K], unanswered: &[u64], call_id: u64) {
+    async fn none_running(&self, owner: &str, unanswered: &[u64], call_id: u64) {
         loop {
             // Listening before looking, so an end between the two is not missed.
             let ended = self.ended.notified();
@@ -89,7 +76,7 @@ impl<K: Eq + Hash + Clone> RunningCalls<K> {
             ended.as_mut().enable();
             {
                 let running = self.running.lock().expect("running calls lock");
-                let mut named_runs = keys.iter().filter_map(|key| running.get(key)).flatten();
+                let mut named_runs = running.get(owner).into_iter().flatten();
                 if !named_runs.any(|id| *id != call_id && unanswered.contains(id)) {
                     return;
                 }
@@ -99,28 +86,26 @@ impl<K: Eq + Hash + Clone> RunningCalls<K> {
     }
 }
 
-/// A call running for some keys (see [`RunningCalls::running`]); dropped, it has ended.
-pub(super) struct Running<K: Eq + Hash + Clone> {
-    calls: RunningCalls<K>,
-    keys: Vec<K>,
+/// A call running (see [`RunningCalls::running`]); dropped, it has ended.
+pub(super) struct Running {
+    calls: RunningCalls,
+    owner: String,
     call_id: u64,
 }
 
-impl<K: Eq + Hash + Clone> Drop for Running<K> {
+impl Drop for Running {
     fn drop(&mut self) {
-        if self.keys.is_empty() {
+        if self.call_id == 0 {
             return;
         }
         {
             let mut running = self.calls.running.lock().expect("running calls lock");
-            for key in &self.keys {
-                if let Entry::Occupied(mut ids) = running.entry(key.clone()) {
-                    if let Some(at) = ids.get().iter().position(|id| *id == self.call_id) {
-                        ids.get_mut().swap_remove(at);
-                    }
-                    if ids.get().is_empty() {
-                        ids.remove();
-                    }
+            if let Entry::Occupied(mut ids) = running.entry(std::mem::take(&mut self.owner)) {
+                if let Some(at) = ids.get().iter().position(|id| *id == self.call_id) {
+                    ids.get_mut().swap_remove(at);
+                }
+                if ids.get().is_empty() {
+                    ids.remove();
                 }
             }
         }
@@ -136,32 +121,32 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_naming_a_running_call_waits_for_it_to_end_up_to_a_bound() {
-        let calls: RunningCalls<&str> = RunningCalls::default();
-        let running = calls.running(&["relay#1"], 7);
+        let calls = RunningCalls::default();
+        let running = calls.running("relay#1", 7);
         let named = tokio::spawn({
             let calls = calls.clone();
-            async move { calls.named_ended(&["relay#1"], &[7], 8).await }
+            async move { calls.named_ended("relay#1", &[7], 8).await }
         });
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!named.is_finished(), "it waits while call 7 runs");
         drop(running);
         tokio::time::timeout(Duration::from_millis(1), named).await.expect("call 7 ended").unwrap();
-        // Calls of other keys, calls not named, and the call itself, are not waited for; nor
+        // Calls of other owners, calls not named, and the call itself, are not waited for; nor
         // is anything when no call is named.
-        let _other = calls.running(&["relay#2"], 9);
-        let _itself = calls.running(&["relay#1"], 10);
-        let _not_named = calls.running(&["relay#1"], 13);
+        let _other = calls.running("relay#2", 9);
+        let _itself = calls.running("relay#1", 10);
+        let _not_named = calls.running("relay#1", 13);
         let started = Instant::now();
-        calls.named_ended(&["relay#1"], &[9, 10], 10).await;
-        calls.named_ended(&["relay#1"], &[], 14).await;
+        calls.named_ended("relay#1", &[9, 10], 10).await;
+        calls.named_ended("relay#1", &[], 14).await;
         assert_eq!(started.elapsed(), Duration::ZERO);
         // A call without an id is never marked running.
-        let _unnamed = calls.running(&["relay#1"], 0);
-        calls.named_ended(&["relay#1"], &[0], 15).await;
+        let _unnamed = calls.running("relay#1", 0);
+        calls.named_ended("relay#1", &[0], 15).await;
         assert_eq!(started.elapsed(), Duration::ZERO);
         // A named call that never ends is waited for only so long.
-        let _stuck = calls.running(&["relay#1"], 11);
-        calls.named_ended(&["relay#1"], &[11], 12).await;
+        let _stuck = calls.running("relay#1", 11);
+        calls.named_ended("relay#1", &[11], 12).await;
         assert_eq!(started.elapsed(), MAX_WAIT_FOR_NAMED);
     }
 }

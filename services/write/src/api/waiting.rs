@@ -43,8 +43,8 @@ use crate::WriteError;
 /// Runs a claim call, which `call` makes given its stop signal, to its end: in the caller's own
 /// task while the caller waits for it, and, when the caller goes away first (the future
 /// returned here is dropped), in a task of its own, so a claim being written ends as it would
-/// have, for a hand-back, rather than being dropped halfway. The stop signal resolves once the caller has gone
-/// or `shutdown` is requested: the call claims nothing more after that.
+/// have, for a hand-back, rather than being dropped halfway. The stop signal resolves once the
+/// caller has gone or `shutdown` is requested: the call claims nothing more after that.
 pub(super) fn to_the_end<C, F>(shutdown: &Shutdown, call: C) -> ToTheEnd<F>
 where
     C: FnOnce(BoxFuture<'static, ()>) -> F,
