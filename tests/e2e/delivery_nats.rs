@@ -909,7 +909,8 @@ async fn a_second_replay_is_delivered_after_the_first_failed() {
 
 /// A delivery terminated with no outcome recorded (here by hand, as a dispatcher does after a
 /// permanent failure whose dead letter the ledger could not take) is recorded from the server's
-/// terminated advisory once the handler runs again: the advisory waits in the given-up stream.
+/// terminated advisory once the handler runs again: the advisory waits in the given-up stream,
+/// and the handler's consumer of it takes that subject again even if it had lost it.
 #[tokio::test]
 async fn a_terminated_delivery_without_an_outcome_becomes_a_dead_letter() {
     let dir = temp_dir();
@@ -917,9 +918,16 @@ async fn a_terminated_delivery_without_an_outcome_becomes_a_dead_letter() {
     // The handlers process made probe-a's consumers; it is down when the event comes.
     let mut cluster = builder.handlers(&[]).start(dir.path()).await;
     cluster.handlers[0].stop().await;
+    let js = jetstream::new(async_nats::connect(cluster.nats.as_ref().unwrap().url()).await.unwrap());
+    // Its consumer of given-up advisories lost the terminated ones (an older build's, or one
+    // edited by hand): the handlers' next start adds the subject back.
+    let given_up = js.get_stream(format!("{STREAM}_GIVEN_UP")).await.unwrap();
+    let mut edited = given_up.consumer_info("given-up-probe-a").await.unwrap().config.clone();
+    edited.filter_subjects.retain(|subject| !subject.contains(".MSG_TERMINATED."));
+    assert_eq!(edited.filter_subjects.len(), 1, "{edited:?}");
+    given_up.update_consumer(edited).await.unwrap();
     cluster.write.clients().await.user("ana").await;
     let event_id = event_ids(&cluster.db).await.remove(0);
-    let js = jetstream::new(async_nats::connect(cluster.nats.as_ref().unwrap().url()).await.unwrap());
     let consumer: consumer::PullConsumer =
         js.get_stream(STREAM).await.unwrap().get_consumer("handler-probe-a").await.unwrap();
     // The relay publishes the event soon after the write; a pull waits for it.
@@ -971,9 +979,11 @@ async fn a_relay_claim_answer_that_never_arrived_is_handed_back_to_the_relay() {
 
 /// A deployment that moves to a cluster and asks for three copies of its streams
 /// (`REELAY_STREAM_REPLICAS=3`) has both brought to it in place at its next start: the event
-/// stream and the stream of given-up advisories beside it.
+/// stream and the stream of given-up advisories beside it. That start also gives back to the
+/// given-up stream what an operator (or an older build) took from it: an advisory subject, and
+/// its 30 days.
 #[tokio::test]
-async fn a_new_replica_count_is_applied_to_both_streams_in_place() {
+async fn both_streams_are_brought_to_a_new_replica_count_and_what_handlers_need_in_place() {
     let dir = temp_dir();
     let cluster = NatsServer::start_cluster(&dir.path().join("nats"), 3);
     let env = nats_env(&cluster[0]);
@@ -996,11 +1006,23 @@ async fn a_new_replica_count_is_applied_to_both_streams_in_place() {
     };
     eventually("both streams are made, in one copy", Duration::from_secs(30), || async { replicas().await == [1, 1] })
         .await;
+    let given_up = format!("{STREAM}_GIVEN_UP");
+    let given_up_config = || async { js.get_stream(&given_up).await.unwrap().info().await.unwrap().config.clone() };
+    let made = given_up_config().await;
+    let mut edited = made.clone();
+    edited.subjects.retain(|subject| subject.contains(".MSG_TERMINATED."));
+    edited.max_age = Duration::from_secs(3600);
+    assert_eq!(edited.subjects.len(), 1, "{:?}", made.subjects);
+    js.update_stream(&edited).await.unwrap();
     relay.restart_with(&[("REELAY_STREAM_REPLICAS", "3")]).await;
     eventually("both streams are kept in three copies", Duration::from_secs(30), || async {
         replicas().await == [3, 3]
     })
     .await;
+    let restored = given_up_config().await;
+    assert_eq!((restored.subjects.len(), restored.max_age), (2, made.max_age), "{restored:?}");
+    assert!(made.subjects.iter().all(|subject| restored.subjects.contains(subject)), "{restored:?}");
+    assert_eq!(made.max_age, Duration::from_secs(30 * 86_400));
     // The relay logs each update once the broker has answered it, which can be after the
     // streams show three copies.
     let said = |line: &'static str| {
@@ -1008,7 +1030,7 @@ async fn a_new_replica_count_is_applied_to_both_streams_in_place() {
         eventually(line, Duration::from_secs(10), move || async move { relay.log_text().contains(line) })
     };
     said("updated the existing stream's duplicate_window and replicas in place").await;
-    said("updated the existing stream's replicas in place").await;
+    said("updated the existing stream's replicas, subjects and max age in place").await;
     relay.stop().await;
     write.stop().await;
 }

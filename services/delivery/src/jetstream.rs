@@ -141,8 +141,10 @@ pub async fn ensure_stream(js: &jetstream::Context, config: &JetStreamConfig) ->
 /// How long a given-up advisory is kept for a handler that does not run to read it.
 const GIVEN_UP_MAX_AGE: Duration = Duration::from_secs(30 * 86_400);
 
-/// Creates the stream of given-up advisories, or brings an existing one's replicas to the
-/// event stream's (a deployment that moved to a cluster keeps both in as many copies).
+/// Creates the stream of given-up advisories, or brings an existing one to what this build needs
+/// (see [`given_up_stream_update`]): one made by an older build, or edited by hand, still keeps
+/// every advisory a handler records, for as long as one may wait for its handler, in as many
+/// copies as the event stream (a deployment that moved to a cluster keeps both in three).
 async fn ensure_given_up_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     let name = config.given_up_stream();
     let mut stream = js
@@ -162,37 +164,60 @@ async fn ensure_given_up_stream(js: &jetstream::Context, config: &JetStreamConfi
         .await
         .map_err(|e| js_error(format!("creating stream {name}"), e))?;
     let current = stream.info().await.map_err(|e| js_error(format!("reading stream {name}"), e))?.config.clone();
-    if current.num_replicas != config.replicas {
-        let wanted = stream::Config { num_replicas: config.replicas, ..current.clone() };
+    if let Some(wanted) = given_up_stream_update(&current, config) {
         match js.update_stream(&wanted).await {
             Ok(_) => tracing::warn!(stream = %name, from_replicas = current.num_replicas,
-                to_replicas = config.replicas, "updated the existing stream's replicas in place"),
-            // It still keeps the advisories, in fewer copies than asked for.
+                to_replicas = wanted.num_replicas, from_subjects = ?current.subjects, to_subjects = ?wanted.subjects,
+                from_max_age = ?current.max_age, to_max_age = ?wanted.max_age,
+                "updated the existing stream's replicas, subjects and max age in place"),
+            // It still keeps what it did, in fewer copies, for less long or of fewer kinds.
             Err(error) => tracing::warn!(stream = %name, %error,
-                "could not update the stream; apply it by hand: nats stream edit {name} --replicas {}", config.replicas),
+                "could not update the stream; apply it by hand: nats stream edit {name} --replicas {} --subjects {} \
+                 --max-age {}s",
+                wanted.num_replicas, wanted.subjects.join(","), wanted.max_age.as_secs()),
         }
     }
     Ok(())
 }
 
-/// Creates (or opens) the durable consumer through which `handler`'s processes read the
-/// advisories of messages given up for it.
+/// The given-up stream's config with what this build needs of it, if that differs from
+/// `current`: the event stream's copies, every advisory subject a handler reads (others an
+/// operator added are kept), and advisories kept at least [`GIVEN_UP_MAX_AGE`] (no limit, or a
+/// longer one, is kept).
+fn given_up_stream_update(current: &stream::Config, config: &JetStreamConfig) -> Option<stream::Config> {
+    let mut wanted = current.clone();
+    wanted.num_replicas = config.replicas;
+    for subject in config.given_up_subjects("*") {
+        if !wanted.subjects.contains(&subject) {
+            wanted.subjects.push(subject);
+        }
+    }
+    if !current.max_age.is_zero() && current.max_age < GIVEN_UP_MAX_AGE {
+        wanted.max_age = GIVEN_UP_MAX_AGE;
+    }
+    (wanted != *current).then_some(wanted)
+}
+
+/// Opens (or creates) the durable consumer through which `handler`'s processes read the
+/// advisories of messages given up for it, adding to its filter any advisory subject of the
+/// handler it lacks (one made by an older build, or edited by hand).
 pub async fn ensure_given_up_consumer(
     js: &jetstream::Context,
     config: &JetStreamConfig,
     handler: &str,
 ) -> Result<consumer::PullConsumer, SetupError> {
-    let stream = config.given_up_stream();
+    let stream_name = config.given_up_stream();
     let name = JetStreamConfig::given_up_consumer_name(handler);
-    js.get_stream(&stream)
-        .await
-        .map_err(|e| js_error(format!("looking up stream {stream}"), e))?
+    let subjects = config.given_up_subjects(&JetStreamConfig::consumer_name(handler));
+    let stream =
+        js.get_stream(&stream_name).await.map_err(|e| js_error(format!("looking up stream {stream_name}"), e))?;
+    let consumer: consumer::PullConsumer = stream
         .get_or_create_consumer(
             &name,
             consumer::pull::Config {
                 durable_name: Some(name.clone()),
                 description: Some(format!("Reelay handler `{handler}`: messages JetStream gave up")),
-                filter_subjects: config.given_up_subjects(&JetStreamConfig::consumer_name(handler)),
+                filter_subjects: subjects.clone(),
                 ack_policy: consumer::AckPolicy::Explicit,
                 deliver_policy: consumer::DeliverPolicy::All,
                 ack_wait: Duration::from_secs(30),
@@ -200,7 +225,25 @@ pub async fn ensure_given_up_consumer(
             },
         )
         .await
-        .map_err(|e| js_error(format!("creating consumer {name}"), e))
+        .map_err(|e| js_error(format!("creating consumer {name}"), e))?;
+    let current = consumer.cached_info().config.clone();
+    let Some(filters) = filters_with(&current, subjects) else {
+        return Ok(consumer);
+    };
+    let wanted = consumer::Config { filter_subject: String::new(), filter_subjects: filters.clone(), ..current };
+    match stream.update_consumer(wanted).await {
+        Ok(_) => {
+            tracing::warn!(consumer = %name, subjects = ?filters, "updated the existing consumer's subjects in place");
+            stream.get_consumer(&name).await.map_err(|e| js_error(format!("opening consumer {name}"), e))
+        }
+        // It still reads the advisories its filter takes.
+        Err(error) => {
+            tracing::warn!(consumer = %name, %error,
+                "could not update the consumer; apply it by hand: nats consumer edit {stream_name} {name} --filter {}",
+                filters.join(" --filter "));
+            Ok(consumer)
+        }
+    }
 }
 
 /// Creates the event stream, or brings an existing one's `duplicate_window` to what Reelay needs.
@@ -267,18 +310,12 @@ pub async fn ensure_consumer(
                 existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
             // Consumers made before replays existed lack the replay subject; the rest of the
             // filter is the operator's (kept as it is).
-            let replays = config.replay_subject(handler, "*");
-            let mut filters = current.filter_subjects.clone();
-            if !current.filter_subject.is_empty() {
-                filters.push(current.filter_subject.clone());
-            }
-            let missing: Vec<String> = [replays].into_iter().filter(|s| !filters.contains(s)).collect();
-            if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait || !missing.is_empty() {
+            let filters = filters_with(&current, [config.replay_subject(handler, "*")]);
+            if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait || filters.is_some() {
                 let mut wanted = current.clone();
                 wanted.max_deliver = max_deliver;
                 wanted.ack_wait = config.ack_wait;
-                if !missing.is_empty() {
-                    filters.extend(missing);
+                if let Some(filters) = filters {
                     wanted.filter_subject = String::new();
                     wanted.filter_subjects = filters;
                 }
@@ -316,6 +353,17 @@ pub async fn ensure_consumer(
         }
     }
     stream.get_consumer(&name).await.map_err(|e| js_error(format!("opening consumer {name}"), e))
+}
+
+/// A consumer's filter with `needed` subjects it lacks added (its own kept as they are), or
+/// `None` if it has them all.
+fn filters_with(current: &consumer::Config, needed: impl IntoIterator<Item = String>) -> Option<Vec<String>> {
+    let mut filters = current.filter_subjects.clone();
+    if !current.filter_subject.is_empty() {
+        filters.push(current.filter_subject.clone());
+    }
+    let missing: Vec<String> = needed.into_iter().filter(|s| !filters.contains(s)).collect();
+    (!missing.is_empty()).then(|| [filters, missing].concat())
 }
 
 /// Warns unless the server reports that it fsyncs every write (`sync_interval: always`).
@@ -368,7 +416,56 @@ fn json_object(body: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
-    use super::json_object;
+    use super::*;
+
+    fn config(replicas: usize) -> JetStreamConfig {
+        JetStreamConfig {
+            url: "nats://127.0.0.1:4222".into(),
+            stream: "REELAY".into(),
+            subject_prefix: "reelay".into(),
+            max_deliver: 5,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 1000,
+            monitor_url: None,
+            replicas,
+        }
+    }
+
+    /// A given-up stream as this build makes it is left alone; one made otherwise (fewer copies,
+    /// a subject missing, advisories kept less long) is brought to what handlers need, and what
+    /// an operator chose beyond that (a subject of their own, a longer or no age limit) is kept.
+    #[test]
+    fn a_given_up_stream_is_brought_to_what_handlers_need() {
+        let made = stream::Config {
+            name: "REELAY_GIVEN_UP".into(),
+            subjects: config(1).given_up_subjects("*"),
+            num_replicas: 1,
+            max_age: GIVEN_UP_MAX_AGE,
+            description: Some("kept".into()),
+            ..Default::default()
+        };
+        assert_eq!(given_up_stream_update(&made, &config(1)), None);
+        let clustered = given_up_stream_update(&made, &config(3)).expect("three copies asked for");
+        assert_eq!(clustered, stream::Config { num_replicas: 3, ..made.clone() });
+
+        let terminated = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.REELAY.*".to_owned();
+        let deliveries = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.REELAY.*".to_owned();
+        let mine = "$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.REELAY.*".to_owned();
+        let edited = stream::Config {
+            subjects: vec![mine.clone(), terminated.clone()],
+            max_age: Duration::from_secs(3600),
+            ..made.clone()
+        };
+        let wanted = given_up_stream_update(&edited, &config(1)).expect("a subject and the age restored");
+        assert_eq!(wanted.subjects, [mine, terminated, deliveries]);
+        assert_eq!(wanted.max_age, GIVEN_UP_MAX_AGE);
+        assert_eq!(wanted.description.as_deref(), Some("kept"));
+
+        for longer in [Duration::ZERO, GIVEN_UP_MAX_AGE * 2] {
+            let kept = stream::Config { max_age: longer, ..made.clone() };
+            assert_eq!(given_up_stream_update(&kept, &config(1)), None, "{longer:?}");
+        }
+    }
 
     /// `/varz` comes from the broker's monitoring port (or whatever answers there): a body
     /// without a well-formed object is an error, never a panic at start-up.
