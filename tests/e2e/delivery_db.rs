@@ -832,6 +832,73 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     cluster.stop().await;
 }
 
+/// An instance name whose lock file another user made (a process of that name ran as root; its
+/// successors run as `nobody`, who cannot write the file) is still kept to one live process: the
+/// lock is taken on the file opened for reading, a second live process of the name is refused,
+/// saying the file names an earlier run that has ended rather than naming that run as the
+/// holder, and the name is free again once the first stops. (Were the file opened for writing
+/// only, both would run unchecked, with a warning, and each could take back the other's claims.)
+#[tokio::test]
+async fn an_instance_name_locked_in_another_users_file_is_still_kept_to_one_process() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = temp_dir();
+    let mode = |path: &Path, mode: u32| std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    // What `nobody` needs: the binary (its build dir may be closed to other users) and the dir.
+    mode(dir.path(), 0o755);
+    let bin = dir.path().join("reelay");
+    std::fs::hard_link(BIN, &bin).or_else(|_| std::fs::copy(BIN, &bin).map(drop)).unwrap();
+    let as_nobody = dir.path().join("as-nobody");
+    let script =
+        format!("#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups -- {} \"$@\"\n", bin.display());
+    std::fs::write(&as_nobody, script).unwrap();
+    mode(&as_nobody, 0o755);
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    mode(&data, 0o777);
+    let env = [("REELAY_INSTANCE", "gateway-1"), ("REELAY_WRITE_URL", "http://127.0.0.1:9")];
+    let gateway = |binary: &Path| Reelay::spec(binary.to_str().unwrap(), &data.join("unused.db"), &["gateway"], &env);
+
+    // A gateway alone takes an instance name, as the relay and the handlers do, and starts
+    // with nothing else running.
+    let mut as_root = Reelay::start(gateway(Path::new(BIN))).await;
+    as_root.stop().await;
+    let lock = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .find(|path| path.file_name().unwrap().to_string_lossy().starts_with(".instance-"))
+        .expect("the root run left its instance lock file");
+    let meta = std::fs::metadata(&lock).unwrap();
+    assert_eq!((meta.uid(), meta.mode() & 0o022), (0, 0), "root's, not writable by others");
+
+    let mut first = Reelay::start(gateway(&as_nobody)).await;
+    let uid = std::fs::read_to_string(format!("/proc/{}/status", first.pid())).unwrap();
+    assert!(uid.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("65534")), "{uid}");
+    assert!(!first.log_text().contains("cannot lock the instance name"), "{}", first.log_text());
+
+    let second = tokio::process::Command::new(&as_nobody)
+        .args(["run", "--service", "gateway", "--dev"])
+        .env("REELAY_DATABASE", data.join("unused.db"))
+        .env("REELAY_DATA_DIR", &data)
+        .envs(env)
+        .env("REELAY_GATEWAY_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+        .env("REELAY_METRICS_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), second)
+        .await
+        .expect("a second process of the name exits")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("\"gateway-1\" (REELAY_INSTANCE) is in use by a live process"), "{stderr}");
+    assert!(stderr.contains("of an earlier run, which has ended"), "{stderr}");
+
+    first.stop().await;
+    let mut again = Reelay::start(gateway(&as_nobody)).await;
+    assert!(!again.log_text().contains("cannot lock the instance name"), "{}", again.log_text());
+    again.stop().await;
+}
+
 /// probe-a's claim answer never reaches its process: the proxy between the process and the
 /// write service cuts the connection as the answer starts back. The process's next claim names
 /// the call it never heard back from, and the write service hands what that call claimed back
