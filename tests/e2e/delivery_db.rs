@@ -835,8 +835,8 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
 /// An instance name whose lock file another user made (a process of that name ran as root; its
 /// successors run as `nobody`, who cannot write the file) is still kept to one live process: the
 /// lock is taken on the file opened for reading, a second live process of the name is refused,
-/// saying the file names an earlier run that has ended rather than naming that run as the
-/// holder, and the name is free again once the first stops. (Were the file opened for writing
+/// saying that the run the file names (root's, long gone) may not be the holder, and the name
+/// is free again once the first stops. (Were the file opened for writing
 /// only, both would run unchecked, with a warning, and each could take back the other's claims.)
 #[tokio::test]
 async fn an_instance_name_locked_in_another_users_file_is_still_kept_to_one_process() {
@@ -891,7 +891,7 @@ async fn an_instance_name_locked_in_another_users_file_is_still_kept_to_one_proc
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("\"gateway-1\" (REELAY_INSTANCE) is in use by a live process"), "{stderr}");
-    assert!(stderr.contains("of an earlier run, which has ended"), "{stderr}");
+    assert!(stderr.contains("if that run still holds it: the file is another user's"), "{stderr}");
 
     first.stop().await;
     let mut again = Reelay::start(gateway(&as_nobody)).await;

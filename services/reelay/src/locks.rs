@@ -20,20 +20,21 @@ use anyhow::{Context, bail};
 pub struct Held(#[allow(dead_code, reason = "held for its lock")] File);
 
 /// Who holds a lock that could not be taken, as its holder wrote it on the file's first line.
-/// A holder that could not write it (another user's file) leaves an earlier run's line, whose
-/// process has ended: that is said rather than named as the holder.
 fn holder(path: &Path) -> String {
     let mut text = String::new();
     let read = File::open(path).and_then(|mut f| f.read_to_string(&mut text));
-    let unknown = "a process that has not said who it is";
-    match read.ok().and_then(|_| text.lines().next().map(|l| l.trim().to_owned())).filter(|t| !t.is_empty()) {
-        Some(line) => match line.strip_prefix("pid ").and_then(|pid| pid.parse::<u32>().ok()) {
-            Some(pid) if !Path::new(&format!("/proc/{pid}")).exists() => {
-                format!("{unknown}: the lock file still names {line} of an earlier run, which has ended")
-            }
-            _ => line,
-        },
-        None => unknown.into(),
+    let line = read.ok().and_then(|_| text.lines().next().map(|l| l.trim().to_owned())).filter(|t| !t.is_empty());
+    let Some(line) = line else {
+        return "a process that has not said who it is".into();
+    };
+    // A holder running as this process's user could not rewrite another user's file (it locks
+    // it opened for reading): the line may be an earlier run's.
+    match OpenOptions::new().append(true).open(path) {
+        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => format!(
+            "{line} as the lock file says, if that run still holds it: the file is another user's, which a holder \
+             running as this user could not rewrite"
+        ),
+        _ => line,
     }
 }
 
