@@ -810,26 +810,39 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     assert!(restarted.elapsed() < Duration::from_secs(20), "taken back at once: {:?}", restarted.elapsed());
     assert!(third.log_text().contains("took back the claims"), "{}", third.log_text());
 
-    let second_writer = tokio::process::Command::new(BIN)
-        .args(["run", "--service", "write", "--dev"])
-        .env("REELAY_DATABASE", &cluster.db)
-        .env("REELAY_DATA_DIR", dir.path().join("second-writer"))
-        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .env("REELAY_METRICS_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(30), second_writer)
-        .await
-        .expect("a second write service on the database exits")
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let second_dir = dir.path().join("second-writer");
+    let (code, stderr) = refused_at_start(Path::new(BIN), "write", &cluster.db, &second_dir, &[]).await;
+    assert_eq!(code, Some(2), "{stderr}");
     let holder = format!("pid {}", cluster.write.pid());
     assert!(stderr.contains("in use by another write service") && stderr.contains(&holder), "{stderr}");
     for process in [&mut second, &mut third] {
         process.stop().await;
     }
     cluster.stop().await;
+}
+
+/// Runs `binary run --service <service>` over `database` and `data_dir` on fresh ports, as a
+/// process that should refuse to start: its exit code and what it printed on stderr.
+async fn refused_at_start(
+    binary: &Path,
+    service: &str,
+    database: &Path,
+    data_dir: &Path,
+    env: &[(&str, &str)],
+) -> (Option<i32>, String) {
+    let port = || format!("127.0.0.1:{}", reelay_harness::free_port());
+    let process = tokio::process::Command::new(binary)
+        .args(["run", "--service", service, "--dev"])
+        .env("REELAY_DATABASE", database)
+        .env("REELAY_DATA_DIR", data_dir)
+        .envs(env.iter().copied())
+        .env("REELAY_WRITE_ADDR", port())
+        .env("REELAY_GATEWAY_ADDR", port())
+        .env("REELAY_METRICS_ADDR", port())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), process).await.expect("the process exits").unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// An instance name whose lock file another user made (a process of that name ran as root; its
@@ -875,21 +888,8 @@ async fn an_instance_name_locked_in_another_users_file_is_still_kept_to_one_proc
     assert!(uid.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("65534")), "{uid}");
     assert!(!first.log_text().contains("cannot lock the instance name"), "{}", first.log_text());
 
-    let second = tokio::process::Command::new(&as_nobody)
-        .args(["run", "--service", "gateway", "--dev"])
-        .env("REELAY_DATABASE", data.join("unused.db"))
-        .env("REELAY_DATA_DIR", &data)
-        .envs(env)
-        .env("REELAY_GATEWAY_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .env("REELAY_METRICS_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(30), second)
-        .await
-        .expect("a second process of the name exits")
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = refused_at_start(&as_nobody, "gateway", &data.join("unused.db"), &data, &env).await;
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("\"gateway-1\" (REELAY_INSTANCE) is in use by a live process"), "{stderr}");
     assert!(stderr.contains("if that run still holds it: the file is another user's"), "{stderr}");
 
