@@ -381,9 +381,16 @@ async fn a_user_inside_probe_a(cluster: &Cluster, c: &mut reelay_harness::Client
         &event_id,
         "probe-a",
         "in_progress",
-        "probe-a is inside its handler call",
+        "probe-a's claim is written",
         Duration::from_secs(20),
     )
+    .await;
+    // The claim written is not yet the claim answered: a test that cut the process off now could
+    // keep the answer from it, and the run would never start.
+    let key = (event_id.clone(), "probe-a".to_owned());
+    eventually("probe-a is inside its handler call", Duration::from_secs(20), || async {
+        probe_records(&cluster.effects, "attempts").await.0.contains_key(&key)
+    })
     .await;
     event_id
 }
