@@ -147,7 +147,7 @@ const GIVEN_UP_MAX_AGE: Duration = Duration::from_secs(30 * 86_400);
 /// copies as the event stream (a deployment that moved to a cluster keeps both in three).
 async fn ensure_given_up_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     let name = config.given_up_stream();
-    let mut stream = js
+    let stream = js
         .get_or_create_stream(stream::Config {
             name: name.clone(),
             subjects: config.given_up_subjects("*"),
@@ -163,7 +163,8 @@ async fn ensure_given_up_stream(js: &jetstream::Context, config: &JetStreamConfi
         })
         .await
         .map_err(|e| js_error(format!("creating stream {name}"), e))?;
-    let current = stream.info().await.map_err(|e| js_error(format!("reading stream {name}"), e))?.config.clone();
+    // The stream as the server just described it (opening it reads its info).
+    let current = stream.cached_info().config.clone();
     if let Some(wanted) = given_up_stream_update(&current, config) {
         match js.update_stream(&wanted).await {
             Ok(_) => tracing::warn!(stream = %name, from_replicas = current.num_replicas,
@@ -249,9 +250,8 @@ pub async fn ensure_given_up_consumer(
 /// Creates the event stream, or brings an existing one's `duplicate_window` to what Reelay needs.
 async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     match js.get_stream(&config.stream).await {
-        Ok(mut existing) => {
-            let info = existing.info().await.map_err(|e| js_error(format!("reading stream {}", config.stream), e))?;
-            let current = info.config.clone();
+        Ok(existing) => {
+            let current = existing.cached_info().config.clone();
             if current.duplicate_window != DUPLICATE_WINDOW || current.num_replicas != config.replicas {
                 let mut wanted = current.clone();
                 wanted.duplicate_window = DUPLICATE_WINDOW;
@@ -305,9 +305,8 @@ pub async fn ensure_consumer(
         js.get_stream(&config.stream).await.map_err(|e| js_error(format!("looking up stream {}", config.stream), e))?;
     let max_deliver = i64::from(config.max_deliver);
     match stream.get_consumer::<consumer::Config>(&name).await {
-        Ok(mut existing) => {
-            let current =
-                existing.info().await.map_err(|e| js_error(format!("reading consumer {name}"), e))?.config.clone();
+        Ok(existing) => {
+            let current = existing.cached_info().config.clone();
             // Consumers made before replays existed lack the replay subject; the rest of the
             // filter is the operator's (kept as it is).
             let filters = filters_with(&current, [config.replay_subject(handler, "*")]);
