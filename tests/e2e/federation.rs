@@ -388,6 +388,18 @@ async fn the_inbox_refuses_bad_input_before_writing() {
             401,
             peer.post("mallory", &inbox, body.as_bytes(), Spoil::None).await,
         ),
+        // A document elsewhere that says it is alice, with its own key.
+        (
+            "signed with a key of a document claiming to be the actor",
+            401,
+            peer.post("alice", &inbox, body.as_bytes(), Spoil::ForgedActor).await,
+        ),
+        // A key document naming alice as its owner; alice does not publish it.
+        (
+            "signed with a key its owner does not publish",
+            401,
+            peer.post("alice", &inbox, body.as_bytes(), Spoil::ForgedKey).await,
+        ),
     ];
     for (case, expected, got) in &cases {
         assert_eq!(got, expected, "{case}");

@@ -36,9 +36,10 @@ pub fn parse_rfc3339(value: &str) -> Option<i64> {
     }
     let offset = match rest {
         "Z" | "z" => 0,
-        _ if rest.len() == 6 && matches!(&rest[..1], "+" | "-") && &rest[3..4] == ":" => {
-            let minutes = rest[1..3].parse::<i64>().ok()? * 60 + rest[4..6].parse::<i64>().ok()?;
-            if &rest[..1] == "+" { minutes } else { -minutes }
+        // By bytes: the text is untrusted, and a slice inside a character would panic.
+        _ if rest.len() == 6 && matches!(rest.as_bytes()[0], b'+' | b'-') && rest.as_bytes()[3] == b':' => {
+            let minutes = rest.get(1..3)?.parse::<i64>().ok()? * 60 + rest.get(4..6)?.parse::<i64>().ok()?;
+            if rest.as_bytes()[0] == b'+' { minutes } else { -minutes }
         }
         _ => return None,
     };
@@ -86,5 +87,17 @@ mod tests {
         assert_eq!(parse_rfc3339("2000-02-29T01:00:00.250+01:00"), Some(951_782_400_250));
         assert_eq!(parse_rfc3339(&rfc3339(1_717_000_123_000)), Some(1_717_000_123_000));
         assert_eq!(parse_rfc3339("yesterday"), None);
+    }
+
+    #[test]
+    fn a_timestamp_with_other_characters_where_the_offset_goes_is_none() {
+        // Six bytes after the seconds, but not an offset: a remote document's text, refused
+        // (it used to panic, slicing inside the character).
+        for value in
+            ["2024-05-01T12:00:00\u{e9}1234", "2024-05-01T12:00:00+\u{e9}:12", "2024-05-01T12:00:00\u{e9}\u{e9}\u{e9}"]
+        {
+            assert_eq!(parse_rfc3339(value), None, "{value}");
+        }
+        assert_eq!(parse_rfc3339("2024-05-01T12:00:00.5\u{e9}"), None);
     }
 }

@@ -8,7 +8,8 @@
 //!    allows (401);
 //! 5. the `Digest` matches the body (401);
 //! 6. the signer's key (fetched and cached; fetched again once if the cached one fails) verifies
-//!    the signature (401);
+//!    the signature (401; why a key could not be had is logged, not answered). The key must be
+//!    one its actor publishes, and the actor the one its document's own URL serves;
 //! 7. the body is a JSON activity (400) whose `actor` is the signer (401).
 //!
 //! Then the activity goes to the write service, which records its id so a repeat changes
@@ -25,7 +26,7 @@ use reelay_activitypub::time::{http_date_age_secs, now_ms};
 use reelay_contracts::v1::{self, get_local_actor_request};
 use serde_json::Value;
 
-use crate::remote_keys::RemoteActor;
+use crate::remote_keys::{KeyFetchError, RemoteActor};
 use crate::{Gateway, from_status, refuse};
 
 /// How old a signed request's date may be, and how far ahead of our clock.
@@ -116,10 +117,17 @@ impl Gateway {
             Ok(string) => string,
             Err(error) => return unauthorized(error.to_string()),
         };
+        // Why a key could not be had stays in this log: the key id is the caller's to choose,
+        // and what fetching it met (a refused connection, a status, a body) is not the
+        // caller's to learn.
+        let no_key = |error: KeyFetchError| {
+            tracing::warn!(key_id = %params.key_id, %error, "refused a signed request: no usable key for its keyId");
+            Err(format!("no usable key could be fetched for keyId {:?}", params.key_id))
+        };
         let was_cached = self.keys.is_cached(&params.key_id);
         let mut signer = match self.keys.get(&params.key_id, false).await {
             Ok(signer) => signer,
-            Err(error) => return unauthorized(error.to_string()),
+            Err(error) => return no_key(error),
         };
         if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
             if !was_cached {
@@ -127,7 +135,7 @@ impl Gateway {
             }
             signer = match self.keys.get(&params.key_id, true).await {
                 Ok(signer) => signer,
-                Err(error) => return unauthorized(error.to_string()),
+                Err(error) => return no_key(error),
             };
             if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
                 return unauthorized("the signature does not verify with the signer's key".into());

@@ -2,8 +2,10 @@
 //!
 //! A key id (`https://host/users/alice#main-key`) is fetched without its fragment; the answer is
 //! the actor (whose `publicKey` has that id) or the key itself (whose `owner` is then fetched).
-//! The key's owner must be the actor document it came with. The actor's inboxes come along, for
-//! the follows it sends.
+//! Nothing a document says about itself is taken on its word: the actor's `id` must be the URL
+//! its document was fetched from, and the actor must publish the key (so a document on one
+//! server cannot claim to be an actor of another, nor a key claim an owner that does not list
+//! it). The actor's inboxes come along, for the follows it sends.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -67,9 +69,10 @@ impl RemoteKeys {
         Ok(actor)
     }
 
-    /// True when a fresh cached key was used (worth a refetch if it fails).
+    /// True when a fresh cached key was used (worth a refetch if it fails; a stale one was
+    /// fetched again anyway).
     pub fn is_cached(&self, key_id: &str) -> bool {
-        self.cache.lock().expect("key cache lock").contains_key(key_id)
+        self.cache.lock().expect("key cache lock").get(key_id).is_some_and(|(at, _)| at.elapsed() < self.ttl)
     }
 
     async fn fetch_document(&self, url: &str) -> Result<Value, KeyFetchError> {
@@ -77,31 +80,45 @@ impl RemoteKeys {
         self.http.fetch_json(request).await.map_err(KeyFetchError::Fetch)
     }
 
+    /// The actor `document` fetched from `url`, as its own id's URL serves it: a document may
+    /// say it is anyone, so one whose id is not `url` (a key URL that answers with the actor,
+    /// as some servers do, or a forgery) is fetched again from its id, which must then match.
+    async fn as_itself(&self, url: &str, document: Value) -> Result<Value, KeyFetchError> {
+        let id = id_of(&document).ok_or_else(|| invalid("the actor has no id"))?;
+        if id == url {
+            return Ok(document);
+        }
+        let own = self.fetch_document(id).await?;
+        if id_of(&own) != Some(id) {
+            return Err(invalid(format!("the actor document at {url} says it is {id}, whose document does not")));
+        }
+        Ok(own)
+    }
+
     async fn fetch(&self, key_id: &str) -> Result<RemoteActor, KeyFetchError> {
         let document_url = key_id.split('#').next().unwrap_or(key_id);
         let document = self.fetch_document(document_url).await?;
         let (actor, key) = if document.get("publicKeyPem").is_some() {
-            // The key itself: its owner is the actor.
-            let owner = document.get("owner").and_then(Value::as_str).ok_or_else(|| invalid("the key has no owner"))?;
-            let actor = self.fetch_document(owner).await?;
-            (actor, document)
-        } else {
-            let key = match document.get("publicKey") {
-                Some(Value::Array(keys)) => {
-                    keys.iter().find(|k| id_of(k) == Some(key_id)).or_else(|| keys.first()).cloned()
-                }
-                Some(key) => Some(key.clone()),
-                None => None,
+            // The key itself: its owner is the actor, which must publish it too (else any key
+            // could name anyone as its owner).
+            if id_of(&document) != Some(key_id) {
+                return Err(invalid("the key document's id is not the key id"));
             }
-            .ok_or_else(|| invalid("the actor publishes no publicKey"))?;
-            (document, key)
+            let owner = document.get("owner").and_then(Value::as_str).ok_or_else(|| invalid("the key has no owner"))?;
+            let fetched = self.fetch_document(owner).await?;
+            let actor = self.as_itself(owner, fetched).await?;
+            let published =
+                published_key(&actor, key_id).ok_or_else(|| invalid("the key's owner does not publish that key"))?;
+            // The owner's copy of the key counts, when it carries the PEM.
+            (actor, if published.get("publicKeyPem").is_some() { published } else { document })
+        } else {
+            let actor = self.as_itself(document_url, document).await?;
+            let key = published_key(&actor, key_id).ok_or_else(|| invalid("the actor does not publish that key"))?;
+            (actor, key)
         };
         let actor_uri = id_of(&actor).ok_or_else(|| invalid("the actor has no id"))?.to_owned();
         if key.get("owner").and_then(Value::as_str) != Some(actor_uri.as_str()) {
             return Err(invalid("the key's owner is not the actor that publishes it"));
-        }
-        if id_of(&key) != Some(key_id) {
-            return Err(invalid("the actor publishes another key id"));
         }
         let pem = key.get("publicKeyPem").and_then(Value::as_str).ok_or_else(|| invalid("the key has no PEM"))?;
         let key = PublicKey::from_pem(pem).map_err(|e| invalid(e.to_string()))?;
@@ -112,6 +129,14 @@ impl RemoteKeys {
             shared_inbox: text(actor.get("endpoints").and_then(|e| e.get("sharedInbox"))),
             actor_uri,
         })
+    }
+}
+
+/// The key `key_id` among those `actor` publishes (`publicKey`: one, or a list).
+fn published_key(actor: &Value, key_id: &str) -> Option<Value> {
+    match actor.get("publicKey")? {
+        Value::Array(keys) => keys.iter().find(|key| id_of(key) == Some(key_id)).cloned(),
+        key => (id_of(key) == Some(key_id)).then(|| key.clone()),
     }
 }
 

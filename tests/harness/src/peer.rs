@@ -90,6 +90,12 @@ pub enum Spoil {
     TamperedBody,
     /// Dated two days ago.
     StaleDate,
+    /// Signed with another key, whose keyId is a document at `/forged/<name>` that says it is
+    /// the actor `<name>` (an impersonation: the real actor does not publish that key).
+    ForgedActor,
+    /// Signed with another key, whose keyId is a key document at `/keys/<name>` naming the
+    /// actor `<name>` as its owner (who does not publish it).
+    ForgedKey,
 }
 
 fn sha256_digest(body: &[u8]) -> String {
@@ -110,6 +116,8 @@ impl MastodonPeer {
         let peer = Self { inner };
         let app = Router::new()
             .route("/users/{name}", get(actor))
+            .route("/forged/{name}", get(forged_actor))
+            .route("/keys/{name}", get(forged_key))
             .route("/users/{name}/inbox", post(inbox))
             .route("/inbox", post(inbox_shared))
             .with_state(peer.clone());
@@ -159,10 +167,17 @@ impl MastodonPeer {
         let signing_string = format!(
             "(request-target): post {path}\nhost: {host}\ndate: {date}\ndigest: {digest}\ncontent-type: {content_type}"
         );
-        let key = if spoil == Spoil::WrongKey { &self.inner.wrong_key } else { &self.inner.key };
+        let key = match spoil {
+            Spoil::WrongKey | Spoil::ForgedActor | Spoil::ForgedKey => &self.inner.wrong_key,
+            _ => &self.inner.key,
+        };
+        let key_id = match spoil {
+            Spoil::ForgedActor => format!("{}/forged/{name}#main-key", self.base()),
+            Spoil::ForgedKey => format!("{}/keys/{name}", self.base()),
+            _ => self.key_id(name),
+        };
         let signature = format!(
-            "keyId=\"{}\",algorithm=\"rsa-sha256\",headers=\"(request-target) host date digest content-type\",signature=\"{}\"",
-            self.key_id(name),
+            "keyId=\"{key_id}\",algorithm=\"rsa-sha256\",headers=\"(request-target) host date digest content-type\",signature=\"{}\"",
             B64.encode(key.sign(&signing_string))
         );
         let mut headers =
@@ -252,6 +267,31 @@ async fn actor(State(peer): State<MastodonPeer>, Path(name): Path<String>) -> Re
         "outbox": format!("{id}/outbox"),
         "endpoints": { "sharedInbox": format!("{}/inbox", peer.base()) },
         "publicKey": { "id": peer.key_id(&name), "owner": id, "publicKeyPem": peer.inner.key.pem },
+    });
+    ([("content-type", "application/activity+json")], document.to_string()).into_response()
+}
+
+/// A document that says it is the actor `name`, with a key the actor does not publish.
+async fn forged_actor(State(peer): State<MastodonPeer>, Path(name): Path<String>) -> Response {
+    let id = peer.actor(&name);
+    let key_id = format!("{}/forged/{name}#main-key", peer.base());
+    let document = json!({
+        "@context": ["https://www.w3.org/ns/activitystreams", "https://w3id.org/security/v1"],
+        "id": id,
+        "type": "Person",
+        "inbox": format!("{}/forged/{name}/inbox", peer.base()),
+        "publicKey": { "id": key_id, "owner": id, "publicKeyPem": peer.inner.wrong_key.pem },
+    });
+    ([("content-type", "application/activity+json")], document.to_string()).into_response()
+}
+
+/// A key document naming the actor `name` as its owner, who does not publish it.
+async fn forged_key(State(peer): State<MastodonPeer>, Path(name): Path<String>) -> Response {
+    let document = json!({
+        "@context": "https://w3id.org/security/v1",
+        "id": format!("{}/keys/{name}", peer.base()),
+        "owner": peer.actor(&name),
+        "publicKeyPem": peer.inner.wrong_key.pem,
     });
     ([("content-type", "application/activity+json")], document.to_string()).into_response()
 }
