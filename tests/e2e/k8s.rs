@@ -145,6 +145,18 @@ fn container_variables(objects: &[Value]) -> BTreeMap<String, BTreeSet<String>> 
     found
 }
 
+/// The handlers that call remote servers: the federation handlers (an actor's document before a
+/// Follow or an Undo, inboxes, outboxes), the enrichment handlers (the metadata provider), and
+/// poster-sync (the posters).
+const CALL_OUT: [&str; 6] = [
+    "federation",
+    "federation-delivery",
+    "federation-backfill",
+    "movie-enrichment",
+    "person-enrichment",
+    "poster-sync",
+];
+
 #[test]
 fn every_overlay_renders_validates_and_names_only_real_settings() {
     let known = known_variables();
@@ -170,6 +182,13 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
                 other => panic!("{name}: unexpected service {other:?}"),
             }
             assert!(container["resources"]["limits"]["memory"].is_string(), "{name}: {args:?} has a memory limit");
+            // What reaches remote servers may leave the cluster (the base denies all egress but
+            // to pods with this label): the gateway fetches signers' keys, and these handlers
+            // call out from their events.
+            let calls_out = args.get(2) == Some(&"gateway")
+                || args.windows(2).any(|pair| pair[0] == "--handler" && CALL_OUT.contains(&pair[1]));
+            let label = &workload["spec"]["template"]["metadata"]["labels"]["reelay.dev/calls-internet"];
+            assert_eq!(label == "true", calls_out, "{name}: {args:?} calls out: {calls_out}, labelled {label}");
             let annotations = &workload["spec"]["template"]["metadata"]["annotations"];
             assert_eq!(annotations["prometheus.io/port"], "9464", "{name}: {args:?} is scraped");
         }
