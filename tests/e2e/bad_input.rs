@@ -428,6 +428,20 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated);
+    // Nor can a caller without it mint metric label values: a made-up method of a mounted
+    // service is refused as `unknown`.
+    for n in 0..3 {
+        let path = format!("/reelay.v1.Users/MadeUp{n}");
+        let mut grpc = tonic::client::Grpc::new(reelay.channel_with_token(None).await);
+        grpc.ready().await.unwrap();
+        let codec = tonic_prost::ProstCodec::<v1::GetUserRequest, v1::GetUserRequest>::default();
+        let request = tonic::Request::new(v1::GetUserRequest { user_id: ana.clone() });
+        let status = grpc.unary(request, path.parse().unwrap(), codec).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated);
+    }
+    let metrics = reelay.metrics().await;
+    assert!(!metrics.0.contains("MadeUp"), "a label value from a caller without the token");
+    assert!(metrics.sum("reelay_grpc_requests_total", &[r#"method="unknown""#, r#"code="16""#]) >= 3.0);
     assert_eq!(table_snapshot(&db).await, baseline);
     reelay.stop().await;
 }

@@ -11,6 +11,7 @@
 //! service and each name given to [`GrpcServer::readiness`] (`write`, `handlers`) is SERVING
 //! only while that readiness flag is set (readiness probes).
 
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
@@ -157,7 +158,8 @@ impl GrpcServer {
                 }
             });
         }
-        let known: Arc<[&'static str]> = names.iter().copied().chain(["grpc.health.v1.Health"]).collect();
+        let mounted: Vec<&str> = names.iter().copied().chain(["grpc.health.v1.Health"]).collect();
+        let known = Arc::new(method_paths(&mounted));
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(reelay_contracts::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -207,7 +209,7 @@ impl GrpcServer {
 struct CallContextLayer {
     token: Option<Arc<str>>,
     /// The services mounted on this server: the only method labels metrics may carry.
-    known: Arc<[&'static str]>,
+    known: Arc<HashSet<String>>,
 }
 
 impl<S> Layer<S> for CallContextLayer {
@@ -222,14 +224,32 @@ impl<S> Layer<S> for CallContextLayer {
 struct CallContext<S> {
     inner: S,
     token: Option<Arc<str>>,
-    known: Arc<[&'static str]>,
+    known: Arc<HashSet<String>>,
 }
 
-/// The method label of a call: its path when it names a mounted service, else `unknown` (a
-/// caller must not be able to mint label values).
-fn method_label(known: &[&'static str], path: &str) -> String {
-    let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
-    if known.contains(&service) { path.to_owned() } else { "unknown".to_owned() }
+/// The method label of a call: its path when it is a method of a mounted service, else
+/// `unknown` (a caller, even one without the token, must not be able to mint label values).
+fn method_label(known: &HashSet<String>, path: &str) -> String {
+    if known.contains(path) { path.to_owned() } else { "unknown".to_owned() }
+}
+
+/// The paths (`/package.Service/Method`) of every method of the `services` named, from the
+/// descriptor sets built in (Reelay's and grpc.health's).
+fn method_paths(services: &[&str]) -> HashSet<String> {
+    use prost::Message;
+    let mut paths = HashSet::new();
+    for encoded in [reelay_contracts::FILE_DESCRIPTOR_SET, tonic_health::pb::FILE_DESCRIPTOR_SET] {
+        let set = prost_types::FileDescriptorSet::decode(encoded).expect("the embedded descriptor sets are valid");
+        for file in set.file {
+            for service in &file.service {
+                let name = format!("{}.{}", file.package(), service.name());
+                if services.contains(&name.as_str()) {
+                    paths.extend(service.method.iter().map(|method| format!("/{name}/{}", method.name())));
+                }
+            }
+        }
+    }
+    paths
 }
 
 impl<S> CallContext<S> {
@@ -362,6 +382,18 @@ mod tests {
         assert!(is_valid_traceparent(&generated), "{generated}");
         assert!(!is_valid_traceparent("00-abc-def-01"));
         assert!(!is_valid_traceparent(&format!("00-{}-0000000000000001-01", "0".repeat(32))));
+    }
+
+    #[test]
+    fn only_the_methods_of_mounted_services_are_label_values() {
+        let known = method_paths(&["reelay.v1.Reviews", "grpc.health.v1.Health"]);
+        assert_eq!(method_label(&known, "/reelay.v1.Reviews/LogReview"), "/reelay.v1.Reviews/LogReview");
+        assert_eq!(method_label(&known, "/grpc.health.v1.Health/Check"), "/grpc.health.v1.Health/Check");
+        // A made-up method of a mounted service (answered before any routing when the token is
+        // missing), a method of a service not mounted here, anything else: one value.
+        for path in ["/reelay.v1.Reviews/LogReview2", "/reelay.v1.Reviews/", "/reelay.v1.Users/CreateUser", "/x", ""] {
+            assert_eq!(method_label(&known, path), "unknown", "{path}");
+        }
     }
 
     #[test]
