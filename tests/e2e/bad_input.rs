@@ -474,8 +474,21 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("REELAY_MAX_EVENT_BYTES") && stderr.contains("REELAY_GRPC_MAX_MESSAGE_BYTES"), "{stderr}");
 
-    // So is a lease no worker could renew in time (or that hands every claim over at once).
-    for (setting, value) in [("REELAY_LEDGER_LEASE_MS", "0"), ("REELAY_OUTBOX_LEASE_MS", "50")] {
+    // So is a lease no worker could renew in time (or that hands every claim over at once), and
+    // a timing no process could work with (every call or handler run timed out at once, the
+    // writer purging or retrying without a pause): each refusal names its least value.
+    for (setting, value, least) in [
+        ("REELAY_LEDGER_LEASE_MS", "0", "1000"),
+        ("REELAY_OUTBOX_LEASE_MS", "50", "1000"),
+        ("REELAY_GRPC_TIMEOUT_MS", "0", "2000"),
+        ("REELAY_HANDLER_TIMEOUT_MS", "0", "1000"),
+        ("REELAY_ACK_WAIT_MS", "0", "1000"),
+        ("REELAY_LEDGER_PURGE_INTERVAL_MS", "0", "100"),
+        ("REELAY_RETRY_BASE_MS", "0", "10"),
+        ("REELAY_RETRY_CAP_MS", "0", "10"),
+        ("REELAY_FEDERATION_TIMEOUT_MS", "0", "100"),
+        ("REELAY_ENRICHMENT_TIMEOUT_MS", "0", "100"),
+    ] {
         let out = std::process::Command::new(BIN)
             .args(["run", "--service", "write", "--dev"])
             .env("REELAY_DATABASE", dir.path().join("r.db"))
@@ -486,7 +499,7 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
         assert_eq!(out.status.code(), Some(2), "{setting}={value}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         let flag = setting.trim_start_matches("REELAY_").to_lowercase().replace('_', "-");
-        assert!(stderr.contains(&flag) && stderr.contains("1000"), "{stderr}");
+        assert!(stderr.contains(&flag) && stderr.contains(least), "{setting}={value}: {stderr}");
         assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
     }
 }

@@ -122,7 +122,13 @@ pub fn date(field: &str, value: &str) -> Result<String, ValidationError> {
     }
     let invalid = || ValidationError::new(field, format!("must be a date as YYYY-MM-DD, got {value:?}"));
     let bytes = value.as_bytes();
-    if bytes.len() != 10 || bytes[4] != b'-' || bytes[7] != b'-' {
+    let digits_at = |range: std::ops::Range<usize>| bytes[range].iter().all(u8::is_ascii_digit);
+    // Digits only: a number's parse would take a sign (`2024-+1-05`).
+    if bytes.len() != 10
+        || bytes[4] != b'-'
+        || bytes[7] != b'-'
+        || !(digits_at(0..4) && digits_at(5..7) && digits_at(8..10))
+    {
         return Err(invalid());
     }
     let number = |s: &str| s.parse::<u32>().map_err(|_| invalid());
@@ -250,6 +256,9 @@ mod tests {
         assert!(date("watched_on", "2023-02-29").is_err());
         assert!(date("watched_on", "2023-13-01").is_err());
         assert!(date("watched_on", "23-01-01").is_err());
+        for signed in ["2024-+1-05", "+024-01-05", "2024-01-+5"] {
+            assert!(date("watched_on", signed).is_err(), "{signed}");
+        }
         assert_eq!(date("watched_on", "").unwrap(), "");
     }
 

@@ -122,8 +122,10 @@ pub struct RunArgs {
     #[arg(long, env = "REELAY_MAX_EVENT_BYTES", default_value_t = 1_000_000)]
     pub max_event_bytes: usize,
 
-    /// Deadline for a call that brings no shorter `grpc-timeout`, in milliseconds.
-    #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000)]
+    /// Deadline for a call that brings no shorter `grpc-timeout`, in milliseconds; also the
+    /// deadline of this process's own calls. 2 s (twice an idle claim's 1 s wait, which a
+    /// shorter deadline would cut) to an hour.
+    #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(2_000..=3_600_000))]
     pub grpc_timeout_ms: u64,
 
     /// This process's name among Reelay's processes; it must be unique among live ones (a pod
@@ -184,8 +186,8 @@ pub struct DeliveryArgs {
     pub ledger_retention_days: u64,
 
     /// How often the write service purges outbox rows, ledger rows and request ids past
-    /// retention.
-    #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000)]
+    /// retention. 100 ms (each purge is a job of the single writer) to a day.
+    #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
     pub ledger_purge_interval_ms: u64,
 
     /// How long outbox rows every handler is finished with are kept, in seconds (7 days).
@@ -198,12 +200,12 @@ pub struct DeliveryArgs {
     pub request_id_retention_hours: u64,
 
     /// The first retry delay after a failed delivery; it doubles per attempt. Only tests
-    /// should change it.
-    #[arg(long, env = "REELAY_RETRY_BASE_MS", default_value_t = 5_000)]
+    /// should change it. 10 ms to an hour.
+    #[arg(long, env = "REELAY_RETRY_BASE_MS", default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
     pub retry_base_ms: u64,
 
-    /// The longest retry delay.
-    #[arg(long, env = "REELAY_RETRY_CAP_MS", default_value_t = 300_000)]
+    /// The longest retry delay. 10 ms to a day.
+    #[arg(long, env = "REELAY_RETRY_CAP_MS", default_value_t = 300_000, value_parser = clap::value_parser!(u64).range(10..=86_400_000))]
     pub retry_cap_ms: u64,
 }
 
@@ -246,8 +248,8 @@ pub struct NatsArgs {
     pub stream_replicas: u32,
 
     /// How long JetStream waits for a handler's ack before redelivering (handlers report
-    /// progress while they work, so this bounds a dead handler, not a slow one).
-    #[arg(long, env = "REELAY_ACK_WAIT_MS", default_value_t = 30_000)]
+    /// progress while they work, so this bounds a dead handler, not a slow one). 1 s to a day.
+    #[arg(long, env = "REELAY_ACK_WAIT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
     pub ack_wait_ms: u64,
 
     /// Unacked messages one handler consumer may have out, including those waiting out a nak.
@@ -315,8 +317,8 @@ pub struct HandlerArgs {
     #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub in_flight: u32,
 
-    /// A handler call that takes longer fails (and is retried).
-    #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000)]
+    /// A handler call that takes longer fails (and is retried). 1 s to a day.
+    #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
     pub handler_timeout_ms: u64,
 }
 

@@ -77,12 +77,13 @@ pub struct EnrichmentSettings {
         hide_env_values = true
     )]
     pub tmdb_token: Option<String>,
-    /// How long one provider request may take.
+    /// How long one provider request may take, in milliseconds (100 ms to 10 minutes).
     #[arg(
         id = "enrichment_timeout_ms",
         long = "enrichment-timeout-ms",
         env = "REELAY_ENRICHMENT_TIMEOUT_MS",
-        default_value_t = 10_000
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(100..=600_000)
     )]
     pub timeout_ms: u64,
 }

@@ -44,12 +44,14 @@ pub struct FederationSettings {
     #[arg(id = "public_url", long = "public-url", env = "REELAY_PUBLIC_URL")]
     pub public_url: Option<String>,
 
-    /// Deadline of one outgoing request (a delivery, a fetch), in milliseconds.
+    /// Deadline of one outgoing request (a delivery, a fetch), in milliseconds (100 ms to 10
+    /// minutes).
     #[arg(
         id = "federation_timeout_ms",
         long = "federation-timeout-ms",
         env = "REELAY_FEDERATION_TIMEOUT_MS",
-        default_value_t = 10_000
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(100..=600_000)
     )]
     pub timeout_ms: u64,
 
