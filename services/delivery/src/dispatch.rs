@@ -305,7 +305,8 @@ async fn claim_call(
 /// How a dispatcher runs handlers and holds their claims.
 #[derive(Debug, Clone)]
 pub struct DispatchConfig {
-    /// A handler call that takes longer fails (retryable).
+    /// A handler's run of one event (of a batch, for a handler that batches) that takes longer
+    /// fails (retryable).
     pub handler_timeout: Duration,
     pub retry_policy: RetryPolicy,
     /// Claims are renewed every third of this while handlers run (or of the write service's
@@ -481,36 +482,9 @@ impl Dispatcher {
                 }
                 let events: Vec<&v1::Event> = work.iter().map(|&(d, _)| &deliveries[d].event).collect();
                 let started = Instant::now();
-                let ran = guarded(timeout, handler.handle_batch(&events)).await;
+                let results = run_handler(&*handler, &events, timeout).await;
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 HANDLER_BATCH.observe(&[handler.name()], events.len() as f64);
-                let results = match ran {
-                    Ok(results) if results.len() == events.len() => results,
-                    Ok(results) => {
-                        let error = format!("handler returned {} results for {} events", results.len(), events.len());
-                        vec![Err(HandlerError::Retryable(error)); events.len()]
-                    }
-                    Err(Unfinished::Panicked(_)) if events.len() > 1 => {
-                        // Which event it was is not known: each runs again alone (handlers are
-                        // idempotent), so only the one that panics spends its attempts and its
-                        // batch-mates are not dead-lettered with it.
-                        tracing::error!(
-                            handler = handler.name(),
-                            events = events.len(),
-                            "handler panicked on a batch; running its events one by one"
-                        );
-                        let mut results = Vec::with_capacity(events.len());
-                        for event in &events {
-                            results.push(
-                                guarded(timeout, handle_in_span(&*handler, event))
-                                    .await
-                                    .unwrap_or_else(|u| Err(u.into())),
-                            );
-                        }
-                        results
-                    }
-                    Err(unfinished) => vec![Err(unfinished.into()); events.len()],
-                };
                 (work, results)
             }
         });
@@ -673,9 +647,12 @@ impl Dispatcher {
 }
 
 /// A handler call that did not return.
+#[derive(Debug, thiserror::Error)]
 enum Unfinished {
     /// It panicked, with this message.
+    #[error("it panicked: {0}")]
     Panicked(String),
+    #[error("it timed out after {0:?}")]
     TimedOut(Duration),
 }
 
@@ -688,6 +665,33 @@ impl From<Unfinished> for HandlerError {
             Unfinished::TimedOut(timeout) => HandlerError::Retryable(format!("handler timed out after {timeout:?}")),
         }
     }
+}
+
+/// Runs `handler` over `events`, one result per event in order. A handler that batches gets
+/// them in one call within `timeout`; should that call panic or time out, which event it was is
+/// not known, so each runs again alone (handlers are idempotent), and only the one at fault
+/// spends an attempt: its batch-mates are neither failed with it nor brought back with it as
+/// the same batch, again and again, until all are dead letters. Any other handler gets one
+/// event at a time, each within `timeout`.
+async fn run_handler(handler: &dyn Handler, events: &[&v1::Event], timeout: Duration) -> Vec<Result<(), HandlerError>> {
+    if handler.batches() {
+        let unfinished = match guarded(timeout, handler.handle_batch(events)).await {
+            Ok(results) if results.len() == events.len() => return results,
+            Ok(results) => {
+                let error = format!("handler returned {} results for {} events", results.len(), events.len());
+                return vec![Err(HandlerError::Retryable(error)); events.len()];
+            }
+            Err(unfinished) if events.len() == 1 => return vec![Err(unfinished.into())],
+            Err(unfinished) => unfinished,
+        };
+        tracing::error!(handler = handler.name(), events = events.len(), %unfinished,
+            "a handler's batch did not finish; running its events one by one");
+    }
+    let mut results = Vec::with_capacity(events.len());
+    for event in events {
+        results.push(guarded(timeout, handle_in_span(handler, event)).await.unwrap_or_else(|u| Err(u.into())));
+    }
+    results
 }
 
 /// Runs a handler call within `timeout`, a panic in it caught.
@@ -782,5 +786,125 @@ fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: Retr
         (Some(error), _) => Verdict::Nak { delay: policy.delay(delivery.attempt), error },
         (None, Some(until_ms)) => Verdict::Defer { until_ms },
         (None, None) => Verdict::Ack,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// A handler whose events take as long as their payload-less `event_type` says
+    /// (`"<ms>"`, or `"panic"`), and that records what it finished.
+    struct Timed {
+        batches: bool,
+        finished: Mutex<Vec<String>>,
+    }
+
+    impl Timed {
+        fn new(batches: bool) -> Self {
+            Self { batches, finished: Mutex::default() }
+        }
+
+        async fn run(&self, event: &v1::Event) -> Result<(), HandlerError> {
+            if event.event_type == "panic" {
+                panic!("event {} panics", event.event_id);
+            }
+            let ms: u64 = event.event_type.parse().expect("a duration");
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            self.finished.lock().unwrap().push(event.event_id.clone());
+            Ok(())
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Handler for Timed {
+        fn name(&self) -> &'static str {
+            "timed"
+        }
+
+        fn event_types(&self) -> &'static [&'static str] {
+            &[]
+        }
+
+        fn batches(&self) -> bool {
+            self.batches
+        }
+
+        async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+            self.run(event).await
+        }
+
+        async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+            let mut results = Vec::new();
+            for event in events {
+                results.push(self.run(event).await);
+            }
+            results
+        }
+    }
+
+    fn events(kinds: &[&str]) -> Vec<v1::Event> {
+        kinds
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| v1::Event { event_id: format!("e{i}"), event_type: (*kind).into(), ..Default::default() })
+            .collect()
+    }
+
+    fn outcomes(results: &[Result<(), HandlerError>]) -> Vec<&str> {
+        results
+            .iter()
+            .map(|r| match r {
+                Ok(()) => "ok",
+                Err(HandlerError::Retryable(m)) if m.contains("timed out") => "timed out",
+                Err(HandlerError::Retryable(m)) if m.contains("panicked") => "panicked",
+                Err(_) => "failed",
+            })
+            .collect()
+    }
+
+    /// A batch longer than the timeout (40 events of 20 ms against 500 ms) with one event that
+    /// hangs: the hanging one fails alone, every other finishes, on either kind of handler.
+    #[tokio::test(start_paused = true)]
+    async fn one_slow_event_fails_alone_and_its_batch_mates_finish() {
+        let mut kinds = vec!["20"; 40];
+        kinds[3] = "3600000";
+        kinds[30] = "panic";
+        let events = events(&kinds);
+        let events: Vec<&v1::Event> = events.iter().collect();
+        for batches in [false, true] {
+            let handler = Timed::new(batches);
+            let results = run_handler(&handler, &events, Duration::from_millis(500)).await;
+            let mut expected = vec!["ok"; 40];
+            expected[3] = "timed out";
+            expected[30] = "panicked";
+            assert_eq!(outcomes(&results), expected, "batches: {batches}");
+            let finished = handler.finished.lock().unwrap().clone();
+            // Each ok event finished (a batching handler's first try finished some of them too).
+            for (i, outcome) in expected.iter().enumerate() {
+                assert_eq!(finished.contains(&format!("e{i}")), *outcome == "ok", "e{i}, batches: {batches}");
+            }
+        }
+    }
+
+    /// A batch that finishes in time is one call, its results as the handler gave them.
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_in_time_is_one_call() {
+        let events = events(&["10", "10", "10"]);
+        let events: Vec<&v1::Event> = events.iter().collect();
+        let handler = Timed::new(true);
+        let started = tokio::time::Instant::now();
+        let results = run_handler(&handler, &events, Duration::from_millis(500)).await;
+        assert_eq!(outcomes(&results), ["ok", "ok", "ok"]);
+        assert_eq!(started.elapsed(), Duration::from_millis(30), "each event ran once");
+        // One event alone that times out fails, without a second run.
+        let one = events[..1].to_vec();
+        let slow = v1::Event { event_id: "slow".into(), event_type: "900".into(), ..Default::default() };
+        let started = tokio::time::Instant::now();
+        assert_eq!(outcomes(&run_handler(&handler, &[&slow], Duration::from_millis(500)).await), ["timed out"]);
+        assert_eq!(started.elapsed(), Duration::from_millis(500));
+        assert_eq!(outcomes(&run_handler(&handler, &one, Duration::from_millis(500)).await), ["ok"]);
     }
 }

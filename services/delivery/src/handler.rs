@@ -61,9 +61,18 @@ pub trait Handler: Send + Sync + 'static {
     /// Applies one event. Must be idempotent.
     async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError>;
 
+    /// Whether the runtime gives this handler a fetched batch's events in one `handle_batch`
+    /// call (under one timeout). A handler that overrides `handle_batch` says so here; any other
+    /// is called with one event at a time, each under its own timeout, so one slow event fails
+    /// alone and what the others did stands.
+    fn batches(&self) -> bool {
+        false
+    }
+
     /// Applies several events, returning one result per event in order. The runtime calls this
-    /// with every event of a fetched batch it holds a ledger claim for; a handler whose effect
-    /// has a per-call fixed cost (an index commit, a flush) overrides it to pay that cost once.
+    /// (when [`Handler::batches`]) with every event of a fetched batch it holds a ledger claim
+    /// for; a handler whose effect has a per-call fixed cost (an index commit, a flush)
+    /// overrides it to pay that cost once, and keeps a batch well inside the handler timeout.
     async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
         let mut results = Vec::with_capacity(events.len());
         for event in events {

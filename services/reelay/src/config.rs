@@ -317,7 +317,8 @@ pub struct HandlerArgs {
     #[arg(long, env = "REELAY_CONSUMER_IN_FLIGHT", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub in_flight: u32,
 
-    /// A handler call that takes longer fails (and is retried). 1 s to a day.
+    /// A handler's run of one event (of a batch, for a handler that batches) that takes longer
+    /// fails (and is retried). 1 s to a day.
     #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
     pub handler_timeout_ms: u64,
 }

@@ -66,6 +66,10 @@ impl Handler for ActivitiesHandler {
         EVENT_TYPES
     }
 
+    fn batches(&self) -> bool {
+        true
+    }
+
     /// Most users have no remote follower, and an activity of theirs reaches nobody: the whole
     /// batch's authors are looked up in one read first, and only the events of followed users
     /// get their activity built and queued (the write service looks again when it queues: a

@@ -302,6 +302,10 @@ mod enabled {
             self.handle_batch(&[event]).await.pop().unwrap_or(Ok(()))
         }
 
+        fn batches(&self) -> bool {
+            true
+        }
+
         async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
             if let Err(error) = self.record("attempts", events).await {
                 return vec![Err(error); events.len()];

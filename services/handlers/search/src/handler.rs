@@ -42,6 +42,10 @@ impl Handler for SearchHandler {
         self.index.apply(&[event]).await.pop().unwrap_or(Ok(()))
     }
 
+    fn batches(&self) -> bool {
+        true
+    }
+
     /// One commit per batch: a tantivy commit fsyncs, so it is the cost worth sharing.
     async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
         self.index.apply(events).await
