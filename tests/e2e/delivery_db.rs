@@ -616,6 +616,7 @@ async fn an_upgraded_database_delivers_its_pending_work_to_every_handler_once() 
                 event_type: "MovieDeleted".into(),
                 aggregate_id: format!("m{i}"),
                 occurred_at_ms: 1,
+                occurred_at_us: 1_000,
                 traceparent: String::new(),
                 payload: Some(v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: format!("m{i}") })),
             };

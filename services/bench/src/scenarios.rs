@@ -189,6 +189,7 @@ fn review_event(n: u64) -> Vec<u8> {
         event_type: "ReviewLogged".into(),
         aggregate_id: uuid::Uuid::now_v7().to_string(),
         occurred_at_ms: 1,
+        occurred_at_us: 1_000,
         traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
         payload: Some(Payload::ReviewLogged(v1::ReviewLogged {
             review_id: uuid::Uuid::now_v7().to_string(),

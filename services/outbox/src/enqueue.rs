@@ -63,6 +63,7 @@ pub async fn enqueue_events(tx: &mut WriteTx, events: Vec<NewEvent>) -> Result<V
             event_type: event_type.to_owned(),
             aggregate_id: event.aggregate_id.clone(),
             occurred_at_ms: at,
+            occurred_at_us: tx.next_event_us(),
             traceparent: tx.traceparent.clone(),
             payload: Some(event.payload),
         };

@@ -260,6 +260,10 @@ pub struct WriteTx {
     /// Outbox rows of the batch's successful jobs, inserted together just before the commit.
     batch_rows: Vec<crate::enqueue::OutboxInsert>,
     now_ms: i64,
+    /// The job's clock in microseconds (`now_ms` is it in milliseconds).
+    now_us: i64,
+    /// The last event's `occurred_at_us`, over every connection this writer opens.
+    last_event_us: Arc<AtomicI64>,
     /// The largest encoded event `enqueue_events` accepts.
     pub(crate) max_event_bytes: usize,
     leases: Arc<LeaseClock>,
@@ -285,6 +289,16 @@ impl WriteTx {
         self.now_ms
     }
 
+    /// The next event's `occurred_at_us`: the job's clock, or a microsecond past the previous
+    /// event's, whichever is later. So every event this writer writes is stamped later than
+    /// the one before (a millisecond's events too, and those of one job in the order written),
+    /// which orders two changes to one thing however close together they commit.
+    pub(crate) fn next_event_us(&mut self) -> i64 {
+        let next = self.now_us.max(self.last_event_us.load(Ordering::Relaxed) + 1);
+        self.last_event_us.store(next, Ordering::Relaxed);
+        next
+    }
+
     /// Sets the trace context that the events enqueued from now on carry. A job that answers
     /// several callers' requests sets each caller's before enqueueing that caller's events.
     pub fn set_traceparent(&mut self, traceparent: String) {
@@ -294,7 +308,9 @@ impl WriteTx {
     fn begin_job(&mut self, traceparent: String) {
         self.traceparent = traceparent;
         self.job_rows.clear();
-        self.now_ms = reelay_kit::now_ms();
+        self.now_us =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64);
+        self.now_ms = self.now_us / 1000;
     }
 }
 
@@ -527,6 +543,8 @@ struct OpenConn {
 struct Session {
     config: WriterConfig,
     leases: Arc<LeaseClock>,
+    /// The last event's `occurred_at_us` (kept across the connections it opens).
+    last_event_us: Arc<AtomicI64>,
     current: Option<OpenConn>,
     /// When to try reopening next, and how long to wait after that one fails.
     next_reopen: Instant,
@@ -547,6 +565,8 @@ impl Session {
             job_rows: Vec::new(),
             batch_rows: Vec::new(),
             now_ms: 0,
+            now_us: 0,
+            last_event_us: self.last_event_us.clone(),
             max_event_bytes: self.config.max_event_bytes,
             leases: self.leases.clone(),
         };
@@ -605,6 +625,7 @@ async fn run(
     let mut session = Session {
         config,
         leases,
+        last_event_us: Arc::default(),
         current: None,
         next_reopen: Instant::now(),
         reopen_delay: REOPEN_FIRST_DELAY,
@@ -1001,6 +1022,43 @@ mod tests {
         let db = Database::open(&config).await.unwrap();
         assert_eq!(level_seen(&db.writer, Durability::Synced).await, NORMAL);
         assert_eq!(level_seen(&db.writer, Durability::Deferred).await, NORMAL);
+        db.close().await;
+    }
+
+    /// Every event is stamped a microsecond or more after the one written before it, in the
+    /// outbox's order: the events of one job, and those of concurrent jobs sharing a
+    /// millisecond; and its microseconds fall in (or after) its job's millisecond.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_are_stamped_later_than_every_event_before_them() {
+        use prost::Message;
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("w.db"))).await.unwrap();
+        let mut tasks = Vec::new();
+        for n in 0..200i64 {
+            let writer = db.writer.clone();
+            tasks.push(tokio::spawn(async move {
+                writer
+                    .transact::<_, TestError, _>("test", move |tx: &mut WriteTx| {
+                        Box::pin(async move { Ok(enqueue_events(tx, vec![event(n), event(n), event(n)]).await?.len()) })
+                    })
+                    .await
+            }));
+        }
+        for task in tasks {
+            assert_eq!(task.await.unwrap().unwrap(), 3);
+        }
+        let payloads: Vec<Vec<u8>> =
+            sqlx::query_scalar("SELECT payload FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap();
+        let events: Vec<v1::Event> = payloads.iter().map(|p| v1::Event::decode(p.as_slice()).unwrap()).collect();
+        assert_eq!(events.len(), 600);
+        for pair in events.windows(2) {
+            assert!(pair[1].occurred_at_us > pair[0].occurred_at_us, "{pair:?}");
+        }
+        for event in &events {
+            assert!(event.occurred_at_us >= event.occurred_at_ms * 1000, "{event:?}");
+        }
+        let shared_ms = events.windows(2).filter(|p| p[0].occurred_at_ms == p[1].occurred_at_ms).count();
+        assert!(shared_ms > 0, "some events shared a millisecond (else this test tests nothing)");
         db.close().await;
     }
 

@@ -2,12 +2,18 @@
 
 use reelay_contracts::v1::{self, event::Payload};
 
-pub fn event(aggregate_id: &str, occurred_at_ms: i64, payload: Payload) -> v1::Event {
+/// The tests' clock starts here (2023-11-14), so their `at` values are times these events
+/// could carry.
+pub const EPOCH_MS: i64 = 1_700_000_000_000;
+
+/// An event of `at` ms past [`EPOCH_MS`], as written before events carried microseconds.
+pub fn event(aggregate_id: &str, at: i64, payload: Payload) -> v1::Event {
     v1::Event {
-        event_id: format!("{aggregate_id}-{occurred_at_ms}"),
+        event_id: format!("{aggregate_id}-{at}"),
         event_type: reelay_domain::events::event_type(&payload).to_owned(),
         aggregate_id: aggregate_id.to_owned(),
-        occurred_at_ms,
+        occurred_at_ms: EPOCH_MS + at,
+        occurred_at_us: 0,
         traceparent: String::new(),
         payload: Some(payload),
     }

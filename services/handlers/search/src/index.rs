@@ -3,7 +3,8 @@
 //! and one document per movie poster (`posters:<id>`: the sizes stored, read beside a movie hit).
 //!
 //! Events arrive at least once and in any order, so every document carries the `version` of the
-//! event that wrote it (its `occurred_at_ms`) and a `deleted` flag. An event older than the
+//! event that wrote it (its `occurred_at_us`, which the write service makes later for every event
+//! it writes, so two edits within one millisecond are ordered too) and a `deleted` flag. An event older than the
 //! indexed document is a no-op, and a delete leaves a tombstone rather than nothing, so a
 //! redelivered `ReviewLogged` cannot bring back a review deleted after it. A change writes only
 //! when it is newer than the indexed document; at equal versions a tombstone beats an upsert, and
@@ -159,6 +160,24 @@ struct Stamp {
     deleted: bool,
 }
 
+/// Versions below this are milliseconds (documents and events from before `occurred_at_us`):
+/// 10^14 ms is the year 5138, 10^14 µs the year 1973.
+const MICROS_FROM: i64 = 100_000_000_000_000;
+
+/// An event's version: its `occurred_at_us`, or for an event from before it, the last
+/// microsecond of its millisecond (not newer than a document of the same millisecond, as
+/// before, nor older than an edit made later within that millisecond: its order there is not
+/// known).
+fn event_version(event: &v1::Event) -> i64 {
+    if event.occurred_at_us > 0 { event.occurred_at_us } else { stored_version(event.occurred_at_ms) }
+}
+
+/// A document's stored version in microseconds (one indexed before versions were: see
+/// [`event_version`]).
+fn stored_version(version: i64) -> i64 {
+    if (0..MICROS_FROM).contains(&version) { version.saturating_mul(1000).saturating_add(999) } else { version }
+}
+
 impl Change {
     /// A movie's document (keyed by the movie, so enrichment replaces what discovery indexed).
     fn movie(version: i64, hit: v1::MovieHit) -> Self {
@@ -182,7 +201,7 @@ impl Change {
     /// `None` for events the index does not care about.
     fn from_event(event: &v1::Event) -> Result<Option<Self>, HandlerError> {
         let Some(payload) = &event.payload else { return Ok(None) };
-        let version = event.occurred_at_ms;
+        let version = event_version(event);
         let require = |field: &str, value: &str| {
             if value.is_empty() {
                 Err(HandlerError::permanent(format!(
@@ -555,7 +574,7 @@ impl Inner {
     fn indexed_stamp(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<Stamp>> {
         let Some(doc) = self.keyed(searcher, key)? else { return Ok(None) };
         Ok(Some(Stamp {
-            version: doc.get_first(self.fields.version).and_then(|v| v.as_i64()).unwrap_or(i64::MIN),
+            version: doc.get_first(self.fields.version).and_then(|v| v.as_i64()).map_or(i64::MIN, stored_version),
             deleted: doc.get_first(self.fields.deleted).and_then(|v| v.as_bool()).unwrap_or(false),
         }))
     }
@@ -756,6 +775,42 @@ mod tests {
         assert!(review_ids(&index, "diner").await.is_empty());
         let hit = index.search_reviews("heist", 0, 1).await.unwrap().hits.remove(0);
         assert_eq!(hit.rating, 10);
+    }
+
+    /// Two edits committed in one millisecond (an autosave): the later one wins, whichever
+    /// comes first and however often either comes again; and against what was indexed from an
+    /// event of before microsecond versions, an event of the same millisecond is not newer and
+    /// one of a later millisecond is.
+    #[tokio::test]
+    async fn edits_within_one_millisecond_keep_the_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        let at_us = |mut event: v1::Event, us: i64| {
+            event.occurred_at_us = event.occurred_at_ms * 1000 + us;
+            event
+        };
+        let first = at_us(review_edited("r1", 500, "Heat", "the diner scene"), 100);
+        let second = at_us(review_edited("r1", 500, "Heat", "the heist holds up"), 101);
+        apply_ok(&index, &[&first, &second]).await;
+        assert_eq!(review_ids(&index, "heist").await, ["r1"]);
+        apply_ok(&index, &[&first]).await;
+        apply_ok(&index, &[&second, &first]).await;
+        assert_eq!(review_ids(&index, "heist").await, ["r1"]);
+        assert!(review_ids(&index, "diner").await.is_empty());
+
+        let r2 = [
+            at_us(review_edited("r2", 700, "Heat", "the diner"), 400),
+            at_us(review_edited("r2", 700, "Heat", "the heist"), 300),
+        ];
+        apply_ok(&index, &[&r2[0], &r2[1]]).await;
+        assert_eq!(review_ids(&index, "diner").await, ["r2"], "the later is kept though it came first");
+
+        // Indexed from an event without microseconds (millisecond 900).
+        apply_ok(&index, &[&review_edited("r3", 900, "Heat", "the coffee")]).await;
+        apply_ok(&index, &[&at_us(review_edited("r3", 900, "Heat", "the diner"), 999)]).await;
+        assert_eq!(review_ids(&index, "coffee").await, ["r3"], "not newer: the same millisecond");
+        apply_ok(&index, &[&at_us(review_edited("r3", 901, "Heat", "the airport"), 0)]).await;
+        assert_eq!(review_ids(&index, "airport").await, ["r3"], "newer: a later millisecond");
     }
 
     #[tokio::test]
