@@ -394,6 +394,17 @@ async fn the_inbox_refuses_bad_input_before_writing() {
             401,
             peer.post("alice", &inbox, body.as_bytes(), Spoil::ForgedActor).await,
         ),
+        // A note whose id is on another server than its author (it would squat that id).
+        (
+            "a review whose id is on another server",
+            403,
+            peer.send("alice", &inbox, &{
+                let mut elsewhere = review_note(&peer, "alice", 9, "Stalker", 1979, "The zone.");
+                elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/9");
+                elsewhere
+            })
+            .await,
+        ),
         // A key document naming alice as its owner; alice does not publish it.
         (
             "signed with a key its owner does not publish",

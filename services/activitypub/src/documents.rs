@@ -33,6 +33,15 @@ pub fn context() -> Value {
     ])
 }
 
+/// Whether two ids are on one server (scheme, host and port): what an actor may speak for. An
+/// id that is not a URL is on no server.
+pub fn same_origin(a: &str, b: &str) -> bool {
+    match (url::Url::parse(a), url::Url::parse(b)) {
+        (Ok(a), Ok(b)) => a.origin().is_tuple() && a.origin() == b.origin(),
+        _ => false,
+    }
+}
+
 /// The id of an ActivityPub reference: the string itself, or an embedded object's `id`.
 pub fn id_of(value: &Value) -> Option<&str> {
     match value {
@@ -235,6 +244,22 @@ pub fn ordered_collection_page(id: &str, part_of: &str, items: Vec<Value>, next:
 mod tests {
     use super::*;
     use crate::note::read_review;
+
+    #[test]
+    fn origins() {
+        assert!(same_origin("https://a.example/users/x/statuses/1", "https://a.example/users/x"));
+        assert!(same_origin("https://A.example:443/n/1", "https://a.example/users/x"), "default port, any case");
+        for (a, b) in [
+            ("https://b.example/n/1", "https://a.example/users/x"),
+            ("http://a.example/n/1", "https://a.example/users/x"),
+            ("https://a.example:8443/n/1", "https://a.example/users/x"),
+            ("https://a.example.evil/n/1", "https://a.example/users/x"),
+            ("urn:x:1", "urn:x:1"),
+            ("not a url", "not a url"),
+        ] {
+            assert!(!same_origin(a, b), "{a} {b}");
+        }
+    }
 
     fn review() -> Review<'static> {
         Review {

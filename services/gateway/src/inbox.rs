@@ -19,7 +19,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use reelay_activitypub::documents::id_of;
+use reelay_activitypub::documents::{id_of, same_origin};
 use reelay_activitypub::note::{NoteError, read_review};
 use reelay_activitypub::signature::{SignatureParams, digest_matches};
 use reelay_activitypub::time::{http_date_age_secs, now_ms};
@@ -263,6 +263,11 @@ impl Gateway {
         };
         if note.attributed_to != signer.actor_uri {
             return Err(tonic::Status::permission_denied("the review is attributed to another actor than the signer"));
+        }
+        // Else an actor could take another server's note id first, and its author's own copy
+        // would be refused as someone else's.
+        if !same_origin(&note.object_uri, &signer.actor_uri) {
+            return Err(tonic::Status::permission_denied("the review's id is on another server than its author"));
         }
         let request = note.into_save_request(id);
         Ok(self.federation.clone().save_remote_review(request).await?.into_inner().changed)

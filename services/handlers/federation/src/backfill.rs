@@ -1,7 +1,7 @@
 //! `federation-backfill`: once a remote actor accepts a local user's follow, its reviews so far
 //! are read from its outbox (signed GETs, newest page first) and saved, keyed by object id.
 
-use reelay_activitypub::documents::id_of;
+use reelay_activitypub::documents::{id_of, same_origin};
 use reelay_activitypub::note::{NoteError, read_review};
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_delivery::{Handler, HandlerError};
@@ -27,14 +27,21 @@ impl BackfillHandler {
         }
         let Some(object) = item.get("object").filter(|o| o.is_object()) else { return Ok(false) };
         let note = match read_review(object) {
-            Ok(note) if note.attributed_to == actor => note,
+            Ok(note) if note.attributed_to == actor && same_origin(&note.object_uri, actor) => note,
             Ok(_) | Err(NoteError::NotAReview(_)) | Err(NoteError::Invalid(_)) => return Ok(false),
         };
         let request = note.into_save_request("");
         match self.remote.write().save_remote_review(request).await {
             Ok(_) => Ok(true),
-            // Unfollowed meanwhile, or a review the write service will not take: skip it.
-            Err(status) if matches!(status.code(), tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument) => {
+            // Unfollowed meanwhile, or a review the write service will not take (one it holds
+            // as another actor's among them): skip it, and go on with the rest.
+            Err(status)
+                if matches!(
+                    status.code(),
+                    tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument | tonic::Code::PermissionDenied
+                ) =>
+            {
+                tracing::debug!(code = ?status.code(), message = status.message(), "skipped a backfilled review the write service refused");
                 Ok(false)
             }
             Err(status) => Err(write_error(status)),
