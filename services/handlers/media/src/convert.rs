@@ -29,9 +29,18 @@ use tonic::Code;
 
 use crate::{original_key, sha256_hex, variant_key};
 
-/// The widest and tallest poster decoded, and the memory the decoder may use for it.
-const MAX_SIDE: u32 = 12_000;
-const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
+/// The widest and tallest poster decoded, and the memory the decoder may use for it: 32
+/// million RGB pixels (a poster is a few million). With the first resize's buffer (at most
+/// 500 x 10,000 x 16 bytes) one conversion stays under 180 MB, so the [`CONVERSIONS`] at once
+/// fit the media handlers' 512 MiB beside the rest of the process. (A hostile poster of a few
+/// hundred KB, one colour at 12,000 x 12,000, was decoded into 432 MB before.)
+const MAX_SIDE: u32 = 10_000;
+const MAX_DECODE_BYTES: u64 = 96 * 1024 * 1024;
+
+/// Conversions decoding at once in this process (two cores' worth; each batch in flight would
+/// otherwise decode its own).
+const CONVERSIONS: usize = 2;
+static CONVERTING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(CONVERSIONS);
 
 /// How a variant is encoded.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -213,6 +222,7 @@ impl ImageConversion {
     /// the next wider one), so a variant made again is the same bytes as the first time.
     async fn make(&self, key: &str, original: Bytes, missing: Vec<u32>) -> Result<Vec<Variant>, HandlerError> {
         let (encoding, widths, key) = (self.encoding, Arc::clone(&self.widths), key.to_owned());
+        let _converting = CONVERTING.acquire().await.expect("the semaphore is never closed");
         tokio::task::spawn_blocking(move || {
             let failed = |reason: String| HandlerError::Permanent(format!("{key}: {reason}"));
             let image = decode(&original).map_err(failed)?;
@@ -323,6 +333,40 @@ mod tests {
         assert_eq!(decode(&png).unwrap().width(), 40);
         assert!(decode(&png[..png.len() / 2]).unwrap_err().contains("does not decode"));
         assert!(decode(b"<html></html>").is_err());
+    }
+
+    /// A PNG that says it is `width` x `height` RGB (its pixel data cut off): what a decoder
+    /// sizes its buffers by.
+    fn png_claiming(width: u32, height: u32) -> Vec<u8> {
+        let mut png = Vec::new();
+        image::codecs::png::PngEncoder::new(&mut png)
+            .write_image(&[0, 0, 0], 1, 1, image::ExtendedColorType::Rgb8)
+            .unwrap();
+        png[16..20].copy_from_slice(&width.to_be_bytes());
+        png[20..24].copy_from_slice(&height.to_be_bytes());
+        // The IHDR chunk's CRC-32, over its type and data.
+        let mut crc = !0u32;
+        for byte in &png[12..29] {
+            crc ^= u32::from(*byte);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            }
+        }
+        png[29..33].copy_from_slice(&(!crc).to_be_bytes());
+        png
+    }
+
+    /// A poster too large to decode within the media handlers' memory is refused before its
+    /// pixels are allocated, whatever its size on the wire.
+    #[test]
+    fn a_poster_too_large_to_decode_is_refused_before_it_is_allocated() {
+        for (width, height) in [(12_000, 12_000), (10_001, 10), (10, 10_001), (6_000, 6_000)] {
+            let error = decode(&png_claiming(width, height)).unwrap_err();
+            assert!(error.contains("limit"), "{width}x{height}: {error}");
+        }
+        // Within the limits it gets as far as the missing pixel data.
+        let error = decode(&png_claiming(2_000, 3_000)).unwrap_err();
+        assert!(!error.contains("limit"), "{error}");
     }
 
     #[test]
