@@ -272,6 +272,17 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     let w185 = media.objects.get(&format!("posters/{heat}/w185.webp")).await.unwrap().unwrap();
     assert_eq!(decoded_size(&w185.bytes), (185, 278, "WebP".to_owned()));
 
+    // Heat's first enrichment (the JPEG) delivered again, late: the profile names the PNG now,
+    // so nothing is downloaded, replaced or recorded.
+    let first = events(&db, "MovieEnriched", heat).await.remove(0);
+    let downloads = host.downloads.load(Ordering::SeqCst);
+    media.sync.handle(&first).await.unwrap();
+    assert_eq!(host.downloads.load(Ordering::SeqCst), downloads, "nothing downloaded for an outdated event");
+    assert_eq!(events(&db, "PosterSynced", heat).await.len(), 2);
+    assert_eq!(poster_sizes(&mut c, heat).await, sizes_of(400));
+    let original = media.objects.get(&format!("posters/{heat}/original")).await.unwrap().unwrap();
+    assert_eq!(original.bytes.as_ref(), posters.png.as_slice(), "the current poster stays");
+
     // A missing original means done: nothing made, nothing recorded.
     let ronin = c.movie(&ana, "Ronin", 1998).await;
     let enriched = enrich(&mut c, &db, &ronin, &host.url("/poster.jpg")).await;

@@ -205,6 +205,13 @@ impl Handler for PosterSync {
             Err(status) if status.code() == Code::NotFound => return Ok(()),
             Err(status) => return Err(HandlerError::from_call("GetMovie", &status)),
         };
+        // The profile is written with its event, so one naming another poster (or none) is
+        // newer than this event: a late delivery of an older enrichment must not bring its
+        // poster back over the current one.
+        if movie.profile.as_ref().map(|p| p.poster_url.as_str()) != Some(url) {
+            tracing::info!(movie_id, url, "the movie's profile names another poster since; this event's is not stored");
+            return Ok(());
+        }
         let recorded = movie.poster_sizes.iter().any(|s| s == "original");
         if recorded && movie.poster_source_url == url {
             tracing::debug!(movie_id, url, "poster already recorded; skipping");
