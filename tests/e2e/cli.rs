@@ -203,6 +203,24 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     );
     let refused = reelay.cli(&["import", "letterboxd", bad.to_str().unwrap(), "--user", &ana], &[]).await;
     assert!(!refused.success && refused.stderr.contains("diary.csv: data: line 2: Year"), "{}", refused.stderr);
+    // The export's other lists share the diary's first columns: one is not taken for a diary
+    // (its films would become viewings), and watchlist.csv alone is imported as the watchlist.
+    let ratings = dir.path().join("ratings.csv");
+    std::fs::write(&ratings, "Date,Name,Year,Letterboxd URI,Rating\n2021-01-04,Ran,1985,https://boxd.it/f2,5\n")
+        .unwrap();
+    let refused = reelay.cli(&["import", "letterboxd", ratings.to_str().unwrap(), "--user", &ana], &[]).await;
+    assert!(!refused.success && refused.stderr.contains("not a diary"), "{}", refused.stderr);
+    let loose = dir.path().join("watchlist.csv");
+    std::fs::write(
+        &loose,
+        format!("{WATCHLIST_HEADER}2021-03-20,Ran,1985,https://boxd.it/w2\n2021-03-21,Ida,2013,https://boxd.it/w4\n"),
+    )
+    .unwrap();
+    let imported = reelay.cli(&["import", "letterboxd", loose.to_str().unwrap(), "--user", &ana], &[]).await;
+    let out = imported.ok();
+    assert!(out.contains("watchlist: 1 films added, 1 already on it") && !out.contains("diary"), "{out}");
+    let reviews = query_strings(db, "SELECT COUNT(*) || '' FROM reviews").await;
+    assert_eq!(reviews, vec![vec!["4".to_owned()]], "neither list became viewings");
     let not_zip = dir.path().join("notes.txt");
     std::fs::write(&not_zip, "hello").unwrap();
     let refused = reelay.cli(&["import", "letterboxd", not_zip.to_str().unwrap(), "--user", &ana], &[]).await;

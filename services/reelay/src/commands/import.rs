@@ -1,7 +1,8 @@
 //! `reelay import letterboxd <export.zip | file.csv> --user <id>`: brings a Letterboxd export
 //! in. From the zip Letterboxd hands its users: the diary (`diary.csv`) with each review's text
 //! (`reviews.csv`) attached to its diary entry, and the watchlist (`watchlist.csv`). A plain
-//! CSV is imported as a diary. Every file is checked before anything is sent (errors name the
+//! CSV is imported as a diary when it has a diary's columns (`Watched Date` or `Review`), as the
+//! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked before anything is sent (errors name the
 //! file, line and column); re-importing a newer export adds only what is new (diary entries are
 //! keyed by their Letterboxd URI, a film already on the watchlist stays as it is).
 
@@ -28,7 +29,7 @@ pub enum ImportCommand {
 
 #[derive(Debug, Args)]
 pub struct LetterboxdArgs {
-    /// The export zip, or a diary.csv / reviews.csv.
+    /// The export zip, or its diary.csv, reviews.csv or watchlist.csv.
     pub path: PathBuf,
 
     /// The user to import into (as `reelay users create` printed it).
@@ -67,6 +68,19 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
     let data = read_file(path)?;
     if !data.starts_with(b"PK\x03\x04") {
         checked(&path.display().to_string(), &data)?;
+        let named = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_lowercase();
+        if named == "watchlist.csv" {
+            return Ok(Export { diary: None, watchlist: Some(data) });
+        }
+        // The export's other lists (watchlist, ratings, watched, likes) share the diary's first
+        // columns; imported as a diary, each film on them would become a viewing.
+        let columns = header_columns(&data);
+        if !columns.iter().any(|c| c == "Watched Date" || c == "Review") {
+            bail!(
+                "{}: no Watched Date or Review column, so not a diary (the export's watchlist, ratings and watched lists name films, not viewings): import the export's zip, its diary.csv or reviews.csv, or its watchlist.csv under that name",
+                path.display()
+            );
+        }
         return Ok(Export { diary: Some(data), watchlist: None });
     }
     let mut archive = zip::ZipArchive::new(std::io::Cursor::new(data))
@@ -100,6 +114,13 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
         bail!("{} has no diary.csv, reviews.csv or watchlist.csv: is it a Letterboxd export?", path.display());
     }
     Ok(Export { diary, watchlist })
+}
+
+/// The column names of a CSV's header line (a byte-order mark and quotes taken off).
+fn header_columns(data: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(data);
+    let header = text.trim_start_matches('\u{feff}').lines().next().unwrap_or_default();
+    header.split(',').map(|c| c.trim().trim_matches('"').trim().to_owned()).collect()
 }
 
 /// Parses a file as the server will, so a bad row is reported with its file before anything
