@@ -423,6 +423,34 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     assert_eq!(peer.send("alice", &inbox, &create).await, 202);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 1);
+
+    // Out of order: a Delete before the Create it follows (both retried by a server whose
+    // deliveries failed for a while), and a Create sent again under a new activity id after
+    // its Delete. Neither brings a deleted review back.
+    let delete_of = |n: u32, activity: u32| {
+        let note = format!("{}/statuses/{n}", peer.actor("alice"));
+        json!({
+            "@context": "https://www.w3.org/ns/activitystreams",
+            "id": format!("{note}#delete-{activity}"),
+            "type": "Delete",
+            "actor": peer.actor("alice"),
+            "object": { "id": note, "type": "Tombstone" },
+        })
+    };
+    assert_eq!(peer.send("alice", &inbox, &delete_of(2, 1)).await, 202);
+    assert_eq!(peer.send("alice", &inbox, &review_note(&peer, "alice", 2, "Solaris", 1972, "The sea.")).await, 202);
+    assert_eq!(peer.send("alice", &inbox, &delete_of(1, 1)).await, 202);
+    wait_until!("the review is deleted", count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await == 0);
+    let mut again = create.clone();
+    again["id"] = json!(format!("{}/statuses/1/activity-again", peer.actor("alice")));
+    assert_eq!(peer.send("alice", &inbox, &again).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 0, "nothing came back");
+    assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 1);
+    // Nor can an actor delete, ahead of time, an id of another server.
+    let mut elsewhere = delete_of(3, 1);
+    elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");
+    assert_eq!(peer.send("alice", &inbox, &elsewhere).await, 403);
 }
 
 /// A redelivered event sends the same activity id; running the handlers twice on one event

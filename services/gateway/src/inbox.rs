@@ -279,6 +279,13 @@ impl Gateway {
             // An account deleting itself: nothing of it is kept but its reviews, left as they are.
             return Ok(false);
         }
+        // What it deletes stays deleted (a Create of it arriving later is not saved), so an
+        // actor deletes only ids of its own server.
+        if !same_origin(object_uri, &signer.actor_uri) {
+            return Err(tonic::Status::permission_denied(
+                "the deleted object's id is on another server than its actor",
+            ));
+        }
         let request = v1::DeleteRemoteReviewRequest {
             object_uri: object_uri.to_owned(),
             actor_uri: signer.actor_uri.clone(),

@@ -84,6 +84,16 @@ impl Store {
             if !first_delivery(tx, &received).await? {
                 return Ok(unchanged);
             }
+            // Deleted by its author already (that Delete came first): a late Create or Update
+            // must not bring it back.
+            let deleted: Option<i64> = sqlx::query_scalar("SELECT 1 FROM remote_review_tombstones WHERE object_uri = ?")
+                .bind(review.object_uri.clone())
+                .fetch_optional(tx.conn())
+                .await?;
+            if deleted.is_some() {
+                tracing::info!(object_uri = %review.object_uri, "a review its author deleted arrived again; not saved");
+                return Ok(unchanged);
+            }
             let mut events = Vec::new();
             let (movie, _) = resolve_movie(tx, &review.movie, &mut events).await?;
             let existing = sqlx::query("SELECT id, actor_uri, movie_id, rating, body, published_at FROM remote_reviews WHERE object_uri = ?")
@@ -169,20 +179,28 @@ impl Store {
             if !first_delivery(tx, &received).await? {
                 return Ok(false);
             }
-            let Some(row) = sqlx::query("SELECT id, actor_uri, movie_id FROM remote_reviews WHERE object_uri = ?")
+            let row = sqlx::query("SELECT id, actor_uri, movie_id FROM remote_reviews WHERE object_uri = ?")
                 .bind(object_uri.clone())
                 .fetch_optional(tx.conn())
-                .await?
-            else {
-                return Ok(false);
-            };
-            let (id, movie_id): (String, String) = (row.get("id"), row.get("movie_id"));
-            if row.get::<String, _>("actor_uri") != actor_uri {
+                .await?;
+            if row.as_ref().is_some_and(|row| row.get::<String, _>("actor_uri") != actor_uri) {
                 return Err(ServiceError::permission_denied(format!(
                     "object_uri {object_uri} belongs to another actor"
                 ))
                 .into());
             }
+            // Found or not (its Create may still be on its way), it stays deleted.
+            sqlx::query(
+                "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
+                 ON CONFLICT (object_uri) DO NOTHING",
+            )
+            .bind(object_uri.clone())
+            .bind(actor_uri.clone())
+            .bind(tx.now_ms())
+            .execute(tx.conn())
+            .await?;
+            let Some(row) = row else { return Ok(false) };
+            let (id, movie_id): (String, String) = (row.get("id"), row.get("movie_id"));
             sqlx::query("DELETE FROM remote_reviews WHERE id = ?").bind(id.clone()).execute(tx.conn()).await?;
             let mut events = vec![NewEvent::new(
                 &id,
