@@ -79,9 +79,15 @@ pub async fn list(conn: &mut SqliteConnection, filter: &Filter) -> Result<(Vec<D
 pub enum Target {
     /// These events' dead letters: for one handler, or for every handler.
     Events { event_ids: Vec<String>, handler: Option<String> },
-    /// Every dead letter of one handler.
-    AllOf(String),
+    /// The dead letters of one handler after the event id `after` ("": from the first), at
+    /// most [`ALL_OF_BATCH`] by event id: one job's share of "every dead letter of a handler",
+    /// which the caller asks for batch by batch so no one job holds the writer for long.
+    AllOf { handler: String, after: String },
 }
+
+/// Most dead letters one job acts on for [`Target::AllOf`]: each costs the writer a few
+/// statements, so a batch holds it some tens of milliseconds.
+pub const ALL_OF_BATCH: usize = 500;
 
 /// What an action did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -122,11 +128,14 @@ pub async fn act(
 ) -> Result<Acted, sqlx::Error> {
     let mut acted = Acted::default();
     let candidates: Vec<(String, String)> = match target {
-        Target::AllOf(handler) => {
+        Target::AllOf { handler, after } => {
             sqlx::query_as(
-                "SELECT event_id, handler FROM processed_events WHERE handler = ? AND status = 'dead_lettered'",
+                "SELECT event_id, handler FROM processed_events \
+                 WHERE handler = ? AND status = 'dead_lettered' AND event_id > ? ORDER BY event_id LIMIT ?",
             )
             .bind(handler)
+            .bind(after)
+            .bind(ALL_OF_BATCH as i64)
             .fetch_all(tx.conn())
             .await?
         }

@@ -528,7 +528,7 @@ async fn retention_keeps_open_and_dead_letters_and_replays_happen_once() {
     // Discarding: never delivered again, and the event may go.
     settle(&db, "a", vec![outcome(&claimed[3], DeliveryOutcome::Failed { error: "no".into(), terminal: true })], t0())
         .await;
-    let discarded = act(&db, Target::AllOf("a".into()), Action::Discard).await;
+    let discarded = act(&db, Target::AllOf { handler: "a".into(), after: String::new() }, Action::Discard).await;
     assert_eq!(discarded.changed.len(), 1);
     assert_eq!(state(&db, &claimed[3].key, "a").await.0, "discarded");
     assert!(claim(&db, &a, t0() + 10_000_000).await.unwrap().is_empty(), "a discarded delivery is not claimed");
@@ -615,7 +615,7 @@ async fn a_nats_replay_is_a_row_for_one_handler() {
         key2,
     )
     .await;
-    let target = Target::AllOf("a".into());
+    let target = Target::AllOf { handler: "a".into(), after: String::new() };
     assert_eq!(act(&db, target.clone(), Action::Replay { republish: true }).await.changed.len(), 1);
     assert!(act(&db, target, Action::Replay { republish: true }).await.changed.is_empty(), "once");
     let rows: Vec<(String, Option<String>, Option<String>)> =
@@ -815,4 +815,54 @@ async fn handlers_at_near_and_far_positions_claimed_together_get_their_own_rows(
     assert_eq!(rows[1], vec![9, 10, 11, 12, 13], "nearer: after its 8");
     assert_eq!(rows[2], vec![2501, 2502, 2503, 2504, 2505], "far: after its 2,500");
     assert!(rows[3].iter().all(|id| id % 2 == 0) && rows[3].len() == 5, "types: its own type only: {:?}", rows[3]);
+}
+
+/// Every dead letter of a handler is taken a batch at a time, by event id: a batch is at most
+/// `ALL_OF_BATCH`, the next starts after the last one's greatest id, and together they are
+/// each dead letter once (another handler's are not touched).
+#[tokio::test]
+async fn every_dead_letter_of_a_handler_is_taken_a_batch_at_a_time() {
+    let (_dir, db) = open().await;
+    let total = dead_letters::ALL_OF_BATCH * 2 + 7;
+    job(&db, move |tx| {
+        Box::pin(async move {
+            for n in 0..total {
+                for handler in ["a", "b"] {
+                    sqlx::query(
+                        "INSERT INTO processed_events (event_id, handler, status, started_at, attempts, last_error) \
+                         VALUES (?, ?, 'dead_lettered', ?, 8, 'exhausted')",
+                    )
+                    .bind(format!("00000000-0000-7000-8000-{n:012}"))
+                    .bind(handler)
+                    .bind(t0())
+                    .execute(tx.conn())
+                    .await?;
+                }
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let (mut after, mut taken, mut sizes) = (String::new(), Vec::new(), Vec::new());
+    loop {
+        let target = Target::AllOf { handler: "a".into(), after: after.clone() };
+        let acted = act(&db, target, Action::Discard).await;
+        sizes.push(acted.changed.len());
+        let Some(last) = acted.changed.iter().map(|(event_id, _)| event_id.clone()).max() else { break };
+        assert!(acted.changed.iter().all(|(event_id, handler)| *event_id > after && handler == "a"));
+        taken.extend(acted.changed);
+        after = last;
+    }
+    assert_eq!(sizes, [dead_letters::ALL_OF_BATCH, dead_letters::ALL_OF_BATCH, 7, 0]);
+    taken.sort();
+    taken.dedup();
+    assert_eq!(taken.len(), total, "each once");
+    let left: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT handler, COUNT(*) FROM processed_events WHERE status = 'dead_lettered' GROUP BY handler",
+    )
+    .fetch_all(&db.reads)
+    .await
+    .unwrap();
+    assert_eq!(left, [("b".to_owned(), total as i64)]);
 }

@@ -95,7 +95,7 @@ impl AdminApi {
                 return Err(ServiceError::invalid("event_ids", "must be empty when `all` is set").into());
             }
             (true, None) => return Err(ServiceError::invalid("handler", "is required with `all`").into()),
-            (true, Some(handler)) => Target::AllOf(handler),
+            (true, Some(handler)) => Target::AllOf { handler, after: String::new() },
             (false, handler) => {
                 if r.event_ids.is_empty() || r.event_ids.len() > MAX_BATCH_KEYS {
                     return Err(ServiceError::invalid(
@@ -116,13 +116,32 @@ impl AdminApi {
             Action::Replay { .. } => "admin_replay_dead_letters",
             Action::Discard => "admin_discard_dead_letters",
         };
-        let acted = self
-            .db
-            .writer
-            .transact::<_, WriteError, _>(job, move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(dead_letters::act(tx, &target, action, &operator, tx.now_ms()).await?) })
-            })
-            .await?;
+        // Every dead letter of a handler is acted on a batch per job (by event id), so writes,
+        // claims and lease renewals go on between them however many there are.
+        let mut target = target;
+        let mut acted = dead_letters::Acted::default();
+        loop {
+            let (batch, operator) = (target.clone(), operator.clone());
+            let done = self
+                .db
+                .writer
+                .transact::<_, WriteError, _>(job, move |tx: &mut WriteTx| {
+                    Box::pin(async move { Ok(dead_letters::act(tx, &batch, action, &operator, tx.now_ms()).await?) })
+                })
+                .await?;
+            let Target::AllOf { handler, .. } = &target else {
+                acted = done;
+                break;
+            };
+            let last = done.changed.iter().chain(&done.unchanged).map(|(event_id, _)| event_id).max().cloned();
+            let full = done.changed.len() + done.unchanged.len() >= dead_letters::ALL_OF_BATCH;
+            acted.changed.extend(done.changed);
+            acted.unchanged.extend(done.unchanged);
+            match last {
+                Some(after) if full => target = Target::AllOf { handler: handler.clone(), after },
+                _ => break,
+            }
+        }
         Ok(v1::DeadLetterActionResponse { changed: keys(acted.changed), unchanged: keys(acted.unchanged) })
     }
 }
