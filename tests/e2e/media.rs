@@ -458,7 +458,9 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone(
     assert_eq!(status, 200, "{head}");
     let head = head.to_ascii_lowercase();
     assert!(head.contains("content-type: image/webp"), "{head}");
-    assert!(head.contains("cache-control:") && head.contains("etag:"), "{head}");
+    // For an hour, then asked again: a movie's next poster is stored under these keys.
+    assert!(head.contains("cache-control: public, max-age=3600") && !head.contains("immutable"), "{head}");
+    assert!(head.contains("etag:"), "{head}");
     assert_eq!(decoded_size(&body).0, 185);
 
     // Deleting the film's last review deletes the film, and image cleanup every key of it.

@@ -1,6 +1,8 @@
 //! The media route: `GET /media/<key>` serves a stored object with the content type its
-//! extension says, an `ETag` and `Last-Modified`, and long-lived caching (an object under a key
-//! never changes: a new version gets a new key). `If-None-Match` answers 304.
+//! extension says, an `ETag` and `Last-Modified`, and caching for an hour, after which a client
+//! asks again with `If-None-Match` (answered 304 while unchanged). Not longer: a key's object
+//! can change (a movie's new poster is stored under the same keys, a wrap-up's card is made
+//! again), and a year-long `immutable` kept the old one in browsers and CDNs.
 
 use axum::Router;
 use axum::extract::{Path, State};
@@ -9,6 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use crate::{Objects, ObjectsError};
+
+/// How long a served object may be used without asking again (see the module's comment).
+pub const CACHE_CONTROL: &str = "public, max-age=3600";
 
 /// The router serving `objects` under `/media/`.
 pub fn media_router(objects: Objects) -> Router {
@@ -68,7 +73,7 @@ async fn serve(State(objects): State<Objects>, Path(key): Path<String>, headers:
     let mut response = object.bytes.into_response();
     let out = response.headers_mut();
     out.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
-    out.insert(header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=31536000, immutable"));
+    out.insert(header::CACHE_CONTROL, HeaderValue::from_static(CACHE_CONTROL));
     if let Ok(value) = HeaderValue::from_str(&e_tag) {
         out.insert(header::ETAG, value);
     }
