@@ -14,8 +14,13 @@ use serde_json::{Value, json};
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
 /// Retries within a second, and enough of them to outlast a peer that is down for a while.
-const FAST: &[(&str, &str)] =
-    &[("REELAY_RETRY_BASE_MS", "200"), ("REELAY_RETRY_CAP_MS", "1000"), ("EVENT_QUEUE_MAX_ATTEMPTS", "60")];
+/// The peers are on loopback, which federation reaches only when allowed.
+const FAST: &[(&str, &str)] = &[
+    ("REELAY_RETRY_BASE_MS", "200"),
+    ("REELAY_RETRY_CAP_MS", "1000"),
+    ("EVENT_QUEUE_MAX_ATTEMPTS", "60"),
+    ("REELAY_FEDERATION_ALLOW_PRIVATE", "true"),
+];
 
 /// Waits until `$done` (an expression that may `.await`) holds; fails the test after 40 s.
 macro_rules! wait_until {
@@ -81,8 +86,11 @@ fn handler_reaching(
     name: &str,
     context: &reelay_delivery::HandlerContext,
 ) -> std::sync::Arc<dyn Handler> {
-    let settings =
-        reelay_federation::FederationSettings { public_url: Some(reelay.public_url()), ..Default::default() };
+    let settings = reelay_federation::FederationSettings {
+        public_url: Some(reelay.public_url()),
+        allow_private: Some(true),
+        ..Default::default()
+    };
     reelay_federation::build(name, &settings, context).unwrap().handler
 }
 
@@ -451,6 +459,19 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     let mut elsewhere = delete_of(3, 1);
     elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");
     assert_eq!(peer.send("alice", &inbox, &elsewhere).await, 403);
+}
+
+/// Outside development, federation reaches public addresses only: a request signed with a key
+/// on loopback (a keyId pointing into this network) is refused, and the key is not fetched.
+#[tokio::test]
+async fn a_key_on_a_private_address_is_not_fetched_outside_development() {
+    let dir = temp_dir();
+    let peer = MastodonPeer::start().await;
+    let a = Reelay::start_all(BIN, &dir.path().join("reelay.db"), &[]).await;
+    let body = follow_of(&peer, "alice", 1, &format!("{}/users/someone", a.public_url())).to_string();
+    let status = peer.post("alice", &format!("{}/inbox", a.public_url()), body.as_bytes(), Spoil::None).await;
+    assert_eq!(status, 401);
+    wait_until!("the refusal is logged", a.log_text().contains("is not a public address"));
 }
 
 /// A redelivered event sends the same activity id; running the handlers twice on one event

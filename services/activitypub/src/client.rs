@@ -2,9 +2,19 @@
 //! system's roots), which tonic and async-nats already bring, with a deadline on every request
 //! and a cap on what a response may bring back.
 //!
+//! The URLs it is given come from other servers (a signer's `keyId`, an actor's inbox, an
+//! outbox's pages), so unless told otherwise it reaches only public addresses: an IP literal is
+//! checked before anything is sent, and a name's addresses as it is resolved for the connection
+//! (so a name cannot resolve to a public address for a check and a private one for the
+//! connection). Loopback, private, link-local, shared and other special ranges are refused.
+//!
 //! Signing is the caller's: build an [`Outgoing`], have its [`Outgoing::signing_input`] signed
 //! (by the write service, which holds the keys), attach the `Signature` header, send.
 
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,6 +22,7 @@ use http::{HeaderValue, Method, Request, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioExecutor;
 use url::Url;
 
@@ -34,6 +45,8 @@ pub enum FetchError {
     Status { url: String, status: u16 },
     #[error("{url} answered something that is not JSON: {error}")]
     NotJson { url: String, error: String },
+    #[error("{0} is not a public address (REELAY_FEDERATION_ALLOW_PRIVATE allows private ones)")]
+    NotPublic(String),
 }
 
 impl FetchError {
@@ -130,26 +143,39 @@ pub struct Answer {
 
 #[derive(Clone)]
 pub struct FederationClient {
-    http: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    http: Client<hyper_rustls::HttpsConnector<HttpConnector<Resolver>>, Full<Bytes>>,
     timeout: Duration,
     max_response_bytes: usize,
+    allow_private: bool,
 }
 
 impl FederationClient {
-    pub fn new(timeout: Duration, max_response_bytes: usize) -> Result<Self, String> {
+    /// A client reaching only public addresses unless `allow_private` (a local test or
+    /// development setup, whose peers are on loopback or a private network).
+    pub fn new(timeout: Duration, max_response_bytes: usize, allow_private: bool) -> Result<Self, String> {
+        let mut connector = HttpConnector::new_with_resolver(Resolver { allow_private });
+        connector.enforce_http(false);
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_provider_and_native_roots(rustls::crypto::ring::default_provider())
             .map_err(|e| format!("cannot load the system's TLS roots: {e}"))?
             .https_or_http()
             .enable_http1()
-            .build();
+            .wrap_connector(connector);
         let http = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(https);
-        Ok(Self { http, timeout, max_response_bytes })
+        Ok(Self { http, timeout, max_response_bytes, allow_private })
     }
 
     /// Sends the request and reads the answer, whatever its status.
     pub async fn send(&self, outgoing: Outgoing) -> Result<Answer, FetchError> {
         let url = outgoing.url.to_string();
+        let literal = match outgoing.url.host() {
+            Some(url::Host::Ipv4(ip)) => Some(IpAddr::V4(ip)),
+            Some(url::Host::Ipv6(ip)) => Some(IpAddr::V6(ip)),
+            _ => None,
+        };
+        if let Some(ip) = literal.filter(|ip| !self.allow_private && !is_public(*ip)) {
+            return Err(FetchError::NotPublic(ip.to_string()));
+        }
         let mut request = Request::builder()
             .method(outgoing.method.clone())
             .uri(url.as_str())
@@ -167,11 +193,10 @@ impl FederationClient {
         let request =
             request.body(Full::new(outgoing.body.unwrap_or_default())).map_err(|_| FetchError::Url(url.clone()))?;
         let exchange = async {
-            let response = self
-                .http
-                .request(request)
-                .await
-                .map_err(|e| FetchError::Connect { url: url.clone(), error: e.to_string() })?;
+            let response = self.http.request(request).await.map_err(|e| match not_public(&e) {
+                Some(name) => FetchError::NotPublic(name),
+                None => FetchError::Connect { url: url.clone(), error: e.to_string() },
+            })?;
             let status = response.status().as_u16();
             let body = Limited::new(response.into_body(), self.max_response_bytes)
                 .collect()
@@ -197,5 +222,173 @@ impl FederationClient {
             return Err(FetchError::Status { url, status: answer.status });
         }
         serde_json::from_slice(&answer.body).map_err(|e| FetchError::NotJson { url, error: e.to_string() })
+    }
+}
+
+/// Resolves a name for a connection, keeping only public addresses unless private ones are
+/// allowed; none left is a [`NotPublicName`] error.
+#[derive(Clone)]
+struct Resolver {
+    allow_private: bool,
+}
+
+/// A name that resolved to no public address.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} resolves to no public address")]
+struct NotPublicName(String);
+
+impl tower::Service<Name> for Resolver {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let allow_private = self.allow_private;
+        Box::pin(async move {
+            let found: Vec<SocketAddr> = tokio::net::lookup_host((name.as_str(), 0)).await?.collect();
+            let kept: Vec<SocketAddr> =
+                found.iter().copied().filter(|addr| allow_private || is_public(addr.ip())).collect();
+            if kept.is_empty() && !found.is_empty() {
+                return Err(Box::new(NotPublicName(name.as_str().to_owned())) as Self::Error);
+            }
+            Ok(kept.into_iter())
+        })
+    }
+}
+
+/// The name a failed request's connection refused as not public, if that is why it failed.
+fn not_public(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut source = Some(error);
+    while let Some(error) = source {
+        if let Some(NotPublicName(name)) = error.downcast_ref::<NotPublicName>() {
+            return Some(name.clone());
+        }
+        source = error.source();
+    }
+    None
+}
+
+/// Whether `ip` is an address of the public internet: not loopback, unspecified, private,
+/// link-local, shared (carrier NAT), multicast, broadcast, documentation, benchmarking or
+/// reserved; an IPv4 address inside IPv6 (mapped, compatible, NAT64) as that address.
+pub fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, c, _] = v4.octets();
+            !(v4.is_unspecified()
+                || v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || v4.is_documentation()
+                || a == 0
+                || a >= 240
+                || (a == 100 && (64..128).contains(&b))
+                || (a == 192 && b == 0 && c == 0)
+                || (a == 198 && (b == 18 || b == 19)))
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let s = v6.segments();
+            if s[..6] == [0, 0, 0, 0, 0, 0] || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+                // IPv4-compatible (::a.b.c.d, ::1 among them) or NAT64 (64:ff9b::a.b.c.d).
+                let v4 = std::net::Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
+                return is_public(IpAddr::V4(v4));
+            }
+            !(v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] == 0x2001 && s[1] == 0x0db8))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[test]
+    fn public_addresses() {
+        for public in ["1.1.1.1", "93.184.215.14", "2606:4700::1111", "::ffff:1.1.1.1", "64:ff9b::101:101"] {
+            assert!(is_public(public.parse().unwrap()), "{public}");
+        }
+        for private in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "192.0.2.1",
+            "198.18.0.1",
+            "240.0.0.1",
+            "::1",
+            "::",
+            "fd00::1",
+            "fe80::1",
+            "ff02::1",
+            "2001:db8::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+            "::127.0.0.1",
+            "64:ff9b::a00:1",
+        ] {
+            assert!(!is_public(private.parse().unwrap()), "{private}");
+        }
+    }
+
+    /// A listener on loopback that counts the connections it gets, and answers each `{}`.
+    async fn counting_listener() -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let count = Arc::new(AtomicUsize::new(0));
+        let counted = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buffer = [0; 4096];
+                    let _ = stream.read(&mut buffer).await;
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                        .await;
+                });
+            }
+        });
+        (addr, count)
+    }
+
+    /// Without leave, neither an address nor a name of loopback is connected to (a signer's
+    /// keyId pointing into this network, say); with it, both are.
+    #[tokio::test]
+    async fn private_addresses_are_reached_only_when_allowed() {
+        let (addr, connections) = counting_listener().await;
+        let port = addr.port();
+        let strict = FederationClient::new(Duration::from_secs(5), 1024, false).unwrap();
+        for url in [format!("http://127.0.0.1:{port}/users/a"), format!("http://localhost:{port}/users/a")] {
+            let error = strict.fetch_json(Outgoing::get(&url).unwrap()).await.unwrap_err();
+            assert!(matches!(error, FetchError::NotPublic(_)), "{url}: {error:?}");
+            assert!(!error.is_transient(), "{url}: refusing it again will not help");
+        }
+        assert_eq!(connections.load(Ordering::SeqCst), 0, "nothing was connected to");
+        let allowed = FederationClient::new(Duration::from_secs(5), 1024, true).unwrap();
+        for url in [format!("http://127.0.0.1:{port}/users/a"), format!("http://localhost:{port}/users/a")] {
+            assert_eq!(allowed.fetch_json(Outgoing::get(&url).unwrap()).await.unwrap(), serde_json::json!({}), "{url}");
+        }
+        assert!(connections.load(Ordering::SeqCst) >= 1);
     }
 }

@@ -42,6 +42,8 @@ pub struct GatewayConfig {
     pub fetch_timeout: Duration,
     /// How long a fetched key is trusted before it is fetched again.
     pub key_ttl: Duration,
+    /// Whether key fetches may reach loopback and private addresses.
+    pub allow_private: bool,
 }
 
 #[derive(Clone)]
@@ -60,7 +62,8 @@ pub async fn serve(
     write: ServiceChannel,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let http = FederationClient::new(config.fetch_timeout, 1024 * 1024).map_err(std::io::Error::other)?;
+    let http = FederationClient::new(config.fetch_timeout, 1024 * 1024, config.allow_private)
+        .map_err(std::io::Error::other)?;
     let gateway = Gateway {
         keys: RemoteKeys::new(http, config.key_ttl),
         federation: WriteFederation::new(write.clone()),

@@ -198,6 +198,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let public_url =
         args.handlers.settings.federation.public_url.get_or_insert_with(|| format!("http://{gateway_addr}")).clone();
     let urls = reelay_activitypub::Urls::new(&public_url).map_err(anyhow::Error::msg)?;
+    // Private addresses are reachable in development (two instances on one machine) only.
+    let allow_private = *args.handlers.settings.federation.allow_private.get_or_insert(args.dev);
     // Held until the process ends: the database's writer, and this process's instance name
     // (its claims are taken back by the next process of that name).
     let _writer_lock = if services.contains(&Service::Write) {
@@ -404,6 +406,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             max_body_bytes: args.gateway.gateway_max_body_bytes,
             fetch_timeout: Duration::from_millis(args.handlers.settings.federation.timeout_ms),
             key_ttl: Duration::from_secs(args.gateway.gateway_key_ttl_secs),
+            allow_private,
         };
         tracing::info!(%write_url, public_url = %public_url, "gateway service starting");
         let (write, stop) = (write_channel.clone(), shutdown.clone());

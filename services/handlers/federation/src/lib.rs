@@ -55,6 +55,18 @@ pub struct FederationSettings {
     )]
     pub timeout_ms: u64,
 
+    /// Whether outgoing requests (deliveries, fetches, and the gateway's key fetches) may reach
+    /// loopback, private and other non-public addresses. Off unless `REELAY_DEV` (a local setup
+    /// whose peers are on this machine): the URLs come from other servers, and private
+    /// addresses are this network's own services.
+    #[arg(
+        id = "federation_allow_private",
+        long = "federation-allow-private",
+        env = "REELAY_FEDERATION_ALLOW_PRIVATE",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub allow_private: Option<bool>,
+
     /// The most outbox pages a backfill reads.
     #[arg(
         id = "federation_backfill_pages",
@@ -67,7 +79,7 @@ pub struct FederationSettings {
 
 impl Default for FederationSettings {
     fn default() -> Self {
-        Self { public_url: None, timeout_ms: 10_000, backfill_pages: 10 }
+        Self { public_url: None, timeout_ms: 10_000, allow_private: None, backfill_pages: 10 }
     }
 }
 
@@ -84,6 +96,7 @@ pub fn remote(settings: &FederationSettings, context: &HandlerContext) -> anyhow
     let http = reelay_activitypub::client::FederationClient::new(
         Duration::from_millis(settings.timeout_ms),
         MAX_RESPONSE_BYTES,
+        settings.allow_private.unwrap_or(false),
     )
     .map_err(anyhow::Error::msg)?;
     Ok(Remote::new(urls, http, context.write.clone()))
