@@ -461,6 +461,42 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     assert_eq!(peer.send("alice", &inbox, &elsewhere).await, 403);
 }
 
+/// A remote actor that rejects a Follow (or later removes its follower: Mastodon sends the same
+/// Reject) ends the follow: it is no longer pending for ever, no Undo is sent back, and following
+/// again sends a new Follow. Only the followed actor can reject it.
+#[tokio::test]
+async fn a_rejected_follow_ends_and_can_be_asked_again() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let inbox = format!("{}/inbox", a.actor_url(&ana));
+    follow(&mut c, &ana, &peer.actor("bob")).await;
+    wait_until!("bob gets ana's Follow", peer.received_of("Follow").len() == 1);
+    let follow_activity = peer.received_of("Follow")[0].activity.clone();
+    let reject = |by: &str| {
+        json!({
+            "@context": "https://www.w3.org/ns/activitystreams",
+            "id": format!("{}/rejects/1", peer.actor(by)),
+            "type": "Reject",
+            "actor": peer.actor(by),
+            "object": follow_activity,
+        })
+    };
+    let follows = || count(&a.database, "SELECT COUNT(*) FROM follows");
+    assert_eq!(peer.send("carol", &inbox, &reject("carol")).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(follows().await, 1, "someone else's Reject changes nothing");
+    assert_eq!(peer.send("bob", &inbox, &reject("bob")).await, 202);
+    wait_until!("the follow is gone", follows().await == 0);
+    let unfollowed = events_of(&a.database, "Unfollowed").await;
+    let Some(v1::event::Payload::Unfollowed(unfollowed)) = &unfollowed[0].payload else { panic!("{unfollowed:?}") };
+    assert!(unfollowed.rejected && unfollowed.follower_id == ana, "{unfollowed:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(peer.received_of("Undo").is_empty(), "bob ended it: nothing is sent back");
+    follow(&mut c, &ana, &peer.actor("bob")).await;
+    wait_until!("following again sends a new Follow", peer.received_of("Follow").len() == 2);
+    assert_ne!(peer.received_of("Follow")[1].activity["id"], follow_activity["id"]);
+}
+
 /// Outside development, federation reaches public addresses only: a request signed with a key
 /// on loopback (a keyId pointing into this network) is refused, and the key is not fetched.
 #[tokio::test]

@@ -12,7 +12,8 @@
 //!    one its actor publishes, and the actor the one its document's own URL serves;
 //! 7. the body is a JSON activity (400) whose `actor` is the signer (401).
 //!
-//! Then the activity goes to the write service, which records its id so a repeat changes
+//! Then the activity goes to the write service (`Follow`, `Undo` of a Follow, `Accept` and
+//! `Reject` of our Follows, `Create`/`Update`/`Delete` of reviews), which records its id so a repeat changes
 //! nothing. Activities Reelay does not act on are accepted and ignored (202), as Mastodon does.
 
 use axum::body::Bytes;
@@ -170,7 +171,8 @@ impl Gateway {
         let outcome = match kind {
             "Follow" => self.follow(&signer, user, id, &activity).await,
             "Undo" => self.undo(&signer, user, id, &activity).await,
-            "Accept" => self.accept(&signer, id, &activity).await,
+            "Accept" => self.accept(&signer, id, &activity, false).await,
+            "Reject" => self.accept(&signer, id, &activity, true).await,
             "Create" | "Update" => self.save_review(&signer, id, &activity).await,
             "Delete" => self.delete_review(&signer, id, &activity).await,
             _ => Ok(false),
@@ -243,7 +245,15 @@ impl Gateway {
         Ok(self.federation.clone().receive_undo(request).await?.into_inner().changed)
     }
 
-    async fn accept(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
+    /// An Accept, or a Reject (`rejected`), of one of our Follows: of the follow of the signer
+    /// that Follow made, so only the followed actor can answer it.
+    async fn accept(
+        &self,
+        signer: &RemoteActor,
+        id: &str,
+        activity: &Value,
+        rejected: bool,
+    ) -> Result<bool, tonic::Status> {
         let Some(follow_id) = activity.get("object").and_then(id_of) else { return Ok(false) };
         let Some(event_id) = self.config.urls.event_of_activity(follow_id) else { return Ok(false) };
         let request = v1::ReceiveAcceptRequest {
@@ -251,7 +261,12 @@ impl Gateway {
             follow_event_id: event_id.to_owned(),
             received_activity_uri: id.to_owned(),
         };
-        Ok(self.federation.clone().receive_accept(request).await?.into_inner().changed)
+        let answer = if rejected {
+            self.federation.clone().receive_reject(request).await?
+        } else {
+            self.federation.clone().receive_accept(request).await?
+        };
+        Ok(answer.into_inner().changed)
     }
 
     async fn save_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {

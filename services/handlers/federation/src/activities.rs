@@ -151,6 +151,10 @@ impl Handler for ActivitiesHandler {
             }
             Some(Payload::Unfollowed(u)) => {
                 let Some(target) = remote_target(&u.target) else { return Ok(()) };
+                if u.rejected {
+                    // The followed actor ended it: nothing to tell it.
+                    return Ok(());
+                }
                 if u.follow_event_id.is_empty() {
                     // A follow from before Follow activities were named after their event.
                     return Ok(());

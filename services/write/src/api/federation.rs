@@ -105,6 +105,17 @@ impl v1::federation_server::Federation for WriteApi {
         ok(v1::FederationResponse { changed })
     }
 
+    async fn receive_reject(&self, request: Request<v1::ReceiveAcceptRequest>) -> Reply<v1::FederationResponse> {
+        let r = request.into_inner();
+        let actor_uri = uri("actor_uri", &r.actor_uri)?;
+        let follow_event_id = reelay_domain::EventId::parse("follow_event_id", &r.follow_event_id)
+            .map_err(ServiceError::from)?
+            .to_string();
+        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        let changed = self.store.receive_reject(actor_uri, follow_event_id, received).await?;
+        ok(v1::FederationResponse { changed })
+    }
+
     async fn get_local_actor(&self, request: Request<v1::GetLocalActorRequest>) -> Reply<v1::LocalActor> {
         let (handle, user) = match request.into_inner().by {
             Some(get_local_actor_request::By::Handle(handle)) => (Some(handle), None),

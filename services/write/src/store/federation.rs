@@ -355,6 +355,40 @@ impl Store {
         .await
     }
 
+    /// A remote actor rejected a local user's Follow (or removed the follower): the follow that
+    /// Follow made goes, as an unfollow does, whether it was accepted or not.
+    pub async fn receive_reject(
+        &self,
+        actor_uri: String,
+        follow_event_id: String,
+        received: Option<String>,
+    ) -> Result<bool> {
+        write_job!(self, "receive_reject", |tx| {
+            if !first_delivery(tx, &received).await? {
+                return Ok(false);
+            }
+            let target = Target::Actor(actor_uri.clone());
+            let removed: Option<String> =
+                sqlx::query("DELETE FROM follows WHERE target = ? AND follow_event_id = ? RETURNING follower_id")
+                    .bind(target.key())
+                    .bind(follow_event_id.clone())
+                    .fetch_optional(tx.conn())
+                    .await?
+                    .map(|row| row.get(0));
+            let Some(follower_id) = removed else { return Ok(false) };
+            tracing::info!(%follower_id, %actor_uri, "a remote actor rejected a follow; it is removed");
+            let payload = v1::Unfollowed {
+                follower_id: follower_id.clone(),
+                target: Some(target.to_proto()),
+                follow_event_id,
+                rejected: true,
+            };
+            commit_events(tx, vec![NewEvent::new(&follower_id, Payload::Unfollowed(payload))]).await?;
+            Ok(true)
+        })
+        .await
+    }
+
     /// Of `users`, those with a remote follower that has an inbox.
     pub async fn users_with_followers(&self, users: &[UserId]) -> Result<HashSet<UserId>> {
         if users.is_empty() {

@@ -81,8 +81,12 @@ impl Store {
         write_job!(self, "unfollow", |tx| {
             ensure_user(tx.conn(), actor).await?;
             let Some(follow_event_id) = delete_follow(tx.conn(), actor, &target).await? else { return Ok(false) };
-            let payload =
-                v1::Unfollowed { follower_id: actor.to_string(), target: Some(target.to_proto()), follow_event_id };
+            let payload = v1::Unfollowed {
+                follower_id: actor.to_string(),
+                target: Some(target.to_proto()),
+                follow_event_id,
+                rejected: false,
+            };
             commit_events(tx, vec![NewEvent::new(actor, Payload::Unfollowed(payload))]).await?;
             Ok(true)
         })
@@ -143,6 +147,7 @@ impl Store {
                         follower_id: actor.to_string(),
                         target: Some(target.to_proto()),
                         follow_event_id,
+                        rejected: false,
                     }),
                 ));
             }
@@ -161,6 +166,7 @@ impl Store {
                                 follower_id: id.to_string(),
                                 target: Some(Target::User(actor).to_proto()),
                                 follow_event_id: String::new(),
+                                rejected: false,
                             }),
                         ));
                     }
