@@ -259,8 +259,11 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     }
 
     // A new poster replaces Heat's 600-pixel JPEG with a 400-pixel PNG: the old variants go
-    // before the new original is written (no stale w500 stays), and the new ones are made.
+    // before the new original is written (no stale w500 stays), with one written and never
+    // recorded (a conversion that failed half-way, another width setting), and the new ones
+    // are made.
     let heat = &movies[0];
+    media.objects.put(&format!("posters/{heat}/w780.webp"), b"stray".to_vec().into()).await.unwrap();
     let enriched = enrich(&mut c, &db, heat, &host.url("/poster.png")).await;
     media.sync.handle(&enriched).await.unwrap();
     assert_eq!(events(&db, "PosterSynced", heat).await.len(), 2, "a new poster is a new PosterSynced");

@@ -25,7 +25,7 @@ use reelay_objects::Objects;
 use reqwest::StatusCode;
 use tonic::Code;
 
-use crate::{check_image, original_key, sha256_hex, variant_key};
+use crate::{check_image, original_key, sha256_hex};
 
 /// How often one download waits out a 429 before giving up for now.
 const RATE_LIMIT_RETRIES: u32 = 3;
@@ -156,11 +156,6 @@ impl PosterSync {
     }
 }
 
-/// The widths of the variants a movie's poster sizes name ("w185" -> 185).
-fn existing_variants(sizes: &[String]) -> impl Iterator<Item = u32> + '_ {
-    sizes.iter().filter_map(|size| size.strip_prefix('w')?.parse().ok())
-}
-
 /// The reason of a reqwest error, with its cause (a timeout says so).
 fn describe(error: &reqwest::Error) -> String {
     let mut message = if error.is_timeout() { format!("timed out: {error}") } else { error.to_string() };
@@ -225,11 +220,13 @@ impl Handler for PosterSync {
             Some(poster) => poster,
             None => {
                 let poster = self.download(url).await?;
-                if recorded {
-                    // A new poster replaces the recorded one: its variants are stale, and
-                    // conversion probes their keys, so they go first.
-                    for width in existing_variants(&movie.poster_sizes) {
-                        self.objects.delete(&variant_key(movie_id, width)).await.map_err(HandlerError::retryable)?;
+                // A new poster: every variant under the movie's prefix is stale (the recorded
+                // ones, and any written and never recorded: a conversion that failed half-way,
+                // another width setting), and conversion probes their keys, so they go first.
+                let prefix = format!("posters/{movie_id}");
+                for stale in self.objects.list(&prefix).await.map_err(HandlerError::retryable)? {
+                    if stale != key {
+                        self.objects.delete(&stale).await.map_err(HandlerError::retryable)?;
                     }
                 }
                 self.objects.put(&key, poster.bytes.clone()).await.map_err(HandlerError::retryable)?;
