@@ -529,6 +529,15 @@ async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     assert_eq!(status, 200, "{}: {}", done.card_url, String::from_utf8_lossy(&body));
     check_card(&body, &summary);
 
+    // The inputs carry what the figures use of each profile, not its cast or overview (a heavy
+    // year's answer must fit one message).
+    let inputs = c.wrap_ups.get_wrap_up_inputs(v1::GetWrapUpInputsRequest { wrap_up_id: id.clone() }).await.unwrap();
+    let entries = inputs.into_inner().entries;
+    assert_eq!(entries.len() as u32, expected.entries);
+    let profiles: Vec<&v1::MovieProfile> = entries.iter().filter_map(|e| e.movie.as_ref()?.profile.as_ref()).collect();
+    assert!(profiles.iter().any(|p| !p.directors.is_empty() && !p.genres.is_empty() && p.runtime_minutes > 0));
+    assert!(profiles.iter().all(|p| p.cast.is_empty() && p.overview.is_empty()), "no cast, no overview");
+
     // A third ask, after completion, changes nothing either.
     c.wrap_ups.request_wrap_up(ask("again-1")).await.unwrap();
     assert_eq!(events_for(&reelay.database, "WrapUpRequested", &id).await.len(), 1);

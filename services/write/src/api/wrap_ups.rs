@@ -29,12 +29,21 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         let (wrap_up, entries) = self.store.wrap_up_inputs(id).await?;
         let entries = entries
             .into_iter()
-            .map(|e| v1::WrapUpEntry {
-                review_id: e.review_id,
-                watched_on: e.watched_on,
-                rating: e.rating as u32,
-                rewatch: e.rewatch,
-                movie: Some(convert::movie(e.movie)),
+            .map(|e| {
+                let mut movie = convert::movie(e.movie);
+                // What the figures use of a profile, no more: a film's cast and overview are
+                // most of its bytes, and a heavy year's answer must fit one message.
+                if let Some(profile) = movie.profile.as_mut() {
+                    profile.cast.clear();
+                    profile.overview.clear();
+                }
+                v1::WrapUpEntry {
+                    review_id: e.review_id,
+                    watched_on: e.watched_on,
+                    rating: e.rating as u32,
+                    rewatch: e.rewatch,
+                    movie: Some(movie),
+                }
             })
             .collect();
         ok(v1::WrapUpInputs { wrap_up: Some(self.wrap_up(wrap_up)), entries })
