@@ -221,6 +221,16 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     assert!(out.contains("watchlist: 1 films added, 1 already on it") && !out.contains("diary"), "{out}");
     let reviews = query_strings(db, "SELECT COUNT(*) || '' FROM reviews").await;
     assert_eq!(reviews, vec![vec!["4".to_owned()]], "neither list became viewings");
+    // A call that fails says what was written before it, and that running it again is safe.
+    let nobody = "00000000-0000-7000-8000-000000000000";
+    let refused = reelay.cli(&["import", "letterboxd", first.to_str().unwrap(), "--user", nobody], &[]).await;
+    assert!(!refused.success, "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("0 of 3 diary rows were written before it")
+            && refused.stderr.contains("running the same command again is safe"),
+        "{}",
+        refused.stderr
+    );
     let not_zip = dir.path().join("notes.txt");
     std::fs::write(&not_zip, "hello").unwrap();
     let refused = reelay.cli(&["import", "letterboxd", not_zip.to_str().unwrap(), "--user", &ana], &[]).await;

@@ -57,7 +57,12 @@ pub async fn run(command: ImportCommand) -> anyhow::Result<()> {
         summary.push(import_diary(channel.clone(), &args.user, diary).await?);
     }
     if let Some(watchlist) = &export.watchlist {
-        summary.push(import_watchlist(channel, &args.user, watchlist).await?);
+        let imported = import_watchlist(channel, &args.user, watchlist).await;
+        // What was imported before it stays: say so.
+        summary.push(imported.map_err(|e| match summary.first() {
+            Some(diary) => e.context(format!("the diary was imported ({diary}); the watchlist was not finished")),
+            None => e,
+        })?);
     }
     println!("imported {}: {}", args.path.display(), summary.join("; "));
     Ok(())
@@ -153,11 +158,18 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
                 request_id: String::new(),
             })
             .collect();
-        let answer = integrations
-            .import_diary(tonic::codegen::tokio_stream::iter(chunks))
-            .await
-            .map_err(|s| call_failed("importing the diary", s))?
-            .into_inner();
+        let answer = match integrations.import_diary(tonic::codegen::tokio_stream::iter(chunks)).await {
+            Ok(answer) => answer.into_inner(),
+            Err(status) => {
+                // Each call commits its rows: those sent before this one are in.
+                let written = progress.done;
+                progress.finish();
+                return Err(call_failed("importing the diary", status).context(format!(
+                    "{written} of {} diary rows were written before it ({imported} entries added, {skipped} already imported); running the same command again is safe: rows already imported are skipped",
+                    records.len()
+                )));
+            }
+        };
         imported += answer.imported;
         skipped += answer.skipped_duplicates;
         discovered += answer.movies_discovered;
@@ -198,6 +210,9 @@ async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8])
             .await
             .map_err(|s| {
                 call_failed(&format!("watchlist.csv: line {}: adding {} ({})", row.line, row.title, row.year), s)
+                    .context(format!(
+                        "{added} films were added to the watchlist before it; running the same command again is safe"
+                    ))
             })?
             .into_inner();
         if before.insert(entry.movie_id) {
