@@ -308,9 +308,21 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     let discovered = events_for(&db, "MovieDiscovered", &heat).await.remove(0);
     let movie_enrichment = handler_here("movie-enrichment", &write, settings.clone()).await;
     twice_and_again(movie_enrichment.as_ref(), &discovered).await;
-    let rows = outbox_rows(&db).await;
     let enriched = events_for(&db, "MovieEnriched", &heat).await;
     assert_eq!(enriched.len(), 1, "three runs, one MovieEnriched");
+    // Run again after TMDB changed the film (a longer cut): the retry saves what it got, as a
+    // request of its own, instead of clashing with the first save's key.
+    let mut recut = films::heat();
+    recut.runtime = 171;
+    let tmdb_recut = TmdbServer::start(vec![recut], films::people()).await;
+    let mut recut_settings = settings.clone();
+    recut_settings.enrichment.tmdb_url = tmdb_recut.url();
+    handler_here("movie-enrichment", &write, recut_settings).await.handle(&discovered).await.unwrap();
+    let movie = settled_movie(&c, &heat).await;
+    assert_eq!(movie.profile.unwrap().runtime_minutes, 171);
+    assert_eq!(events_for(&db, "MovieEnriched", &heat).await.len(), 2, "a change is a new MovieEnriched");
+    let enriched = vec![enriched.into_iter().next().unwrap()];
+    let rows = outbox_rows(&db).await;
     // A key TMDB refuses is not worth retrying, and the error names the setting to fix.
     let mut refused = settings.clone();
     refused.enrichment.tmdb_api_key = Some("not-the-key".into());
@@ -360,7 +372,7 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
         .into_inner();
     assert_eq!(done.status(), v1::WrapUpStatus::Completed);
     let summary = done.summary.unwrap();
-    assert_eq!((summary.films, summary.entries, summary.minutes_watched), (1, 1, 170));
+    assert_eq!((summary.films, summary.entries, summary.minutes_watched), (1, 1, 171), "the recut's runtime");
     let cards: Vec<_> = reelay_harness::files_under(&dir.path().join("objects"))
         .into_iter()
         .filter(|p| p.ends_with("card.svg"))

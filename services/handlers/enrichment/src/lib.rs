@@ -209,11 +209,14 @@ impl Handler for MovieEnrichment {
             }
             None => Outcome::NotFound(format!("{} does not know {}", self.provider.name(), query.describe())),
         };
-        let request = v1::SaveEnrichmentRequest {
-            movie_id: movie_id.clone(),
-            outcome: Some(outcome),
-            request_id: format!("enrich:{}", event.event_id),
-        };
+        let mut request =
+            v1::SaveEnrichmentRequest { movie_id: movie_id.clone(), outcome: Some(outcome), request_id: String::new() };
+        // The event and what the provider answered: a retry after the first save committed
+        // that got other data (the provider changed it in between) is a new request that saves
+        // it, not a clash with the first under one key (refused, and dead-lettered).
+        let answered = ring::digest::digest(&ring::digest::SHA256, &prost::Message::encode_to_vec(&request));
+        let digest: String = answered.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect();
+        request.request_id = format!("enrich:{}:{digest}", event.event_id);
         match self.movies.clone().save_enrichment(request).await {
             Ok(saved) => {
                 let saved = saved.into_inner();
