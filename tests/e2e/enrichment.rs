@@ -321,7 +321,7 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     let movie = settled_movie(&c, &heat).await;
     assert_eq!(movie.profile.unwrap().runtime_minutes, 171);
     assert_eq!(events_for(&db, "MovieEnriched", &heat).await.len(), 2, "a change is a new MovieEnriched");
-    let enriched = vec![enriched.into_iter().next().unwrap()];
+    let enriched = [enriched.into_iter().next().unwrap()];
     let rows = outbox_rows(&db).await;
     // A key TMDB refuses is not worth retrying, and the error names the setting to fix.
     let mut refused = settings.clone();

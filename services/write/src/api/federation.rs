@@ -95,23 +95,13 @@ impl v1::federation_server::Federation for WriteApi {
     }
 
     async fn receive_accept(&self, request: Request<v1::ReceiveAcceptRequest>) -> Reply<v1::FederationResponse> {
-        let r = request.into_inner();
-        let actor_uri = uri("actor_uri", &r.actor_uri)?;
-        let follow_event_id = reelay_domain::EventId::parse("follow_event_id", &r.follow_event_id)
-            .map_err(ServiceError::from)?
-            .to_string();
-        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        let (actor_uri, follow_event_id, received) = answer_to_follow(request.into_inner())?;
         let changed = self.store.receive_accept(actor_uri, follow_event_id, received).await?;
         ok(v1::FederationResponse { changed })
     }
 
     async fn receive_reject(&self, request: Request<v1::ReceiveAcceptRequest>) -> Reply<v1::FederationResponse> {
-        let r = request.into_inner();
-        let actor_uri = uri("actor_uri", &r.actor_uri)?;
-        let follow_event_id = reelay_domain::EventId::parse("follow_event_id", &r.follow_event_id)
-            .map_err(ServiceError::from)?
-            .to_string();
-        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        let (actor_uri, follow_event_id, received) = answer_to_follow(request.into_inner())?;
         let changed = self.store.receive_reject(actor_uri, follow_event_id, received).await?;
         ok(v1::FederationResponse { changed })
     }
@@ -256,4 +246,14 @@ impl v1::federation_server::Federation for WriteApi {
 
 fn serde_json_is_object(text: &str) -> Option<()> {
     serde_json::from_str::<serde_json::Value>(text).ok().filter(serde_json::Value::is_object).map(|_| ())
+}
+
+/// The checked fields of an Accept or a Reject of a local user's Follow: who answered, the
+/// Follow's event id, the activity received.
+fn answer_to_follow(r: v1::ReceiveAcceptRequest) -> Result<(String, String, Option<String>), ServiceError> {
+    let actor_uri = uri("actor_uri", &r.actor_uri)?;
+    let follow_event_id =
+        reelay_domain::EventId::parse("follow_event_id", &r.follow_event_id).map_err(ServiceError::from)?.to_string();
+    let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+    Ok((actor_uri, follow_event_id, received))
 }
