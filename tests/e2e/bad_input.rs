@@ -504,6 +504,24 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     }
 }
 
+/// Settings and flags no run could use are refused before anything starts, naming what they
+/// accept: a log format Reelay does not write (it was taken for text), a wait that would
+/// overflow the clock (it panicked).
+#[test]
+fn a_log_format_or_a_wait_out_of_range_is_refused_at_once() {
+    let out = std::process::Command::new(BIN).args(["status"]).env("REELAY_LOG_FORMAT", "xml").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("log-format") && stderr.contains("json"), "{stderr}");
+    let out = std::process::Command::new(BIN)
+        .args(["wrap-ups", "request", "--user", "u", "--year", "2024", "--wait-secs", "18446744073709551615"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("wait-secs") && stderr.contains("86400"), "{stderr}");
+}
+
 /// A write whose event could never be delivered (over REELAY_MAX_EVENT_BYTES) is refused before
 /// anything is written.
 #[tokio::test]

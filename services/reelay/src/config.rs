@@ -12,8 +12,15 @@ use reelay_outbox::Synchronous;
 #[derive(Debug, Parser)]
 #[command(name = "reelay", version, about = "Reelay: a film diary backend whose events are never lost.")]
 pub struct Cli {
-    /// Log format: `text` or `json`.
-    #[arg(long, env = "REELAY_LOG_FORMAT", default_value = "text", global = true)]
+    /// Log format: `text` or `json` (anything else is refused, not taken for text).
+    #[arg(
+        long,
+        env = "REELAY_LOG_FORMAT",
+        default_value = "text",
+        global = true,
+        ignore_case = true,
+        value_parser = clap::builder::PossibleValuesParser::new(["text", "json"])
+    )]
     pub log_format: String,
 
     #[command(subcommand)]

@@ -24,8 +24,8 @@ pub struct RequestArgs {
     #[arg(long)]
     pub year: i32,
 
-    /// How long to wait for the wrap-up handler, in seconds.
-    #[arg(long, default_value_t = 60)]
+    /// How long to wait for the wrap-up handler, in seconds (at most a day).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub wait_secs: u64,
 
     #[command(flatten)]
