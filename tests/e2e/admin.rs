@@ -206,6 +206,29 @@ async fn discard_and_bad_requests() {
         .await
         .unwrap_err();
     assert!(bad.message().starts_with("event_type: unknown event type"), "{}", bad.message());
+    // A handler name nobody registered is refused as such (a typo is not "no dead letters"),
+    // naming the registered ones; a registered handler without dead letters is answered empty.
+    let typo = cluster.cli(&["dead-letters", "list", "--handler", "probe-b"]).await;
+    assert!(
+        !typo.success && typo.stderr.contains("NotFound: handler: no handler named \"probe-b\""),
+        "{}",
+        typo.stderr
+    );
+    assert!(typo.stderr.contains("probe-a, search, wrap-up)"), "the registered ones: {}", typo.stderr);
+    let none = cluster.cli(&["dead-letters", "list", "--handler", "probe-a"]).await;
+    assert!(none.ok().contains("no dead letters"), "{}", none.stdout);
+    let unknown = refused(
+        admin
+            .discard_dead_letters(v1::DeadLetterActionRequest {
+                handler: "probe-b".into(),
+                all: true,
+                operator: "me".into(),
+                ..Default::default()
+            })
+            .await,
+    );
+    assert_eq!(unknown.code(), tonic::Code::NotFound);
+    assert!(unknown.message().starts_with("handler: no handler named"), "{}", unknown.message());
     let missing = admin
         .explain_event(v1::ExplainEventRequest { event_id: "01890000-0000-7000-8000-000000000000".into() })
         .await

@@ -63,6 +63,27 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
     Ok(Status { outbox, handlers })
 }
 
+/// `None` when the database knows a handler named `name`: it is registered (it has a cursor),
+/// or it has an open or dead-lettered delivery (a ledger client on nats need not be registered).
+/// Otherwise the registered names, for an error that lists them: an operator's typo.
+pub async fn unknown_handler(conn: &mut SqliteConnection, name: &str) -> Result<Option<Vec<String>>, sqlx::Error> {
+    // Each look goes through an index that starts with the handler (the cursors' key, the
+    // open deliveries' and the dead letters' partial indexes).
+    let known: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM handler_cursors WHERE handler = ?1) \
+             OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status IN ('in_progress', 'retry')) \
+             OR EXISTS (SELECT 1 FROM processed_events WHERE handler = ?1 AND status = 'dead_lettered')",
+    )
+    .bind(name)
+    .fetch_one(&mut *conn)
+    .await?;
+    if known {
+        return Ok(None);
+    }
+    let registered = sqlx::query_scalar("SELECT handler FROM handler_cursors ORDER BY handler").fetch_all(conn).await?;
+    Ok(Some(registered))
+}
+
 /// An outbox row as an operator sees it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RowState {

@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
 use reelay_domain::EventId;
 use reelay_kit::metrics::{self, Gauge};
-use reelay_kit::{ServiceError, now_ms};
+use reelay_kit::{ErrorCode, ServiceError, now_ms};
 use reelay_outbox::dead_letters::{self, Action, Filter, Target};
 use reelay_outbox::inspect;
 use reelay_outbox::{Database, WriteTx};
@@ -78,6 +78,25 @@ fn keys(pairs: Vec<(String, String)>) -> Vec<v1::DeadLetterKey> {
 }
 
 impl AdminApi {
+    /// Refuses `handler` when the database knows no handler by that name (see
+    /// [`inspect::unknown_handler`]): asked after an answer came back empty, so a typo is not
+    /// answered "nothing there".
+    async fn known_handler(&self, field: &str, handler: &str) -> Result<(), WriteError> {
+        let mut conn = self.db.reads.acquire().await?;
+        match inspect::unknown_handler(&mut conn, handler).await? {
+            None => Ok(()),
+            Some(registered) => Err(ServiceError::new(
+                ErrorCode::NotFound,
+                format!(
+                    "{field}: no handler named {handler:?} is registered here or has open or dead-lettered deliveries \
+                 (registered: {})",
+                    if registered.is_empty() { "none".to_owned() } else { registered.join(", ") }
+                ),
+            )
+            .into()),
+        }
+    }
+
     async fn act(
         &self,
         r: v1::DeadLetterActionRequest,
@@ -141,6 +160,9 @@ impl AdminApi {
                 Some(after) if full => target = Target::AllOf { handler: handler.clone(), after },
                 _ => break,
             }
+        }
+        if acted.changed.is_empty() && !r.handler.is_empty() {
+            self.known_handler("handler", &r.handler).await?;
         }
         Ok(v1::DeadLetterActionResponse { changed: keys(acted.changed), unchanged: keys(acted.unchanged) })
     }
@@ -243,6 +265,10 @@ impl v1::admin_server::Admin for AdminApi {
         let filter = Filter { handler, event_type, since_ms: (r.since_ms > 0).then_some(r.since_ms), limit };
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
         let (listed, total) = dead_letters::list(&mut conn, &filter).await.map_err(WriteError::from)?;
+        drop(conn);
+        if let (true, Some(handler)) = (listed.is_empty(), &filter.handler) {
+            self.known_handler("handler", handler).await?;
+        }
         Ok(Response::new(v1::ListDeadLettersResponse {
             dead_letters: listed
                 .into_iter()
