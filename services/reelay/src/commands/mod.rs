@@ -26,9 +26,15 @@ use crate::config::{Command, read_service_token};
 /// How a command reaches the services (the same variables the services use).
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
-    /// The write service (domain and Admin APIs).
-    #[arg(long, env = "REELAY_WRITE_URL", default_value = "http://127.0.0.1:50051")]
-    pub write_url: String,
+    /// The write service (domain and Admin APIs); defaults to `http://<REELAY_WRITE_ADDR>` as
+    /// the services read it (an unspecified address as loopback), else http://127.0.0.1:50051.
+    #[arg(long, env = "REELAY_WRITE_URL")]
+    pub write_url: Option<String>,
+
+    /// Where the write service listens, when it was started with REELAY_WRITE_ADDR (read for
+    /// the default of --write-url only).
+    #[arg(long, env = "REELAY_WRITE_ADDR", hide = true)]
+    pub write_addr: Option<std::net::SocketAddr>,
 
     /// The service token; none for a service started with --dev.
     #[arg(long, env = "REELAY_SERVICE_TOKEN", hide_env_values = true)]
@@ -51,7 +57,23 @@ impl ClientArgs {
     }
 
     pub fn write(&self) -> anyhow::Result<ServiceChannel> {
-        self.channel_to(&self.write_url)
+        self.channel_to(&self.write_url())
+    }
+
+    /// The write service's URL: `--write-url`, else the one `REELAY_WRITE_ADDR` implies.
+    pub fn write_url(&self) -> String {
+        if let Some(url) = &self.write_url {
+            return url.clone();
+        }
+        let mut addr = self.write_addr.unwrap_or(std::net::SocketAddr::from(([127, 0, 0, 1], 50051)));
+        if addr.ip().is_unspecified() {
+            addr.set_ip(if addr.is_ipv4() {
+                std::net::Ipv4Addr::LOCALHOST.into()
+            } else {
+                std::net::Ipv6Addr::LOCALHOST.into()
+            });
+        }
+        format!("http://{addr}")
     }
 }
 
@@ -172,6 +194,22 @@ mod tests {
         assert_eq!(utc(1_709_251_200_000), "2024-03-01 00:00:00");
         assert_eq!(age(59_999), "59s");
         assert_eq!(age(3_600_000 * 25), "1d 1h");
+    }
+
+    #[test]
+    fn the_write_url_defaults_to_the_write_address() {
+        let args = |url: Option<&str>, addr: Option<&str>| ClientArgs {
+            write_url: url.map(str::to_owned),
+            write_addr: addr.map(|a| a.parse().unwrap()),
+            service_token: None,
+            service_token_file: None,
+            grpc_timeout_ms: 1000,
+        };
+        assert_eq!(args(None, None).write_url(), "http://127.0.0.1:50051");
+        assert_eq!(args(None, Some("127.0.0.1:6000")).write_url(), "http://127.0.0.1:6000");
+        assert_eq!(args(None, Some("0.0.0.0:6000")).write_url(), "http://127.0.0.1:6000");
+        assert_eq!(args(None, Some("[::]:6000")).write_url(), "http://[::1]:6000");
+        assert_eq!(args(Some("http://w:1"), Some("0.0.0.0:6000")).write_url(), "http://w:1");
     }
 
     #[test]
