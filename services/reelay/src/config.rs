@@ -206,6 +206,12 @@ pub struct DeliveryArgs {
     #[arg(long, env = "REELAY_REQUEST_ID_RETENTION_HOURS", default_value_t = 24)]
     pub request_id_retention_hours: u64,
 
+    /// How long the federation's records of activities taken in and sent, and of remote reviews
+    /// deleted, are kept, in days: they make a peer's retry of an activity change nothing, and
+    /// peers stop retrying within days. 1 to 3650.
+    #[arg(long, env = "REELAY_FEDERATION_RETENTION_DAYS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3650))]
+    pub federation_retention_days: u64,
+
     /// The first retry delay after a failed delivery; it doubles per attempt. Only tests
     /// should change it. 10 ms to an hour.
     #[arg(long, env = "REELAY_RETRY_BASE_MS", default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]

@@ -460,6 +460,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             request_ids: Duration::from_secs(args.delivery.request_id_retention_hours * 3600),
             outbox: Duration::from_secs(args.delivery.outbox_retention_secs),
             bus: policy.bus,
+            federation: Duration::from_secs(args.delivery.federation_retention_days * 86_400),
         };
         // Migrated, handlers registered, about to serve: the write service is ready.
         write_ready.set(true);

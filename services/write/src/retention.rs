@@ -1,7 +1,7 @@
 //! Retention: rows that only matter for a while are deleted once past it, in small batches
 //! (each its own short write job, so writes never wait long behind a purge): outbox rows every
-//! handler is finished with, finished ledger rows and client request ids. Dead-lettered work
-//! stays until an operator replays or discards it.
+//! handler is finished with, finished ledger rows, client request ids and the federation's
+//! dedup records. Dead-lettered work stays until an operator replays or discards it.
 
 use std::time::Duration;
 
@@ -10,7 +10,7 @@ use reelay_kit::{Shutdown, now_ms};
 use reelay_outbox::ledger::{self, LedgerPolicy};
 use reelay_outbox::{Database, WriteTx, queue};
 
-use crate::{Bus, WriteError, request_ids};
+use crate::{Bus, WriteError, request_ids, store};
 
 /// Rows deleted per write job: each job holds the writer for a few milliseconds at most.
 const BATCH: u32 = 500;
@@ -26,6 +26,9 @@ pub struct Retention {
     pub outbox: Duration,
     /// Finished means past every cursor on db, published on nats.
     pub bus: Bus,
+    /// How long the federation's records of activities taken in and queued out, and of deleted
+    /// remote reviews, are kept (`REELAY_FEDERATION_RETENTION_DAYS`).
+    pub federation: Duration,
 }
 
 /// Purges what is past retention every `interval`, until shutdown.
@@ -50,7 +53,17 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
             Box::pin(async move { request_ids::purge(tx, cutoff, BATCH).await })
         })
         .await;
+        purge_federation(&db, now_ms() - retention.federation.as_millis() as i64, BATCH).await;
     }
+}
+
+/// Deletes the federation's dedup records from before `cutoff_ms`, `batch` rows of each table
+/// per job.
+async fn purge_federation(db: &Database, cutoff_ms: i64, batch: u32) {
+    purge(db, "federation_purge", "federation dedup records", move |tx| {
+        Box::pin(async move { store::purge_federation_records(tx, cutoff_ms, batch).await })
+    })
+    .await;
 }
 
 /// Runs `batch` (which deletes up to `BATCH` rows and says how many) until nothing is left.
@@ -77,5 +90,64 @@ where
     }
     if total > 0 {
         tracing::info!(rows = total, "purged {what} past retention");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use reelay_outbox::DbConfig;
+
+    use super::*;
+
+    async fn count(db: &Database, table: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+            .fetch_one(&db.reads)
+            .await
+            .unwrap()
+    }
+
+    /// Records older than the cutoff go, however many (more than one job's batch), and newer
+    /// ones stay, in each of the three tables.
+    #[tokio::test]
+    async fn the_federation_records_past_retention_are_purged() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let (old, new, cutoff) = (1_000, 3_000, 2_000);
+        db.writer
+            .transact::<_, WriteError, _>("fixtures", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    for n in 0..7 {
+                        let at = if n < 5 { old + n } else { new + n };
+                        let id = format!("https://peer.example/activities/{n}");
+                        for sql in [
+                            "INSERT INTO federation_inbox (activity_id, received_at) VALUES (?1, ?2)",
+                            "INSERT INTO federation_outbox (activity_id, queued, created_at) VALUES (?1, 1, ?2)",
+                            "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) \
+                             VALUES (?1, 'https://peer.example/users/a', ?2)",
+                        ] {
+                            sqlx::query(sql).bind(&id).bind(at).execute(tx.conn()).await?;
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        purge_federation(&db, cutoff, 2).await;
+        for table in ["federation_inbox", "federation_outbox", "remote_review_tombstones"] {
+            assert_eq!(count(&db, table).await, 2, "{table}: the two newer records stay");
+            let oldest: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT MIN({}) FROM {table}",
+                match table {
+                    "federation_inbox" => "received_at",
+                    "federation_outbox" => "created_at",
+                    _ => "deleted_at",
+                }
+            )))
+            .fetch_one(&db.reads)
+            .await
+            .unwrap();
+            assert!(oldest >= cutoff, "{table}: {oldest}");
+        }
     }
 }

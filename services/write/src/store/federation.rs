@@ -32,6 +32,32 @@ async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<b
     Ok(inserted > 0)
 }
 
+/// Deletes up to `batch` rows of each of the federation's dedup records (activities taken in,
+/// activities queued out, deleted remote reviews) written before `cutoff_ms`; says how many
+/// went. Past it, a peer has long stopped retrying what they guard against.
+pub(crate) async fn purge_records(
+    tx: &mut WriteTx,
+    cutoff_ms: i64,
+    batch: u32,
+) -> std::result::Result<u64, sqlx::Error> {
+    let mut purged = 0;
+    for (table, key, at) in [
+        ("federation_inbox", "activity_id", "received_at"),
+        ("federation_outbox", "activity_id", "created_at"),
+        ("remote_review_tombstones", "object_uri", "deleted_at"),
+    ] {
+        purged += sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {at} < ?1 ORDER BY {at} LIMIT ?2)"
+        )))
+        .bind(cutoff_ms)
+        .bind(i64::from(batch))
+        .execute(tx.conn())
+        .await?
+        .rows_affected();
+    }
+    Ok(purged)
+}
+
 async fn followed_by_anyone(conn: &mut SqliteConnection, actor_uri: &str) -> Result<bool> {
     Ok(sqlx::query("SELECT 1 FROM follows WHERE target = ? LIMIT 1")
         .bind(Target::Actor(actor_uri.to_owned()).key())

@@ -23,6 +23,7 @@ mod users;
 mod watchlist;
 mod wrap_ups;
 
+pub(crate) use federation::purge_records as purge_federation_records;
 pub use movies::{Enrichment, PosterRecord, PosterVariants};
 pub use wrap_ups::WrapUpCompletion;
 
