@@ -497,6 +497,56 @@ async fn a_rejected_follow_ends_and_can_be_asked_again() {
     assert_ne!(peer.received_of("Follow")[1].activity["id"], follow_activity["id"]);
 }
 
+/// A follow whose Follow could not be delivered (the peer refused it, so the delivery was given
+/// up) stays waiting for an Accept; following again sends the same Follow again (same id, so an
+/// Accept of either delivery names the follow), at most once every 5 s, and never once accepted.
+#[tokio::test]
+async fn following_again_sends_a_follow_whose_delivery_was_given_up() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let given_up = "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' \
+                    AND status = 'dead_lettered'";
+    peer.set_inbox_status(403);
+    follow(&mut c, &ana, &peer.actor("bob")).await;
+    wait_until!("the refused Follow is given up", count(&a.database, given_up).await == 1);
+    let first = peer.received_of("Follow")[0].activity.clone();
+    peer.set_inbox_status(202);
+    let again = || {
+        let request = v1::FollowRequest {
+            actor_user_id: ana.clone(),
+            target: actor_account(&peer.actor("bob")),
+            ..Default::default()
+        };
+        let mut social = c.social.clone();
+        async move { social.follow(request).await.unwrap().into_inner().changed }
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!again().await, "already following: nothing changed");
+    wait_until!("the Follow is sent again", peer.received_of("Follow").len() == 2);
+    let resent = peer.received_of("Follow")[1].clone();
+    assert_eq!(resent.activity, first, "the same Follow, id and all");
+    assert_eq!(resent.status, 202);
+    assert!(resent.verified.is_ok(), "{:?}", resent.verified);
+    assert!(!again().await);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(peer.received_of("Follow").len(), 2, "not again within 5 s");
+
+    let accept = json!({
+        "@context": "https://www.w3.org/ns/activitystreams",
+        "id": format!("{}/accepts/1", peer.actor("bob")),
+        "type": "Accept",
+        "actor": peer.actor("bob"),
+        "object": first,
+    });
+    assert_eq!(peer.send("bob", &format!("{}/inbox", a.actor_url(&ana)), &accept).await, 202);
+    let accepted = "SELECT COUNT(*) FROM follows WHERE accepted_at IS NOT NULL";
+    wait_until!("the follow is accepted", count(&a.database, accepted).await == 1);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!again().await);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(peer.received_of("Follow").len(), 2, "an accepted follow is not asked again");
+}
+
 /// Outside development, federation reaches public addresses only: a request signed with a key
 /// on loopback (a keyId pointing into this network) is refused, and the key is not fetched.
 #[tokio::test]

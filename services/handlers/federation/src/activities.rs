@@ -146,8 +146,15 @@ impl Handler for ActivitiesHandler {
             Some(Payload::Followed(f)) => {
                 let Some(target) = remote_target(&f.target) else { return Ok(()) };
                 let inbox = self.remote.inbox_of(&f.follower_id, target).await?;
-                let activity = documents::follow(urls, id, &f.follower_id, target);
-                self.remote.queue(&f.follower_id, &activity, Audience::Inbox(inbox)).await
+                if f.resends_follow_event_id.is_empty() {
+                    let activity = documents::follow(urls, id, &f.follower_id, target);
+                    return self.remote.queue(&f.follower_id, &activity, Audience::Inbox(inbox)).await;
+                }
+                // The follow's own Follow again, the same activity; queued under a key of this
+                // event, since the first queueing of that activity is recorded.
+                let activity = documents::follow(urls, &f.resends_follow_event_id, &f.follower_id, target);
+                let key = format!("{}#sent-again-{id}", activity["id"].as_str().unwrap_or_default());
+                self.remote.queue_as(&key, &f.follower_id, &activity, Audience::Inbox(inbox)).await
             }
             Some(Payload::Unfollowed(u)) => {
                 let Some(target) = remote_target(&u.target) else { return Ok(()) };

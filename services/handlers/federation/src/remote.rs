@@ -108,7 +108,19 @@ impl Remote {
         activity: &Value,
         audience: v1::queue_deliveries_request::Audience,
     ) -> Result<(), HandlerError> {
-        let activity_id = activity["id"].as_str().unwrap_or_default().to_owned();
+        self.queue_as(activity["id"].as_str().unwrap_or_default(), user_id, activity, audience).await
+    }
+
+    /// [`Self::queue`] under `activity_id`, the key that queues the activity once, where it is
+    /// not the activity's own id (an activity sent again).
+    pub async fn queue_as(
+        &self,
+        activity_id: &str,
+        user_id: &str,
+        activity: &Value,
+        audience: v1::queue_deliveries_request::Audience,
+    ) -> Result<(), HandlerError> {
+        let activity_id = activity_id.to_owned();
         let request = v1::QueueDeliveriesRequest {
             activity_id: activity_id.clone(),
             sender_user_id: user_id.to_owned(),

@@ -33,6 +33,47 @@ async fn delete_follow(conn: &mut SqliteConnection, actor: UserId, target: &Targ
         .map(|row| row.get::<Option<String>, _>(0).unwrap_or_default()))
 }
 
+/// A follow of a remote actor waiting for its Accept is sent again at most this often.
+const FOLLOW_RESEND_AFTER_MS: i64 = 5_000;
+
+/// `actor` followed the remote `target` again: when that follow still waits for its Accept and
+/// its Follow was last sent over [`FOLLOW_RESEND_AFTER_MS`] ago, raises the `Followed` that sends
+/// the same Follow again (its delivery may have been given up, and the user has no other way to
+/// ask again short of unfollowing). True when it did.
+async fn resend_follow(tx: &mut WriteTx, actor: UserId, target: &Target) -> Result<bool> {
+    let waiting = sqlx::query(
+        "SELECT follow_event_id, COALESCE(follow_sent_at, created_at) FROM follows \
+         WHERE follower_id = ? AND target = ? AND accepted_at IS NULL",
+    )
+    .bind(actor.to_string())
+    .bind(target.key())
+    .fetch_optional(tx.conn())
+    .await?;
+    let Some(row) = waiting else { return Ok(false) };
+    // A follow from before Follow activities were named after their event has no id to send
+    // again (nor could its Accept be matched).
+    let Some(follow_event_id) = row.get::<Option<String>, _>(0).filter(|id| !id.is_empty()) else {
+        return Ok(false);
+    };
+    let now = tx.now_ms();
+    if now - row.get::<i64, _>(1) < FOLLOW_RESEND_AFTER_MS {
+        return Ok(false);
+    }
+    let payload = v1::Followed {
+        follower_id: actor.to_string(),
+        target: Some(target.to_proto()),
+        resends_follow_event_id: follow_event_id,
+    };
+    commit_events(tx, vec![NewEvent::new(actor, Payload::Followed(payload))]).await?;
+    sqlx::query("UPDATE follows SET follow_sent_at = ? WHERE follower_id = ? AND target = ?")
+        .bind(now)
+        .bind(actor.to_string())
+        .bind(target.key())
+        .execute(tx.conn())
+        .await?;
+    Ok(true)
+}
+
 impl Store {
     pub async fn follow(&self, actor: UserId, target: Target, key: Option<RequestKey>) -> Result<v1::SocialResponse> {
         keyed_job!(self, "follow", key, |tx| {
@@ -55,10 +96,18 @@ impl Store {
                     .await?
                     .rows_affected()
                     > 0;
-            if inserted {
+            if !inserted {
+                if let Target::Actor(_) = &target {
+                    resend_follow(tx, actor, &target).await?;
+                }
+            } else {
                 let event = NewEvent::new(
                     actor,
-                    Payload::Followed(v1::Followed { follower_id: actor.to_string(), target: Some(target.to_proto()) }),
+                    Payload::Followed(v1::Followed {
+                        follower_id: actor.to_string(),
+                        target: Some(target.to_proto()),
+                        resends_follow_event_id: String::new(),
+                    }),
                 );
                 let ids = commit_events(tx, vec![event]).await?;
                 if let (Target::Actor(_), Some(event_id)) = (&target, ids.first()) {
