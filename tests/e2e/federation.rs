@@ -291,8 +291,16 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     // the write service no QueueDeliveries call.
     let bo = c.user("bo").await;
     log(&mut c, &bo, "Thief", 1981, 8, "The safe.").await;
-    let review = log(&mut c, &ana, "Heat", 1995, 9, "The diner scene.").await;
+    let heat = v1::MovieRef {
+        by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
+            title: "Heat".into(),
+            year: 1995,
+            external_id: "tmdb:949".into(),
+        })),
+    };
+    let review = c.review_with_text(&ana, Some(heat), 9, "The diner scene.").await;
     wait_until!("the Create arrives", !peer.received_of("Create").is_empty());
+    tokio::time::sleep(Duration::from_millis(1100)).await; // an edit in a later second than the log
     edit(&mut c, &ana, &review, 10, "The diner scene, again.").await;
     wait_until!("the Update arrives", !peer.received_of("Update").is_empty());
 
@@ -322,7 +330,16 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     let content = note["content"].as_str().unwrap();
     assert!(content.contains("Heat (1995)") && content.contains("★★★★½") && content.contains(&note_id), "{content}");
     assert_eq!(note["relatedWith"][0]["value"], 4.5);
-    assert_eq!(peer.received_of("Update")[0].activity["object"]["relatedWith"][0]["value"], 5.0);
+    assert_eq!(note["film"]["externalId"], "tmdb:949", "the film's external id, as the note served has it");
+    let update = &peer.received_of("Update")[0].activity;
+    assert_eq!(update["object"]["relatedWith"][0]["value"], 5.0);
+    assert_eq!(update["object"]["film"]["externalId"], "tmdb:949");
+    assert_eq!(update["object"]["published"], note["published"], "an edit keeps the note's first publication");
+    assert!(
+        update["object"]["updated"].as_str() > note["published"].as_str(),
+        "and says when it was edited: {}",
+        update["object"]
+    );
     assert_eq!(peer.received_of("Delete")[0].activity["object"]["id"], note_id.as_str());
     let event_ids: Vec<String> = events_of(&a.database, "ReviewLogged").await.into_iter().map(|e| e.event_id).collect();
     assert_eq!(create["id"], format!("{}/activities/{}", a.public_url(), event_ids[1]), "named after its event");

@@ -9,7 +9,8 @@ use crate::Remote;
 const EVENT_TYPES: &[&str] =
     &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteFollowReceived", "Followed", "Unfollowed"];
 
-/// The note of a logged or edited review: both events carry the whole review.
+/// The note of a logged or edited review: both events carry the whole review. `$at`: when it
+/// was first logged (its note's `published`).
 macro_rules! review_note {
     ($r:expr, $at:expr, $updated:expr) => {
         Review {
@@ -17,7 +18,7 @@ macro_rules! review_note {
             review_id: &$r.review_id,
             movie_title: &$r.movie_title,
             movie_year: $r.movie_year,
-            movie_external_id: "",
+            movie_external_id: &$r.movie_external_id,
             rating: $r.rating,
             body: &$r.body,
             watched_on: &$r.watched_on,
@@ -128,7 +129,9 @@ impl Handler for ActivitiesHandler {
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewEdited(r)) => {
-                let activity = documents::create_or_update(urls, "Update", id, &review_note!(r, at, Some(at)));
+                // An event from before it carried the review's first logging has only the edit's time.
+                let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
+                let activity = documents::create_or_update(urls, "Update", id, &review_note!(r, logged, Some(at)));
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewDeleted(r)) => {

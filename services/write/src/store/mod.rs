@@ -372,6 +372,7 @@ fn review_logged(review: &ReviewRow, movie: &MovieRow, source: v1::ReviewSource)
             source: source as i32,
             movie_title: movie.title.clone(),
             movie_year: movie.year as i32,
+            movie_external_id: movie.external_id.clone().unwrap_or_default(),
         }),
     )
 }

@@ -39,7 +39,7 @@ const REVIEWS_PER_INSERT: usize = 500;
 
 /// The insert of `rows` reviews of [`log_known_movie_reviews`]: each review's values are bound
 /// (one row of `VALUES` each) and it is inserted only when its user and movie exist; the
-/// inserted reviews come back with their movie's title and year.
+/// inserted reviews come back with their movie's title, year and external id.
 fn insert_reviews_sql(rows: usize) -> String {
     let mut sql = String::from(
         "INSERT INTO reviews (id, user_id, movie_id, rating, body, watched_on, rewatch, source, created_at, updated_at) \
@@ -49,7 +49,8 @@ fn insert_reviews_sql(rows: usize) -> String {
     sql.push_str(&vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", "));
     sql.push_str(
         ") r JOIN movies m ON m.id = r.column3 WHERE EXISTS (SELECT 1 FROM users u WHERE u.id = r.column2) \
-         RETURNING id, (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id)",
+         RETURNING id, (SELECT title FROM movies WHERE id = movie_id), (SELECT year FROM movies WHERE id = movie_id), \
+             (SELECT external_id FROM movies WHERE id = movie_id)",
     );
     sql
 }
@@ -86,7 +87,9 @@ fn log_known_movie_reviews(
                 query = bind_review(query, review);
             }
             for row in query.fetch_all(tx.conn()).await? {
-                inserted.insert(row.get(0), MovieRow { title: row.get(1), year: row.get(2), ..MovieRow::default() });
+                let movie =
+                    MovieRow { title: row.get(1), year: row.get(2), external_id: row.get(3), ..MovieRow::default() };
+                inserted.insert(row.get(0), movie);
             }
         }
         let mut answers = Vec::with_capacity(requests.len());
@@ -227,6 +230,8 @@ impl Store {
                     rewatch: review.rewatch,
                     movie_title: movie.title,
                     movie_year: movie.year as i32,
+                    movie_external_id: movie.external_id.unwrap_or_default(),
+                    logged_at_ms: review.created_at,
                 }),
             );
             commit_events(tx, vec![event]).await?;
@@ -329,7 +334,8 @@ mod tests {
                         .execute(tx.conn())
                         .await?;
                     sqlx::query(
-                        "INSERT INTO movies (id, title, title_key, year, created_at) VALUES (?, 'Heat', 'heat', 1995, 0)",
+                        "INSERT INTO movies (id, title, title_key, year, external_id, created_at) \
+                         VALUES (?, 'Heat', 'heat', 1995, 'tmdb:949', 0)",
                     )
                     .bind(movie_id)
                     .execute(tx.conn())
@@ -382,7 +388,7 @@ mod tests {
              AND rating = created_at % 10 + 1 AND rewatch = (created_at % 3 = 0) AND updated_at = created_at \
              AND watched_on = '2024-03-01' AND source = 'local'";
         assert_eq!(count(consistent).await.unwrap(), expected);
-        // One event each, carrying its review and the movie's title and year.
+        // One event each, carrying its review and the movie's title, year and external id.
         let payloads: Vec<Vec<u8>> =
             sqlx::query_scalar("SELECT payload FROM event_queue WHERE event_type = 'ReviewLogged'")
                 .fetch_all(&db.reads)
@@ -393,7 +399,11 @@ mod tests {
             .map(|payload| {
                 let event = v1::Event::decode(payload.as_slice()).unwrap();
                 let Some(Payload::ReviewLogged(logged)) = event.payload else { panic!("{event:?}") };
-                assert_eq!((logged.movie_title.as_str(), logged.movie_year), ("Heat", 1995), "{logged:?}");
+                assert_eq!(
+                    (logged.movie_title.as_str(), logged.movie_year, logged.movie_external_id.as_str()),
+                    ("Heat", 1995, "tmdb:949"),
+                    "{logged:?}"
+                );
                 logged.body
             })
             .collect();
