@@ -396,6 +396,7 @@ async fn the_inbox_refuses_bad_input_before_writing() {
         ("signed with another key", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::WrongKey).await),
         ("tampered body", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::TamperedBody).await),
         ("stale date", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::StaleDate).await),
+        ("signed for another server", 401, peer.post("alice", &inbox, body.as_bytes(), Spoil::OtherHost).await),
         ("5 MB body", 413, peer.post("alice", &inbox, &vec![b' '; 5 * 1024 * 1024], Spoil::None).await),
         ("malformed JSON", 400, peer.post("alice", &inbox, b"{\"type\": \"Create\",", Spoil::None).await),
         (

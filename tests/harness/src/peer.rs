@@ -96,6 +96,9 @@ pub enum Spoil {
     /// Signed with another key, whose keyId is a key document at `/keys/<name>` naming the
     /// actor `<name>` as its owner (who does not publish it).
     ForgedKey,
+    /// Signed for another server (`Host: elsewhere.example`, signed and sent), as a request
+    /// taken from another server's inbox and replayed here would be.
+    OtherHost,
 }
 
 fn sha256_digest(body: &[u8]) -> String {
@@ -154,6 +157,7 @@ impl MastodonPeer {
     /// Posts `body` to `url` signed as `name`, as Mastodon does; returns the status.
     pub async fn post(&self, name: &str, url: &str, body: &[u8], spoil: Spoil) -> u16 {
         let (host, path) = split_url(url);
+        let host = if spoil == Spoil::OtherHost { "elsewhere.example".to_owned() } else { host };
         let date = match spoil {
             Spoil::StaleDate => {
                 httpdate::fmt_http_date(std::time::SystemTime::now() - std::time::Duration::from_secs(2 * 86_400))
