@@ -161,6 +161,10 @@ async fn discard_and_bad_requests() {
         async move { ledger_state(cluster, &event_id, "probe-a").await.as_deref() == Some("dead_lettered") }
     })
     .await;
+    // An event id as an operator may type it (capitals, no hyphens) names the same event.
+    let typed = event_id.replace('-', "").to_uppercase();
+    let explained = cluster.cli(&["events", "explain", &typed]).await;
+    assert!(explained.ok().contains("dead_lettered"), "{}", explained.stdout);
     let discarded = cluster.cli(&["dead-letters", "discard", &event_id]).await;
     assert!(discarded.ok().contains(&format!("discarded {event_id} for probe-a")), "{}", discarded.stdout);
     assert_eq!(ledger_state(&cluster, &event_id, "probe-a").await.as_deref(), Some("discarded"));

@@ -364,6 +364,16 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                     ..Default::default()
                 }],
             })),
+        case!(
+            "a ledger claim with an event id not written as events carry it",
+            InvalidArgument,
+            "keys.event_id",
+            |c, x| c.ledger.claim(v1::LedgerClaimRequest {
+                keys: vec![v1::LedgerKey { event_id: x.nobody.replace('-', ""), handler: "search".into() }],
+                owner: "test#1".into(),
+                ..Default::default()
+            })
+        ),
         case!("a given-up pair without deliveries", InvalidArgument, "given_up.attempts", |c, x| c.ledger.given_up(
             v1::LedgerGivenUpRequest {
                 given_up: vec![v1::LedgerGivenUp {

@@ -44,15 +44,16 @@ pub(super) struct AdminApi {
     pub(super) bus: Bus,
 }
 
-/// An event id as the ledger keys it: a UUID, or `row:<id>` for a foreign row without one.
+/// An event id as the ledger keys it: a UUID (in the form events carry, whatever form it was
+/// typed in), or `row:<id>` for a foreign row without one.
 fn event_key(field: &str, value: &str) -> Result<String, ServiceError> {
     if let Some(id) = value.strip_prefix("row:") {
-        id.parse::<i64>()
+        let id = id
+            .parse::<i64>()
             .map_err(|_| ServiceError::invalid(field, format!("row:<id> needs a number, got {value:?}")))?;
-        return Ok(value.to_owned());
+        return Ok(format!("row:{id}"));
     }
-    EventId::parse(field, value)?;
-    Ok(value.to_owned())
+    Ok(EventId::parse(field, value.trim())?.to_string())
 }
 
 fn row_state(r: inspect::RowState) -> v1::OutboxRowState {

@@ -46,7 +46,15 @@ pub(super) struct LedgerApi {
 
 fn ledger_key(field: &str, key: Option<v1::LedgerKey>) -> Result<LedgerKey, ServiceError> {
     let key = key.ok_or_else(|| ServiceError::invalid(field, "is required"))?;
-    EventId::parse(&format!("{field}.event_id"), &key.event_id)?;
+    // Only the form events carry: one event written two ways would be two ledger keys, and two
+    // workers could then run it at once.
+    let id = EventId::parse(&format!("{field}.event_id"), &key.event_id)?;
+    if id.to_string() != key.event_id {
+        return Err(ServiceError::invalid(
+            &format!("{field}.event_id"),
+            format!("must be written as events carry it ({id}), got {:?}", key.event_id),
+        ));
+    }
     let handler = handler_name(&format!("{field}.handler"), &key.handler)?;
     Ok(LedgerKey { event_id: key.event_id, handler })
 }
