@@ -119,10 +119,16 @@ async fn act(args: ActArgs, replay: bool) -> anyhow::Result<()> {
     for k in &answer.changed {
         println!("{verb} {} for {}", k.event_id, k.handler);
     }
+    if answer.changed_total > answer.changed.len() as u64 {
+        println!("(and {} more {verb})", answer.changed_total - answer.changed.len() as u64);
+    }
     for k in &answer.unchanged {
         let whom = if k.handler.is_empty() { String::new() } else { format!(" for {}", k.handler) };
         println!("unchanged {}{whom}: not a dead letter (now)", k.event_id);
     }
-    println!("{} {verb}, {} unchanged", answer.changed.len(), answer.unchanged.len());
+    if answer.unchanged_total > answer.unchanged.len() as u64 {
+        println!("(and {} more unchanged)", answer.unchanged_total - answer.unchanged.len() as u64);
+    }
+    println!("{} {verb}, {} unchanged", answer.changed_total, answer.unchanged_total);
     Ok(())
 }

@@ -74,8 +74,25 @@ fn row_state(r: inspect::RowState) -> v1::OutboxRowState {
     }
 }
 
+/// The most pairs an action's answer names of each kind (changed, unchanged): 10,000 pairs are
+/// about 0.8 MB, well inside a gRPC message; the totals count the rest.
+const MAX_LISTED_PAIRS: usize = 10_000;
+
 fn keys(pairs: Vec<(String, String)>) -> Vec<v1::DeadLetterKey> {
-    pairs.into_iter().map(|(event_id, handler)| v1::DeadLetterKey { event_id, handler }).collect()
+    pairs
+        .into_iter()
+        .take(MAX_LISTED_PAIRS)
+        .map(|(event_id, handler)| v1::DeadLetterKey { event_id, handler })
+        .collect()
+}
+
+fn action_answer(acted: dead_letters::Acted) -> v1::DeadLetterActionResponse {
+    v1::DeadLetterActionResponse {
+        changed_total: acted.changed.len() as u64,
+        unchanged_total: acted.unchanged.len() as u64,
+        changed: keys(acted.changed),
+        unchanged: keys(acted.unchanged),
+    }
 }
 
 impl AdminApi {
@@ -165,7 +182,7 @@ impl AdminApi {
         if acted.changed.is_empty() && !r.handler.is_empty() {
             self.known_handler("handler", &r.handler).await?;
         }
-        Ok(v1::DeadLetterActionResponse { changed: keys(acted.changed), unchanged: keys(acted.unchanged) })
+        Ok(action_answer(acted))
     }
 }
 
@@ -374,4 +391,20 @@ pub fn sample_status(db: Database, bus: Bus) {
             }
         })
     }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// However many pairs an action changed, its answer names at most 10,000 of each kind, and
+    /// counts them all.
+    #[test]
+    fn an_action_answer_fits_a_message() {
+        let pairs = |n: usize| (0..n).map(|i| (format!("0190{i:028}"), "search".to_owned())).collect::<Vec<_>>();
+        let answer = action_answer(dead_letters::Acted { changed: pairs(70_001), unchanged: pairs(3) });
+        assert_eq!((answer.changed.len(), answer.changed_total), (MAX_LISTED_PAIRS, 70_001));
+        assert_eq!((answer.unchanged.len(), answer.unchanged_total), (3, 3));
+        assert!(prost::Message::encoded_len(&answer) < 1024 * 1024, "{}", prost::Message::encoded_len(&answer));
+    }
 }
