@@ -136,7 +136,8 @@ impl InProcess {
     async fn build(write: &Reelay, objects: ObjectsSettings) -> Self {
         reelay_objects::install_tls_provider();
         let context = crate::handler_context(write);
-        let settings = reelay_handlers::HandlerSettings { objects: objects.clone(), ..Default::default() };
+        let mut settings = reelay_handlers::HandlerSettings { objects: objects.clone(), ..Default::default() };
+        settings.media.allow_private = Some(true); // the test's image host is on loopback
         let names = ["poster-sync", "image-conversion", "image-cleanup"].map(str::to_owned);
         let mut built = reelay_handlers::build(&names, &settings, &context).await.unwrap().into_iter();
         Self {

@@ -24,6 +24,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioExecutor;
+use reelay_domain::net::is_public;
 use url::Url;
 
 use crate::signature::{SIGNED_WITH_BODY, SIGNED_WITHOUT_BODY, digest_header};
@@ -272,83 +273,12 @@ fn not_public(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     None
 }
 
-/// Whether `ip` is an address of the public internet: not loopback, unspecified, private,
-/// link-local, shared (carrier NAT), multicast, broadcast, documentation, benchmarking or
-/// reserved; an IPv4 address inside IPv6 (mapped, compatible, NAT64) as that address.
-pub fn is_public(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => {
-            let [a, b, c, _] = v4.octets();
-            !(v4.is_unspecified()
-                || v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_multicast()
-                || v4.is_broadcast()
-                || v4.is_documentation()
-                || a == 0
-                || a >= 240
-                || (a == 100 && (64..128).contains(&b))
-                || (a == 192 && b == 0 && c == 0)
-                || (a == 198 && (b == 18 || b == 19)))
-        }
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_public(IpAddr::V4(v4));
-            }
-            let s = v6.segments();
-            if s[..6] == [0, 0, 0, 0, 0, 0] || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-                // IPv4-compatible (::a.b.c.d, ::1 among them) or NAT64 (64:ff9b::a.b.c.d).
-                let v4 = std::net::Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
-                return is_public(IpAddr::V4(v4));
-            }
-            !(v6.is_multicast()
-                || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80
-                || (s[0] == 0x2001 && s[1] == 0x0db8))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-
-    #[test]
-    fn public_addresses() {
-        for public in ["1.1.1.1", "93.184.215.14", "2606:4700::1111", "::ffff:1.1.1.1", "64:ff9b::101:101"] {
-            assert!(is_public(public.parse().unwrap()), "{public}");
-        }
-        for private in [
-            "127.0.0.1",
-            "10.1.2.3",
-            "172.16.0.1",
-            "192.168.1.1",
-            "169.254.169.254",
-            "100.64.0.1",
-            "0.0.0.0",
-            "255.255.255.255",
-            "224.0.0.1",
-            "192.0.2.1",
-            "198.18.0.1",
-            "240.0.0.1",
-            "::1",
-            "::",
-            "fd00::1",
-            "fe80::1",
-            "ff02::1",
-            "2001:db8::1",
-            "::ffff:127.0.0.1",
-            "::ffff:169.254.169.254",
-            "::127.0.0.1",
-            "64:ff9b::a00:1",
-        ] {
-            assert!(!is_public(private.parse().unwrap()), "{private}");
-        }
-    }
 
     /// A listener on loopback that counts the connections it gets, and answers each `{}`.
     async fn counting_listener() -> (SocketAddr, Arc<AtomicUsize>) {

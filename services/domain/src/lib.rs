@@ -6,6 +6,7 @@
 pub mod events;
 pub mod ids;
 pub mod letterboxd;
+pub mod net;
 pub mod posters;
 pub mod validate;
 

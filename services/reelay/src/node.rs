@@ -200,6 +200,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     let urls = reelay_activitypub::Urls::new(&public_url).map_err(anyhow::Error::msg)?;
     // Private addresses are reachable in development (two instances on one machine) only.
     let allow_private = *args.handlers.settings.federation.allow_private.get_or_insert(args.dev);
+    args.handlers.settings.media.allow_private.get_or_insert(args.dev);
     // Held until the process ends: the database's writer, and this process's instance name
     // (its claims are taken back by the next process of that name).
     let _writer_lock = if services.contains(&Service::Write) {

@@ -247,6 +247,8 @@ impl Reelay {
             .env("REELAY_PUBLIC_URL", format!("http://{gateway_addr}"))
             .env("REELAY_METRICS_ADDR", metrics_addr.to_string())
             .env("REELAY_SERVICE_TOKEN", TEST_TOKEN)
+            // The tests' image hosts are on loopback (a test of the refusal sets it to false).
+            .env("REELAY_MEDIA_ALLOW_PRIVATE", "true")
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().unwrap())

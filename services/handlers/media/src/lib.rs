@@ -61,6 +61,16 @@ pub struct MediaSettings {
         default_value_t = DEFAULT_WEBP_QUALITY
     )]
     pub webp_quality: f32,
+    /// Whether poster downloads (and the redirects they follow) may reach loopback, private and
+    /// other non-public addresses. Off unless `REELAY_DEV`: a poster's URL comes from the
+    /// enrichment provider's answer, and private addresses are this network's own services.
+    #[arg(
+        id = "media_allow_private",
+        long = "media-allow-private",
+        env = "REELAY_MEDIA_ALLOW_PRIVATE",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub allow_private: Option<bool>,
 }
 
 /// The standard poster widths (TMDB's w92, w185, w342 and w500).
@@ -75,6 +85,7 @@ impl Default for MediaSettings {
             max_bytes: reelay_domain::posters::MAX_BYTES,
             widths: DEFAULT_WIDTHS.to_vec(),
             webp_quality: DEFAULT_WEBP_QUALITY,
+            allow_private: None,
         }
     }
 }
@@ -104,13 +115,11 @@ pub fn build_poster_sync(
         reelay_domain::posters::MAX_BYTES,
         settings.max_bytes
     );
-    reelay_objects::install_tls_provider();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_millis(settings.timeout_ms))
-        .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")))
-        .build()
+    let allow_private = settings.allow_private.unwrap_or(false);
+    let http = sync::download_client(Duration::from_millis(settings.timeout_ms), allow_private)
         .map_err(|e| anyhow::anyhow!("cannot build the poster download client: {e}"))?;
-    let handler = PosterSync::new(http, settings.max_bytes, MoviesClient::new(context.write.clone()), objects);
+    let handler =
+        PosterSync::new(http, settings.max_bytes, allow_private, MoviesClient::new(context.write.clone()), objects);
     Ok(BuiltHandler { handler: Arc::new(handler), grpc: None })
 }
 

@@ -31,18 +31,102 @@ use crate::{check_image, original_key, sha256_hex};
 const RATE_LIMIT_RETRIES: u32 = 3;
 const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
 
+/// The most redirects one download follows.
+const MAX_REDIRECTS: usize = 5;
+
 /// Downloads a film's poster into object storage and records it.
 pub struct PosterSync {
     http: reqwest::Client,
     max_bytes: u64,
+    /// Whether non-public addresses may be reached (see [`download_client`]).
+    allow_private: bool,
     movies: MoviesClient<ServiceChannel>,
     objects: Objects,
 }
 
 impl PosterSync {
-    pub fn new(http: reqwest::Client, max_bytes: u64, movies: MoviesClient<ServiceChannel>, objects: Objects) -> Self {
-        Self { http, max_bytes, movies, objects }
+    pub fn new(
+        http: reqwest::Client,
+        max_bytes: u64,
+        allow_private: bool,
+        movies: MoviesClient<ServiceChannel>,
+        objects: Objects,
+    ) -> Self {
+        Self { http, max_bytes, allow_private, movies, objects }
     }
+}
+
+/// A host a download would have reached that is not on the public internet.
+#[derive(Debug)]
+struct NotPublic(String);
+
+impl std::fmt::Display for NotPublic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is not a public address (REELAY_MEDIA_ALLOW_PRIVATE allows private ones)", self.0)
+    }
+}
+
+impl std::error::Error for NotPublic {}
+
+/// The address of a URL whose host is an IP literal, if it is one that is not public.
+fn private_literal(url: &reqwest::Url) -> Option<std::net::IpAddr> {
+    let host = url.host_str()?.trim_start_matches('[').trim_end_matches(']');
+    host.parse().ok().filter(|ip| !reelay_domain::net::is_public(*ip))
+}
+
+/// Resolves names keeping only public addresses (none left: [`NotPublic`]), so a name cannot
+/// lead a download into this network, nor a second lookup rebind it after a check.
+struct PublicOnly;
+
+impl reqwest::dns::Resolve for PublicOnly {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let name = name.as_str().to_owned();
+        Box::pin(async move {
+            let found: Vec<std::net::SocketAddr> = tokio::net::lookup_host((name.as_str(), 0)).await?.collect();
+            let kept: Vec<std::net::SocketAddr> =
+                found.iter().copied().filter(|a| reelay_domain::net::is_public(a.ip())).collect();
+            if kept.is_empty() && !found.is_empty() {
+                return Err(Box::new(NotPublic(name)) as Box<dyn std::error::Error + Send + Sync>);
+            }
+            Ok(Box::new(kept.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+/// The poster download client: `timeout` per download, at most [`MAX_REDIRECTS`] redirects,
+/// and unless `allow_private` only public addresses, for the first request and every redirect
+/// (a poster URL comes from the provider's answer; a redirect from whatever host it names).
+pub(crate) fn download_client(timeout: Duration, allow_private: bool) -> Result<reqwest::Client, reqwest::Error> {
+    reelay_objects::install_tls_provider();
+    let redirects = reqwest::redirect::Policy::custom(move |attempt| {
+        if attempt.previous().len() >= MAX_REDIRECTS {
+            return attempt.error(format!("more than {MAX_REDIRECTS} redirects"));
+        }
+        match private_literal(attempt.url()).filter(|_| !allow_private) {
+            Some(ip) => attempt.error(NotPublic(ip.to_string())),
+            None => attempt.follow(),
+        }
+    });
+    let mut builder = reqwest::Client::builder()
+        .timeout(timeout)
+        .redirect(redirects)
+        .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")));
+    if !allow_private {
+        builder = builder.dns_resolver(PublicOnly);
+    }
+    builder.build()
+}
+
+/// The host a failed request was refused as not public, if that is why it failed.
+fn not_public(error: &reqwest::Error) -> Option<String> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = source {
+        if let Some(NotPublic(host)) = error.downcast_ref::<NotPublic>() {
+            return Some(host.clone());
+        }
+        source = error.source();
+    }
+    None
 }
 
 /// A downloaded (or found) poster, checked.
@@ -95,8 +179,17 @@ impl PosterSync {
 
     async fn download_once(&self, url: &str) -> Result<Poster, DownloadError> {
         let retryable = |message: String| DownloadError::Retryable { message, after: None };
-        let mut response =
-            self.http.get(url).send().await.map_err(|e| retryable(format!("poster {url}: {}", describe(&e))))?;
+        let not_public_error =
+            |host: String| DownloadError::Permanent(format!("poster {url}: {}; nothing stored", NotPublic(host)));
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| DownloadError::Permanent(format!("poster {url}: not a URL ({e}); nothing stored")))?;
+        if let Some(ip) = private_literal(&parsed).filter(|_| !self.allow_private) {
+            return Err(not_public_error(ip.to_string()));
+        }
+        let mut response = self.http.get(parsed).send().await.map_err(|e| match not_public(&e) {
+            Some(host) => not_public_error(host),
+            None => retryable(format!("poster {url}: {}", describe(&e))),
+        })?;
         let status = response.status();
         match status {
             s if s.is_success() => {}
@@ -265,6 +358,80 @@ impl Handler for PosterSync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A poster-sync whose download client reaches private addresses only when `allowed`
+    /// (its write service and objects are never used by a download).
+    fn sync_with(allowed: bool, dir: &std::path::Path) -> PosterSync {
+        let write = reelay_kit::client::connect_lazy("http://127.0.0.1:1", None, Duration::from_secs(1)).unwrap();
+        let objects = Objects::open(&Default::default(), dir).unwrap();
+        let http = download_client(Duration::from_secs(5), allowed).unwrap();
+        PosterSync::new(http, 1024, allowed, MoviesClient::new(write), objects)
+    }
+
+    /// A listener on loopback that counts the connections it gets and answers each 404.
+    async fn counting_listener() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buffer = [0; 4096];
+                    let _ = stream.read(&mut buffer).await;
+                    let _ = stream.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
+                });
+            }
+        });
+        (addr, count)
+    }
+
+    #[test]
+    fn ip_literals_of_private_addresses_are_found() {
+        for (url, private) in [
+            ("http://127.0.0.1:8080/p.jpg", true),
+            ("http://169.254.169.254/latest/meta-data", true),
+            ("http://[::1]/p.jpg", true),
+            ("http://[::ffff:10.0.0.1]/p.jpg", true),
+            ("https://1.1.1.1/p.jpg", false),
+            ("https://image.tmdb.org/t/p/w500/p.jpg", false),
+        ] {
+            assert_eq!(private_literal(&reqwest::Url::parse(url).unwrap()).is_some(), private, "{url}");
+        }
+    }
+
+    /// Without leave, neither an address nor a name of loopback is connected to, and the
+    /// download fails for good saying why; with it, both are reached.
+    #[tokio::test]
+    async fn private_addresses_are_downloaded_from_only_when_allowed() {
+        use std::sync::atomic::Ordering;
+        let dir = tempfile::tempdir().unwrap();
+        let (addr, connections) = counting_listener().await;
+        let urls =
+            [format!("http://127.0.0.1:{}/p.jpg", addr.port()), format!("http://localhost:{}/p.jpg", addr.port())];
+        let strict = sync_with(false, dir.path());
+        for url in &urls {
+            match strict.download_once(url).await {
+                Err(DownloadError::Permanent(message)) => {
+                    assert!(message.contains("is not a public address"), "{url}: {message}")
+                }
+                Err(DownloadError::Retryable { message, .. }) => panic!("{url}: retryable: {message}"),
+                Ok(_) => panic!("{url}: downloaded"),
+            }
+        }
+        assert_eq!(connections.load(Ordering::SeqCst), 0, "nothing was connected to");
+        let allowed = sync_with(true, dir.path());
+        for url in &urls {
+            match allowed.download_once(url).await {
+                Err(DownloadError::Permanent(message)) => assert!(message.contains("404"), "{url}: {message}"),
+                _ => panic!("{url}: the listener answers 404"),
+            }
+        }
+        assert_eq!(connections.load(Ordering::SeqCst), 2);
+    }
 
     #[test]
     fn retry_after_takes_seconds_or_a_date() {
