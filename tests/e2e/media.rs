@@ -27,6 +27,9 @@ struct PosterHost {
     addr: std::net::SocketAddr,
     /// Successful poster downloads.
     downloads: Arc<AtomicUsize>,
+    /// Requests of `/held.jpg` so far, and what lets them be answered.
+    held_asked: Arc<AtomicUsize>,
+    release: Arc<tokio::sync::Notify>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -45,9 +48,11 @@ impl Posters {
 impl PosterHost {
     /// `/poster.jpg`, `/poster.png`; `/flaky.jpg` (a 503, then the JPEG), `/slow-down.jpg` (a
     /// 429 with `Retry-After: 1`, then the JPEG); `/page.html`, `/truncated.jpg`, `/huge.jpg`
-    /// (50 MB streamed with no length) and a 404 for anything else.
+    /// (50 MB streamed with no length), `/held.jpg` (the JPEG once [`Self::release`] is
+    /// notified) and a 404 for anything else.
     async fn start(posters: Arc<Posters>) -> Self {
         let downloads = Arc::new(AtomicUsize::new(0));
+        let (held_asked, release) = (Arc::new(AtomicUsize::new(0)), Arc::new(tokio::sync::Notify::new()));
         let (flaky, slow) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let serve = |posters: Arc<Posters>, downloads: Arc<AtomicUsize>, png: bool| {
             downloads.fetch_add(1, Ordering::SeqCst);
@@ -85,6 +90,15 @@ impl PosterHost {
                     serve(p, d, false)
                 })
             })
+            .route("/held.jpg", {
+                let (p, d, asked, release) = (posters.clone(), downloads.clone(), held_asked.clone(), release.clone());
+                get(move || async move {
+                    let released = release.notified();
+                    asked.fetch_add(1, Ordering::SeqCst);
+                    released.await;
+                    serve(p, d, false)
+                })
+            })
             .route("/page.html", get(|| async { ([(header::CONTENT_TYPE, "text/html")], "<html>no poster</html>") }))
             .route("/truncated.jpg", {
                 let p = posters.clone();
@@ -109,7 +123,7 @@ impl PosterHost {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-        Self { addr, downloads, task }
+        Self { addr, downloads, held_asked, release, task }
     }
 
     fn url(&self, path: &str) -> String {
@@ -187,6 +201,46 @@ fn sizes_of(width: u32) -> Vec<String> {
 
 fn all_sizes() -> Vec<String> {
     sizes_of(u32::MAX)
+}
+
+/// A movie deleted while poster-sync downloads its poster, image cleanup running before the
+/// poster is written: the poster it writes after is removed, and nothing of the movie stays.
+#[tokio::test]
+async fn a_movie_deleted_while_its_poster_downloads_keeps_no_object() {
+    let dir = temp_dir();
+    let host = PosterHost::start(Posters::new()).await;
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[]).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    let media = InProcess::build(&write, ObjectsSettings::default()).await;
+    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 8).await;
+    let movie = review.movie_id.clone();
+    let enriched = enrich(&mut c, &db, &movie, &host.url("/held.jpg")).await;
+
+    let sync = media.sync.clone();
+    let syncing = tokio::spawn(async move { sync.handle(&enriched).await });
+    eventually("the download has started", LIMIT, || {
+        let asked = host.held_asked.clone();
+        async move { asked.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    c.reviews
+        .delete_review(v1::DeleteReviewRequest {
+            actor_user_id: ana.clone(),
+            review_id: review.review_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deleted = events(&db, "MovieDeleted", &movie).await.remove(0);
+    media.cleanup.handle(&deleted).await.unwrap();
+    host.release.notify_waiters();
+    syncing.await.unwrap().expect("a deleted movie's poster is not a failure");
+    assert_eq!(host.downloads.load(Ordering::SeqCst), 1);
+    assert!(media.objects.list(&format!("posters/{movie}")).await.unwrap().is_empty(), "nothing of the movie stays");
+    assert!(events(&db, "PosterSynced", &movie).await.is_empty());
+    write.stop().await;
 }
 
 /// Runs `handler` on `event` twice at once and once more after: it must succeed each time.

@@ -7,6 +7,9 @@
 //! - a poster already recorded from the same URL is skipped (no download, no write, no event);
 //! - a crash after the object write and before `RecordPoster` is retried: the retry finds the
 //!   object (no poster recorded yet), records it, and the events are raised once;
+//! - a movie deleted while its poster downloads (`RecordPoster` answers not found, or a retry
+//!   finds no movie) has every object of it removed here: image cleanup may have run before
+//!   the write;
 //! - `RecordPoster` carries a request id derived from the event, and a repeat of the same key and
 //!   digest raises nothing anyway.
 //!
@@ -154,6 +157,14 @@ impl PosterSync {
         }
     }
 
+    /// Deletes every object of a deleted movie (a retry comes back here through its lookup).
+    async fn remove_all(&self, movie_id: &str) -> Result<(), HandlerError> {
+        for key in self.objects.list(&format!("posters/{movie_id}")).await.map_err(HandlerError::retryable)? {
+            self.objects.delete(&key).await.map_err(HandlerError::retryable)?;
+        }
+        Ok(())
+    }
+
     /// Downloads `url`, waiting out a few 429s.
     async fn download(&self, url: &str) -> Result<Poster, HandlerError> {
         let mut tries = 0;
@@ -289,8 +300,8 @@ impl Handler for PosterSync {
         let request = v1::GetMovieRequest { movie_id: movie_id.to_owned() };
         let movie = match self.movies.clone().get_movie(request).await {
             Ok(movie) => movie.into_inner(),
-            // Deleted since: nothing to store.
-            Err(status) if status.code() == Code::NotFound => return Ok(()),
+            // Deleted since: nothing to store, and nothing an earlier attempt stored may stay.
+            Err(status) if status.code() == Code::NotFound => return self.remove_all(movie_id).await,
             Err(status) => return Err(HandlerError::from_call("GetMovie", &status)),
         };
         // The profile is written with its event, so one naming another poster (or none) is
@@ -348,8 +359,12 @@ impl Handler for PosterSync {
                 tracing::info!(movie_id, %key, changed = recorded.changed, bytes = poster.bytes.len(), "poster stored");
                 Ok(())
             }
-            // Deleted since: image cleanup (on MovieDeleted) removes the object.
-            Err(status) if status.code() == Code::NotFound => Ok(()),
+            // Deleted while the poster was downloaded or written: image cleanup (on
+            // MovieDeleted) may have run before the write, so the object goes here.
+            Err(status) if status.code() == Code::NotFound => {
+                tracing::info!(movie_id, %key, "the movie was deleted meanwhile; its poster is removed");
+                self.remove_all(movie_id).await
+            }
             Err(status) => Err(HandlerError::from_call("RecordPoster", &status)),
         }
     }
