@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use prost::Message;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read when the script runs, not baked in when it is compiled: a build script compiled for
+    // one checkout may be run for another sharing the target dir.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let dir = root.join("reelay/v1");
     let mut files: Vec<PathBuf> =
         std::fs::read_dir(&dir)?.map(|entry| entry.map(|e| e.path())).collect::<Result<_, _>>()?;
