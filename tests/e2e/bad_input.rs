@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use reelay_contracts::v1;
-use reelay_harness::{Clients, Reelay, actor_account, movie_id_ref, movie_ref, table_snapshot, temp_dir, user_account};
+use reelay_harness::{
+    Clients, Reelay, actor_account, movie_id_ref, movie_ref, query_strings, table_snapshot, temp_dir, user_account,
+};
 use tonic::Code;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
@@ -31,6 +33,17 @@ fn log(actor: &str, movie: Option<v1::MovieRef>, rating: u32, body: String, watc
         rewatch: false,
         ..Default::default()
     }
+}
+
+/// Thief (1981), with `external_id`.
+fn thief(external_id: &str) -> Option<v1::MovieRef> {
+    Some(v1::MovieRef {
+        by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
+            title: "Thief".into(),
+            year: 1981,
+            external_id: external_id.into(),
+        })),
+    })
 }
 
 fn long(n: usize) -> String {
@@ -81,6 +94,7 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let ana = c.user("ana").await;
     let ben = c.user("ben").await;
     let review = c.review(&ana, movie_ref("Heat", 1995), 8).await;
+    c.review(&ana, thief("tmdb:11524"), 7).await;
     let ids = Ids {
         a: ana.clone(),
         b: ben,
@@ -318,6 +332,19 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 ..Default::default()
             }
         )),
+        case!("a watch date in the future", InvalidArgument, "watched_on", |c, x| c.reviews.log_review(log(
+            &x.a,
+            movie_ref("Heat", 1995),
+            8,
+            "later".into(),
+            "2099-12-31"
+        ))),
+        case!("a film known under another id of the same provider", FailedPrecondition, "external_id", |c, x| c
+            .reviews
+            .log_review(log(&x.a, thief("tmdb:999"), 8, "which Thief?".into(), ""))),
+        case!("a wrap-up of a year not begun", InvalidArgument, "year", |c, x| c.wrap_ups.request_wrap_up(
+            v1::RequestWrapUpRequest { actor_user_id: x.a.clone(), year: 2100, ..Default::default() }
+        )),
         case!("request_id with spaces", InvalidArgument, "request_id", |c, x| c.reviews.log_review(
             v1::LogReviewRequest {
                 request_id: "my key".into(),
@@ -426,6 +453,25 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         assert_eq!(table_snapshot(&db).await, baseline, "{} changed the database", case.name);
     }
     eprintln!("{count} bad-input cases refused, database unchanged");
+
+    // An edit to the values the review has writes nothing and raises nothing.
+    let same = v1::EditReviewRequest {
+        actor_user_id: ana.clone(),
+        review_id: review.review_id.clone(),
+        rating: review.rating,
+        body: review.body.clone(),
+        watched_on: review.watched_on.clone(),
+        rewatch: review.rewatch,
+        ..Default::default()
+    };
+    let edited = c.reviews.edit_review(same).await.unwrap().into_inner();
+    assert_eq!(edited.updated_at_ms, review.updated_at_ms);
+    assert_eq!(table_snapshot(&db).await, baseline, "an edit that changes nothing wrote something");
+    // An id of another provider says nothing against the film's own: the same Thief.
+    let other = c.review(&ana, thief("imdb:tt0083190"), 9).await;
+    let thief_id = query_strings(&db, "SELECT id FROM movies WHERE title = 'Thief'").await;
+    assert_eq!(thief_id, [[other.movie_id.clone()]]);
+    let baseline = table_snapshot(&db).await;
 
     // Without the service token nothing is served (health checks excepted).
     let mut anonymous = Clients::new(reelay.channel_with_token(None).await);

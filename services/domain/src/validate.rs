@@ -147,6 +147,31 @@ pub fn date(field: &str, value: &str) -> Result<String, ValidationError> {
     Ok(value.to_owned())
 }
 
+/// The calendar date (`YYYY-MM-DD`, UTC) at `ms` since the epoch.
+pub fn date_at(ms: i64) -> String {
+    let (y, m, d) = civil_from_days(ms.div_euclid(86_400_000));
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// The latest calendar date anywhere on Earth at `now_ms` (UTC+14's), as `YYYY-MM-DD`.
+pub fn latest_date(now_ms: i64) -> String {
+    date_at(now_ms + 14 * 3_600_000)
+}
+
+/// When a film was watched: an optional date (see [`date`]) not after today anywhere at
+/// `now_ms` (a diary entry for the future is a typo).
+pub fn watch_date(field: &str, value: &str, now_ms: i64) -> Result<String, ValidationError> {
+    let date = date(field, value)?;
+    let latest = latest_date(now_ms);
+    if date > latest {
+        return Err(ValidationError::new(
+            field,
+            format!("must not be in the future (the latest date anywhere now is {latest}), got {value:?}"),
+        ));
+    }
+    Ok(date)
+}
+
 /// An optional provider id such as `tmdb:603`: `scheme:value`, no spaces.
 pub fn external_id(field: &str, value: &str) -> Result<Option<String>, ValidationError> {
     if value.is_empty() {
@@ -228,6 +253,19 @@ mod tests {
         assert!(required_text("title", "a\u{0}b", 10).is_err());
         assert!(body("body", "line one\nline two").is_ok());
         assert!(body("body", &"x".repeat(MAX_BODY_CHARS + 1)).is_err());
+    }
+
+    #[test]
+    fn a_watch_date_is_not_after_today_anywhere() {
+        // 2024-02-29 10:00 UTC: already 2024-03-01 in UTC+14, not yet 03-02 anywhere.
+        let now = 1_709_200_800_000;
+        assert_eq!(date_at(now), "2024-02-29");
+        assert_eq!(latest_date(now), "2024-03-01");
+        assert_eq!(watch_date("watched_on", "2024-03-01", now).unwrap(), "2024-03-01");
+        assert_eq!(watch_date("watched_on", "", now).unwrap(), "");
+        let late = watch_date("watched_on", "2024-03-02", now).unwrap_err();
+        assert_eq!(late.field, "watched_on");
+        assert!(late.reason.contains("future"), "{}", late.reason);
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub fn review_fields(
     Ok(ReviewFields {
         rating: validate::rating("rating", rating)?,
         body: validate::body("body", body)?,
-        watched_on: validate::date("watched_on", watched_on)?,
+        watched_on: validate::watch_date("watched_on", watched_on, reelay_kit::now_ms())?,
         rewatch,
     })
 }

@@ -16,6 +16,16 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         let key = request_key("RequestWrapUp", &mut r, |r| &mut r.request_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let year = validate::year("year", r.year).map_err(ServiceError::from)?;
+        // A year not begun anywhere yet has no diary to sum up (and its wrap-up, once made,
+        // would stand for the year).
+        let current: i32 = validate::latest_date(reelay_kit::now_ms())[..4].parse().unwrap_or(validate::MAX_YEAR);
+        if year > current {
+            return Err(ServiceError::invalid(
+                "year",
+                format!("must not be after the current year ({current}), got {year}"),
+            )
+            .into());
+        }
         ok(self.store.request_wrap_up(actor, year, key).await?)
     }
 

@@ -294,6 +294,19 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
                     .fetch_optional(tx.conn())
                     .await?;
             if let Some(movie) = existing {
+                // The same film under another id of the same provider is a different film with
+                // this title and year, which this movie cannot also be (an id of another
+                // provider says nothing against it).
+                if let (Some(asked), Some(known)) = (external_id, &movie.external_id)
+                    && asked != known
+                    && asked.split_once(':').map(|(scheme, _)| scheme)
+                        == known.split_once(':').map(|(scheme, _)| scheme)
+                {
+                    return Err(ServiceError::failed_precondition(format!(
+                        "external_id: {title} ({year}) is known here as {known}, not {asked}"
+                    ))
+                    .into());
+                }
                 return Ok((movie, false));
             }
             let movie = MovieRow {

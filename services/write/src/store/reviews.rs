@@ -199,6 +199,14 @@ impl Store {
     ) -> Result<v1::Review> {
         keyed_job!(self, "edit_review", key, |tx| {
             let mut review = owned_review(tx.conn(), actor, id).await?;
+            let unchanged = review.rating == i64::from(fields.rating)
+                && review.body == fields.body
+                && review.watched_on == fields.watched_on
+                && review.rewatch == fields.rewatch;
+            if unchanged {
+                // Nothing to write, and no edit to tell followers or search about.
+                return Ok(convert::review(review));
+            }
             review.rating = i64::from(fields.rating);
             review.body = fields.body;
             review.watched_on = fields.watched_on;
