@@ -212,8 +212,11 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         .unwrap()
         .into_inner();
     assert!(removed.removed);
-    outbox.expect(&["WatchlistItemRemoved"]).await;
+    // Stalker had no other reference: it goes with its last watchlist entry, as with a review.
+    let events = outbox.expect(&["WatchlistItemRemoved", "MovieDeleted"]).await;
+    assert!(matches!(&events[1], Payload::MovieDeleted(e) if e.movie_id == entry.movie_id));
     assert_eq!(count(&db, "SELECT COUNT(*) FROM watchlist").await, 0);
+    assert_eq!(count(&db, &format!("SELECT COUNT(*) FROM movies WHERE id = '{}'", entry.movie_id)).await, 0);
 
     // Delete: Heat has no other reference, so the movie goes with its last review.
     let deleted = c

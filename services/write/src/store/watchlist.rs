@@ -4,7 +4,10 @@ use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, UserId};
 use reelay_outbox::WriteTx;
 
-use super::{MovieSpec, Result, Store, WatchlistRow, actor_and_resolved_movie, commit_events, keyed_job};
+use super::reviews::movie_is_orphan;
+use super::{
+    MovieSpec, Result, Store, WatchlistRow, actor_and_resolved_movie, commit_events, ensure_user, keyed_job, write_job,
+};
 use crate::convert;
 use crate::request_ids::RequestKey;
 
@@ -49,12 +52,30 @@ impl Store {
         .await
     }
 
+    /// Removes a movie from the actor's watchlist; when that was the movie's last reference the
+    /// movie goes too, as when its last review is deleted. False when it was not there.
     pub async fn remove_from_watchlist(&self, actor: UserId, movie: MovieId) -> Result<bool> {
-        let sql = "DELETE FROM watchlist WHERE user_id = ? AND movie_id = ?";
-        let key = (actor.to_string(), movie.to_string());
-        self.remove_pair("remove_from_watchlist", sql, actor, key, move || {
-            let payload = v1::WatchlistItemRemoved { user_id: actor.to_string(), movie_id: movie.to_string() };
-            NewEvent::new(movie, Payload::WatchlistItemRemoved(payload))
+        write_job!(self, "remove_from_watchlist", |tx| {
+            ensure_user(tx.conn(), actor).await?;
+            let movie_id = movie.to_string();
+            let removed = sqlx::query("DELETE FROM watchlist WHERE user_id = ? AND movie_id = ?")
+                .bind(actor.to_string())
+                .bind(movie_id.clone())
+                .execute(tx.conn())
+                .await?
+                .rows_affected()
+                > 0;
+            if !removed {
+                return Ok(false);
+            }
+            let payload = v1::WatchlistItemRemoved { user_id: actor.to_string(), movie_id: movie_id.clone() };
+            let mut events = vec![NewEvent::new(movie, Payload::WatchlistItemRemoved(payload))];
+            if movie_is_orphan(tx.conn(), &movie_id).await? {
+                sqlx::query("DELETE FROM movies WHERE id = ?").bind(movie_id.clone()).execute(tx.conn()).await?;
+                events.push(NewEvent::new(movie, Payload::MovieDeleted(v1::MovieDeleted { movie_id })));
+            }
+            commit_events(tx, events).await?;
+            Ok(true)
         })
         .await
     }
