@@ -115,6 +115,13 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         case!("oversized display name", InvalidArgument, "display_name", |c, x| c
             .users
             .create_user(v1::CreateUserRequest { handle: "cy".into(), display_name: long(101), ..Default::default() })),
+        case!("a display name of invisible characters", InvalidArgument, "display_name", |c, x| c.users.create_user(
+            v1::CreateUserRequest {
+                handle: "cy".into(),
+                display_name: "\u{200B}\u{FEFF}".into(),
+                ..Default::default()
+            }
+        )),
         case!("taken handle", AlreadyExists, "handle", |c, x| c.users.create_user(v1::CreateUserRequest {
             handle: "ana".into(),
             display_name: "A".into(),
@@ -471,6 +478,13 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let other = c.review(&ana, thief("imdb:tt0083190"), 9).await;
     let thief_id = query_strings(&db, "SELECT id FROM movies WHERE title = 'Thief'").await;
     assert_eq!(thief_id, [[other.movie_id.clone()]]);
+    // One title, however it is spelled: decomposed accents and invisible characters name the
+    // same film.
+    let composed = c.review(&ana, movie_ref("Am\u{E9}lie", 2001), 8).await;
+    for spelling in ["Ame\u{301}lie", "Am\u{E9}lie\u{200B}"] {
+        let again = c.review(&ana, movie_ref(spelling, 2001), 8).await;
+        assert_eq!(again.movie_id, composed.movie_id, "{spelling:?}");
+    }
     let baseline = table_snapshot(&db).await;
 
     // Without the service token nothing is served (health checks excepted).

@@ -40,6 +40,22 @@ fn chars(value: &str) -> usize {
     value.chars().count()
 }
 
+/// Characters that show nothing: Unicode's default-ignorable code points (zero-width spaces and
+/// joiners, bidirectional marks, variation selectors, the byte order mark, tags ...) and the
+/// blanks some fonts draw as nothing (Hangul fillers, the braille blank).
+fn is_invisible(c: char) -> bool {
+    matches!(c as u32,
+        0x00AD | 0x034F | 0x061C | 0x115F | 0x1160 | 0x17B4 | 0x17B5 | 0x180B..=0x180F
+        | 0x200B..=0x200F | 0x202A..=0x202E | 0x2060..=0x206F | 0x2800 | 0x3164 | 0xFE00..=0xFE0F
+        | 0xFEFF | 0xFFA0 | 0xFFF0..=0xFFF8 | 0x1BCA0..=0x1BCA3 | 0x1D173..=0x1D17A | 0xE0000..=0xE0FFF)
+}
+
+/// The bidirectional embeddings, overrides and isolates, which reorder what follows them (a
+/// name that reads as another).
+fn is_bidi_control(c: char) -> bool {
+    matches!(c as u32, 0x202A..=0x202E | 0x2066..=0x2069)
+}
+
 fn no_control_chars(field: &str, value: &str, allow_newlines: bool) -> Result<(), ValidationError> {
     let bad = value.chars().any(|c| c.is_control() && !(allow_newlines && matches!(c, '\n' | '\r' | '\t')));
     if bad {
@@ -50,15 +66,20 @@ fn no_control_chars(field: &str, value: &str, allow_newlines: bool) -> Result<()
 
 /// A required single-line text of at most `max` characters, trimmed.
 pub fn required_text(field: &str, value: &str, max: usize) -> Result<String, ValidationError> {
-    let trimmed = value.trim();
-    if trimmed.is_empty() {
-        return Err(ValidationError::new(field, "is required"));
+    use unicode_normalization::UnicodeNormalization;
+    // Composed (NFC), so one name has one spelling: `e` + U+0301 is stored as `é`.
+    let composed: String = value.trim().nfc().collect();
+    if composed.chars().all(|c| c.is_whitespace() || is_invisible(c)) {
+        return Err(ValidationError::new(field, "is required (it has no visible character)"));
     }
-    if chars(trimmed) > max {
+    if chars(&composed) > max {
         return Err(ValidationError::new(field, format!("is longer than {max} characters")));
     }
-    no_control_chars(field, trimmed, false)?;
-    Ok(trimmed.to_owned())
+    no_control_chars(field, &composed, false)?;
+    if composed.chars().any(is_bidi_control) {
+        return Err(ValidationError::new(field, "must not contain bidirectional override or isolate characters"));
+    }
+    Ok(composed)
 }
 
 /// 1-30 characters of `a-z`, `0-9` and `_`.
@@ -86,7 +107,9 @@ pub fn title(field: &str, value: &str) -> Result<String, ValidationError> {
 
 /// The identity of a title: lower-cased with runs of whitespace folded to one space.
 pub fn title_key(title: &str) -> String {
-    title.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase()
+    use unicode_normalization::UnicodeNormalization;
+    let visible: String = title.nfc().filter(|c| !is_invisible(*c)).collect();
+    visible.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase()
 }
 
 pub fn year(field: &str, value: i32) -> Result<i32, ValidationError> {
@@ -251,6 +274,14 @@ mod tests {
         assert_eq!(required_text("title", "   ", 10).unwrap_err().field, "title");
         assert!(required_text("title", "abcdefghijk", 10).unwrap_err().reason.contains("longer"));
         assert!(required_text("title", "a\u{0}b", 10).is_err());
+        for blank in ["\u{200B}", " \u{FEFF}\u{2060} ", "\u{3164}", "\u{2800}"] {
+            let error = required_text("display_name", blank, 10).unwrap_err();
+            assert!(error.reason.contains("no visible character"), "{blank:?}: {error:?}");
+        }
+        assert!(required_text("display_name", "\u{202E}evil", 10).unwrap_err().reason.contains("bidirectional"));
+        assert_eq!(required_text("title", "Ame\u{301}lie", 10).unwrap(), "Am\u{E9}lie");
+        // A joiner inside an emoji sequence is kept: it is part of what is drawn.
+        assert_eq!(required_text("display_name", "Ana \u{1F469}\u{200D}\u{1F4BB}", 10).unwrap().chars().count(), 7);
         assert!(body("body", "line one\nline two").is_ok());
         assert!(body("body", &"x".repeat(MAX_BODY_CHARS + 1)).is_err());
     }
@@ -313,5 +344,7 @@ mod tests {
         assert_eq!(page_size(0).unwrap(), DEFAULT_PAGE_SIZE);
         assert!(page_size(MAX_PAGE_SIZE + 1).is_err());
         assert_eq!(title_key("  The   Thing "), "the thing");
+        assert_eq!(title_key("Heat\u{200B}"), title_key("heat"));
+        assert_eq!(title_key("Ame\u{301}lie"), title_key("Am\u{E9}lie"));
     }
 }
