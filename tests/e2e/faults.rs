@@ -202,11 +202,18 @@ async fn a_write_retried_with_its_request_id_after_a_killed_connection_happens_o
     assert!(reused.message().starts_with("request_id:"), "{}", reused.message());
     assert_eq!(reelay_harness::table_snapshot(&db).await, before);
     // Without a key, the same request is a new review (the caller asked for no protection).
-    c.reviews.log_review(v1::LogReviewRequest { request_id: String::new(), ..request }).await.unwrap();
+    c.reviews.log_review(v1::LogReviewRequest { request_id: String::new(), ..request.clone() }).await.unwrap();
     assert_eq!(ReviewLedger::read(&db).await.count_marked("<once>"), 2);
+    // Keys are each user's own: another user's client may use the same one.
+    let bob = c.user("bob").await;
+    let bobs = v1::LogReviewRequest { actor_user_id: bob.clone(), body: "<bob> the harbour".into(), ..request };
+    let logged = c.reviews.log_review(bobs.clone()).await.expect("bob's own key").into_inner();
+    assert_ne!(logged.review.as_ref().unwrap().review_id, review.review_id);
+    let replayed = c.reviews.log_review(bobs).await.unwrap().into_inner();
+    assert_eq!(replayed.review.unwrap().review_id, logged.review.unwrap().review_id, "and replays his");
+    assert_eq!(ReviewLedger::read(&db).await.count_marked("<bob>"), 1);
 
     // Other creating writes replay too: a follow, a user, an import.
-    let bob = c.user("bob").await;
     let follow = v1::FollowRequest {
         actor_user_id: user.clone(),
         target: reelay_harness::user_account(&bob),

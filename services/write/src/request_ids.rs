@@ -3,8 +3,9 @@
 //! nothing. This is how a caller recovers from an answer it never received or an "outcome
 //! unknown": it retries with the same key and learns what happened, at most once.
 //!
-//! Keys are scoped by method. A key reused for a different request (another fingerprint) is
-//! refused rather than answered with someone else's result. Keys are kept for a bounded time
+//! Keys are scoped by method and by the acting user (`actor_user_id`, where the method has one):
+//! two users' clients counting their keys from 1 do not collide. A key reused for a different
+//! request (another fingerprint) is refused rather than answered with someone else's result. Keys are kept for a bounded time
 //! and purged in small batches.
 
 use prost::Message;
@@ -22,19 +23,33 @@ const MAX_LEN: usize = 128;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestKey {
     method: &'static str,
+    /// The caller's `request_id`, as sent (what messages name).
     request_id: String,
+    /// What it is stored under: `<actor>/<request_id>` for a method with an actor.
+    stored: String,
     fingerprint: String,
 }
 
 impl RequestKey {
     /// The key of a call, or `None` when it carries no `request_id`. `request` must be the
     /// request with its `request_id` cleared, so the fingerprint names what was asked.
-    pub fn of<M: Message>(method: &'static str, request_id: &str, request: &M) -> Result<Option<Self>, ServiceError> {
-        Self::from_parts(method, request_id, &[&request.encode_to_vec()])
+    /// `actor`: the acting user as the request names it (empty for a method without one).
+    pub fn of<M: Message>(
+        method: &'static str,
+        actor: &str,
+        request_id: &str,
+        request: &M,
+    ) -> Result<Option<Self>, ServiceError> {
+        Self::from_parts(method, actor, request_id, &[&request.encode_to_vec()])
     }
 
     /// Like [`RequestKey::of`], for a request that arrives in parts (a streamed import).
-    pub fn from_parts(method: &'static str, request_id: &str, parts: &[&[u8]]) -> Result<Option<Self>, ServiceError> {
+    pub fn from_parts(
+        method: &'static str,
+        actor: &str,
+        request_id: &str,
+        parts: &[&[u8]],
+    ) -> Result<Option<Self>, ServiceError> {
         if request_id.is_empty() {
             return Ok(None);
         }
@@ -53,17 +68,27 @@ impl RequestKey {
             digest.update(part);
         }
         let fingerprint = digest.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect();
-        Ok(Some(Self { method, request_id: request_id.to_owned(), fingerprint }))
+        let stored = if actor.is_empty() { request_id.to_owned() } else { format!("{actor}/{request_id}") };
+        Ok(Some(Self { method, request_id: request_id.to_owned(), stored, fingerprint }))
     }
 
     /// The answer recorded for this key, if the call was made before. Runs inside the write job,
     /// so a concurrent retry waits for the first call's transaction and then sees its answer.
     pub async fn recorded<R: Message + Default>(&self, tx: &mut WriteTx) -> Result<Option<R>, WriteError> {
-        let row = sqlx::query("SELECT fingerprint, response FROM request_ids WHERE method = ? AND request_id = ?")
-            .bind(self.method)
-            .bind(&self.request_id)
-            .fetch_optional(tx.conn())
-            .await?;
+        let lookup = |stored: &str| {
+            sqlx::query("SELECT fingerprint, response FROM request_ids WHERE method = ? AND request_id = ?")
+                .bind(self.method)
+                .bind(stored.to_owned())
+        };
+        let mut row = lookup(&self.stored).fetch_optional(tx.conn()).await?;
+        if row.is_none() && self.stored != self.request_id {
+            // Recorded before keys were scoped by actor (within the retention since the
+            // upgrade): the same actor's only, since the fingerprint covers the actor.
+            row = lookup(&self.request_id)
+                .fetch_optional(tx.conn())
+                .await?
+                .filter(|r| r.get::<String, _>(0) == self.fingerprint);
+        }
         let Some(row) = row else { return Ok(None) };
         if row.get::<String, _>(0) != self.fingerprint {
             return Err(ServiceError::invalid(
@@ -85,7 +110,7 @@ impl RequestKey {
             "INSERT INTO request_ids (method, request_id, fingerprint, response, created_at) VALUES (?, ?, ?, ?, ?)",
         )
         .bind(self.method)
-        .bind(&self.request_id)
+        .bind(&self.stored)
         .bind(&self.fingerprint)
         .bind(response.encode_to_vec())
         .bind(tx.now_ms())

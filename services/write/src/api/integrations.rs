@@ -35,7 +35,12 @@ impl v1::integrations_server::Integrations for WriteApi {
         }
         let actor =
             actor.ok_or_else(|| ServiceError::invalid("actor_user_id", "is required (the stream was empty)"))?;
-        let key = RequestKey::from_parts("ImportDiary", &request_id, &[actor.to_string().as_bytes(), &data])?;
+        let key = RequestKey::from_parts(
+            "ImportDiary",
+            &actor.to_string(),
+            &request_id,
+            &[actor.to_string().as_bytes(), &data],
+        )?;
         if data.is_empty() {
             return Err(ServiceError::invalid("data", "is required (the export was empty)").into());
         }

@@ -48,8 +48,19 @@ fn request_key<M: prost::Message>(
     request: &mut M,
     request_id: impl FnOnce(&mut M) -> &mut String,
 ) -> Result<Option<RequestKey>, ServiceError> {
+    keyed_by_actor(method, "", request, request_id)
+}
+
+/// [`request_key`] for a method acting as `actor` (its `actor_user_id`): the key is that
+/// user's.
+fn keyed_by_actor<M: prost::Message>(
+    method: &'static str,
+    actor: &str,
+    request: &mut M,
+    request_id: impl FnOnce(&mut M) -> &mut String,
+) -> Result<Option<RequestKey>, ServiceError> {
     let id = std::mem::take(request_id(request));
-    RequestKey::of(method, &id, request)
+    RequestKey::of(method, actor, &id, request)
 }
 
 /// Mounts every domain service on `server`, each with the server's message-size limit. `keys`

@@ -5,7 +5,7 @@ use reelay_domain::{WrapUpId, validate};
 use reelay_kit::ServiceError;
 use tonic::Request;
 
-use super::{Reply, WriteApi, ok, request_key};
+use super::{Reply, WriteApi, keyed_by_actor, ok};
 use crate::convert;
 use crate::store::{WrapUpCompletion, WrapUpRow};
 
@@ -13,7 +13,7 @@ use crate::store::{WrapUpCompletion, WrapUpRow};
 impl v1::wrap_ups_server::WrapUps for WriteApi {
     async fn request_wrap_up(&self, request: Request<v1::RequestWrapUpRequest>) -> Reply<v1::RequestWrapUpResponse> {
         let mut r = request.into_inner();
-        let key = request_key("RequestWrapUp", &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("RequestWrapUp", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let year = validate::year("year", r.year).map_err(ServiceError::from)?;
         // A year not begun anywhere yet has no diary to sum up (and its wrap-up, once made,
