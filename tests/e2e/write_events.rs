@@ -218,6 +218,37 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     assert_eq!(count(&db, "SELECT COUNT(*) FROM watchlist").await, 0);
     assert_eq!(count(&db, &format!("SELECT COUNT(*) FROM movies WHERE id = '{}'", entry.movie_id)).await, 0);
 
+    // A watchlist lists in the order movies were added, page by page: a film new to Reelay
+    // added before one known for long comes first.
+    let zodiac = v1::AddToWatchlistRequest {
+        actor_user_id: ana.clone(),
+        movie: movie_ref("Zodiac", 2007),
+        ..Default::default()
+    };
+    let zodiac = c.watchlist.add_to_watchlist(zodiac).await.unwrap().into_inner().movie_id;
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let known =
+        v1::AddToWatchlistRequest { actor_user_id: ana.clone(), movie: movie_id_ref(&alien), ..Default::default() };
+    c.watchlist.add_to_watchlist(known).await.unwrap();
+    outbox.expect(&["MovieDiscovered", "WatchlistItemAdded", "WatchlistItemAdded"]).await;
+    let (mut listed, mut token) = (Vec::new(), String::new());
+    loop {
+        let page = v1::ListWatchlistRequest { user_id: ana.clone(), page_size: 1, page_token: token };
+        let page = c.watchlist.list_watchlist(page).await.unwrap().into_inner();
+        listed.extend(page.entries.into_iter().map(|e| e.movie_id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(listed, [zodiac.clone(), alien.clone()], "in the order added");
+    for movie in [zodiac, alien.clone()] {
+        let request = v1::RemoveFromWatchlistRequest { actor_user_id: ana.clone(), movie_id: movie };
+        assert!(c.watchlist.remove_from_watchlist(request).await.unwrap().into_inner().removed);
+    }
+    // Zodiac goes with its last reference; Alien is ben's review's film and stays.
+    outbox.expect(&["WatchlistItemRemoved", "MovieDeleted", "WatchlistItemRemoved"]).await;
+
     // Delete: Heat has no other reference, so the movie goes with its last review.
     let deleted = c
         .reviews

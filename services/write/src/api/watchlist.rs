@@ -33,11 +33,16 @@ impl v1::watchlist_server::Watchlist for WriteApi {
         let r = request.into_inner();
         let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
         let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
-        let after =
-            convert::page_token(&r.page_token, |t| MovieId::parse("page_token", t)).map_err(ServiceError::from)?;
+        // A token is `<added_at ms>.<movie id>` of the previous page's last entry.
+        let after = convert::page_token(&r.page_token, |t| {
+            let bad = || reelay_domain::ValidationError::new("page_token", "malformed");
+            let (at, movie) = t.split_once('.').ok_or_else(bad)?;
+            Ok((at.parse::<i64>().map_err(|_| bad())?, MovieId::parse("page_token", movie)?))
+        })
+        .map_err(ServiceError::from)?;
         let rows = self.store.list_watchlist(user, size, after).await?;
         let next_page_token = if rows.len() == size as usize {
-            rows.last().map(|r| r.movie_id.clone()).unwrap_or_default()
+            rows.last().map(|r| format!("{}.{}", r.added_at, r.movie_id)).unwrap_or_default()
         } else {
             String::new()
         };

@@ -80,14 +80,23 @@ impl Store {
         .await
     }
 
-    /// In the order movies were added. `after` is the last movie id of the previous page.
-    pub async fn list_watchlist(&self, user: UserId, limit: u32, after: Option<MovieId>) -> Result<Vec<WatchlistRow>> {
+    /// In the order movies were added (then by movie id). `after` is the last entry of the
+    /// previous page: when it was added, and its movie.
+    pub async fn list_watchlist(
+        &self,
+        user: UserId,
+        limit: u32,
+        after: Option<(i64, MovieId)>,
+    ) -> Result<Vec<WatchlistRow>> {
+        let (added_at, movie) = after.map_or((None, None), |(at, id)| (Some(at), Some(id.to_string())));
         Ok(sqlx::query_as(
-            "SELECT user_id, movie_id, added_at FROM watchlist WHERE user_id = ?1 AND (?2 IS NULL OR movie_id > ?2) \
-             ORDER BY movie_id LIMIT ?3",
+            "SELECT user_id, movie_id, added_at FROM watchlist \
+             WHERE user_id = ?1 AND (?2 IS NULL OR (added_at, movie_id) > (?2, ?3)) \
+             ORDER BY added_at, movie_id LIMIT ?4",
         )
         .bind(user.to_string())
-        .bind(after.map(|id| id.to_string()))
+        .bind(added_at)
+        .bind(movie)
         .bind(i64::from(limit))
         .fetch_all(&self.db.reads)
         .await?)
