@@ -339,6 +339,18 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 ..Default::default()
             }
         )),
+        case!("the diary of an unknown user", NotFound, "user", |c, x| c
+            .reviews
+            .list_diary(v1::ListDiaryRequest { user_id: x.nobody.clone(), ..Default::default() })),
+        case!("the watchlist of an unknown user", NotFound, "user", |c, x| c
+            .watchlist
+            .list_watchlist(v1::ListWatchlistRequest { user_id: x.nobody.clone(), ..Default::default() })),
+        case!("the followers of an unknown user", NotFound, "user", |c, x| c
+            .social
+            .list_followers(v1::ListFollowersRequest { user_id: x.nobody.clone(), ..Default::default() })),
+        case!("the follows of an unknown user", NotFound, "user", |c, x| c
+            .social
+            .list_following(v1::ListFollowingRequest { user_id: x.nobody.clone(), ..Default::default() })),
         case!("a watch date in the future", InvalidArgument, "watched_on", |c, x| c.reviews.log_review(log(
             &x.a,
             movie_ref("Heat", 1995),

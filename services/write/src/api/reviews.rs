@@ -48,6 +48,10 @@ impl v1::reviews_server::Reviews for WriteApi {
         let after =
             convert::page_token(&r.page_token, |t| ReviewId::parse("page_token", t)).map_err(ServiceError::from)?;
         let rows = self.store.list_diary(user, size, after).await?;
+        if rows.is_empty() {
+            // An empty diary, or no such user: the latter is NOT_FOUND, as GetUser answers.
+            self.store.get_user(user).await?;
+        }
         let next_page_token = if rows.len() == size as usize {
             rows.last().map(|r| r.id.clone()).unwrap_or_default()
         } else {

@@ -63,7 +63,11 @@ impl v1::social_server::Social for WriteApi {
         let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
         let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
         let after = account_page_token(&r.page_token)?;
-        ok(accounts_page(self.store.list_followers(user, size, &after).await?, size))
+        let keys = self.store.list_followers(user, size, &after).await?;
+        if keys.is_empty() {
+            self.store.get_user(user).await?; // no such user: NOT_FOUND
+        }
+        ok(accounts_page(keys, size))
     }
 
     async fn list_following(&self, request: Request<v1::ListFollowingRequest>) -> Reply<v1::ListAccountsResponse> {
@@ -71,6 +75,10 @@ impl v1::social_server::Social for WriteApi {
         let user = UserId::parse("user_id", &r.user_id).map_err(ServiceError::from)?;
         let size = validate::page_size(r.page_size).map_err(ServiceError::from)?;
         let after = account_page_token(&r.page_token)?;
-        ok(accounts_page(self.store.list_following(user, size, &after).await?, size))
+        let keys = self.store.list_following(user, size, &after).await?;
+        if keys.is_empty() {
+            self.store.get_user(user).await?; // no such user: NOT_FOUND
+        }
+        ok(accounts_page(keys, size))
     }
 }

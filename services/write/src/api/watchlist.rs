@@ -41,6 +41,9 @@ impl v1::watchlist_server::Watchlist for WriteApi {
         })
         .map_err(ServiceError::from)?;
         let rows = self.store.list_watchlist(user, size, after).await?;
+        if rows.is_empty() {
+            self.store.get_user(user).await?; // no such user: NOT_FOUND
+        }
         let next_page_token = if rows.len() == size as usize {
             rows.last().map(|r| format!("{}.{}", r.added_at, r.movie_id)).unwrap_or_default()
         } else {
