@@ -528,6 +528,38 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     reelay.stop().await;
 }
 
+/// A consumer task that dies (a panic) while the process runs stops the whole process with an
+/// error, instead of leaving it serving, healthy to every probe, without delivering.
+#[tokio::test]
+async fn a_delivery_task_that_dies_stops_the_process() {
+    let dir = temp_dir();
+    let port = || format!("127.0.0.1:{}", reelay_harness::free_port());
+    let child = tokio::process::Command::new(BIN)
+        .args(["run", "--dev"])
+        .env("REELAY_DATA_DIR", dir.path())
+        .env("REELAY_WRITE_ADDR", port())
+        .env("REELAY_HANDLERS_ADDR", port())
+        .env("REELAY_MEDIA_ADDR", port())
+        .env("REELAY_GATEWAY_ADDR", port())
+        .env("REELAY_METRICS_ADDR", port())
+        .env("REELAY_HANDLERS", "search")
+        .env("REELAY_FAILPOINTS", "consumer_task_panics")
+        .env("RUST_LOG", "info")
+        .kill_on_drop(true)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("the process stops by itself")
+        .unwrap();
+    assert!(!out.status.success(), "{:?}", out.status);
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("task panicked before shutdown was asked for"), "{log}");
+    assert!(log.contains("stopped"), "it stops in order: {log}");
+}
+
 #[tokio::test]
 async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode() {
     let dir = temp_dir();

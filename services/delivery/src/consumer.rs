@@ -20,6 +20,9 @@ pub async fn run_consumer<S: EventSource>(
     in_flight: usize,
     shutdown: Shutdown,
 ) {
+    if reelay_kit::failpoint_armed("consumer_task_panics") {
+        panic!("failpoint consumer_task_panics");
+    }
     tracing::info!(handlers = ?dispatcher.handler_names(), batch_size, in_flight, "consumer started");
     // Up to `in_flight` batches are worked on while the next is fetched, so one slow handler
     // call (an index commit) does not hold back the start of the next event.

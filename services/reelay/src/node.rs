@@ -418,11 +418,29 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         });
     }
     let _ = all_set_up.send(());
-    let done = clients_done.clone();
+    let (done, stop) = (clients_done.clone(), shutdown.clone());
     tasks.spawn(async move {
-        while clients.join_next().await.is_some() {}
+        // The relay, the consumers and the given-up watches run until shutdown; one that ends
+        // before (a panic) would leave this process serving, healthy to every probe, without
+        // delivering what it hosts. It stops the process instead, so its supervisor restarts it
+        // whole; the others are let finish as at any shutdown.
+        let mut failure = None;
+        while let Some(joined) = clients.join_next().await {
+            if failure.is_none() && !stop.is_requested() {
+                let how = match &joined {
+                    Err(error) if error.is_panic() => "panicked",
+                    Err(_) => "was cancelled",
+                    Ok(()) => "ended",
+                };
+                failure = Some(anyhow::anyhow!(
+                    "a relay, consumer or given-up watch task {how} before shutdown was asked for; stopping this \
+                     process, which no longer delivers everything it hosts (a restart brings it back whole)"
+                ));
+                stop.request();
+            }
+        }
         done.request();
-        Ok(())
+        failure.map_or(Ok(()), Err)
     });
 
     let mut db = None;
