@@ -576,6 +576,18 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     assert!(stderr.contains("no service token") && stderr.contains("--dev"), "{stderr}");
     assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
 
+    // So is a public URL no other server can reach: the gateway's listen address 0.0.0.0.
+    let out = std::process::Command::new(BIN)
+        .args(["run", "--dev"])
+        .env("REELAY_DATA_DIR", dir.path())
+        .env("REELAY_GATEWAY_ADDR", format!("0.0.0.0:{}", reelay_harness::free_port()))
+        .env_remove("REELAY_PUBLIC_URL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no other server can reach") && stderr.contains("REELAY_PUBLIC_URL"), "{stderr}");
+
     // An event limit no claim answer could carry is refused at start-up too.
     let out = std::process::Command::new(BIN)
         .args(["run", "--service", "write", "--dev"])

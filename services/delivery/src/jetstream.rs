@@ -113,7 +113,23 @@ pub async fn connect(url: &str) -> Result<async_nats::Client, SetupError> {
         })
         .connect(url)
         .await
-        .map_err(|e| SetupError::Connect { url: url.to_owned(), message: e.to_string() })
+        .map_err(|e| SetupError::Connect { url: redacted(url), message: e.to_string() })
+}
+
+/// A broker URL (one or more, comma-separated) with any user, password or token replaced by
+/// `***`, for logs and errors.
+pub fn redacted(url: &str) -> String {
+    url.split(',')
+        .map(|one| {
+            let Some((scheme, rest)) = one.split_once("://") else { return one.to_owned() };
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
+                None => one.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Refuses a configuration whose retries could outlast the broker's dedup memory.
@@ -415,6 +431,15 @@ fn json_object(body: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn credentials_are_not_shown() {
+        assert_eq!(redacted("nats://reelay:s3cret@nats:4222"), "nats://***@nats:4222");
+        assert_eq!(redacted("nats://token@nats:4222,nats://other:4222"), "nats://***@nats:4222,nats://other:4222");
+        assert_eq!(redacted("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(redacted("tls://u:p@host:4222/x@y"), "tls://***@host:4222/x@y");
+    }
+
     use super::*;
 
     fn config(replicas: usize) -> JetStreamConfig {

@@ -18,7 +18,15 @@ pub fn current_traceparent() -> String {
 }
 
 pub fn init(json: bool) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Unset: info. Set but not a filter: info too, and said so (a typo would silence the
+    // logs it meant to open).
+    let filter = match std::env::var(EnvFilter::DEFAULT_ENV) {
+        Err(_) => EnvFilter::new("info"),
+        Ok(value) => EnvFilter::try_new(&value).unwrap_or_else(|error| {
+            eprintln!("RUST_LOG={value:?} is not a log filter ({error}); logging at info");
+            EnvFilter::new("info")
+        }),
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -188,8 +188,9 @@ pub struct DeliveryArgs {
     #[arg(long, env = "REELAY_LEDGER_LEASE_MS", default_value_t = 30_000, value_parser = lease_ms())]
     pub ledger_lease_ms: u64,
 
-    /// How long finished ledger rows are kept.
-    #[arg(long, env = "REELAY_LEDGER_RETENTION_DAYS", default_value_t = 30)]
+    /// How long finished ledger rows are kept, in days: 1 to 3650. (They are what makes a
+    /// redelivery of a finished event a no-op, and what tells a given-up delivery's outcome.)
+    #[arg(long, env = "REELAY_LEDGER_RETENTION_DAYS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3650))]
     pub ledger_retention_days: u64,
 
     /// How often the write service purges outbox rows, ledger rows and request ids past
@@ -197,13 +198,14 @@ pub struct DeliveryArgs {
     #[arg(long, env = "REELAY_LEDGER_PURGE_INTERVAL_MS", default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
     pub ledger_purge_interval_ms: u64,
 
-    /// How long outbox rows every handler is finished with are kept, in seconds (7 days).
-    /// Dead-lettered work is kept until an operator replays or discards it.
-    #[arg(long, env = "REELAY_OUTBOX_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
+    /// How long outbox rows every handler is finished with are kept, in seconds (7 days): 1 s
+    /// to 10 years. Dead-lettered work is kept until an operator replays or discards it.
+    #[arg(long, env = "REELAY_OUTBOX_RETENTION_SECS", default_value_t = 7 * 24 * 3600, value_parser = clap::value_parser!(u64).range(1..=315_360_000))]
     pub outbox_retention_secs: u64,
 
-    /// How long a write's `request_id` answers a retry with the first call's answer.
-    #[arg(long, env = "REELAY_REQUEST_ID_RETENTION_HOURS", default_value_t = 24)]
+    /// How long a write's `request_id` answers a retry with the first call's answer, in hours:
+    /// up to 10 years; 0 keeps a key only until the next purge (tests).
+    #[arg(long, env = "REELAY_REQUEST_ID_RETENTION_HOURS", default_value_t = 24, value_parser = clap::value_parser!(u64).range(0..=87_600))]
     pub request_id_retention_hours: u64,
 
     /// How long the federation's records of activities taken in and sent, and of remote reviews
@@ -242,7 +244,8 @@ pub enum NatsMode {
 
 #[derive(Debug, Clone, Args)]
 pub struct NatsArgs {
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    /// The broker; a user and password or a token in it are never logged.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", hide_env_values = true)]
     pub nats_url: String,
 
     #[arg(long, env = "NATS_MODE", value_enum, default_value = "jetstream")]
@@ -364,10 +367,15 @@ pub struct MigrateArgs {
 }
 
 /// The service token from its variable or its file (trimmed); `None` when neither is set. A
-/// token must be at least 16 characters.
+/// token must be at least 16 characters. Both set is refused: which one is meant cannot be
+/// told (a variable left behind after the file's secret was rotated keeps the old token).
 pub fn read_service_token(token: Option<&str>, file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
     let token = match (token, file) {
-        (Some(token), _) => Some(token.trim().to_owned()),
+        (Some(_), Some(path)) => anyhow::bail!(
+            "both REELAY_SERVICE_TOKEN and REELAY_SERVICE_TOKEN_FILE ({}) are set; set one",
+            path.display()
+        ),
+        (Some(token), None) => Some(token.trim().to_owned()),
         (None, Some(path)) => Some(
             std::fs::read_to_string(path)
                 .map_err(|e| anyhow::anyhow!("cannot read the service token file {}: {e}", path.display()))?
@@ -379,5 +387,26 @@ pub fn read_service_token(token: Option<&str>, file: Option<&std::path::Path>) -
     match token {
         Some(token) if token.len() < 16 => anyhow::bail!("the service token must be at least 16 characters"),
         token => Ok(token),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_service_token_comes_from_one_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "a-token-of-the-file\n").unwrap();
+        assert_eq!(read_service_token(None, Some(&file)).unwrap().as_deref(), Some("a-token-of-the-file"));
+        assert_eq!(
+            read_service_token(Some(" a-token-of-the-variable "), None).unwrap().as_deref(),
+            Some("a-token-of-the-variable")
+        );
+        let both = read_service_token(Some("a-token-of-the-variable"), Some(&file)).unwrap_err().to_string();
+        assert!(both.contains("both REELAY_SERVICE_TOKEN and REELAY_SERVICE_TOKEN_FILE"), "{both}");
+        assert!(read_service_token(Some("short"), None).is_err());
+        assert_eq!(read_service_token(None, None).unwrap(), None);
     }
 }

@@ -110,8 +110,12 @@ async fn release_predecessor(
                     tracing::info!(instance = %identity.instance, claims = released,
                         "took back the claims this instance's previous run left behind");
                 }
-                for flag in ready.await {
-                    flag.set(true);
+                let flags = ready.await;
+                // A shutdown asked for meanwhile has already said "draining": stay so.
+                if !shutdown.is_requested() {
+                    for flag in flags {
+                        flag.set(true);
+                    }
                 }
                 return;
             }
@@ -195,9 +199,21 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     }
     // The gateway and the federation handlers name everything after the public origin.
     let gateway_addr = args.gateway.gateway_addr;
+    let public_url_set = args.handlers.settings.federation.public_url.is_some();
     let public_url =
         args.handlers.settings.federation.public_url.get_or_insert_with(|| format!("http://{gateway_addr}")).clone();
     let urls = reelay_activitypub::Urls::new(&public_url).map_err(anyhow::Error::msg)?;
+    // Every actor, key and activity id is built on it and sent to other servers, which keep
+    // them: an address no server can reach (0.0.0.0, ::) would make them all wrong for good.
+    if host_is_unspecified(urls.host())
+        && (services.contains(&Service::Gateway) || services.contains(&Service::Handlers))
+    {
+        anyhow::bail!(
+            "the public URL {public_url} names an address no other server can reach ({}); set REELAY_PUBLIC_URL to \
+             the URL other servers reach the gateway at",
+            if public_url_set { "REELAY_PUBLIC_URL" } else { "unset: taken from REELAY_GATEWAY_ADDR" }
+        );
+    }
     // Private addresses are reachable in development (two instances on one machine) only.
     let allow_private = *args.handlers.settings.federation.allow_private.get_or_insert(args.dev);
     args.handlers.settings.media.allow_private.get_or_insert(args.dev);
@@ -267,7 +283,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             max_message_bytes: args.grpc_max_message_bytes,
             owner: identity.owner(),
         };
-        tracing::info!(%write_url, nats = %js_config.url, ?mode, owner = %config.owner, "relay service starting");
+        tracing::info!(%write_url, nats = %jetstream::redacted(&js_config.url), ?mode, owner = %config.owner, "relay service starting");
         let stop = shutdown.clone();
         clients.spawn(relay::Relay::new(write_channel.clone(), client, config).run(stop));
     }
@@ -482,7 +498,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             federation: Duration::from_secs(args.delivery.federation_retention_days * 86_400),
         };
         // Migrated, handlers registered, about to serve: the write service is ready.
-        write_ready.set(true);
+        if !shutdown.is_requested() {
+            write_ready.set(true);
+        }
         tasks.spawn(
             reelay_write::purge_expired(
                 database.clone(),
@@ -517,6 +535,16 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     result
+}
+
+/// Whether `host_port` (`host`, `host:port`, `[v6]:port`) names the unspecified address
+/// (0.0.0.0, ::), which a server listens on but nobody can reach.
+fn host_is_unspecified(host_port: &str) -> bool {
+    let host = match host_port.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host_port.split(':').next().unwrap_or_default(),
+    };
+    host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified())
 }
 
 fn delivery_policy(args: &RunArgs) -> DeliveryPolicy {
@@ -567,4 +595,19 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     conn.close().await?;
     tracing::info!(database = %config.path.display(), to = ?args.to, "migrations applied");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_is_unspecified;
+
+    #[test]
+    fn unspecified_hosts_are_found() {
+        for host in ["0.0.0.0", "0.0.0.0:8080", "[::]:8080", "[::]"] {
+            assert!(host_is_unspecified(host), "{host}");
+        }
+        for host in ["127.0.0.1:8080", "reelay.example.org", "[::1]:8080", "10.0.0.1"] {
+            assert!(!host_is_unspecified(host), "{host}");
+        }
+    }
 }

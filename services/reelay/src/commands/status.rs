@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use reelay_contracts::v1::{self, admin_client::AdminClient};
-use reelay_delivery::jetstream::JetStreamConfig;
+use reelay_delivery::jetstream::{self, JetStreamConfig};
 
 use super::{ClientArgs, age, call_failed};
 
@@ -16,7 +16,7 @@ pub struct StatusArgs {
     pub client: ClientArgs,
 
     /// The broker, for handlers' consumer backlogs on the nats backend.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", hide_env_values = true)]
     pub nats_url: String,
 
     #[arg(long, env = "REELAY_STREAM", default_value = "REELAY_EVENTS")]
@@ -77,8 +77,8 @@ async fn nats_backlogs(
 ) -> Result<Vec<Option<ConsumerBacklog>>, String> {
     let client = tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&args.nats_url))
         .await
-        .map_err(|_| format!("{}: timed out", args.nats_url))?
-        .map_err(|e| format!("{}: {e}", args.nats_url))?;
+        .map_err(|_| format!("{}: timed out", jetstream::redacted(&args.nats_url)))?
+        .map_err(|e| format!("{}: {e}", jetstream::redacted(&args.nats_url)))?;
     let js = async_nats::jetstream::new(client);
     let stream = js.get_stream(&args.stream).await.map_err(|e| format!("stream {}: {e}", args.stream))?;
     let mut backlogs = Vec::with_capacity(handlers.len());
