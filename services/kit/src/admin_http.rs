@@ -67,10 +67,17 @@ impl ReadyFlag {
     }
 }
 
+/// The most admin connections served at once.
+const MAX_ADMIN_CONNECTIONS: usize = 1024;
+
 /// Serves the admin port until the process exits.
 pub async fn serve_admin(listener: TcpListener, readiness: Readiness) {
     tracing::info!(addr = ?listener.local_addr().ok(), "admin http (metrics, healthz, readyz) listening");
+    // Probes and scrapes are a few at a time; more connections than this wait in the listen
+    // backlog instead of each taking a task and a descriptor for up to 30 s.
+    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
     loop {
+        let Ok(permit) = open.clone().acquire_owned().await else { return };
         let (stream, _) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(error) => {
@@ -84,6 +91,7 @@ pub async fn serve_admin(listener: TcpListener, readiness: Readiness) {
             if let Err(error) = tokio::time::timeout(Duration::from_secs(30), answer(stream, readiness)).await {
                 tracing::debug!(%error, "admin http request timed out");
             }
+            drop(permit);
         });
     }
 }

@@ -222,12 +222,18 @@ pub fn add_sampler(sampler: Sampler) {
     registry().samplers.lock().expect("registry lock").push(sampler);
 }
 
-/// Runs the samplers (each bounded in time) and renders every registered metric.
+/// Runs the samplers (each bounded in time) and renders every registered metric. Scrapes
+/// sample one at a time: parallel ones would each run every sampler's queries at once, and one's
+/// reset of a gauge could land between another's values (a scrape missing series).
 pub async fn render() -> String {
-    let samplers: Vec<Sampler> = registry().samplers.lock().expect("registry lock").clone();
-    for sampler in samplers {
-        if tokio::time::timeout(Duration::from_secs(5), sampler()).await.is_err() {
-            tracing::warn!("a metrics sampler took over 5 s; serving its last values");
+    static SAMPLING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    {
+        let _one_at_a_time = SAMPLING.lock().await;
+        let samplers: Vec<Sampler> = registry().samplers.lock().expect("registry lock").clone();
+        for sampler in samplers {
+            if tokio::time::timeout(Duration::from_secs(5), sampler()).await.is_err() {
+                tracing::warn!("a metrics sampler took over 5 s; serving its last values");
+            }
         }
     }
     let families: Vec<Arc<Family>> = registry().families.lock().expect("registry lock").clone();
@@ -241,6 +247,25 @@ pub async fn render() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Scrapes at once sample one after another.
+    #[tokio::test]
+    async fn samplers_run_one_scrape_at_a_time() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (r, m) = (running.clone(), most.clone());
+        add_sampler(Arc::new(move || -> futures_util::future::BoxFuture<'static, ()> {
+            let (r, m) = (r.clone(), m.clone());
+            Box::pin(async move {
+                let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                m.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                r.fetch_sub(1, Ordering::SeqCst);
+            })
+        }));
+        futures_util::future::join_all((0..4).map(|_| render())).await;
+        assert_eq!(most.load(Ordering::SeqCst), 1);
+    }
 
     #[tokio::test]
     async fn renders_the_text_format() {
