@@ -1,5 +1,5 @@
-//! Test-only fault injection: `REELAY_FAILPOINTS=log_review,edit_review` (or `*`) arms named
-//! points where a service then fails on purpose (a write job fails after all its statements ran
+//! Test-only fault injection: `REELAY_FAILPOINTS=log_review,edit_review` arms named points
+//! (`*` arms every write job's, see the writer) where a service then fails on purpose (a write job fails after all its statements ran
 //! and before the commit; the relay aborts between PubAck and mark-done). Compiled only with the
 //! `failpoints` feature, which release builds never enable; without it nothing is ever armed.
 

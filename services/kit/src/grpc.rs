@@ -286,7 +286,7 @@ where
         let label = method_label(&self.known, &method);
         let started = Instant::now();
         if !self.authorized(&request) {
-            tracing::warn!(%method, "rejected call without a valid service token");
+            log_rejected(&method);
             GRPC_REQUESTS.inc(&[&label, "16"]);
             let status =
                 Status::unauthenticated("missing or invalid service token (send `authorization: Bearer <token>`)");
@@ -370,6 +370,25 @@ pub fn new_traceparent() -> String {
     let trace = uuid::Uuid::new_v4().simple().to_string();
     let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
     format!("00-{trace}-{span}-01")
+}
+
+/// Logs a call refused for its token, at most once every 10 s with how many went unlogged
+/// since (a caller without the token could otherwise fill the log); every one is counted in
+/// `reelay_grpc_requests_total` with code 16.
+fn log_rejected(method: &str) {
+    use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+    static LAST_LOGGED_S: AtomicI64 = AtomicI64::new(i64::MIN);
+    static UNLOGGED: AtomicU64 = AtomicU64::new(0);
+    let now_s = crate::now_ms() / 1000;
+    let last = LAST_LOGGED_S.load(Ordering::Relaxed);
+    if now_s.saturating_sub(last) >= 10
+        && LAST_LOGGED_S.compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    {
+        let unlogged = UNLOGGED.swap(0, Ordering::Relaxed);
+        tracing::warn!(%method, unlogged_since = unlogged, "rejected a call without a valid service token");
+    } else {
+        UNLOGGED.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]

@@ -120,7 +120,10 @@ async fn release_predecessor(
                 return;
             }
             Err(status) => {
-                backoff.wait("taking back the previous run's claims", status.message()).await;
+                tokio::select! {
+                    _ = backoff.wait("taking back the previous run's claims", status.message()) => {}
+                    () = shutdown.requested() => return,
+                }
             }
         }
     }
