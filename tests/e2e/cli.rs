@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use reelay_harness::{Reelay, eventually, query_strings, run_cli, temp_dir};
+use reelay_harness::{Reelay, events_of, eventually, query_strings, run_cli, temp_dir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 const README: &str = include_str!("../../README.md");
@@ -221,13 +221,42 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     assert!(out.contains("watchlist: 1 films added, 1 already on it") && !out.contains("diary"), "{out}");
     let reviews = query_strings(db, "SELECT COUNT(*) || '' FROM reviews").await;
     assert_eq!(reviews, vec![vec!["4".to_owned()]], "neither list became viewings");
+    // The diary.csv alone first, its reviews.csv after: the entry gets its text, once.
+    let alone = dir.path().join("diary.csv");
+    std::fs::write(
+        &alone,
+        format!(
+            "{DIARY_HEADER}2021-04-01,Ran,1985,https://boxd.it/d5,4,,,2021-03-31
+"
+        ),
+    )
+    .unwrap();
+    let out = reelay.cli(&["import", "letterboxd", alone.to_str().unwrap(), "--user", &ana], &[]).await;
+    assert!(out.ok().contains("diary: 1 entries added"), "{}", out.stdout);
+    let later = dir.path().join("reviews.csv");
+    std::fs::write(
+        &later,
+        format!(
+            "{REVIEWS_HEADER}2021-04-01,Ran,1985,https://boxd.it/d5,4,,Arrows everywhere.,,2021-03-31
+"
+        ),
+    )
+    .unwrap();
+    for given in ["(1 given the review text or rating they lacked)", "0 entries added, 1 already imported, "] {
+        let out = reelay.cli(&["import", "letterboxd", later.to_str().unwrap(), "--user", &ana], &[]).await;
+        assert!(out.ok().contains(given), "{}", out.stdout);
+    }
+    let ran =
+        query_strings(db, "SELECT r.body FROM reviews r JOIN movies m ON m.id = r.movie_id WHERE m.title = 'Ran'")
+            .await;
+    assert_eq!(ran, vec![vec!["Arrows everywhere.".to_owned()]]);
+    assert_eq!(events_of(db, "ReviewEdited").await.len(), 1, "one edit, raised once");
     // A call that fails says what was written before it, and that running it again is safe.
     let nobody = "00000000-0000-7000-8000-000000000000";
     let refused = reelay.cli(&["import", "letterboxd", first.to_str().unwrap(), "--user", nobody], &[]).await;
     assert!(!refused.success, "{}", refused.stderr);
     assert!(
-        refused.stderr.contains("0 of 3 diary rows were written before it")
-            && refused.stderr.contains("running the same command again is safe"),
+        refused.stderr.contains("0 of 3 diary rows were written before it") && refused.stderr.contains("check --user"),
         "{}",
         refused.stderr
     );
@@ -240,6 +269,22 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     assert!(!refused.success && refused.stderr.contains("stars must be 0.5 to 5"), "{}", refused.stderr);
     let refused = reelay.cli(&["users", "create", "Not A Handle"], &[]).await;
     assert!(!refused.success && refused.stderr.contains("InvalidArgument: handle"), "{}", refused.stderr);
+    assert_eq!(refused.stderr.matches("InvalidArgument: handle").count(), 1, "said once: {}", refused.stderr);
+    // A write run again with its request id (as a failure whose outcome is unknown says to)
+    // is written once, and answered as the first run was.
+    let cy = ["users", "create", "cy", "--request-id", "cy-1"];
+    let (first, again) = (reelay.cli(&cy, &[]).await, reelay.cli(&cy, &[]).await);
+    assert_eq!(first.ok(), again.ok(), "the same user, not 'handle taken'");
+    let log =
+        ["reviews", "log", "--user", &ana, "--movie", "Ran", "--year", "1985", "--stars", "4", "--request-id", "ran-1"];
+    let (first, again) = (reelay.cli(&log, &[]).await, reelay.cli(&log, &[]).await);
+    assert_eq!(first.ok().replace(" (a film new to Reelay)", ""), again.ok().replace(" (a film new to Reelay)", ""));
+    let ran = query_strings(
+        db,
+        "SELECT COUNT(*) || '' FROM reviews r JOIN movies m ON m.id = r.movie_id WHERE m.title = 'Ran'",
+    )
+    .await;
+    assert_eq!(ran, vec![vec!["2".to_owned()]], "the imported entry and one logged");
     let refused =
         run_cli(Path::new(BIN), &["status"], &[("REELAY_WRITE_URL".into(), format!("http://{}", reelay.addr))]).await;
     assert!(

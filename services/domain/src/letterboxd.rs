@@ -56,8 +56,9 @@ fn error(line: u64, reason: impl std::fmt::Display) -> ValidationError {
     ValidationError::new(FIELD, format!("line {line}: {reason}"))
 }
 
-/// Parses and validates a whole export.
-pub fn parse(data: &[u8]) -> Result<Vec<DiaryRow>, ValidationError> {
+/// Parses and validates a whole export, as of `now_ms` (a watch date may not be after today
+/// anywhere).
+pub fn parse(data: &[u8], now_ms: i64) -> Result<Vec<DiaryRow>, ValidationError> {
     let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(data);
     let headers = reader.headers().map_err(|e| error(1, format!("unreadable header: {e}")))?.clone();
     let find = |name: &str| headers.iter().position(|h| h.trim().eq_ignore_ascii_case(name));
@@ -108,7 +109,8 @@ pub fn parse(data: &[u8]) -> Result<Vec<DiaryRow>, ValidationError> {
             "" => get(columns.date),
             watched => watched,
         };
-        let watched_on = validate::date("Watched Date", watched_raw).map_err(|e| column_error("Watched Date", e))?;
+        let watched_on =
+            validate::watch_date("Watched Date", watched_raw, now_ms).map_err(|e| column_error("Watched Date", e))?;
         let letterboxd_uri = get(columns.uri);
         if !letterboxd_uri.is_empty() {
             validate::uri("Letterboxd URI", letterboxd_uri).map_err(|e| column_error("Letterboxd URI", e))?;
@@ -204,13 +206,24 @@ pub fn parse_stars(text: &str) -> Option<u32> {
 mod tests {
     use super::*;
 
+    /// 2024-06-01 00:00 UTC.
+    const NOW: i64 = 1_717_200_000_000;
+
+    #[test]
+    fn a_watch_date_after_today_is_refused() {
+        let future = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n\
+            2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,,2031-05-01\n";
+        let error = parse(future.as_bytes(), NOW).unwrap_err();
+        assert!(error.reason.contains("line 2: Watched Date") && error.reason.contains("future"), "{error:?}");
+    }
+
     const DIARY: &str = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n\
         2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,,2024-01-02\n\
         2024-01-05,\"Crouching Tiger, Hidden Dragon\",2000,https://boxd.it/aaa2,,Yes,\"wuxia, rewatch\",2024-01-05\n";
 
     #[test]
     fn parses_a_diary_export() {
-        let rows = parse(DIARY.as_bytes()).unwrap();
+        let rows = parse(DIARY.as_bytes(), NOW).unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].title, "Alien");
         assert_eq!(rows[0].rating, 9);
@@ -225,18 +238,18 @@ mod tests {
     #[test]
     fn errors_name_line_and_column() {
         let bad = "Date,Name,Year,Letterboxd URI,Rating\n2024-01-01,Alien,1979,,4\n2024-01-01,Heat,95,,4\n";
-        let err = parse(bad.as_bytes()).unwrap_err();
+        let err = parse(bad.as_bytes(), NOW).unwrap_err();
         assert_eq!(err.field, "data");
         assert!(err.reason.starts_with("line 3: Year"), "{err}");
 
         let bad = "Name,Year,Rating\nAlien,1979,7\n";
-        assert!(parse(bad.as_bytes()).unwrap_err().reason.starts_with("line 2: Rating"));
+        assert!(parse(bad.as_bytes(), NOW).unwrap_err().reason.starts_with("line 2: Rating"));
 
         let bad = "Name,Rating\nAlien,3\n";
-        assert!(parse(bad.as_bytes()).unwrap_err().reason.contains("no Year column"));
+        assert!(parse(bad.as_bytes(), NOW).unwrap_err().reason.contains("no Year column"));
 
         let ragged = "Name,Year\nAlien,1979\nHeat,1995,extra\n";
-        assert!(parse(ragged.as_bytes()).unwrap_err().reason.starts_with("line 3"));
+        assert!(parse(ragged.as_bytes(), NOW).unwrap_err().reason.starts_with("line 3"));
     }
 
     #[test]
@@ -245,7 +258,7 @@ mod tests {
             2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,\"In space, no one can hear you scream.\",,2024-01-02\n\
             2024-02-01,Heat,1995,https://boxd.it/bbb1,5,,The diner scene.,,2024-01-31\n";
         let joined = attach_reviews(DIARY.as_bytes(), reviews.as_bytes()).unwrap();
-        let rows = parse(&joined).unwrap();
+        let rows = parse(&joined, NOW).unwrap();
         assert_eq!(rows.len(), 3, "two diary entries and one review without an entry");
         assert_eq!(rows[0].title, "Alien");
         assert_eq!(rows[0].body, "In space, no one can hear you scream.");

@@ -27,6 +27,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // A service's failure goes to its log too (a collector reads it); a client command's is
+    // said once, on stderr.
+    let serves = matches!(cli.command, Command::Run(_) | Command::Migrate(_));
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Run(run) => node::run(*run).await,
@@ -37,7 +40,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!("{error:#}");
+            if serves {
+                tracing::error!("{error:#}");
+            }
             eprintln!("reelay: {error:#}");
             ExitCode::from(2)
         }

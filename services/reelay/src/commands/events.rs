@@ -30,7 +30,7 @@ pub async fn run(command: EventsCommand) -> anyhow::Result<()> {
         .await
         .map_err(|s| call_failed("events explain", s))?
         .into_inner();
-    println!("event {} (backend: {})", args.event_id, explained.backend);
+    println!("event {} (backend: {}; times in UTC)", args.event_id, explained.backend);
     match &explained.outbox {
         Some(row) => print_row("outbox", row),
         None => println!("outbox: no row (deleted by retention after every handler finished with it)"),

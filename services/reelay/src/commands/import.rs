@@ -4,7 +4,9 @@
 //! CSV is imported as a diary when it has a diary's columns (`Watched Date` or `Review`), as the
 //! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked before anything is sent (errors name the
 //! file, line and column); re-importing a newer export adds only what is new (diary entries are
-//! keyed by their Letterboxd URI, a film already on the watchlist stays as it is).
+//! keyed by their Letterboxd URI, a film already on the watchlist stays as it is), and an
+//! entry imported before without its review text or rating gets them from a later file (the
+//! diary.csv first, its reviews.csv after); what an entry has is never overwritten.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
@@ -15,7 +17,7 @@ use reelay_contracts::v1::{self, integrations_client::IntegrationsClient, watchl
 use reelay_domain::letterboxd;
 use reelay_kit::client::ServiceChannel;
 
-use super::{ClientArgs, call_failed, movie_by_title, read_file};
+use super::{ClientArgs, MAX_INPUT_FILE_BYTES, call_failed, movie_by_title, read_file};
 
 /// Diary rows per ImportDiary call (the server commits this many per transaction too), so the
 /// progress bar moves as rows are written.
@@ -101,9 +103,8 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
         let index =
             (0..archive.len()).find(|&i| archive.name_for_index(i).and_then(Result::ok).is_some_and(|n| wanted(&n)));
         let Some(index) = index else { return Ok(None) };
-        let mut entry = archive.by_index(index).with_context(|| format!("cannot read {name} in the zip"))?;
-        let mut bytes = Vec::new();
-        entry.read_to_end(&mut bytes).with_context(|| format!("cannot read {name} in the zip"))?;
+        let entry = archive.by_index(index).with_context(|| format!("cannot read {name} in the zip"))?;
+        let bytes = read_capped(entry, MAX_INPUT_FILE_BYTES, name)?;
         checked(name, &bytes)?;
         Ok(Some(bytes))
     };
@@ -121,6 +122,17 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
     Ok(Export { diary, watchlist })
 }
 
+/// Reads `reader` to its end, refusing it past `cap` bytes without reading more than one byte
+/// beyond (a zip entry's decompressed size is whatever its bytes make it: a zip bomb).
+fn read_capped(reader: impl Read, cap: u64, name: &str) -> anyhow::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    reader.take(cap + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {name} in the zip"))?;
+    if bytes.len() as u64 > cap {
+        bail!("{name} in the zip is over {cap} bytes once decompressed: not a Letterboxd export");
+    }
+    Ok(bytes)
+}
+
 /// The column names of a CSV's header line (a byte-order mark and quotes taken off).
 fn header_columns(data: &[u8]) -> Vec<String> {
     let text = String::from_utf8_lossy(data);
@@ -131,7 +143,7 @@ fn header_columns(data: &[u8]) -> Vec<String> {
 /// Parses a file as the server will, so a bad row is reported with its file before anything
 /// is sent.
 fn checked(name: &str, data: &[u8]) -> anyhow::Result<Vec<letterboxd::DiaryRow>> {
-    letterboxd::parse(data).map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))
+    letterboxd::parse(data, reelay_kit::now_ms()).map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))
 }
 
 async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyhow::Result<String> {
@@ -141,7 +153,7 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
     let records: Vec<csv::ByteRecord> =
         reader.byte_records().collect::<Result<_, _>>().context("diary rows (checked above)")?;
     let mut progress = Progress::new("diary", records.len());
-    let (mut imported, mut skipped, mut discovered) = (0, 0, 0);
+    let (mut imported, mut skipped, mut discovered, mut completed) = (0, 0, 0, 0);
     for batch in records.chunks(ROWS_PER_CALL) {
         let mut writer = csv::Writer::from_writer(Vec::new());
         writer.write_byte_record(&header)?;
@@ -164,8 +176,18 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
                 // Each call commits its rows: those sent before this one are in.
                 let written = progress.done;
                 progress.finish();
+                let next = match status.code() {
+                    tonic::Code::NotFound => "check --user (the id `reelay users create` printed)",
+                    tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition => {
+                        "fix what the message names; running the command again then skips rows already imported"
+                    }
+                    tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                        "set the service token (REELAY_SERVICE_TOKEN or REELAY_SERVICE_TOKEN_FILE)"
+                    }
+                    _ => "running the same command again is safe: rows already imported are skipped",
+                };
                 return Err(call_failed("importing the diary", status).context(format!(
-                    "{written} of {} diary rows were written before it ({imported} entries added, {skipped} already imported); running the same command again is safe: rows already imported are skipped",
+                    "{written} of {} diary rows were written before it ({imported} entries added, {skipped} already imported); {next}",
                     records.len()
                 )));
             }
@@ -173,10 +195,18 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
         imported += answer.imported;
         skipped += answer.skipped_duplicates;
         discovered += answer.movies_discovered;
+        completed += answer.completed;
         progress.advance(batch.len());
     }
     progress.finish();
-    Ok(format!("diary: {imported} entries added, {skipped} already imported, {discovered} films new to Reelay"))
+    let completed = if completed > 0 {
+        format!(" ({completed} given the review text or rating they lacked)")
+    } else {
+        String::new()
+    };
+    Ok(format!(
+        "diary: {imported} entries added, {skipped} already imported{completed}, {discovered} films new to Reelay"
+    ))
 }
 
 async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8]) -> anyhow::Result<String> {
@@ -271,5 +301,17 @@ impl Progress {
         } else {
             eprintln!("{}: {}/{} rows", self.label, self.done, self.total);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zip_entry_is_read_up_to_the_cap() {
+        assert_eq!(read_capped(std::io::repeat(7).take(10), 10, "diary.csv").unwrap().len(), 10);
+        let over = read_capped(std::io::repeat(0), 10, "diary.csv").unwrap_err().to_string();
+        assert!(over.contains("diary.csv in the zip is over 10 bytes"), "{over}");
     }
 }

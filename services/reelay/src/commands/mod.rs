@@ -109,15 +109,71 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-/// A refused or failed call, said plainly: the code and the server's message (which names the
-/// field for bad input).
+/// A refused or failed call to the write service, said plainly: the code and the server's
+/// message (which names the field for bad input).
 pub fn call_failed(what: &str, status: tonic::Status) -> anyhow::Error {
+    call_failed_at(what, status, "REELAY_WRITE_URL")
+}
+
+/// [`call_failed`] for a service reached through the variable `url_var`.
+pub fn call_failed_at(what: &str, status: tonic::Status, url_var: &str) -> anyhow::Error {
     let hint = match status.code() {
-        tonic::Code::Unavailable => " (is the service running, and is REELAY_WRITE_URL right?)",
-        tonic::Code::Unauthenticated => " (set REELAY_SERVICE_TOKEN or REELAY_SERVICE_TOKEN_FILE)",
-        _ => "",
+        tonic::Code::Unavailable => format!(" (is the service running, and is {url_var} right?)"),
+        tonic::Code::Unauthenticated => " (set REELAY_SERVICE_TOKEN or REELAY_SERVICE_TOKEN_FILE)".to_owned(),
+        _ => String::new(),
     };
     anyhow::anyhow!("{what} failed: {:?}: {}{hint}", status.code(), status.message())
+}
+
+/// A write's idempotency key: `--request-id` when given, else a new one for this run.
+pub fn request_id_or_new(given: Option<String>) -> String {
+    given.unwrap_or_else(|| format!("cli-{}", uuid::Uuid::now_v7()))
+}
+
+/// Whether a failed call may have been carried out all the same (the service unreachable
+/// mid-call, the deadline passed, an "outcome unknown" answer).
+fn outcome_unknown(status: &tonic::Status) -> bool {
+    use tonic::Code;
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Unknown | Code::Cancelled
+    )
+}
+
+/// How often a write whose outcome is unknown is sent again, and the first wait between.
+const WRITE_TRIES: u32 = 3;
+const FIRST_RETRY_WAIT: Duration = Duration::from_millis(500);
+
+/// Runs a write carrying `request_id`, again with the same key while its outcome is unknown:
+/// the write service answers a repeat with the first call's answer, so it is written once
+/// however many times it is sent. When it still cannot be told, the error says how to ask
+/// again later without writing twice.
+pub async fn keyed_write<T, F, Fut>(what: &str, request_id: &str, mut call: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let mut wait = FIRST_RETRY_WAIT;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let status = match call().await {
+            Ok(answer) => return Ok(answer.into_inner()),
+            Err(status) => status,
+        };
+        if !outcome_unknown(&status) {
+            return Err(call_failed(what, status));
+        }
+        if tries >= WRITE_TRIES {
+            return Err(call_failed(what, status).context(format!(
+                "whether it was written cannot be told: run the same command with --request-id {request_id} once \
+                 the service answers, which writes it at most once"
+            )));
+        }
+        eprintln!("{what}: {} ({:?}); sending it again with the same request id", status.message(), status.code());
+        tokio::time::sleep(wait).await;
+        wait *= 2;
+    }
 }
 
 /// A film named by title and year (found, or created when Reelay does not know it yet).
@@ -180,8 +236,16 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 
 /// Reads a whole file, saying which one failed.
 pub fn read_file(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    let size = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?.len();
+    if size > MAX_INPUT_FILE_BYTES {
+        anyhow::bail!("{} is {size} bytes, over the {MAX_INPUT_FILE_BYTES} bytes an export may have", path.display());
+    }
     std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
 }
+
+/// The largest file (and, in a zip, the largest file once decompressed) a command reads: a
+/// Letterboxd export of a lifetime's diary is a few MB.
+pub const MAX_INPUT_FILE_BYTES: u64 = 256 * 1024 * 1024;
 
 #[cfg(test)]
 mod tests {
@@ -194,6 +258,42 @@ mod tests {
         assert_eq!(utc(1_709_251_200_000), "2024-03-01 00:00:00");
         assert_eq!(age(59_999), "59s");
         assert_eq!(age(3_600_000 * 25), "1d 1h");
+    }
+
+    /// A write whose outcome is unknown is sent again with the same key until it is answered;
+    /// a refusal is not; one never answered says how to ask again.
+    #[tokio::test]
+    async fn a_keyed_write_is_sent_again_while_its_outcome_is_unknown() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let calls = AtomicU32::new(0);
+        let answered = keyed_write("x", "k", || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match n {
+                    0 => Err(tonic::Status::unavailable("connection reset")),
+                    1 => Err(tonic::Status::deadline_exceeded("too slow")),
+                    _ => Ok(tonic::Response::new(7)),
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!((answered, calls.load(Ordering::SeqCst)), (7, 3));
+
+        let calls = AtomicU32::new(0);
+        let refused = keyed_write::<u32, _, _>("x", "k", || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err(tonic::Status::invalid_argument("rating: too high")) }
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "a refusal is final");
+        assert!(format!("{refused:#}").contains("rating: too high"));
+
+        let never = keyed_write::<u32, _, _>("x", "key-1", || async { Err(tonic::Status::unavailable("down")) })
+            .await
+            .unwrap_err();
+        assert!(format!("{never:#}").contains("--request-id key-1"), "{never:#}");
     }
 
     #[test]

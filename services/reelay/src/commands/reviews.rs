@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, reviews_client::ReviewsClient};
 
-use super::{ClientArgs, UserAndFilm, call_failed, movie_by_title};
+use super::{ClientArgs, UserAndFilm, keyed_write, movie_by_title, request_id_or_new};
 
 #[derive(Debug, Subcommand)]
 pub enum ReviewsCommand {
@@ -32,6 +32,11 @@ pub struct LogArgs {
     #[arg(long)]
     pub rewatch: bool,
 
+    /// The write's idempotency key (a new one when not given): the same command with the same
+    /// key logs the film at most once, and answers with that review.
+    #[arg(long)]
+    pub request_id: Option<String>,
+
     #[command(flatten)]
     pub client: ClientArgs,
 }
@@ -45,21 +50,23 @@ fn parse_stars(text: &str) -> Result<u32, String> {
 
 pub async fn run(command: ReviewsCommand) -> anyhow::Result<()> {
     let ReviewsCommand::Log(args) = command;
-    let mut reviews = ReviewsClient::new(args.client.write()?);
+    let reviews = ReviewsClient::new(args.client.write()?);
     let movie = movie_by_title(&args.film.movie, args.film.year);
-    let logged = reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: args.film.user,
-            movie: Some(movie),
-            rating: args.stars.unwrap_or(0),
-            body: args.review,
-            watched_on: args.watched_on,
-            rewatch: args.rewatch,
-            request_id: String::new(),
-        })
-        .await
-        .map_err(|s| call_failed("reviews log", s))?
-        .into_inner();
+    let request_id = request_id_or_new(args.request_id);
+    let request = v1::LogReviewRequest {
+        actor_user_id: args.film.user,
+        movie: Some(movie),
+        rating: args.stars.unwrap_or(0),
+        body: args.review,
+        watched_on: args.watched_on,
+        rewatch: args.rewatch,
+        request_id: request_id.clone(),
+    };
+    let logged = keyed_write("reviews log", &request_id, || {
+        let (mut reviews, request) = (reviews.clone(), request.clone());
+        async move { reviews.log_review(request).await }
+    })
+    .await?;
     let review = logged.review.unwrap_or_default();
     let new = if logged.movie_created { " (a film new to Reelay)" } else { "" };
     println!("logged {} ({}){new}: review {}", args.film.movie, args.film.year, review.review_id);

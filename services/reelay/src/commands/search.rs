@@ -5,7 +5,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, search_client::SearchClient};
 
-use super::{ClientArgs, call_failed};
+use super::{ClientArgs, call_failed_at};
 
 #[derive(Debug, Subcommand)]
 pub enum SearchCommand {
@@ -40,13 +40,18 @@ pub async fn run(command: SearchCommand) -> anyhow::Result<()> {
             page_token: String::new(),
         })
         .await
-        .map_err(|s| call_failed("search reviews", s))?
+        .map_err(|s| call_failed_at("search reviews", s, "REELAY_HANDLERS_URL"))?
         .into_inner();
     println!("{} review(s) found", found.total_hits);
     for hit in &found.hits {
         let stars = if hit.rating == 0 { "unrated".to_owned() } else { format!("{}★", f64::from(hit.rating) / 2.0) };
         let author = if hit.remote { hit.actor_uri.as_str() } else { hit.user_id.as_str() };
-        println!("{} ({}) {stars} by {author}: {}", hit.movie_title, hit.movie_year, hit.body);
+        // One line per hit: a review's own line breaks are shown as spaces.
+        let body = hit.body.split_whitespace().collect::<Vec<_>>().join(" ");
+        println!("{} ({}) {stars} by {author}: {body}", hit.movie_title, hit.movie_year);
+    }
+    if found.total_hits > found.hits.len() as u64 {
+        println!("({} of {} shown; raise --limit, at most 100)", found.hits.len(), found.total_hits);
     }
     Ok(())
 }

@@ -40,7 +40,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         status.outbox_processing,
         status.outbox_done,
         status.outbox_dead_lettered,
-        age(status.oldest_due_age_ms)
+        // Nothing waiting has no age (as a handler row shows it).
+        if status.oldest_due_age_ms > 0 { age(status.oldest_due_age_ms) } else { "-".to_owned() }
     );
     let nats = if status.backend == "nats" { Some(nats_backlogs(&args, &status.handlers).await) } else { None };
     println!(

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, users_client::UsersClient};
 
-use super::{ClientArgs, call_failed};
+use super::{ClientArgs, keyed_write, request_id_or_new};
 
 #[derive(Debug, Subcommand)]
 pub enum UsersCommand {
@@ -21,22 +21,29 @@ pub struct CreateArgs {
     #[arg(long)]
     pub name: Option<String>,
 
+    /// The write's idempotency key (a new one when not given): the same command with the same
+    /// key creates the user at most once, and answers with it.
+    #[arg(long)]
+    pub request_id: Option<String>,
+
     #[command(flatten)]
     pub client: ClientArgs,
 }
 
 pub async fn run(command: UsersCommand) -> anyhow::Result<()> {
     let UsersCommand::Create(args) = command;
-    let mut users = UsersClient::new(args.client.write()?);
-    let user = users
-        .create_user(v1::CreateUserRequest {
-            display_name: args.name.unwrap_or_else(|| args.handle.clone()),
-            handle: args.handle,
-            request_id: String::new(),
-        })
-        .await
-        .map_err(|s| call_failed("users create", s))?
-        .into_inner();
+    let users = UsersClient::new(args.client.write()?);
+    let request_id = request_id_or_new(args.request_id);
+    let request = v1::CreateUserRequest {
+        display_name: args.name.unwrap_or_else(|| args.handle.clone()),
+        handle: args.handle,
+        request_id: request_id.clone(),
+    };
+    let user = keyed_write("users create", &request_id, || {
+        let (mut users, request) = (users.clone(), request.clone());
+        async move { users.create_user(request).await }
+    })
+    .await?;
     eprintln!("created user @{} ({})", user.handle, user.display_name);
     println!("{}", user.user_id);
     Ok(())

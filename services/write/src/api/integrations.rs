@@ -45,7 +45,7 @@ impl v1::integrations_server::Integrations for WriteApi {
             return Err(ServiceError::invalid("data", "is required (the export was empty)").into());
         }
         // Validate the whole file before writing anything.
-        let rows = tokio::task::spawn_blocking(move || letterboxd::parse(&data))
+        let rows = tokio::task::spawn_blocking(move || letterboxd::parse(&data, reelay_kit::now_ms()))
             .await
             .map_err(|_| ServiceError::internal("the CSV parser failed unexpectedly"))?
             .map_err(ServiceError::from)?;

@@ -5,9 +5,12 @@ use reelay_domain::letterboxd::DiaryRow;
 use reelay_domain::{NewEvent, ReviewId, UserId};
 use reelay_outbox::WriteTx;
 
+use reelay_kit::ServiceError;
+
+use super::reviews::review_edited;
 use super::{
-    ImportSummary, MovieSpec, Result, ReviewRow, Store, commit_events, ensure_user, insert_review, resolve_movie,
-    review_logged, write_job,
+    ImportSummary, MovieSpec, Result, ReviewRow, Store, commit_events, ensure_user, insert_review, movie_by_id,
+    resolve_movie, review_logged, select_reviews, write_job,
 };
 use crate::request_ids::RequestKey;
 
@@ -51,16 +54,19 @@ impl Store {
                 }
                 ensure_user(tx.conn(), actor).await?;
                 let mut events = Vec::new();
-                let (mut imported, mut skipped, mut discovered) = (0u32, 0u32, 0u32);
+                let (mut imported, mut skipped, mut discovered, mut completed) = (0u32, 0u32, 0u32, 0u32);
                 for row in &chunk {
                     let import_key = format!("{actor}|{}", row.import_key());
-                    let seen = sqlx::query("SELECT 1 FROM reviews WHERE import_key = ?")
+                    let seen: Option<ReviewRow> = sqlx::query_as(select_reviews!("WHERE import_key = ?"))
                         .bind(import_key.clone())
                         .fetch_optional(tx.conn())
-                        .await?
-                        .is_some();
-                    if seen {
+                        .await?;
+                    if let Some(review) = seen {
                         skipped += 1;
+                        if let Some(event) = complete(tx, review, row).await? {
+                            events.push(event);
+                            completed += 1;
+                        }
                         continue;
                     }
                     let spec = MovieSpec::TitleYear { title: row.title.clone(), year: row.year, external_id: None };
@@ -100,6 +106,7 @@ impl Store {
                 summary.imported += imported;
                 summary.skipped_duplicates += skipped;
                 summary.movies_discovered += discovered;
+                summary.completed += completed;
                 if last && let Some(key) = &key {
                     key.record(tx, &summary.response(import_id)).await?;
                 }
@@ -113,6 +120,36 @@ impl Store {
         }
         Ok(summary.response(import_id))
     }
+}
+
+/// An entry imported before, met again: the text and rating it lacks and `row` has are filled
+/// in (a diary imported first and its reviews.csv after, or an export made after a review was
+/// written). What it has is kept, edited in Reelay or not. Returns its `ReviewEdited`, if
+/// anything changed.
+async fn complete(tx: &mut WriteTx, mut review: ReviewRow, row: &DiaryRow) -> Result<Option<NewEvent>> {
+    let body = review.body.is_empty() && !row.body.is_empty();
+    let rating = review.rating == 0 && row.rating > 0;
+    if !body && !rating {
+        return Ok(None);
+    }
+    if body {
+        review.body = row.body.clone();
+    }
+    if rating {
+        review.rating = i64::from(row.rating);
+    }
+    review.updated_at = tx.now_ms();
+    sqlx::query("UPDATE reviews SET body = ?, rating = ?, updated_at = ? WHERE id = ?")
+        .bind(review.body.clone())
+        .bind(review.rating)
+        .bind(review.updated_at)
+        .bind(review.id.clone())
+        .execute(tx.conn())
+        .await?;
+    let movie = movie_by_id(tx.conn(), &review.movie_id)
+        .await?
+        .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
+    Ok(Some(review_edited(&review, &movie)))
 }
 
 /// What one chunk's transaction did.
@@ -131,6 +168,7 @@ impl ImportSummary {
             imported: self.imported,
             skipped_duplicates: self.skipped_duplicates,
             movies_discovered: self.movies_discovered,
+            completed: self.completed,
         }
     }
 }

@@ -174,6 +174,8 @@ pub struct ImportSummary {
     pub imported: u32,
     pub skipped_duplicates: u32,
     pub movies_discovered: u32,
+    /// Entries imported before whose missing text or rating this import filled in.
+    pub completed: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

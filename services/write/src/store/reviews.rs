@@ -33,6 +33,26 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
     Ok(review)
 }
 
+/// The `ReviewEdited` of `review` (as it now is) of `movie`.
+pub(super) fn review_edited(review: &ReviewRow, movie: &MovieRow) -> NewEvent {
+    NewEvent::new(
+        &review.id,
+        Payload::ReviewEdited(v1::ReviewEdited {
+            review_id: review.id.clone(),
+            user_id: review.user_id.clone(),
+            movie_id: review.movie_id.clone(),
+            rating: review.rating as u32,
+            body: review.body.clone(),
+            watched_on: review.watched_on.clone(),
+            rewatch: review.rewatch,
+            movie_title: movie.title.clone(),
+            movie_year: movie.year as i32,
+            movie_external_id: movie.external_id.clone().unwrap_or_default(),
+            logged_at_ms: review.created_at,
+        }),
+    )
+}
+
 /// Reviews per insert statement of [`log_known_movie_reviews`] (ten parameters each, far below
 /// SQLite's limit of 32,766).
 const REVIEWS_PER_INSERT: usize = 500;
@@ -226,23 +246,7 @@ impl Store {
             let movie = movie_by_id(tx.conn(), &review.movie_id)
                 .await?
                 .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
-            let event = NewEvent::new(
-                &review.id,
-                Payload::ReviewEdited(v1::ReviewEdited {
-                    review_id: review.id.clone(),
-                    user_id: review.user_id.clone(),
-                    movie_id: review.movie_id.clone(),
-                    rating: review.rating as u32,
-                    body: review.body.clone(),
-                    watched_on: review.watched_on.clone(),
-                    rewatch: review.rewatch,
-                    movie_title: movie.title,
-                    movie_year: movie.year as i32,
-                    movie_external_id: movie.external_id.unwrap_or_default(),
-                    logged_at_ms: review.created_at,
-                }),
-            );
-            commit_events(tx, vec![event]).await?;
+            commit_events(tx, vec![review_edited(&review, &movie)]).await?;
             Ok(convert::review(review))
         })
         .await
