@@ -559,6 +559,15 @@ impl Session {
             let _ = conn.close().await;
             return Err(error);
         }
+        match last_event_stamp(&mut conn).await {
+            Ok(stamp) => {
+                self.last_event_us.fetch_max(stamp, Ordering::Relaxed);
+            }
+            Err(error) => {
+                let _ = conn.close().await;
+                return Err(error);
+            }
+        }
         let tx = WriteTx {
             conn,
             traceparent: String::new(),
@@ -611,6 +620,23 @@ impl Session {
         }
         self.current.as_mut()
     }
+}
+
+/// The latest `occurred_at_us` an event in the outbox may carry: events are stamped strictly
+/// after it, so one written after a restart orders after every one before it even when this
+/// machine's clock is behind the last run's (handlers keep the newest version of a thing by
+/// it). The last row's own stamp, or a millisecond's worth past the newest row's time (a row of
+/// another writer, or one not decoded).
+async fn last_event_stamp(conn: &mut SqliteConnection) -> Result<i64, sqlx::Error> {
+    use prost::Message;
+    let newest: Option<i64> =
+        sqlx::query_scalar("SELECT MAX(created_at) FROM event_queue").fetch_one(&mut *conn).await?;
+    let last: Option<Vec<u8>> = sqlx::query_scalar("SELECT payload FROM event_queue ORDER BY id DESC LIMIT 1")
+        .fetch_optional(&mut *conn)
+        .await?;
+    let decoded = last.and_then(|payload| reelay_contracts::v1::Event::decode(payload.as_slice()).ok());
+    let by_time = newest.map_or(0, |ms| ms.saturating_add(1).saturating_mul(1000) - 1);
+    Ok(by_time.max(decoded.map_or(0, |e| e.occurred_at_us)))
 }
 
 async fn run(
@@ -1059,6 +1085,57 @@ mod tests {
         }
         let shared_ms = events.windows(2).filter(|p| p[0].occurred_at_ms == p[1].occurred_at_ms).count();
         assert!(shared_ms > 0, "some events shared a millisecond (else this test tests nothing)");
+        db.close().await;
+    }
+
+    /// A writer opened on an outbox whose newest event was stamped ahead of this clock (the last
+    /// run's machine was ahead, or the clock was stepped back since) stamps its events after
+    /// it: a later change always orders after an earlier one.
+    #[tokio::test]
+    async fn a_restarted_writer_stamps_after_the_last_run_whatever_the_clock() {
+        use prost::Message;
+        let dir = tempfile::tempdir().unwrap();
+        let config = DbConfig::new(dir.path().join("w.db"));
+        let db = Database::open(&config).await.unwrap();
+        let write = |db: &Database| {
+            let writer = db.writer.clone();
+            async move {
+                writer
+                    .transact::<_, TestError, _>("test", |tx: &mut WriteTx| {
+                        Box::pin(async move { Ok(enqueue_events(tx, vec![event(1)]).await?.len()) })
+                    })
+                    .await
+            }
+        };
+        write(&db).await.unwrap();
+        // The last run's event, stamped an hour ahead of this clock.
+        let ahead_us = (reelay_kit::now_ms() + 3_600_000) * 1000;
+        let payload: Vec<u8> =
+            sqlx::query_scalar("SELECT payload FROM event_queue").fetch_one(&db.reads).await.unwrap();
+        let mut last = v1::Event::decode(payload.as_slice()).unwrap();
+        last.occurred_at_us = ahead_us;
+        db.writer
+            .transact::<_, TestError, _>("test", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query("UPDATE event_queue SET payload = ?")
+                        .bind(last.encode_to_vec())
+                        .execute(tx.conn())
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        db.close().await;
+
+        let db = Database::open(&config).await.unwrap();
+        write(&db).await.unwrap();
+        let payload: Vec<u8> = sqlx::query_scalar("SELECT payload FROM event_queue ORDER BY id DESC LIMIT 1")
+            .fetch_one(&db.reads)
+            .await
+            .unwrap();
+        let next = v1::Event::decode(payload.as_slice()).unwrap();
+        assert!(next.occurred_at_us > ahead_us, "{} after {ahead_us}", next.occurred_at_us);
         db.close().await;
     }
 
