@@ -23,13 +23,38 @@ type Reply<T> = Result<Response<T>, Status>;
 /// Mounts the `Search` service on `server`, with the server's message-size limit.
 pub fn mount(server: GrpcServer, index: SearchIndex) -> GrpcServer {
     let limit = server.config().max_message_bytes;
-    let service =
-        SearchServer::new(SearchApi { index }).max_decoding_message_size(limit).max_encoding_message_size(limit);
+    let api = SearchApi { index, page_bytes: limit.saturating_sub(PAGE_MARGIN_BYTES) };
+    let service = SearchServer::new(api).max_decoding_message_size(limit).max_encoding_message_size(limit);
     server.add_service(service)
 }
 
+/// Room an answer keeps under the message limit for what is not a hit (its other fields,
+/// framing).
+const PAGE_MARGIN_BYTES: usize = 64 * 1024;
+
 struct SearchApi {
     index: SearchIndex,
+    /// The most bytes of hits one page carries: a page of large hits (remote reviews of 10,000
+    /// wide characters) is cut short, with a next token, rather than be too large to send.
+    page_bytes: usize,
+}
+
+impl SearchApi {
+    /// Cuts `page` to the hits that fit [`Self::page_bytes`] (at least one); whether it cut.
+    fn fit<T: prost::Message>(&self, page: &mut SearchPage<T>) -> bool {
+        let mut bytes = 0;
+        let fits = page
+            .hits
+            .iter()
+            .position(|hit| {
+                bytes += hit.encoded_len() + 8;
+                bytes > self.page_bytes
+            })
+            .map_or(page.hits.len(), |over| over.max(1));
+        let cut = fits < page.hits.len();
+        page.hits.truncate(fits);
+        cut
+    }
 }
 
 /// A validated search request.
@@ -57,10 +82,11 @@ impl PageRequest {
         Ok(Self { query, offset, size: size.min(MAX_HITS - offset) })
     }
 
-    /// The token of the page after `page`, empty when `page` is the last one.
-    fn next_token<T>(&self, scope: &str, page: &SearchPage<T>) -> String {
+    /// The token of the page after `page`, empty when `page` is the last one (`cut`: it holds
+    /// fewer hits than asked only because more would not fit a message).
+    fn next_token<T>(&self, scope: &str, page: &SearchPage<T>, cut: bool) -> String {
         let next = self.offset + page.hits.len();
-        if page.hits.len() < self.size || next as u64 >= page.total_hits || next >= MAX_HITS {
+        if (page.hits.len() < self.size && !cut) || next as u64 >= page.total_hits || next >= MAX_HITS {
             return String::new();
         }
         format!("{next}.{}", digest(scope, &self.query))
@@ -98,9 +124,10 @@ impl v1::search_server::Search for SearchApi {
         const SCOPE: &str = "movies";
         let r = request.into_inner();
         let page = PageRequest::parse(SCOPE, &r.query, r.page_size, &r.page_token)?;
-        let found = self.index.search_movies(&page.query, page.offset, page.size).await.map_err(index_failed)?;
+        let mut found = self.index.search_movies(&page.query, page.offset, page.size).await.map_err(index_failed)?;
+        let cut = self.fit(&mut found);
         Ok(Response::new(v1::SearchMoviesResponse {
-            next_page_token: page.next_token(SCOPE, &found),
+            next_page_token: page.next_token(SCOPE, &found, cut),
             total_hits: found.total_hits,
             hits: found.hits,
         }))
@@ -110,9 +137,10 @@ impl v1::search_server::Search for SearchApi {
         const SCOPE: &str = "reviews";
         let r = request.into_inner();
         let page = PageRequest::parse(SCOPE, &r.query, r.page_size, &r.page_token)?;
-        let found = self.index.search_reviews(&page.query, page.offset, page.size).await.map_err(index_failed)?;
+        let mut found = self.index.search_reviews(&page.query, page.offset, page.size).await.map_err(index_failed)?;
+        let cut = self.fit(&mut found);
         Ok(Response::new(v1::SearchReviewsResponse {
-            next_page_token: page.next_token(SCOPE, &found),
+            next_page_token: page.next_token(SCOPE, &found, cut),
             total_hits: found.total_hits,
             hits: found.hits,
         }))
@@ -128,7 +156,7 @@ mod tests {
     use crate::fixtures::*;
 
     fn api(dir: &tempfile::TempDir) -> SearchApi {
-        SearchApi { index: SearchIndex::open(dir.path()).unwrap() }
+        SearchApi { index: SearchIndex::open(dir.path()).unwrap(), page_bytes: 4 * 1024 * 1024 - PAGE_MARGIN_BYTES }
     }
 
     fn movies(query: &str, page_size: u32, page_token: &str) -> Request<v1::SearchMoviesRequest> {
@@ -203,6 +231,36 @@ mod tests {
         assert_eq!(page.hits.len(), DEFAULT_PAGE_SIZE as usize);
         let page = api.search_reviews(reviews("diner", 23, "")).await.unwrap().into_inner();
         assert_eq!((page.hits.len(), page.next_page_token.as_str()), (23, ""));
+    }
+
+    /// Hits too large for one message together come over more pages than asked, each within
+    /// the budget, none lost or repeated.
+    #[tokio::test]
+    async fn a_page_of_large_hits_is_cut_to_fit_a_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut api = api(&dir);
+        api.page_bytes = 100 * 1024;
+        let wide = "\u{1F3AC}".repeat(10_000); // 40,000 bytes
+        let events: Vec<_> =
+            (0..7).map(|n| review_logged(&format!("r{n}"), 100, "Heat", &format!("diner {wide}"))).collect();
+        for result in api.index.apply(&events.iter().collect::<Vec<_>>()).await {
+            result.unwrap();
+        }
+        let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
+        loop {
+            let page = api.search_reviews(reviews("diner", 100, &token)).await.unwrap().into_inner();
+            assert!(prost::Message::encoded_len(&page) <= 100 * 1024 + PAGE_MARGIN_BYTES, "page {pages}");
+            assert!(!page.hits.is_empty());
+            seen.extend(page.hits.into_iter().map(|hit| hit.review_id));
+            pages += 1;
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        seen.sort();
+        assert_eq!(seen, (0..7).map(|n| format!("r{n}")).collect::<Vec<_>>());
+        assert_eq!(pages, 4, "two 40 KB hits a page");
     }
 
     #[tokio::test]
