@@ -183,6 +183,16 @@ async fn enrich(c: &mut reelay_harness::Clients, db: &std::path::Path, movie_id:
     events(db, "MovieEnriched", movie_id).await.pop().expect("a MovieEnriched event")
 }
 
+/// Deletes `review` as its author `user`.
+async fn delete_review(c: &mut reelay_harness::Clients, user: &str, review: &v1::Review) {
+    let request = v1::DeleteReviewRequest {
+        actor_user_id: user.to_owned(),
+        review_id: review.review_id.clone(),
+        ..Default::default()
+    };
+    c.reviews.delete_review(request).await.unwrap();
+}
+
 async fn events(db: &std::path::Path, event_type: &str, aggregate: &str) -> Vec<v1::Event> {
     reelay_harness::events_of(db, event_type).await.into_iter().filter(|e| e.aggregate_id == aggregate).collect()
 }
@@ -225,14 +235,7 @@ async fn a_movie_deleted_while_its_poster_downloads_keeps_no_object() {
         async move { asked.load(Ordering::SeqCst) == 1 }
     })
     .await;
-    c.reviews
-        .delete_review(v1::DeleteReviewRequest {
-            actor_user_id: ana.clone(),
-            review_id: review.review_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    delete_review(&mut c, &ana, &review).await;
     let deleted = events(&db, "MovieDeleted", &movie).await.remove(0);
     media.cleanup.handle(&deleted).await.unwrap();
     host.release.notify_waiters();
@@ -523,14 +526,7 @@ async fn bad_posters_are_dead_letters_of_poster_sync_alone(
 
     // Deleting the film's last review deletes the film, and image cleanup every key of it.
     let (review, _) = &good[0];
-    c.reviews
-        .delete_review(v1::DeleteReviewRequest {
-            actor_user_id: ana.clone(),
-            review_id: review.review_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    delete_review(&mut c, &ana, review).await;
     eventually("every key of the deleted film is gone", LIMIT, || {
         let (objects, prefix) = (objects.clone(), format!("posters/{heat}"));
         async move { objects.list(&prefix).await.unwrap().is_empty() }

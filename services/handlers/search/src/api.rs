@@ -167,6 +167,27 @@ mod tests {
         Request::new(v1::SearchReviewsRequest { query: query.into(), page_size, page_token: page_token.into() })
     }
 
+    /// The review ids of every page of `query`, `page_size` a page, following the tokens, each
+    /// page checked by `check`; and how many pages there were.
+    async fn every_page(
+        api: &SearchApi,
+        query: &str,
+        page_size: u32,
+        check: impl Fn(&v1::SearchReviewsResponse),
+    ) -> (Vec<String>, usize) {
+        let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
+        loop {
+            let page = api.search_reviews(reviews(query, page_size, &token)).await.unwrap().into_inner();
+            check(&page);
+            seen.extend(page.hits.into_iter().map(|hit| hit.review_id));
+            pages += 1;
+            if page.next_page_token.is_empty() {
+                return (seen, pages);
+            }
+            token = page.next_page_token;
+        }
+    }
+
     fn assert_invalid(status: Status, field: &str) {
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
         assert!(status.message().starts_with(&format!("{field}: ")), "{status:?}");
@@ -211,17 +232,7 @@ mod tests {
             result.unwrap();
         }
 
-        let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
-        loop {
-            let page = api.search_reviews(reviews(" diner ", 10, &token)).await.unwrap().into_inner();
-            assert_eq!(page.total_hits, 23);
-            seen.extend(page.hits.into_iter().map(|hit| hit.review_id));
-            pages += 1;
-            if page.next_page_token.is_empty() {
-                break;
-            }
-            token = page.next_page_token;
-        }
+        let (mut seen, pages) = every_page(&api, " diner ", 10, |page| assert_eq!(page.total_hits, 23)).await;
         seen.sort();
         let expected: Vec<String> = (0..23).map(|n| format!("r{n:02}")).collect();
         assert_eq!((pages, seen), (3, expected));
@@ -246,18 +257,11 @@ mod tests {
         for result in api.index.apply(&events.iter().collect::<Vec<_>>()).await {
             result.unwrap();
         }
-        let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
-        loop {
-            let page = api.search_reviews(reviews("diner", 100, &token)).await.unwrap().into_inner();
-            assert!(prost::Message::encoded_len(&page) <= 100 * 1024 + PAGE_MARGIN_BYTES, "page {pages}");
+        let (mut seen, pages) = every_page(&api, "diner", 100, |page| {
+            assert!(prost::Message::encoded_len(page) <= 100 * 1024 + PAGE_MARGIN_BYTES);
             assert!(!page.hits.is_empty());
-            seen.extend(page.hits.into_iter().map(|hit| hit.review_id));
-            pages += 1;
-            if page.next_page_token.is_empty() {
-                break;
-            }
-            token = page.next_page_token;
-        }
+        })
+        .await;
         seen.sort();
         assert_eq!(seen, (0..7).map(|n| format!("r{n}")).collect::<Vec<_>>());
         assert_eq!(pages, 4, "two 40 KB hits a page");

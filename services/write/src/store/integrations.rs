@@ -5,12 +5,10 @@ use reelay_domain::letterboxd::DiaryRow;
 use reelay_domain::{NewEvent, ReviewId, UserId};
 use reelay_outbox::WriteTx;
 
-use reelay_kit::ServiceError;
-
-use super::reviews::review_edited;
+use super::reviews::save_edit;
 use super::{
-    ImportSummary, MovieSpec, Result, ReviewRow, Store, commit_events, ensure_user, insert_review, movie_by_id,
-    resolve_movie, review_logged, select_reviews, write_job,
+    ImportSummary, MovieSpec, Result, ReviewRow, Store, commit_events, ensure_user, insert_review, resolve_movie,
+    review_logged, select_reviews, write_job,
 };
 use crate::request_ids::RequestKey;
 
@@ -138,18 +136,7 @@ async fn complete(tx: &mut WriteTx, mut review: ReviewRow, row: &DiaryRow) -> Re
     if rating {
         review.rating = i64::from(row.rating);
     }
-    review.updated_at = tx.now_ms();
-    sqlx::query("UPDATE reviews SET body = ?, rating = ?, updated_at = ? WHERE id = ?")
-        .bind(review.body.clone())
-        .bind(review.rating)
-        .bind(review.updated_at)
-        .bind(review.id.clone())
-        .execute(tx.conn())
-        .await?;
-    let movie = movie_by_id(tx.conn(), &review.movie_id)
-        .await?
-        .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
-    Ok(Some(review_edited(&review, &movie)))
+    Ok(Some(save_edit(tx, &mut review).await?))
 }
 
 /// What one chunk's transaction did.

@@ -33,8 +33,26 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
     Ok(review)
 }
 
+/// Writes `review`'s values as they now are, edited now, and returns its `ReviewEdited`.
+pub(super) async fn save_edit(tx: &mut WriteTx, review: &mut ReviewRow) -> Result<NewEvent> {
+    review.updated_at = tx.now_ms();
+    sqlx::query("UPDATE reviews SET rating = ?, body = ?, watched_on = ?, rewatch = ?, updated_at = ? WHERE id = ?")
+        .bind(review.rating)
+        .bind(review.body.clone())
+        .bind(review.watched_on.clone())
+        .bind(review.rewatch)
+        .bind(review.updated_at)
+        .bind(review.id.clone())
+        .execute(tx.conn())
+        .await?;
+    let movie = movie_by_id(tx.conn(), &review.movie_id)
+        .await?
+        .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
+    Ok(review_edited(review, &movie))
+}
+
 /// The `ReviewEdited` of `review` (as it now is) of `movie`.
-pub(super) fn review_edited(review: &ReviewRow, movie: &MovieRow) -> NewEvent {
+fn review_edited(review: &ReviewRow, movie: &MovieRow) -> NewEvent {
     NewEvent::new(
         &review.id,
         Payload::ReviewEdited(v1::ReviewEdited {
@@ -231,22 +249,8 @@ impl Store {
             review.body = fields.body;
             review.watched_on = fields.watched_on;
             review.rewatch = fields.rewatch;
-            review.updated_at = tx.now_ms();
-            sqlx::query(
-                "UPDATE reviews SET rating = ?, body = ?, watched_on = ?, rewatch = ?, updated_at = ? WHERE id = ?",
-            )
-            .bind(review.rating)
-            .bind(review.body.clone())
-            .bind(review.watched_on.clone())
-            .bind(review.rewatch)
-            .bind(review.updated_at)
-            .bind(review.id.clone())
-            .execute(tx.conn())
-            .await?;
-            let movie = movie_by_id(tx.conn(), &review.movie_id)
-                .await?
-                .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
-            commit_events(tx, vec![review_edited(&review, &movie)]).await?;
+            let edited = save_edit(tx, &mut review).await?;
+            commit_events(tx, vec![edited]).await?;
             Ok(convert::review(review))
         })
         .await
