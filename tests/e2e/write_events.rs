@@ -122,6 +122,28 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     assert_eq!(rows[0].event_type, "EnrichmentRequested");
     assert_eq!(rows[0].event_id.as_deref(), Some(requested.event_id.as_str()));
 
+    // Enrichment saved, then the provider no longer knowing the film: the profile goes, and
+    // its MovieEnriched without a profile tells the handlers; a second "not found" is nothing.
+    let save =
+        |outcome| v1::SaveEnrichmentRequest { movie_id: alien.clone(), outcome: Some(outcome), ..Default::default() };
+    let profile = v1::MovieProfile {
+        provider: "tmdb".into(),
+        provider_id: "tmdb:348".into(),
+        directors: vec![v1::PersonCredit {
+            person_id: "tmdb:578".into(),
+            name: "Ridley Scott".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::Profile(profile))).await.unwrap();
+    outbox.expect(&["MovieEnriched"]).await;
+    for _ in 0..2 {
+        c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::NotFound("gone".into()))).await.unwrap();
+    }
+    let cleared = outbox.expect(&["MovieEnriched"]).await;
+    assert!(matches!(&cleared[0], Payload::MovieEnriched(e) if e.profile.is_none() && e.movie_id == alien));
+
     // Log a review of an unknown movie: the movie is created with it, both events in order.
     // The caller's trace context rides on the events.
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

@@ -965,6 +965,15 @@ mod tests {
         assert_eq!(hits.hits[0].genres, ["Crime", "Drama"]);
         assert_eq!(index.search_movies("crime heat", 0, 10).await.unwrap().total_hits, 1);
         assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().hits[0].title, "Heat");
+        // The provider no longer knows it: a MovieEnriched without a profile takes the
+        // directors and genres away, the film itself stays.
+        let mut cleared = movie_enriched("m1", 300, "Heat", 1995, &[], &[]);
+        if let Some(v1::event::Payload::MovieEnriched(m)) = cleared.payload.as_mut() {
+            m.profile = None;
+        }
+        apply_ok(&index, &[&cleared]).await;
+        assert_eq!(index.search_movies("michael mann", 0, 10).await.unwrap().total_hits, 0);
+        assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().total_hits, 1);
     }
 
     #[tokio::test]

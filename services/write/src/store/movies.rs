@@ -160,7 +160,22 @@ impl Store {
                 }
                 Enrichment::NotFound(reason) => {
                     tracing::info!(movie = %movie, %reason, "the metadata provider does not know this film");
-                    String::new()
+                    if current.enrichment != "enriched" {
+                        String::new()
+                    } else {
+                        // It had a profile: what the handlers made of it (search's directors and
+                        // genres) goes with it, told by a MovieEnriched without a profile.
+                        let event = NewEvent::new(
+                            movie,
+                            Payload::MovieEnriched(v1::MovieEnriched {
+                                movie_id: movie.to_string(),
+                                profile: None,
+                                title: current.title.clone(),
+                                year: current.year as i32,
+                            }),
+                        );
+                        commit_events(tx, vec![event]).await?[0].to_string()
+                    }
                 }
             };
             Ok(v1::SaveEnrichmentResponse { changed: true, event_id })
