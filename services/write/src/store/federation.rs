@@ -13,7 +13,7 @@ use reelay_kit::ServiceError;
 use reelay_outbox::WriteTx;
 use sqlx::{FromRow, Row, SqliteConnection};
 
-use super::reviews::movie_is_orphan;
+use super::reviews::delete_if_orphan;
 use super::{
     RemoteReview, RemoteReviewSaved, Result, ReviewRow, Store, Target, UserRow, commit_events, ensure_user, is_blocked,
     resolve_movie, write_job,
@@ -237,13 +237,7 @@ impl Store {
                     movie_id: movie_id.clone(),
                 }),
             )];
-            if movie_is_orphan(tx.conn(), &movie_id).await? {
-                sqlx::query("DELETE FROM movies WHERE id = ?").bind(movie_id.clone()).execute(tx.conn()).await?;
-                events.push(NewEvent::new(
-                    &movie_id,
-                    Payload::MovieDeleted(v1::MovieDeleted { movie_id: movie_id.clone() }),
-                ));
-            }
+            events.extend(delete_if_orphan(tx.conn(), &movie_id).await?);
             commit_events(tx, events).await?;
             Ok(true)
         })

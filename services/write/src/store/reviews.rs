@@ -164,18 +164,24 @@ fn log_known_movie_reviews(
     })
 }
 
-/// True when nothing references the movie any more.
-pub(super) async fn movie_is_orphan(conn: &mut SqliteConnection, movie_id: &str) -> Result<bool> {
+/// Deletes the movie when nothing references it any more (its last review, watchlist entry or
+/// remote review just went) and returns its `MovieDeleted`, to commit with the change.
+pub(super) async fn delete_if_orphan(conn: &mut SqliteConnection, movie_id: &str) -> Result<Option<NewEvent>> {
     let referenced = sqlx::query(
         "SELECT EXISTS (SELECT 1 FROM reviews WHERE movie_id = ?1) \
              OR EXISTS (SELECT 1 FROM watchlist WHERE movie_id = ?1) \
              OR EXISTS (SELECT 1 FROM remote_reviews WHERE movie_id = ?1)",
     )
     .bind(movie_id.to_owned())
-    .fetch_one(conn)
+    .fetch_one(&mut *conn)
     .await?
     .get::<bool, _>(0);
-    Ok(!referenced)
+    if referenced {
+        return Ok(None);
+    }
+    sqlx::query("DELETE FROM movies WHERE id = ?").bind(movie_id.to_owned()).execute(conn).await?;
+    let deleted = v1::MovieDeleted { movie_id: movie_id.to_owned() };
+    Ok(Some(NewEvent::new(movie_id, Payload::MovieDeleted(deleted))))
 }
 
 impl Store {
@@ -275,14 +281,9 @@ impl Store {
                     movie_id: review.movie_id.clone(),
                 }),
             )];
-            let orphan = movie_is_orphan(tx.conn(), &review.movie_id).await?;
-            if orphan {
-                sqlx::query("DELETE FROM movies WHERE id = ?").bind(review.movie_id.clone()).execute(tx.conn()).await?;
-                events.push(NewEvent::new(
-                    &review.movie_id,
-                    Payload::MovieDeleted(v1::MovieDeleted { movie_id: review.movie_id.clone() }),
-                ));
-            }
+            let deleted = delete_if_orphan(tx.conn(), &review.movie_id).await?;
+            let orphan = deleted.is_some();
+            events.extend(deleted);
             commit_events(tx, events).await?;
             Ok(v1::DeleteReviewResponse { movie_deleted: orphan })
         })

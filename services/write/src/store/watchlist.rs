@@ -4,7 +4,7 @@ use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{MovieId, NewEvent, UserId};
 use reelay_outbox::WriteTx;
 
-use super::reviews::movie_is_orphan;
+use super::reviews::delete_if_orphan;
 use super::{
     MovieSpec, Result, Store, WatchlistRow, actor_and_resolved_movie, commit_events, ensure_user, keyed_job, write_job,
 };
@@ -70,10 +70,7 @@ impl Store {
             }
             let payload = v1::WatchlistItemRemoved { user_id: actor.to_string(), movie_id: movie_id.clone() };
             let mut events = vec![NewEvent::new(movie, Payload::WatchlistItemRemoved(payload))];
-            if movie_is_orphan(tx.conn(), &movie_id).await? {
-                sqlx::query("DELETE FROM movies WHERE id = ?").bind(movie_id.clone()).execute(tx.conn()).await?;
-                events.push(NewEvent::new(movie, Payload::MovieDeleted(v1::MovieDeleted { movie_id })));
-            }
+            events.extend(delete_if_orphan(tx.conn(), &movie_id).await?);
             commit_events(tx, events).await?;
             Ok(true)
         })
