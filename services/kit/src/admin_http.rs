@@ -7,6 +7,7 @@
 //! HTTP/1.1 by hand: three GET paths do not justify an HTTP framework.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,6 +19,8 @@ use tokio::sync::watch;
 #[derive(Clone, Default)]
 pub struct Readiness {
     services: Arc<Mutex<BTreeMap<&'static str, watch::Sender<bool>>>>,
+    /// Set once shutdown has started: no service is ready again after it.
+    draining: Arc<AtomicBool>,
 }
 
 impl Readiness {
@@ -29,7 +32,7 @@ impl Readiness {
     pub fn service(&self, service: &'static str) -> ReadyFlag {
         let mut services = self.services.lock().expect("readiness lock");
         let sender = services.entry(service).or_insert_with(|| watch::channel(false).0).clone();
-        ReadyFlag(sender)
+        ReadyFlag(sender, self.draining.clone())
     }
 
     /// The services not ready now (empty: the process is ready).
@@ -38,8 +41,10 @@ impl Readiness {
         services.iter().filter(|(_, s)| !*s.borrow()).map(|(name, _)| *name).collect()
     }
 
-    /// Marks every service not ready (shutdown has started).
+    /// Marks every service not ready for good (shutdown has started): a flag set ready later
+    /// (start-up work finishing meanwhile) stays not ready.
     pub fn draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
         for sender in self.services.lock().expect("readiness lock").values() {
             sender.send_replace(false);
         }
@@ -48,14 +53,23 @@ impl Readiness {
 
 /// One service's readiness.
 #[derive(Clone)]
-pub struct ReadyFlag(watch::Sender<bool>);
+pub struct ReadyFlag(watch::Sender<bool>, Arc<AtomicBool>);
 
 impl ReadyFlag {
+    /// Sets it, unless shutdown has started (then it stays not ready). Checked under the
+    /// channel's lock, which `draining` takes after marking shutdown: either the flag is set
+    /// before and cleared by it, or not set.
     pub fn set(&self, ready: bool) {
-        if *self.0.borrow() != ready {
+        let draining = &self.1;
+        self.0.send_if_modified(|current| {
+            let ready = ready && !draining.load(Ordering::SeqCst);
+            if *current == ready {
+                return false;
+            }
             tracing::info!(ready, "service readiness changed");
-        }
-        self.0.send_replace(ready);
+            *current = ready;
+            true
+        });
     }
 
     pub fn is_ready(&self) -> bool {
@@ -168,6 +182,8 @@ mod tests {
         assert_eq!(get(&addr, "/readyz").await.unwrap().0, 200);
         readiness.draining();
         assert_eq!(get(&addr, "/readyz").await.unwrap().0, 503);
+        write.set(true);
+        assert_eq!(get(&addr, "/readyz").await.unwrap().0, 503, "not ready again once draining");
         assert_eq!(get(&addr, "/metrics").await.unwrap().0, 200);
         assert_eq!(get(&addr, "/nope").await.unwrap().0, 404);
     }

@@ -110,12 +110,8 @@ async fn release_predecessor(
                     tracing::info!(instance = %identity.instance, claims = released,
                         "took back the claims this instance's previous run left behind");
                 }
-                let flags = ready.await;
-                // A shutdown asked for meanwhile has already said "draining": stay so.
-                if !shutdown.is_requested() {
-                    for flag in flags {
-                        flag.set(true);
-                    }
+                for flag in ready.await {
+                    flag.set(true);
                 }
                 return;
             }
@@ -501,9 +497,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             federation: Duration::from_secs(args.delivery.federation_retention_days * 86_400),
         };
         // Migrated, handlers registered, about to serve: the write service is ready.
-        if !shutdown.is_requested() {
-            write_ready.set(true);
-        }
+        write_ready.set(true);
         tasks.spawn(
             reelay_write::purge_expired(
                 database.clone(),
