@@ -141,7 +141,7 @@ fn outcome_unknown(status: &tonic::Status) -> bool {
 }
 
 /// How often a write whose outcome is unknown is sent again, and the first wait between.
-const WRITE_TRIES: u32 = 3;
+const WRITE_RETRIES: u32 = 2;
 const FIRST_RETRY_WAIT: Duration = Duration::from_millis(500);
 
 /// Runs a write carrying `request_id`, again with the same key while its outcome is unknown:
@@ -153,10 +153,8 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
-    let mut wait = FIRST_RETRY_WAIT;
-    let mut tries = 0;
+    let mut backoff = reelay_kit::Backoff::bounded(FIRST_RETRY_WAIT, FIRST_RETRY_WAIT * 4, WRITE_RETRIES);
     loop {
-        tries += 1;
         let status = match call().await {
             Ok(answer) => return Ok(answer.into_inner()),
             Err(status) => status,
@@ -164,15 +162,13 @@ where
         if !outcome_unknown(&status) {
             return Err(call_failed(what, status));
         }
-        if tries >= WRITE_TRIES {
+        let why = format!("{:?}: {} (sending it again with the same request id)", status.code(), status.message());
+        if !backoff.wait(what, why).await {
             return Err(call_failed(what, status).context(format!(
                 "whether it was written cannot be told: run the same command with --request-id {request_id} once \
                  the service answers, which writes it at most once"
             )));
         }
-        eprintln!("{what}: {} ({:?}); sending it again with the same request id", status.message(), status.code());
-        tokio::time::sleep(wait).await;
-        wait *= 2;
     }
 }
 
