@@ -48,19 +48,19 @@ fn request_key<M: prost::Message>(
     request: &mut M,
     request_id: impl FnOnce(&mut M) -> &mut String,
 ) -> Result<Option<RequestKey>, ServiceError> {
-    keyed_by_actor(method, "", request, request_id)
+    keyed_by_actor(method, request, request_id, |_| "")
 }
 
-/// [`request_key`] for a method acting as `actor` (its `actor_user_id`): the key is that
-/// user's.
+/// [`request_key`] for a method acting as a user (`actor`: its `actor_user_id`): the key is
+/// that user's.
 fn keyed_by_actor<M: prost::Message>(
     method: &'static str,
-    actor: &str,
     request: &mut M,
     request_id: impl FnOnce(&mut M) -> &mut String,
+    actor: impl FnOnce(&M) -> &str,
 ) -> Result<Option<RequestKey>, ServiceError> {
     let id = std::mem::take(request_id(request));
-    RequestKey::of(method, actor, &id, request)
+    RequestKey::of(method, actor(request), &id, request)
 }
 
 /// Mounts every domain service on `server`, each with the server's message-size limit. `keys`

@@ -14,7 +14,7 @@ use crate::store::{Enrichment, PosterRecord, PosterVariants};
 impl v1::movies_server::Movies for WriteApi {
     async fn discover_movie(&self, request: Request<v1::DiscoverMovieRequest>) -> Reply<v1::DiscoverMovieResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("DiscoverMovie", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("DiscoverMovie", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let spec = convert::movie_spec(
             "movie",
@@ -36,7 +36,7 @@ impl v1::movies_server::Movies for WriteApi {
         request: Request<v1::RequestEnrichmentRequest>,
     ) -> Reply<v1::RequestEnrichmentResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("RequestEnrichment", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("RequestEnrichment", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
         ok(self.store.request_enrichment(actor, movie, key).await?)

@@ -12,7 +12,7 @@ use crate::convert;
 impl v1::reviews_server::Reviews for WriteApi {
     async fn log_review(&self, request: Request<v1::LogReviewRequest>) -> Reply<v1::LogReviewResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("LogReview", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("LogReview", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let spec = convert::movie_spec("movie", r.movie).map_err(ServiceError::from)?;
         let fields = convert::review_fields(r.rating, &r.body, &r.watched_on, r.rewatch).map_err(ServiceError::from)?;
@@ -21,7 +21,7 @@ impl v1::reviews_server::Reviews for WriteApi {
 
     async fn edit_review(&self, request: Request<v1::EditReviewRequest>) -> Reply<v1::Review> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("EditReview", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("EditReview", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let id = ReviewId::parse("review_id", &r.review_id).map_err(ServiceError::from)?;
         let fields = convert::review_fields(r.rating, &r.body, &r.watched_on, r.rewatch).map_err(ServiceError::from)?;
@@ -30,7 +30,7 @@ impl v1::reviews_server::Reviews for WriteApi {
 
     async fn delete_review(&self, request: Request<v1::DeleteReviewRequest>) -> Reply<v1::DeleteReviewResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("DeleteReview", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("DeleteReview", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let id = ReviewId::parse("review_id", &r.review_id).map_err(ServiceError::from)?;
         ok(self.store.delete_review(actor, id, key).await?)

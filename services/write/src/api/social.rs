@@ -30,7 +30,7 @@ fn account_page_token(token: &str) -> Result<String, ServiceError> {
 impl v1::social_server::Social for WriteApi {
     async fn follow(&self, request: Request<v1::FollowRequest>) -> Reply<v1::SocialResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("Follow", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("Follow", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let target = convert::target("target", r.target).map_err(ServiceError::from)?;
         ok(self.store.follow(actor, target, key).await?)
@@ -45,7 +45,7 @@ impl v1::social_server::Social for WriteApi {
 
     async fn block(&self, request: Request<v1::BlockRequest>) -> Reply<v1::SocialResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("Block", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("Block", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let target = convert::target("target", r.target).map_err(ServiceError::from)?;
         ok(self.store.block(actor, target, key).await?)

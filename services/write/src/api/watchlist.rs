@@ -12,7 +12,7 @@ use crate::convert;
 impl v1::watchlist_server::Watchlist for WriteApi {
     async fn add_to_watchlist(&self, request: Request<v1::AddToWatchlistRequest>) -> Reply<v1::WatchlistEntry> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("AddToWatchlist", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("AddToWatchlist", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let spec = convert::movie_spec("movie", r.movie).map_err(ServiceError::from)?;
         ok(self.store.add_to_watchlist(actor, spec, key).await?)

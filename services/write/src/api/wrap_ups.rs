@@ -13,12 +13,12 @@ use crate::store::{WrapUpCompletion, WrapUpRow};
 impl v1::wrap_ups_server::WrapUps for WriteApi {
     async fn request_wrap_up(&self, request: Request<v1::RequestWrapUpRequest>) -> Reply<v1::RequestWrapUpResponse> {
         let mut r = request.into_inner();
-        let key = keyed_by_actor("RequestWrapUp", &r.actor_user_id.clone(), &mut r, |r| &mut r.request_id)?;
+        let key = keyed_by_actor("RequestWrapUp", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
         let year = validate::year("year", r.year).map_err(ServiceError::from)?;
         // A year not begun anywhere yet has no diary to sum up (and its wrap-up, once made,
         // would stand for the year).
-        let current: i32 = validate::latest_date(reelay_kit::now_ms())[..4].parse().unwrap_or(validate::MAX_YEAR);
+        let current = validate::latest_year(reelay_kit::now_ms());
         if year > current {
             return Err(ServiceError::invalid(
                 "year",
