@@ -176,9 +176,17 @@ pub fn date_at(ms: i64) -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
+/// How far ahead of UTC the earliest time zone is (UTC+14): its date is the latest anywhere.
+const EARLIEST_ZONE_MS: i64 = 14 * 3_600_000;
+
 /// The latest calendar date anywhere on Earth at `now_ms` (UTC+14's), as `YYYY-MM-DD`.
 pub fn latest_date(now_ms: i64) -> String {
-    date_at(now_ms + 14 * 3_600_000)
+    date_at(now_ms + EARLIEST_ZONE_MS)
+}
+
+/// The latest year anywhere on Earth at `now_ms`.
+pub fn latest_year(now_ms: i64) -> i32 {
+    civil_from_days((now_ms + EARLIEST_ZONE_MS).div_euclid(86_400_000)).0 as i32
 }
 
 /// When a film was watched: an optional date (see [`date`]) not after today anywhere at
@@ -292,6 +300,8 @@ mod tests {
         let now = 1_709_200_800_000;
         assert_eq!(date_at(now), "2024-02-29");
         assert_eq!(latest_date(now), "2024-03-01");
+        assert_eq!(latest_year(now), 2024);
+        assert_eq!(latest_year(1_704_016_800_000), 2024, "2023-12-31 10:00 UTC is 2024 in UTC+14");
         assert_eq!(watch_date("watched_on", "2024-03-01", now).unwrap(), "2024-03-01");
         assert_eq!(watch_date("watched_on", "", now).unwrap(), "");
         let late = watch_date("watched_on", "2024-03-02", now).unwrap_err();
