@@ -12,7 +12,7 @@
 //! (by the write service, which holds the keys), attach the `Signature` header, send.
 
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -24,7 +24,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioExecutor;
-use reelay_domain::net::is_public;
+use reelay_domain::net::{not_public_in, private_literal, public_only};
 use url::Url;
 
 use crate::signature::{SIGNED_WITH_BODY, SIGNED_WITHOUT_BODY, digest_header};
@@ -169,12 +169,7 @@ impl FederationClient {
     /// Sends the request and reads the answer, whatever its status.
     pub async fn send(&self, outgoing: Outgoing) -> Result<Answer, FetchError> {
         let url = outgoing.url.to_string();
-        let literal = match outgoing.url.host() {
-            Some(url::Host::Ipv4(ip)) => Some(IpAddr::V4(ip)),
-            Some(url::Host::Ipv6(ip)) => Some(IpAddr::V6(ip)),
-            _ => None,
-        };
-        if let Some(ip) = literal.filter(|ip| !self.allow_private && !is_public(*ip)) {
+        if let Some(ip) = outgoing.url.host_str().and_then(private_literal).filter(|_| !self.allow_private) {
             return Err(FetchError::NotPublic(ip.to_string()));
         }
         let mut request = Request::builder()
@@ -194,7 +189,7 @@ impl FederationClient {
         let request =
             request.body(Full::new(outgoing.body.unwrap_or_default())).map_err(|_| FetchError::Url(url.clone()))?;
         let exchange = async {
-            let response = self.http.request(request).await.map_err(|e| match not_public(&e) {
+            let response = self.http.request(request).await.map_err(|e| match not_public_in(&e) {
                 Some(name) => FetchError::NotPublic(name),
                 None => FetchError::Connect { url: url.clone(), error: e.to_string() },
             })?;
@@ -227,16 +222,11 @@ impl FederationClient {
 }
 
 /// Resolves a name for a connection, keeping only public addresses unless private ones are
-/// allowed; none left is a [`NotPublicName`] error.
+/// allowed; none left is a [`NotPublic`] error.
 #[derive(Clone)]
 struct Resolver {
     allow_private: bool,
 }
-
-/// A name that resolved to no public address.
-#[derive(Debug, thiserror::Error)]
-#[error("{0} resolves to no public address")]
-struct NotPublicName(String);
 
 impl tower::Service<Name> for Resolver {
     type Response = std::vec::IntoIter<SocketAddr>;
@@ -251,26 +241,10 @@ impl tower::Service<Name> for Resolver {
         let allow_private = self.allow_private;
         Box::pin(async move {
             let found: Vec<SocketAddr> = tokio::net::lookup_host((name.as_str(), 0)).await?.collect();
-            let kept: Vec<SocketAddr> =
-                found.iter().copied().filter(|addr| allow_private || is_public(addr.ip())).collect();
-            if kept.is_empty() && !found.is_empty() {
-                return Err(Box::new(NotPublicName(name.as_str().to_owned())) as Self::Error);
-            }
+            let kept = if allow_private { found } else { public_only(name.as_str(), found)? };
             Ok(kept.into_iter())
         })
     }
-}
-
-/// The name a failed request's connection refused as not public, if that is why it failed.
-fn not_public(error: &(dyn std::error::Error + 'static)) -> Option<String> {
-    let mut source = Some(error);
-    while let Some(error) = source {
-        if let Some(NotPublicName(name)) = error.downcast_ref::<NotPublicName>() {
-            return Some(name.clone());
-        }
-        source = error.source();
-    }
-    None
 }
 
 #[cfg(test)]

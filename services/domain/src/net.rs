@@ -2,7 +2,42 @@
 //! remote party chooses (a signer's key, a poster's URL) reach only those, so they cannot be
 //! turned against this network's own services (cloud metadata, admin ports).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
+
+/// A host refused as not public: an IP literal, or a name that resolved to no public address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0} has no public address")]
+pub struct NotPublic(pub String);
+
+/// The addresses `name` resolved to that are public; [`NotPublic`] when it resolved to some and
+/// none is (none at all is left to the caller's "not found").
+pub fn public_only(name: &str, found: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, NotPublic> {
+    let any = !found.is_empty();
+    let kept: Vec<SocketAddr> = found.into_iter().filter(|addr| is_public(addr.ip())).collect();
+    if any && kept.is_empty() {
+        return Err(NotPublic(name.to_owned()));
+    }
+    Ok(kept)
+}
+
+/// The address of a URL host (`host_str`, IPv6 in brackets) that is an IP literal and not
+/// public.
+pub fn private_literal(host: &str) -> Option<IpAddr> {
+    host.trim_start_matches('[').trim_end_matches(']').parse().ok().filter(|ip| !is_public(*ip))
+}
+
+/// The host of a [`NotPublic`] somewhere in `error`'s chain of sources (a client's error wraps
+/// its resolver's), if that is why it failed.
+pub fn not_public_in(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut source = Some(error);
+    while let Some(error) = source {
+        if let Some(NotPublic(host)) = error.downcast_ref::<NotPublic>() {
+            return Some(host.clone());
+        }
+        source = error.source();
+    }
+    None
+}
 
 /// Whether `ip` is an address of the public internet: not loopback, unspecified, private,
 /// link-local, shared (carrier NAT), multicast, broadcast, documentation, benchmarking or
@@ -45,6 +80,23 @@ pub fn is_public(ip: IpAddr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_keep_their_public_addresses_and_literals_are_told() {
+        let addr = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        assert_eq!(public_only("a", vec![addr("127.0.0.1:0"), addr("1.1.1.1:0")]), Ok(vec![addr("1.1.1.1:0")]));
+        assert_eq!(public_only("a", vec![addr("10.0.0.1:0")]), Err(NotPublic("a".into())));
+        assert_eq!(public_only("a", vec![]), Ok(vec![]));
+        assert_eq!(private_literal("[::1]"), Some("::1".parse().unwrap()));
+        assert_eq!(private_literal("169.254.169.254"), Some("169.254.169.254".parse().unwrap()));
+        assert_eq!(private_literal("1.1.1.1"), None);
+        assert_eq!(private_literal("image.tmdb.org"), None);
+        #[derive(Debug, thiserror::Error)]
+        #[error("the request failed")]
+        struct Client(#[source] NotPublic);
+        assert_eq!(not_public_in(&Client(NotPublic("h".into()))), Some("h".into()));
+        assert_eq!(not_public_in(&std::io::Error::other("refused")), None);
+    }
 
     #[test]
     fn public_addresses() {

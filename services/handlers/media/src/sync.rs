@@ -23,6 +23,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use reelay_contracts::v1::{self, event::Payload, movies_client::MoviesClient};
 use reelay_delivery::{Handler, HandlerError};
+use reelay_domain::net::{NotPublic, not_public_in, private_literal, public_only};
 use reelay_kit::client::ServiceChannel;
 use reelay_objects::Objects;
 use reqwest::StatusCode;
@@ -59,24 +60,6 @@ impl PosterSync {
     }
 }
 
-/// A host a download would have reached that is not on the public internet.
-#[derive(Debug)]
-struct NotPublic(String);
-
-impl std::fmt::Display for NotPublic {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} is not a public address (REELAY_MEDIA_ALLOW_PRIVATE allows private ones)", self.0)
-    }
-}
-
-impl std::error::Error for NotPublic {}
-
-/// The address of a URL whose host is an IP literal, if it is one that is not public.
-fn private_literal(url: &reqwest::Url) -> Option<std::net::IpAddr> {
-    let host = url.host_str()?.trim_start_matches('[').trim_end_matches(']');
-    host.parse().ok().filter(|ip| !reelay_domain::net::is_public(*ip))
-}
-
 /// Resolves names keeping only public addresses (none left: [`NotPublic`]), so a name cannot
 /// lead a download into this network, nor a second lookup rebind it after a check.
 struct PublicOnly;
@@ -86,14 +69,14 @@ impl reqwest::dns::Resolve for PublicOnly {
         let name = name.as_str().to_owned();
         Box::pin(async move {
             let found: Vec<std::net::SocketAddr> = tokio::net::lookup_host((name.as_str(), 0)).await?.collect();
-            let kept: Vec<std::net::SocketAddr> =
-                found.iter().copied().filter(|a| reelay_domain::net::is_public(a.ip())).collect();
-            if kept.is_empty() && !found.is_empty() {
-                return Err(Box::new(NotPublic(name)) as Box<dyn std::error::Error + Send + Sync>);
-            }
-            Ok(Box::new(kept.into_iter()) as reqwest::dns::Addrs)
+            Ok(Box::new(public_only(&name, found)?.into_iter()) as reqwest::dns::Addrs)
         })
     }
+}
+
+/// The IP literal host of `url` when it is not public (see [`private_literal`]).
+fn private_host(url: &reqwest::Url) -> Option<std::net::IpAddr> {
+    url.host_str().and_then(private_literal)
 }
 
 /// The poster download client: `timeout` per download, at most [`MAX_REDIRECTS`] redirects,
@@ -105,7 +88,7 @@ pub(crate) fn download_client(timeout: Duration, allow_private: bool) -> Result<
         if attempt.previous().len() >= MAX_REDIRECTS {
             return attempt.error(format!("more than {MAX_REDIRECTS} redirects"));
         }
-        match private_literal(attempt.url()).filter(|_| !allow_private) {
+        match private_host(attempt.url()).filter(|_| !allow_private) {
             Some(ip) => attempt.error(NotPublic(ip.to_string())),
             None => attempt.follow(),
         }
@@ -118,18 +101,6 @@ pub(crate) fn download_client(timeout: Duration, allow_private: bool) -> Result<
         builder = builder.dns_resolver(PublicOnly);
     }
     builder.build()
-}
-
-/// The host a failed request was refused as not public, if that is why it failed.
-fn not_public(error: &reqwest::Error) -> Option<String> {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(error) = source {
-        if let Some(NotPublic(host)) = error.downcast_ref::<NotPublic>() {
-            return Some(host.clone());
-        }
-        source = error.source();
-    }
-    None
 }
 
 /// A downloaded (or found) poster, checked.
@@ -190,14 +161,18 @@ impl PosterSync {
 
     async fn download_once(&self, url: &str) -> Result<Poster, DownloadError> {
         let retryable = |message: String| DownloadError::Retryable { message, after: None };
-        let not_public_error =
-            |host: String| DownloadError::Permanent(format!("poster {url}: {}; nothing stored", NotPublic(host)));
+        let not_public_error = |host: String| {
+            DownloadError::Permanent(format!(
+                "poster {url}: {host} is not a public address (REELAY_MEDIA_ALLOW_PRIVATE allows private ones); \
+                 nothing stored"
+            ))
+        };
         let parsed = reqwest::Url::parse(url)
             .map_err(|e| DownloadError::Permanent(format!("poster {url}: not a URL ({e}); nothing stored")))?;
-        if let Some(ip) = private_literal(&parsed).filter(|_| !self.allow_private) {
+        if let Some(ip) = private_host(&parsed).filter(|_| !self.allow_private) {
             return Err(not_public_error(ip.to_string()));
         }
-        let mut response = self.http.get(parsed).send().await.map_err(|e| match not_public(&e) {
+        let mut response = self.http.get(parsed).send().await.map_err(|e| match not_public_in(&e) {
             Some(host) => not_public_error(host),
             None => retryable(format!("poster {url}: {}", describe(&e))),
         })?;
@@ -414,7 +389,7 @@ mod tests {
             ("https://1.1.1.1/p.jpg", false),
             ("https://image.tmdb.org/t/p/w500/p.jpg", false),
         ] {
-            assert_eq!(private_literal(&reqwest::Url::parse(url).unwrap()).is_some(), private, "{url}");
+            assert_eq!(private_host(&reqwest::Url::parse(url).unwrap()).is_some(), private, "{url}");
         }
     }
 
