@@ -12,6 +12,8 @@ pub struct Urls {
     base: String,
     /// `host[:port]`, the domain of `acct:` handles.
     host: String,
+    /// The scheme's default port (`:443`, `:80`), which a `Host` header may write out.
+    default_port: &'static str,
 }
 
 impl Urls {
@@ -27,7 +29,8 @@ impl Urls {
             Some(port) => format!("{}:{port}", url.host_str().unwrap_or_default()),
             None => url.host_str().unwrap_or_default().to_owned(),
         };
-        Ok(Self { base: public_url.trim_end_matches('/').to_owned(), host })
+        let default_port = if url.scheme() == "https" { ":443" } else { ":80" };
+        Ok(Self { base: public_url.trim_end_matches('/').to_owned(), host, default_port })
     }
 
     pub fn base(&self) -> &str {
@@ -36,6 +39,13 @@ impl Urls {
 
     pub fn host(&self) -> &str {
         &self.host
+    }
+
+    /// Whether a request's `Host` names this origin (letters' case aside, and the scheme's
+    /// default port written out or not).
+    pub fn is_own_host(&self, host: &str) -> bool {
+        let host = host.to_ascii_lowercase();
+        host.strip_suffix(self.default_port).unwrap_or(&host) == self.host
     }
 
     pub fn actor(&self, user_id: &str) -> String {
@@ -95,6 +105,21 @@ impl Urls {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_own_host_is_the_public_ones() {
+        let https = Urls::new("https://Reelay.example").unwrap();
+        for host in ["reelay.example", "REELAY.example", "reelay.example:443"] {
+            assert!(https.is_own_host(host), "{host}");
+        }
+        for host in ["elsewhere.example", "reelay.example:8443", "reelay.example:80", "", "reelay.example.evil"] {
+            assert!(!https.is_own_host(host), "{host}");
+        }
+        let http = Urls::new("http://127.0.0.1:8080").unwrap();
+        assert!(http.is_own_host("127.0.0.1:8080"));
+        assert!(!http.is_own_host("127.0.0.1"));
+        assert!(Urls::new("http://films.example").unwrap().is_own_host("films.example:80"));
+    }
 
     #[test]
     fn ids_derive_from_the_origin_and_parse_back() {
