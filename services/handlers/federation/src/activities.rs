@@ -149,14 +149,13 @@ impl Handler for ActivitiesHandler {
             Some(Payload::Followed(f)) => {
                 let Some(target) = remote_target(&f.target) else { return Ok(()) };
                 let inbox = self.remote.inbox_of(&f.follower_id, target).await?;
-                if f.resends_follow_event_id.is_empty() {
-                    let activity = documents::follow(urls, id, &f.follower_id, target);
-                    return self.remote.queue(&f.follower_id, &activity, Audience::Inbox(inbox)).await;
-                }
-                // The follow's own Follow again, the same activity; queued under a key of this
-                // event, since the first queueing of that activity is recorded.
-                let activity = documents::follow(urls, &f.resends_follow_event_id, &f.follower_id, target);
-                let key = format!("{}#sent-again-{id}", activity["id"].as_str().unwrap_or_default());
+                // Followed again while waiting for its Accept: the follow's own Follow again, the
+                // same activity, queued under a key of this event (its first queueing is recorded).
+                let again = !f.resends_follow_event_id.is_empty();
+                let named = if again { f.resends_follow_event_id.as_str() } else { id };
+                let activity = documents::follow(urls, named, &f.follower_id, target);
+                let activity_id = activity["id"].as_str().unwrap_or_default();
+                let key = if again { format!("{activity_id}#sent-again-{id}") } else { activity_id.to_owned() };
                 self.remote.queue_as(&key, &f.follower_id, &activity, Audience::Inbox(inbox)).await
             }
             Some(Payload::Unfollowed(u)) => {
