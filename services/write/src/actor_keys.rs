@@ -48,9 +48,14 @@ impl ActorKeys {
         self.created.notify_one();
     }
 
-    /// Makes sure `user` has a key pair, generating it if it has none.
+    /// Makes sure `user` has a key pair, generating it if it has none; NOT_FOUND for a user
+    /// that does not exist, checked before the prime search (anyone can ask for the actor of
+    /// any id, and each search costs a tenth of a second of CPU or more).
     pub async fn ensure(&self, user: UserId) -> Result<(), WriteError> {
         if self.store.private_key(user).await?.is_none() {
+            if !self.store.user_exists(user).await? {
+                return Err(ServiceError::not_found(format_args!("user {user}")).into());
+            }
             self.store.save_actor_key(user, generate().await?).await?;
         }
         Ok(())
@@ -112,5 +117,33 @@ impl ActorKeys {
                 () = tokio::time::sleep(Duration::from_secs(30)) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use reelay_kit::ErrorCode;
+    use reelay_outbox::{Database, DbConfig};
+
+    use super::*;
+
+    /// A user that does not exist gets no key pair searched for (anyone can ask for the actor of
+    /// any id): NOT_FOUND; one that exists gets its key pair, once.
+    #[tokio::test]
+    async fn only_users_that_exist_get_a_key_pair() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let store = Store::new(db);
+        let keys = ActorKeys::new(store.clone());
+        match keys.ensure(UserId::new()).await {
+            Err(WriteError::Service(error)) => assert_eq!(error.code, ErrorCode::NotFound, "{error}"),
+            other => panic!("an unknown user: {other:?}"),
+        }
+        let user = store.create_user("ana".into(), "Ana".into(), None).await.unwrap();
+        let user = UserId::parse("user_id", &user.user_id).unwrap();
+        keys.ensure(user).await.unwrap();
+        let key = store.private_key(user).await.unwrap().expect("the user's key pair");
+        keys.ensure(user).await.unwrap();
+        assert_eq!(store.private_key(user).await.unwrap(), Some(key), "kept, not made again");
     }
 }
