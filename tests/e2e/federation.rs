@@ -262,6 +262,25 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     assert_eq!(status, 200, "{jrd}");
     let actor_url = a.actor_url(&ana);
     assert!(jrd["links"].as_array().unwrap().iter().any(|l| l["rel"] == "self" && l["href"] == actor_url.as_str()));
+    // The handle and the scheme in any case, and her page's URL, find her too, from a browser
+    // as well (CORS); her page sends its reader to her actor.
+    let host = a.gateway_addr.to_string();
+    for resource in [format!("acct:Ana@{host}"), format!("ACCT:ana@{host}"), format!("{}/@ana", a.public_url())] {
+        let url = format!("{}/.well-known/webfinger?resource={resource}", a.public_url());
+        let (status, head, body) = reelay_harness::http_request("GET", &url, &[], b"").await;
+        assert_eq!(status, 200, "{resource}: {}", String::from_utf8_lossy(&body));
+        assert!(head.to_ascii_lowercase().contains("access-control-allow-origin: *"), "{resource}: {head}");
+        let found: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(found["subject"], format!("acct:ana@{host}"), "{resource}");
+    }
+    let page = jrd["links"].as_array().unwrap().iter().find(|l| l["type"] == "text/html").unwrap()["href"].clone();
+    let (status, head, _) = reelay_harness::http_request("GET", page.as_str().unwrap(), &[], b"").await;
+    assert_eq!(status, 303, "{head}");
+    assert!(head.contains(&format!("location: {actor_url}")), "{head}");
+    assert_eq!(get_json(&format!("{}/@nobody", a.public_url())).await.0, 404);
+    // An actor nobody has is a plain 404 (no key pair is made for it first).
+    let unknown = format!("{}/users/{}", a.public_url(), uuid::Uuid::new_v4());
+    assert_eq!(get_json(&unknown).await.0, 404);
     let (status, actor) = get_json(&actor_url).await;
     assert_eq!(status, 200);
     assert_eq!(actor["type"], "Person");

@@ -30,7 +30,9 @@ impl Urls {
             None => url.host_str().unwrap_or_default().to_owned(),
         };
         let default_port = if url.scheme() == "https" { ":443" } else { ":80" };
-        Ok(Self { base: public_url.trim_end_matches('/').to_owned(), host, default_port })
+        // The parsed form, not the text typed: the host in lower case (and punycode), the
+        // scheme's default port left out, as peers write our ids back.
+        Ok(Self { base: url.as_str().trim_end_matches('/').to_owned(), host, default_port })
     }
 
     pub fn base(&self) -> &str {
@@ -77,6 +79,11 @@ impl Urls {
         format!("{}/@{handle}", self.base)
     }
 
+    /// The handle of one of our people's pages (`/@handle`).
+    pub fn handle_of_profile<'a>(&self, page: &'a str) -> Option<&'a str> {
+        page.strip_prefix(&self.base)?.strip_prefix("/@").filter(|h| !h.is_empty() && !h.contains('/'))
+    }
+
     pub fn note(&self, user_id: &str, review_id: &str) -> String {
         format!("{}/reviews/{review_id}", self.actor(user_id))
     }
@@ -121,6 +128,22 @@ mod tests {
         assert!(Urls::new("http://films.example").unwrap().is_own_host("films.example:80"));
     }
 
+    /// Ids are built from the public URL as parsed, so they are the ones peers write back.
+    #[test]
+    fn ids_use_the_public_urls_normal_form() {
+        for (typed, base, host) in [
+            ("http://LocalHost:18981", "http://localhost:18981", "localhost:18981"),
+            ("https://Reelay.Example:443/", "https://reelay.example", "reelay.example"),
+            ("http://films.example:80", "http://films.example", "films.example"),
+        ] {
+            let urls = Urls::new(typed).unwrap();
+            assert_eq!((urls.base(), urls.host()), (base, host), "{typed}");
+            let actor = format!("{base}/users/u1");
+            assert_eq!(urls.user_of_actor(&actor), Some("u1"), "{typed}");
+            assert!(urls.is_local(&actor), "{typed}");
+        }
+    }
+
     #[test]
     fn ids_derive_from_the_origin_and_parse_back() {
         let urls = Urls::new("http://127.0.0.1:8080/").unwrap();
@@ -131,6 +154,8 @@ mod tests {
         assert_eq!(urls.user_of_actor("http://127.0.0.1:8080/users/u1/inbox"), None);
         assert_eq!(urls.event_of_activity(&urls.activity("e1")), Some("e1"));
         assert_eq!(urls.event_of_activity("http://elsewhere/activities/e1"), None);
+        assert_eq!(urls.handle_of_profile(&urls.profile("ana")), Some("ana"));
+        assert_eq!(urls.handle_of_profile("http://127.0.0.1:8080/@"), None);
         assert!(Urls::new("http://reelay.example/app").is_err());
         assert!(Urls::new("ftp://reelay.example").is_err());
     }

@@ -76,6 +76,7 @@ pub async fn serve(
         .route("/.well-known/webfinger", get(public::webfinger))
         .route("/.well-known/nodeinfo", get(public::nodeinfo_links))
         .route("/nodeinfo/2.0", get(public::nodeinfo))
+        .route("/{profile}", get(public::profile))
         .route("/users/{id}", get(public::actor))
         .route("/users/{id}/outbox", get(public::outbox))
         .route("/users/{id}/followers", get(public::followers))

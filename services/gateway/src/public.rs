@@ -2,8 +2,8 @@
 //! review notes. Everything is read from the write service; nothing here writes.
 
 use axum::extract::{Path, RawQuery, State};
-use axum::http::StatusCode;
-use axum::response::Response;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
 use reelay_activitypub::documents::{self, Profile, Review};
 use reelay_contracts::v1::{self, get_local_actor_request};
 use serde_json::json;
@@ -48,14 +48,18 @@ pub(crate) async fn webfinger(State(gw): State<Gateway>, RawQuery(query): RawQue
         return refuse(StatusCode::BAD_REQUEST, "resource is required");
     };
     let urls = &gw.config.urls;
-    let handle = if let Some(acct) = resource.strip_prefix("acct:") {
+    // The scheme and the handle in any case (handles are lower case; people type `@Ana@host`).
+    let acct = resource.get(..5).filter(|scheme| scheme.eq_ignore_ascii_case("acct:")).map(|_| &resource[5..]);
+    let handle = if let Some(acct) = acct {
         let Some((handle, host)) = acct.trim_start_matches('@').split_once('@') else {
             return refuse(StatusCode::BAD_REQUEST, "resource must be acct:handle@host");
         };
         if !host.eq_ignore_ascii_case(urls.host()) {
             return refuse(StatusCode::NOT_FOUND, "not a user of this instance");
         }
-        handle.to_owned()
+        handle.to_lowercase()
+    } else if let Some(handle) = urls.handle_of_profile(&resource) {
+        handle.to_lowercase()
     } else if let Some(user) = urls.user_of_actor(&resource) {
         match gw.local_actor(get_local_actor_request::By::UserId(user.to_owned())).await {
             Ok(actor) => actor.handle,
@@ -68,7 +72,7 @@ pub(crate) async fn webfinger(State(gw): State<Gateway>, RawQuery(query): RawQue
         Ok(actor) => actor,
         Err(answer) => return answer,
     };
-    json(
+    let mut answer = json(
         "application/jrd+json",
         json!({
             "subject": format!("acct:{}@{}", actor.handle, urls.host()),
@@ -78,7 +82,20 @@ pub(crate) async fn webfinger(State(gw): State<Gateway>, RawQuery(query): RawQue
                 { "rel": "http://webfinger.net/rel/profile-page", "type": "text/html", "href": urls.profile(&actor.handle) },
             ],
         }),
-    )
+    );
+    // RFC 7033 section 5: lookups from browsers are allowed.
+    answer.headers_mut().insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, HeaderValue::from_static("*"));
+    answer
+}
+
+/// A person's page (`/@handle`, the `url` of its actor and WebFinger's profile page): Reelay
+/// serves no HTML, so it sends the reader to the actor document.
+pub(crate) async fn profile(State(gw): State<Gateway>, Path(handle): Path<String>) -> Response {
+    let Some(handle) = handle.strip_prefix('@') else { return refuse(StatusCode::NOT_FOUND, "no such page") };
+    match gw.local_actor(get_local_actor_request::By::Handle(handle.to_lowercase())).await {
+        Ok(actor) => Redirect::to(&gw.config.urls.actor(&actor.user_id)).into_response(),
+        Err(answer) => answer,
+    }
 }
 
 pub(crate) async fn nodeinfo_links(State(gw): State<Gateway>) -> Response {

@@ -125,7 +125,10 @@ impl Handler for ActivitiesHandler {
                 if r.source == v1::ReviewSource::Import as i32 {
                     return Ok(());
                 }
-                let activity = documents::create_or_update(urls, "Create", id, &review_note!(r, at, None));
+                // Published when the review was logged, as its note served and its Update say
+                // (the event is stamped when its batch commits, a moment later).
+                let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
+                let activity = documents::create_or_update(urls, "Create", id, &review_note!(r, logged, None));
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewEdited(r)) => {

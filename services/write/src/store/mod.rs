@@ -388,6 +388,7 @@ fn review_logged(review: &ReviewRow, movie: &MovieRow, source: v1::ReviewSource)
             movie_title: movie.title.clone(),
             movie_year: movie.year as i32,
             movie_external_id: movie.external_id.clone().unwrap_or_default(),
+            logged_at_ms: review.created_at,
         }),
     )
 }
