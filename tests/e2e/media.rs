@@ -344,6 +344,22 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     let original = media.objects.get(&format!("posters/{heat}/original")).await.unwrap().unwrap();
     assert_eq!(original.bytes.as_ref(), posters.png.as_slice(), "the current poster stays");
 
+    // The same poster at a new URL (a cache-busting query): downloaded once to compare, then
+    // only its source changes; the variants stay, stored and recorded, nothing is raised, and
+    // the next delivery from that URL downloads nothing.
+    let thief = &movies[1];
+    let kept = media.objects.list(&format!("posters/{thief}")).await.unwrap();
+    let enriched = enrich(&mut c, &db, thief, &host.url("/poster.png?v=2")).await;
+    let downloads = host.downloads.load(Ordering::SeqCst);
+    media.sync.handle(&enriched).await.unwrap();
+    media.sync.handle(&enriched).await.unwrap();
+    assert_eq!(host.downloads.load(Ordering::SeqCst), downloads + 1, "downloaded once, to compare");
+    assert_eq!(events(&db, "PosterSynced", thief).await.len(), 1, "the same poster is no new PosterSynced");
+    assert_eq!(poster_sizes(&mut c, thief).await, sizes_of(400), "its variants are still recorded");
+    assert_eq!(media.objects.list(&format!("posters/{thief}")).await.unwrap(), kept, "and still stored");
+    let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: thief.clone() }).await.unwrap().into_inner();
+    assert_eq!(movie.poster_source_url, host.url("/poster.png?v=2"));
+
     // A missing original means done: nothing made, nothing recorded.
     let ronin = c.movie(&ana, "Ronin", 1998).await;
     let enriched = enrich(&mut c, &db, &ronin, &host.url("/poster.jpg")).await;

@@ -13,10 +13,12 @@
 //! - `RecordPoster` carries a request id derived from the event, and a repeat of the same key and
 //!   digest raises nothing anyway.
 //!
-//! Failures: a 404/410, another 4xx, a non-image (by `Content-Type` or by its bytes), a body over
-//! the cap or a truncated JPEG/PNG are permanent, with the reason in the dead letter, and nothing
-//! is written; a 5xx, a timeout or a connection error is retryable; a 429 is waited out as its
-//! `Retry-After` says (a few times, up to a minute each), then retryable.
+//! Failures: a 404/410, another 4xx, a declared non-image `Content-Type` (`text/html`; a generic
+//! `application/octet-stream` or none is judged by the bytes), bytes that are not an image, a
+//! body over the cap, a truncated JPEG/PNG or a redirect loop are permanent, with the reason in
+//! the dead letter, and nothing is written; a 5xx, a 408, a timeout or a connection error is
+//! retryable; a 429 is waited out here when its `Retry-After` is short (a few seconds, twenty in
+//! all, well inside the handler's timeout), else it is retryable on the runtime's schedule.
 
 use std::time::Duration;
 
@@ -31,9 +33,11 @@ use tonic::Code;
 
 use crate::{check_image, original_key, sha256_hex};
 
-/// How often one download waits out a 429 before giving up for now.
+/// How often one download waits out a 429 before giving up for now, and for how long at most
+/// in all: the other events of its batch wait behind it, and the handler's timeout (a minute by
+/// default) bounds it.
 const RATE_LIMIT_RETRIES: u32 = 3;
-const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
+const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(20);
 
 /// The most redirects one download follows.
 const MAX_REDIRECTS: usize = 5;
@@ -138,14 +142,15 @@ impl PosterSync {
 
     /// Downloads `url`, waiting out a few 429s.
     async fn download(&self, url: &str) -> Result<Poster, HandlerError> {
-        let mut tries = 0;
+        let (mut tries, mut waited) = (0, Duration::ZERO);
         loop {
             match self.download_once(url).await {
                 Ok(poster) => return Ok(poster),
                 Err(DownloadError::Retryable { after: Some(after), .. })
-                    if tries < RATE_LIMIT_RETRIES && after <= MAX_RATE_LIMIT_WAIT =>
+                    if tries < RATE_LIMIT_RETRIES && waited + after <= MAX_RATE_LIMIT_WAIT =>
                 {
                     tries += 1;
+                    waited += after;
                     tracing::info!(
                         url,
                         wait_ms = after.as_millis() as u64,
@@ -174,6 +179,10 @@ impl PosterSync {
         }
         let mut response = self.http.get(parsed).send().await.map_err(|e| match not_public_in(&e) {
             Some(host) => not_public_error(host),
+            // The redirect policy's refusal: a loop, or more than it follows; no retry helps.
+            None if e.is_redirect() => {
+                DownloadError::Permanent(format!("poster {url}: {}; nothing stored", describe(&e)))
+            }
             None => retryable(format!("poster {url}: {}", describe(&e))),
         })?;
         let status = response.status();
@@ -187,7 +196,9 @@ impl PosterSync {
                     .and_then(retry_after);
                 return Err(DownloadError::Retryable { message: format!("poster {url}: rate limited (429)"), after });
             }
-            s if s.is_server_error() => return Err(retryable(format!("poster {url}: the host answered {s}"))),
+            s if s.is_server_error() || s == StatusCode::REQUEST_TIMEOUT => {
+                return Err(retryable(format!("poster {url}: the host answered {s}")));
+            }
             s => return Err(DownloadError::Permanent(format!("poster {url}: the host answered {s}"))),
         }
         let declared = response
@@ -200,7 +211,9 @@ impl PosterSync {
             .unwrap_or("")
             .trim()
             .to_ascii_lowercase();
-        if !declared.starts_with("image/") {
+        // Object stores often serve an upload without a type as a generic one: the bytes decide.
+        let generic = matches!(declared.as_str(), "" | "application/octet-stream" | "binary/octet-stream");
+        if !declared.starts_with("image/") && !generic {
             return Err(DownloadError::Permanent(format!(
                 "poster {url}: not an image (Content-Type {declared:?}); nothing stored"
             )));
@@ -299,6 +312,12 @@ impl Handler for PosterSync {
             Some(poster) => poster,
             None => {
                 let poster = self.download(url).await?;
+                // The same bytes from a new URL (another host, a cache-busting query): the
+                // stored poster and its variants stay, and only where it came from is recorded.
+                if recorded && self.stored(&key).await?.is_some_and(|stored| stored.bytes == poster.bytes) {
+                    tracing::info!(movie_id, url, "the poster at the new URL is the one stored; keeping it");
+                    return self.record(event, movie_id, &key, url, &poster).await;
+                }
                 // A new poster: every variant under the movie's prefix is stale (the recorded
                 // ones, and any written and never recorded: a conversion that failed half-way,
                 // another width setting), and conversion probes their keys, so they go first.
@@ -316,10 +335,24 @@ impl Handler for PosterSync {
                 poster
             }
         };
+        self.record(event, movie_id, &key, url, &poster).await
+    }
+}
+
+impl PosterSync {
+    /// Records `poster`, stored under `key`, as the movie's poster from `url`.
+    async fn record(
+        &self,
+        event: &v1::Event,
+        movie_id: &str,
+        key: &str,
+        url: &str,
+        poster: &Poster,
+    ) -> Result<(), HandlerError> {
         let sha256 = sha256_hex(&poster.bytes);
         let request = v1::RecordPosterRequest {
             movie_id: movie_id.to_owned(),
-            key: key.clone(),
+            key: key.to_owned(),
             content_type: poster.content_type.to_owned(),
             size_bytes: poster.bytes.len() as u64,
             // The event and the bytes: a retry that downloaded other bytes (the host changed the
@@ -421,6 +454,52 @@ mod tests {
             }
         }
         assert_eq!(connections.load(Ordering::SeqCst), 2);
+    }
+
+    /// A listener on loopback answering every request with `head` (status line and headers)
+    /// and `body`; returns the base URL.
+    async fn answering(head: &'static str, body: &'static [u8]) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buffer = [0; 4096];
+                    let _ = stream.read(&mut buffer).await;
+                    let head = format!("{head}\r\ncontent-length: {}\r\n\r\n", body.len());
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(body).await;
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    /// What each answer of a poster host becomes: an image typed generically (or not at all) is
+    /// judged by its bytes, a page is not one, a 408 passes on a retry, a redirect loop never
+    /// does, and a 429 asking for longer than this handler waits is left to the runtime's retry.
+    #[tokio::test]
+    async fn answers_are_classified_by_what_a_retry_can_change() {
+        const JPEG: &[u8] = &[0xFF, 0xD8, 0xFF, 0xE0, 0, 0, 0, 0, 0xFF, 0xD9];
+        let dir = tempfile::tempdir().unwrap();
+        let sync = sync_with(true, dir.path());
+        for head in ["HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream", "HTTP/1.1 200 OK"] {
+            let poster = sync.download_once(&answering(head, JPEG).await).await;
+            assert!(matches!(poster, Ok(Poster { content_type: "image/jpeg", .. })), "{head}");
+        }
+        let page = answering("HTTP/1.1 200 OK\r\ncontent-type: text/html", JPEG).await;
+        assert!(matches!(sync.download_once(&page).await, Err(DownloadError::Permanent(m)) if m.contains("text/html")));
+        let slow = answering("HTTP/1.1 408 Request Timeout", b"").await;
+        assert!(matches!(sync.download_once(&slow).await, Err(DownloadError::Retryable { .. })));
+        let looping = answering("HTTP/1.1 302 Found\r\nlocation: /again", b"").await;
+        match sync.download_once(&looping).await {
+            Err(DownloadError::Permanent(message)) => assert!(message.contains("redirects"), "{message}"),
+            _ => panic!("a redirect loop is a permanent failure"),
+        }
+        let later = answering("HTTP/1.1 429 Too Many Requests\r\nretry-after: 30", b"").await;
+        let answer = tokio::time::timeout(Duration::from_secs(15), sync.download(&later)).await;
+        assert!(matches!(answer, Ok(Err(HandlerError::Retryable(_)))), "not waited out here");
     }
 
     #[test]

@@ -186,8 +186,8 @@ impl Store {
 
 impl Store {
     /// Records the poster the poster-sync handler stored for a movie, raising PosterSynced and
-    /// ImageStored in the same transaction. A repeat with the same key and digest writes and
-    /// raises nothing (so a redelivered MovieEnriched, or a retry after a crash between the
+    /// ImageStored in the same transaction. A repeat with the same key and digest raises nothing
+    /// and writes at most its new source URL (so a redelivered MovieEnriched, or a retry after a crash between the
     /// object write and this call, raises each event once); a different digest replaces the
     /// record and raises both again.
     pub async fn record_poster(
@@ -206,6 +206,18 @@ impl Store {
                     .fetch_optional(tx.conn())
                     .await?;
             if current.as_ref().is_some_and(|(k, d)| *k == poster.key && *d == poster.sha256) {
+                // The same poster, maybe from a new URL (the same bytes served elsewhere): where
+                // it came from is kept up to date, so the next sync from there skips it; its
+                // variants stay and nothing is raised.
+                sqlx::query(
+                    "UPDATE movie_posters SET source_url = ? WHERE movie_id = ? AND size = 'original' \
+                     AND source_url != ?",
+                )
+                .bind(&poster.source_url)
+                .bind(movie.to_string())
+                .bind(&poster.source_url)
+                .execute(tx.conn())
+                .await?;
                 return Ok(v1::RecordPosterResponse::default());
             }
             sqlx::query(
