@@ -562,7 +562,22 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
 async fn a_broker_out_of_storage_spends_no_attempt() {
     let dir = temp_dir();
     let _broker_disk = reelay_harness::Tmpfs::mount(&dir.path().join("nats"), "2m");
+    out_of_storage(&dir, "").await;
+}
+
+/// The same with the account's JetStream storage limit reached (a hosted or shared NATS), which
+/// JetStream answers with 400 "resource limits exceeded for account".
+#[tokio::test]
+async fn an_account_out_of_storage_spends_no_attempt() {
+    let dir = temp_dir();
+    let account = "accounts {\n  APP {\n    jetstream { max_file: 2M, max_mem: 1M }\n    \
+                   users [ { user: app, password: app } ]\n  }\n}\nno_auth_user: app\n";
+    out_of_storage(&dir, account).await;
+}
+
+async fn out_of_storage(dir: &tempfile::TempDir, nats_config: &str) {
     let cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .nats_config(nats_config)
         .probes("probe-a")
         .env("EVENT_QUEUE_MAX_ATTEMPTS", "2")
         .env("REELAY_RETRY_BASE_MS", "100")

@@ -301,14 +301,16 @@ async fn await_acks(rows: &[v1::OutboxRow], sent: Vec<Sent>) -> Published {
     published
 }
 
-/// Whether JetStream refused a publish because it cannot store anything now (status 503: its
-/// store's disk is full or over its limits, "insufficient resources", or JetStream is not
-/// available): an outage of the broker, not something wrong with the event, so it spends no
-/// attempt.
+/// Whether JetStream refused a publish because it cannot store anything now: an outage of the
+/// broker, not something wrong with the event, so it spends no attempt. That is any 5xx (503:
+/// its store's disk is full or over its limits, "insufficient resources", JetStream not
+/// available; 500: the stream offline) and the account's storage limit reached (400, error code
+/// 10002, "resource limits exceeded for account": a hosted or shared NATS).
 fn broker_unavailable(error: &async_nats::jetstream::context::PublishError) -> bool {
+    use async_nats::jetstream::ErrorCode;
     std::error::Error::source(error)
         .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
-        .is_some_and(|refusal| refusal.code() == 503)
+        .is_some_and(|refusal| refusal.code() >= 500 || refusal.error_code() == ErrorCode::ACCOUNT_RESOURCES_EXCEEDED)
 }
 
 /// Marks published rows done, defers the ones that could not be sent, fails the refused.

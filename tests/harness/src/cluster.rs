@@ -24,6 +24,7 @@ pub struct ClusterBuilder {
     database: Option<PathBuf>,
     write_log: Option<PathBuf>,
     handlers: Vec<Vec<(String, String)>>,
+    nats_config: String,
 }
 
 impl ClusterBuilder {
@@ -51,6 +52,12 @@ impl ClusterBuilder {
         self
     }
 
+    /// Adds `config` to nats-server's configuration (nats backend).
+    pub fn nats_config(mut self, config: &str) -> Self {
+        self.nats_config = config.into();
+        self
+    }
+
     /// Adds a handlers process with these variables on top of the cluster's.
     pub fn handlers(mut self, env: &[(&str, &str)]) -> Self {
         self.handlers.push(env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
@@ -60,7 +67,8 @@ impl ClusterBuilder {
     pub async fn start(self, dir: &Path) -> Cluster {
         let bin = self.binary.as_str();
         let effects = dir.join("effects.db");
-        let nats = (self.backend == Backend::Nats).then(|| NatsServer::start(&dir.join("nats")));
+        let nats =
+            (self.backend == Backend::Nats).then(|| NatsServer::start_with(&dir.join("nats"), &self.nats_config));
         let mut env = vec![("REELAY_PROBE_DB".to_owned(), effects.to_str().unwrap().to_owned())];
         if let Some(nats) = &nats {
             env.push(("EVENT_BUS_BACKEND".into(), "nats".into()));
@@ -116,6 +124,7 @@ impl Cluster {
             database: None,
             write_log: None,
             handlers: Vec::new(),
+            nats_config: String::new(),
         }
     }
 

@@ -37,9 +37,19 @@ impl NatsServer {
         Self::start_on(dir, || (free_port(), free_port()))
     }
 
+    /// Like [`NatsServer::start`], with `config` added to the server's configuration (an
+    /// account with JetStream limits, say).
+    pub fn start_with(dir: &Path, config: &str) -> Self {
+        Self::start_configured(dir, config, || (free_port(), free_port()))
+    }
+
     /// Like [`NatsServer::start`], on the (client, monitor) ports `ports` chooses, asked again
     /// while the chosen ones turn out taken.
-    fn start_on(dir: &Path, mut ports: impl FnMut() -> (u16, u16)) -> Self {
+    fn start_on(dir: &Path, ports: impl FnMut() -> (u16, u16)) -> Self {
+        Self::start_configured(dir, "", ports)
+    }
+
+    fn start_configured(dir: &Path, extra: &str, mut ports: impl FnMut() -> (u16, u16)) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let store = dir.join("jetstream");
         on_fresh_ports("nats-server", || {
@@ -49,7 +59,7 @@ impl NatsServer {
                 &config,
                 format!(
                     "listen: 127.0.0.1:{port}\nhttp: 127.0.0.1:{monitor_port}\n\
-                     jetstream {{\n  store_dir: \"{}\"\n  sync_interval: always\n}}\n",
+                     jetstream {{\n  store_dir: \"{}\"\n  sync_interval: always\n}}\n{extra}\n",
                     store.display()
                 ),
             )
