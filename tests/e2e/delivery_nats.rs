@@ -222,11 +222,14 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
     let config = consumer.info().await.unwrap().config.clone();
     assert_eq!((config.max_deliver, config.ack_wait), (5, Duration::from_secs(20)));
     assert_eq!((config.max_waiting, config.description.as_deref()), (77, Some("ops consumer")), "operator fields kept");
-    assert_eq!(
-        config.filter_subjects,
-        vec!["reelay.events.UserRegistered".to_owned(), "reelay.events.replay.probe-a.*".to_owned()],
-        "the filter is kept, and the handler's replay subject added"
-    );
+    // The operator's subject is kept, and what this build's handler takes is added: the event
+    // types the old filter lacked (they would never reach it) and its replay subject.
+    let subjects = &config.filter_subjects;
+    assert_eq!(subjects[0], "reelay.events.UserRegistered", "{subjects:?}");
+    for wanted in ["reelay.events.ReviewLogged", "reelay.events.MovieEnriched", "reelay.events.replay.probe-a.*"] {
+        assert_eq!(subjects.iter().filter(|s| *s == wanted).count(), 1, "{wanted} in {subjects:?}");
+    }
+    assert_eq!(subjects.iter().filter(|s| *s == "reelay.events.UserRegistered").count(), 1, "{subjects:?}");
     let log = handlers.log_text();
     assert!(log.contains("updated the existing stream's duplicate_window and replicas in place"), "{log}");
     assert!(log.contains("updated the existing consumer's max_deliver, ack_wait and subjects in place"), "{log}");

@@ -323,9 +323,10 @@ pub async fn ensure_consumer(
     match stream.get_consumer::<consumer::Config>(&name).await {
         Ok(existing) => {
             let current = existing.cached_info().config.clone();
-            // Consumers made before replays existed lack the replay subject; the rest of the
-            // filter is the operator's (kept as it is).
-            let filters = filters_with(&current, [config.replay_subject(handler, "*")]);
+            // A newer build's handler may take more event types (and consumers made before
+            // replays existed lack the replay subject): what it lacks is added, or those
+            // events would never reach it; subjects an operator added are kept.
+            let filters = filters_with(&current, config.consumer_subjects(handler, event_types));
             if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait || filters.is_some() {
                 let mut wanted = current.clone();
                 wanted.max_deliver = max_deliver;
@@ -370,15 +371,36 @@ pub async fn ensure_consumer(
     stream.get_consumer(&name).await.map_err(|e| js_error(format!("opening consumer {name}"), e))
 }
 
-/// A consumer's filter with `needed` subjects it lacks added (its own kept as they are), or
-/// `None` if it has them all.
+/// A consumer's filter with the `needed` subjects none of its own takes added (its own kept as
+/// they are), or `None` if it takes them all (a consumer without a filter takes everything).
 fn filters_with(current: &consumer::Config, needed: impl IntoIterator<Item = String>) -> Option<Vec<String>> {
     let mut filters = current.filter_subjects.clone();
     if !current.filter_subject.is_empty() {
         filters.push(current.filter_subject.clone());
     }
-    let missing: Vec<String> = needed.into_iter().filter(|s| !filters.contains(s)).collect();
+    if filters.is_empty() {
+        return None;
+    }
+    let mut missing: Vec<String> = Vec::new();
+    for subject in needed {
+        if !filters.iter().chain(&missing).any(|filter| takes(filter, &subject)) {
+            missing.push(subject);
+        }
+    }
     (!missing.is_empty()).then(|| [filters, missing].concat())
+}
+
+/// Whether the filter `filter` takes every subject `subject` names (NATS wildcards: `*` one
+/// token, `>` the rest), so adding `subject` beside it would overlap, which JetStream refuses.
+fn takes(filter: &str, subject: &str) -> bool {
+    let (mut filter, mut subject) = (filter.split('.'), subject.split('.'));
+    loop {
+        match (filter.next(), subject.next()) {
+            (None, None) | (Some(">"), Some(_)) => return true,
+            (Some(f), Some(s)) if f == "*" || f == s => {}
+            _ => return false,
+        }
+    }
 }
 
 /// Warns unless the server reports that it fsyncs every write (`sync_interval: always`).
@@ -431,7 +453,6 @@ fn json_object(body: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
-
     #[test]
     fn credentials_are_not_shown() {
         assert_eq!(redacted("nats://reelay:s3cret@nats:4222"), "nats://***@nats:4222");
@@ -499,5 +520,30 @@ mod tests {
         for body in ["", "no json", "}x{", "}", "{"] {
             assert_eq!(json_object(body), None, "{body:?}");
         }
+    }
+
+    #[test]
+    fn a_consumers_filter_gains_only_the_subjects_none_of_its_own_takes() {
+        let with = |filters: &[&str], needed: &[&str]| {
+            let current = consumer::Config {
+                filter_subjects: filters.iter().map(|s| s.to_string()).collect(),
+                ..Default::default()
+            };
+            filters_with(&current, needed.iter().map(|s| s.to_string()))
+        };
+        let needed = ["r.events.A", "r.events.B", "r.events.replay.h.*"];
+        assert_eq!(
+            with(&["r.events.A", "r.events.Ops"], &needed),
+            Some(["r.events.A", "r.events.Ops", "r.events.B", "r.events.replay.h.*"].map(String::from).to_vec())
+        );
+        assert_eq!(with(&["r.events.>"], &needed), None, "a wildcard takes them all");
+        assert_eq!(with(&["r.events.*", "r.events.replay.h.*"], &needed), None);
+        assert_eq!(
+            with(&["r.events.*"], &needed),
+            Some(["r.events.*", "r.events.replay.h.*"].map(String::from).to_vec()),
+            "`*` is one token"
+        );
+        assert_eq!(with(&[], &needed), None, "no filter takes everything");
+        assert_eq!(with(&needed, &needed), None);
     }
 }
