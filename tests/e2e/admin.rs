@@ -142,6 +142,121 @@ async fn explain_and_replay_on_the_nats_backend() {
     dead_letter_then_replay(Backend::Nats).await;
 }
 
+/// The event's outbox row, as the relay left it: (status, attempts).
+async fn outbox_state(db: &std::path::Path, event_id: &str) -> (String, String) {
+    let rows =
+        query_strings(db, &format!("SELECT status, attempts || '' FROM event_queue WHERE event_id = '{event_id}'"))
+            .await;
+    (rows[0][0].clone(), rows[0][1].clone())
+}
+
+/// nats-server again with `max_payload` set to `bytes`.
+fn restart_broker(cluster: &mut Cluster, dir: &std::path::Path, bytes: usize) {
+    let config = dir.join("nats/nats.conf");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let start = text.find("max_payload: ").unwrap();
+    let end = start + text[start..].find('\n').unwrap();
+    std::fs::write(&config, format!("{}max_payload: {bytes}{}", &text[..start], &text[end..])).unwrap();
+    cluster.nats.as_mut().unwrap().restart();
+}
+
+/// On nats an event the broker can never take (over its `max_payload`) is given up by the relay
+/// and reaches no handler: it is a dead letter of `relay`, listed, replayed (given up again while
+/// the broker still refuses it) and, once the broker takes larger messages, replayed to every
+/// handler. A handler's replayed delivery whose copy the relay gives up is that handler's dead
+/// letter again, and can be replayed once more.
+#[tokio::test]
+async fn what_the_relay_gives_up_is_a_dead_letter_too() {
+    let dir = temp_dir();
+    let mut cluster = Cluster::builder(BIN, Backend::Nats)
+        .nats_config("max_payload: 1048576")
+        .probes("probe-a,probe-b")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "2")
+        .env("REELAY_RETRY_BASE_MS", "100")
+        .env("REELAY_RETRY_CAP_MS", "200")
+        .handlers(&[("REELAY_PROBE_FAIL", "probe-b=times:1000")])
+        .start(dir.path())
+        .await;
+    // The broker's limit lowered under the running relay (it checks the limit when it starts),
+    // once the relay is connected to it again: a small event goes through.
+    let mut c = cluster.write.clients().await;
+    restart_broker(&mut cluster, dir.path(), 2048);
+    let ana = c.user("ana").await;
+    eventually("the relay publishes again", Duration::from_secs(30), || {
+        let db = cluster.db.clone();
+        async move {
+            query_strings(&db, "SELECT COUNT(*) || '' FROM event_queue WHERE status = 'done'").await[0][0] == "1"
+        }
+    })
+    .await;
+    let review = c.review_with_text(&ana, reelay_harness::movie_ref("Heat", 1995), 8, &"long ".repeat(600)).await;
+    let event_id = query_strings(
+        &cluster.db,
+        &format!("SELECT event_id FROM event_queue WHERE aggregate_id = '{}'", review.review_id),
+    )
+    .await[0][0]
+        .clone();
+    eventually("the relay gives the event up", Duration::from_secs(30), || {
+        let (db, event_id) = (cluster.db.clone(), event_id.clone());
+        async move { outbox_state(&db, &event_id).await.0 == "dead_lettered" }
+    })
+    .await;
+    let listed = cluster.cli(&["dead-letters", "list", "--handler", "relay"]).await.ok().to_owned();
+    assert!(listed.contains(&event_id) && listed.contains("ReviewLogged"), "{listed}");
+    assert!(listed.contains("max_payload"), "the broker's refusal is shown: {listed}");
+    let all = cluster.cli(&["dead-letters", "list"]).await.ok().to_owned();
+    assert!(all.contains(&event_id), "listed among every dead letter: {all}");
+
+    // Replayed while the broker still refuses it: given up again, still listed.
+    let replayed = cluster.cli(&["dead-letters", "replay", &event_id, "--handler", "relay"]).await.ok().to_owned();
+    assert!(replayed.contains("1 replayed, 0 unchanged"), "{replayed}");
+    eventually("the relay gives the event up again", Duration::from_secs(30), || {
+        let (db, event_id) = (cluster.db.clone(), event_id.clone());
+        async move { outbox_state(&db, &event_id).await == ("dead_lettered".to_owned(), "1".to_owned()) }
+    })
+    .await;
+
+    // The broker takes it now: one more replay reaches both handlers; probe-b fails it.
+    restart_broker(&mut cluster, dir.path(), 1024 * 1024);
+    let replayed = cluster.cli(&["dead-letters", "replay", "--handler", "relay", "--all"]).await.ok().to_owned();
+    assert!(replayed.contains("1 replayed, 0 unchanged"), "{replayed}");
+    eventually("probe-a handles the event and probe-b gives it up", Duration::from_secs(30), || {
+        let (cluster, event_id) = (&cluster, event_id.clone());
+        async move {
+            probe_counts(cluster, &event_id, "probe-a").await == (1, 1)
+                && ledger_state(cluster, &event_id, "probe-b").await.as_deref() == Some("dead_lettered")
+        }
+    })
+    .await;
+    assert_eq!(outbox_state(&cluster.db, &event_id).await.0, "done");
+    let listed = cluster.cli(&["dead-letters", "list", "--handler", "relay"]).await.ok().to_owned();
+    assert!(listed.contains("no dead letters"), "{listed}");
+
+    // probe-b's replay, copied while the broker refuses it again: probe-b's dead letter again.
+    restart_broker(&mut cluster, dir.path(), 2048);
+    cluster.handlers[0].restart_with(&[("REELAY_PROBE_FAIL", "")]).await;
+    let replayed = cluster.cli(&["dead-letters", "replay", &event_id, "--handler", "probe-b"]).await.ok().to_owned();
+    assert!(replayed.contains("1 replayed"), "{replayed}");
+    eventually("the copy is given up and probe-b's delivery is a dead letter again", Duration::from_secs(30), || {
+        let (cluster, event_id) = (&cluster, event_id.clone());
+        async move { ledger_state(cluster, &event_id, "probe-b").await.as_deref() == Some("dead_lettered") }
+    })
+    .await;
+    let listed = cluster.cli(&["dead-letters", "list", "--handler", "probe-b"]).await.ok().to_owned();
+    assert!(listed.contains(&event_id) && listed.contains("gave up the replay"), "{listed}");
+    restart_broker(&mut cluster, dir.path(), 1024 * 1024);
+    let replayed = cluster.cli(&["dead-letters", "replay", &event_id, "--handler", "probe-b"]).await.ok().to_owned();
+    assert!(replayed.contains("1 replayed"), "{replayed}");
+    eventually("probe-b handles the event", Duration::from_secs(30), || {
+        let (cluster, event_id) = (&cluster, event_id.clone());
+        async move { ledger_state(cluster, &event_id, "probe-b").await.as_deref() == Some("done") }
+    })
+    .await;
+    assert_eq!(probe_counts(&cluster, &event_id, "probe-a").await, (1, 1), "probe-a saw none of the replays");
+    assert_eq!(probe_counts(&cluster, &event_id, "probe-b").await.1, 1, "probe-b's effect once");
+    cluster.stop().await;
+}
+
 /// A discarded dead letter is never delivered again and stops counting; the Admin API refuses
 /// bad requests naming the field, and calls without the token.
 #[tokio::test]

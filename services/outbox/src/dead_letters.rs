@@ -1,6 +1,10 @@
 //! Dead letters: the (event, handler) deliveries that were given up, and what an operator can
 //! do about them. A dead letter is the handler's `processed_events` row in `dead_lettered`, on
-//! both backends (see [`crate::ledger::dead_letter`] for nats).
+//! both backends (see [`crate::ledger::dead_letter`] for nats). On nats an event the relay gave
+//! up (refused by the broker `EVENT_QUEUE_MAX_ATTEMPTS` times, or too large for it) reached no
+//! handler at all: it is listed and acted on as a dead letter of [`RELAY`], and a replay makes
+//! its outbox row pending again with a fresh set of attempts. A replay copy the relay gives up
+//! makes its handler's delivery a dead letter again.
 //!
 //! Replaying and discarding change only rows still dead-lettered, inside one writer job, so two
 //! operators acting on the same dead letter at once change it once; each change is recorded in
@@ -12,6 +16,10 @@ use sqlx::{AssertSqlSafe, Row, SqliteConnection};
 
 use crate::WriteTx;
 use crate::enqueue::enqueue_replay;
+
+/// The handler name under which the events the relay gave up are listed and acted on (no
+/// handler of Reelay's is named so).
+pub const RELAY: &str = "relay";
 
 /// One dead letter.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -38,9 +46,23 @@ pub struct Filter {
 
 /// Dead letters matching `filter`, newest first, and how many match in all.
 pub async fn list(conn: &mut SqliteConnection, filter: &Filter) -> Result<(Vec<DeadLetter>, u64), sqlx::Error> {
-    let from = "FROM processed_events p LEFT JOIN event_queue q ON q.event_id = p.event_id \
-        WHERE p.status = 'dead_lettered' AND (?1 IS NULL OR p.handler = ?1) AND (?2 IS NULL OR q.event_type = ?2) \
-        AND (?3 IS NULL OR COALESCE(p.processed_at, p.renewed_at, p.started_at) >= ?3)";
+    // The handlers' dead letters, then the relay's: outbox rows it gave up, but not the replay
+    // copies (a copy given up makes its handler's delivery a dead letter again).
+    let from = format!(
+        "FROM (SELECT p.event_id, p.handler, COALESCE(q.event_type, '') AS event_type, \
+             COALESCE(q.aggregate_id, '') AS aggregate_id, p.attempts, COALESCE(p.last_error, '') AS last_error, \
+             COALESCE(p.processed_at, p.renewed_at, p.started_at) AS at, p.replays \
+           FROM processed_events p LEFT JOIN event_queue q ON q.event_id = p.event_id \
+           WHERE p.status = 'dead_lettered' AND (?1 IS NULL OR p.handler = ?1) \
+         UNION ALL \
+         SELECT COALESCE(q.event_id, 'row:' || q.id), '{RELAY}', q.event_type, q.aggregate_id, q.attempts, \
+             COALESCE(q.last_error, ''), COALESCE(q.claimed_at, q.available_at), \
+             (SELECT COUNT(*) FROM dead_letter_actions a WHERE a.event_id = COALESCE(q.event_id, 'row:' || q.id) \
+                AND a.handler = '{RELAY}' AND a.action = 'replay') \
+           FROM event_queue q WHERE q.status = 'dead_lettered' AND q.replay_of IS NULL \
+             AND (?1 IS NULL OR ?1 = '{RELAY}')) \
+         WHERE (?2 IS NULL OR event_type = ?2) AND (?3 IS NULL OR at >= ?3)"
+    );
     let total: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT COUNT(*) {from}")))
         .bind(&filter.handler)
         .bind(&filter.event_type)
@@ -48,9 +70,8 @@ pub async fn list(conn: &mut SqliteConnection, filter: &Filter) -> Result<(Vec<D
         .fetch_one(&mut *conn)
         .await?;
     let rows = sqlx::query(AssertSqlSafe(format!(
-        "SELECT p.event_id, p.handler, COALESCE(q.event_type, ''), COALESCE(q.aggregate_id, ''), p.attempts, \
-         COALESCE(p.last_error, ''), COALESCE(p.processed_at, p.renewed_at, p.started_at) AS at, p.replays {from} \
-         ORDER BY at DESC, p.event_id LIMIT ?4"
+        "SELECT event_id, handler, event_type, aggregate_id, attempts, last_error, at, replays {from} \
+         ORDER BY at DESC, event_id, handler LIMIT ?4"
     )))
     .bind(&filter.handler)
     .bind(&filter.event_type)
@@ -128,6 +149,17 @@ pub async fn act(
 ) -> Result<Acted, sqlx::Error> {
     let mut acted = Acted::default();
     let candidates: Vec<(String, String)> = match target {
+        Target::AllOf { handler, after } if handler == RELAY => {
+            let keys: Vec<String> = sqlx::query_scalar(
+                "SELECT COALESCE(event_id, 'row:' || id) AS key FROM event_queue \
+                 WHERE status = 'dead_lettered' AND replay_of IS NULL AND key > ? ORDER BY key LIMIT ?",
+            )
+            .bind(after)
+            .bind(ALL_OF_BATCH as i64)
+            .fetch_all(tx.conn())
+            .await?;
+            keys.into_iter().map(|key| (key, RELAY.to_owned())).collect()
+        }
         Target::AllOf { handler, after } => {
             sqlx::query_as(
                 "SELECT event_id, handler FROM processed_events \
@@ -151,15 +183,30 @@ pub async fn act(
                 .bind(handler)
                 .fetch_all(tx.conn())
                 .await?;
-                if pairs.is_empty() {
+                let relay =
+                    handler.as_deref().is_none_or(|h| h == RELAY) && relay_dead_letter(tx, event_id).await?.is_some();
+                if pairs.is_empty() && !relay {
                     acted.unchanged.push((event_id.clone(), handler.clone().unwrap_or_default()));
                 }
                 found.extend(pairs);
+                if relay {
+                    found.push((event_id.clone(), RELAY.to_owned()));
+                }
             }
             found
         }
     };
     for (event_id, handler) in candidates {
+        if handler == RELAY {
+            match act_on_relays(tx, &event_id, action, now).await? {
+                Some((attempts, last_error)) => {
+                    record(tx, action, &event_id, &handler, operator, attempts, last_error, now).await?;
+                    acted.changed.push((event_id, handler));
+                }
+                None => acted.unchanged.push((event_id, handler)),
+            }
+            continue;
+        }
         let current: Option<(i64, Option<String>)> = sqlx::query_as(
             "SELECT attempts, last_error FROM processed_events \
              WHERE event_id = ? AND handler = ? AND status = 'dead_lettered'",
@@ -208,23 +255,81 @@ pub async fn act(
                 .await?;
             }
         }
-        sqlx::query(
-            "INSERT INTO dead_letter_actions (at, action, event_id, handler, operator, attempts, last_error) \
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(now)
-        .bind(action.name())
-        .bind(&event_id)
-        .bind(&handler)
-        .bind(operator)
-        .bind(attempts)
-        .bind(last_error)
-        .execute(tx.conn())
-        .await?;
-        tracing::warn!(%event_id, %handler, operator, action = action.name(), "dead letter acted on");
+        record(tx, action, &event_id, &handler, operator, attempts, last_error, now).await?;
         acted.changed.push((event_id, handler));
     }
     Ok(acted)
+}
+
+/// Records an action in the audit trail.
+#[allow(clippy::too_many_arguments)]
+async fn record(
+    tx: &mut WriteTx,
+    action: Action,
+    event_id: &str,
+    handler: &str,
+    operator: &str,
+    attempts: i64,
+    last_error: Option<String>,
+    now: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO dead_letter_actions (at, action, event_id, handler, operator, attempts, last_error) \
+         VALUES (?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(now)
+    .bind(action.name())
+    .bind(event_id)
+    .bind(handler)
+    .bind(operator)
+    .bind(attempts)
+    .bind(last_error)
+    .execute(tx.conn())
+    .await?;
+    tracing::warn!(%event_id, %handler, operator, action = action.name(), "dead letter acted on");
+    Ok(())
+}
+
+/// The outbox row the relay gave up for the event `key` (an event id, or `row:<id>` for a row
+/// without one): (row id, attempts, last error).
+async fn relay_dead_letter(tx: &mut WriteTx, key: &str) -> Result<Option<(i64, i64, Option<String>)>, sqlx::Error> {
+    let by_row = key.strip_prefix("row:").and_then(|id| id.parse::<i64>().ok());
+    let sql = if by_row.is_some() {
+        "SELECT id, attempts, last_error FROM event_queue WHERE id = ? AND event_id IS NULL \
+         AND status = 'dead_lettered' AND replay_of IS NULL"
+    } else {
+        "SELECT id, attempts, last_error FROM event_queue WHERE event_id = ? \
+         AND status = 'dead_lettered' AND replay_of IS NULL"
+    };
+    let query = sqlx::query_as(sql);
+    let query = match by_row {
+        Some(id) => query.bind(id),
+        None => query.bind(key),
+    };
+    query.fetch_optional(tx.conn()).await
+}
+
+/// Replays (pending again, due now, a fresh set of attempts: the relay publishes it to every
+/// handler) or discards (never published; purged with the published rows) the outbox row the
+/// relay gave up for the event `key`. `None` when there is none.
+async fn act_on_relays(
+    tx: &mut WriteTx,
+    key: &str,
+    action: Action,
+    now: i64,
+) -> Result<Option<(i64, Option<String>)>, sqlx::Error> {
+    let Some((id, attempts, last_error)) = relay_dead_letter(tx, key).await? else { return Ok(None) };
+    let query = match action {
+        Action::Replay { .. } => {
+            sqlx::query("UPDATE event_queue SET status = 'pending', attempts = 0, available_at = ? WHERE id = ?")
+                .bind(now)
+        }
+        Action::Discard => {
+            sqlx::query("UPDATE event_queue SET status = 'discarded', available_at = ? WHERE id = ?").bind(now)
+        }
+    };
+    query.bind(id).execute(tx.conn()).await?;
+    Ok(Some((attempts, last_error)))
 }
 
 /// How often an operator replayed `handler`'s dead letter of `event_id`, by the audit trail
@@ -237,4 +342,114 @@ pub(crate) async fn replays(tx: &mut WriteTx, event_id: &str, handler: &str) -> 
     .bind(handler)
     .fetch_one(tx.conn())
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CommitError, Database, DbConfig, queue};
+
+    #[derive(Debug)]
+    enum TestError {
+        #[allow(dead_code, reason = "shown by Debug when a test fails")]
+        Commit(CommitError),
+        #[allow(dead_code, reason = "shown by Debug when a test fails")]
+        Sql(sqlx::Error),
+    }
+
+    impl From<CommitError> for TestError {
+        fn from(error: CommitError) -> Self {
+            Self::Commit(error)
+        }
+    }
+
+    impl From<sqlx::Error> for TestError {
+        fn from(error: sqlx::Error) -> Self {
+            Self::Sql(error)
+        }
+    }
+
+    fn relay_filter() -> Filter {
+        Filter { handler: Some(RELAY.into()), limit: 100, ..Default::default() }
+    }
+
+    /// Outbox rows the relay gave up are dead letters of `relay` (a replay copy it gave up is
+    /// not: its handler's delivery is): a replay makes one pending again with fresh attempts,
+    /// a discard takes one out of the list, and retention deletes it.
+    #[tokio::test]
+    async fn what_the_relay_gave_up_is_listed_replayed_and_discarded() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        db.writer
+            .transact::<_, TestError, _>("fixtures", |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    for (event_id, replay_of) in [("e-a", None), ("e-b", None), ("e-a:replay:1:probe", Some("e-a"))] {
+                        sqlx::query(
+                            "INSERT INTO event_queue (event_id, event_type, aggregate_id, payload, status, attempts, \
+                             available_at, created_at, last_error, replay_of, replay_handler) \
+                             VALUES (?, 'ReviewLogged', 'r1', x'00', 'dead_lettered', 8, 5, 1, 'refused', ?, ?)",
+                        )
+                        .bind(event_id)
+                        .bind(replay_of)
+                        .bind(replay_of.map(|_| "probe"))
+                        .execute(tx.conn())
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let mut conn = db.reads.acquire().await.unwrap();
+        let (listed, total) = list(&mut conn, &relay_filter()).await.unwrap();
+        let keys: Vec<(&str, &str, u32, &str)> = listed
+            .iter()
+            .map(|d| (d.event_id.as_str(), d.handler.as_str(), d.attempts, d.last_error.as_str()))
+            .collect();
+        assert_eq!(keys, [("e-a", RELAY, 8, "refused"), ("e-b", RELAY, 8, "refused")]);
+        assert_eq!(total, 2);
+        let probe = Filter { handler: Some("probe".into()), limit: 100, ..Default::default() };
+        assert_eq!(list(&mut conn, &probe).await.unwrap().1, 0, "a replay copy is not the relay's");
+        drop(conn);
+
+        let acted = db
+            .writer
+            .transact::<_, TestError, _>("act", |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    let replay = Target::Events { event_ids: vec!["e-a".into(), "e-x".into()], handler: None };
+                    let replayed = act(tx, &replay, Action::Replay { republish: true }, "ops", 10).await?;
+                    let discard = Target::AllOf { handler: RELAY.into(), after: String::new() };
+                    let discarded = act(tx, &discard, Action::Discard, "ops", 10).await?;
+                    let purged = queue::purge_finished(tx, 2, false, 100).await?;
+                    Ok((replayed, discarded, purged))
+                })
+            })
+            .await
+            .unwrap();
+        let pair = |e: &str, h: &str| (e.to_owned(), h.to_owned());
+        assert_eq!(acted.0.changed, [pair("e-a", RELAY)]);
+        assert_eq!(acted.0.unchanged, [pair("e-x", "")]);
+        assert_eq!(acted.1.changed, [pair("e-b", RELAY)], "e-a is pending again, not a dead letter");
+        assert_eq!(acted.2, 1, "the discarded row is deleted by retention");
+        let mut conn = db.reads.acquire().await.unwrap();
+        let rows: Vec<(String, String, i64, i64)> =
+            sqlx::query_as("SELECT event_id, status, attempts, available_at FROM event_queue ORDER BY id")
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        assert_eq!(
+            rows,
+            [("e-a".into(), "pending".into(), 0, 10), ("e-a:replay:1:probe".into(), "dead_lettered".into(), 8, 5)]
+        );
+        assert_eq!(list(&mut conn, &relay_filter()).await.unwrap().1, 0);
+        let actions: Vec<(String, String, String)> =
+            sqlx::query_as("SELECT action, event_id, handler FROM dead_letter_actions ORDER BY id")
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        assert_eq!(
+            actions,
+            [("replay".into(), "e-a".into(), RELAY.into()), ("discard".into(), "e-b".into(), RELAY.into())]
+        );
+    }
 }

@@ -253,7 +253,26 @@ async fn dead_letter_oversized(tx: &mut WriteTx, id: i64, length: i64, max_bytes
     .await?;
     if event_id.is_some() {
         tracing::error!(row = id, event_id = event_id.flatten().as_deref().unwrap_or(""), %reason, "outbox row dead-lettered");
+        replay_given_up(tx, id, &reason).await?;
     }
+    Ok(())
+}
+
+/// The relay gave up the outbox row `id`: when it is a replay copy (one handler's delivery an
+/// operator replayed), that delivery is a dead letter again, where the operator finds it (else
+/// it would wait in `retry` for a copy that never comes, and no replay could reach it again).
+async fn replay_given_up(tx: &mut WriteTx, id: i64, error: &str) -> Result<(), sqlx::Error> {
+    let now = tx.now_ms();
+    sqlx::query(
+        "UPDATE processed_events SET status = 'dead_lettered', last_error = ?, processed_at = ?, owner = NULL \
+         WHERE status = 'retry' AND (event_id, handler) = \
+             (SELECT replay_of, replay_handler FROM event_queue WHERE id = ? AND replay_of IS NOT NULL)",
+    )
+    .bind(format!("the relay gave up the replay: {error}"))
+    .bind(now)
+    .bind(id)
+    .execute(tx.conn())
+    .await?;
     Ok(())
 }
 
@@ -330,6 +349,7 @@ pub async fn fail(tx: &mut WriteTx, rows: &[FailedRow], now: i64, policy: QueueP
                 .await?;
             tracing::error!(row = failure.row.id, event_id = event_id.as_deref().unwrap_or(""), attempts, %error,
                 "outbox row dead-lettered");
+            replay_given_up(tx, failure.row.id, &error).await?;
             dead.push(failure.row.id);
         } else {
             let next = now + policy.retry.delay(attempts).as_millis() as i64;
@@ -452,7 +472,8 @@ pub(crate) fn purge_finished_sql(cursors: bool) -> String {
     let finished = if cursors {
         "+q.status IN ('pending', 'done') AND q.id <= (SELECT COALESCE(MIN(position), 0) FROM handler_cursors)"
     } else {
-        "+q.status = 'done'"
+        // Published, or given up by the relay and discarded by an operator.
+        "+q.status IN ('done', 'discarded')"
     };
     format!(
         "DELETE FROM event_queue WHERE id IN ( \

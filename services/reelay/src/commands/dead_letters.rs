@@ -19,7 +19,7 @@ pub enum DeadLettersCommand {
 
 #[derive(Debug, Args)]
 pub struct ListArgs {
-    /// Only this handler's.
+    /// Only this handler's (`relay`: events the relay gave up on nats, which reached no handler).
     #[arg(long)]
     pub handler: Option<String>,
 
@@ -44,7 +44,8 @@ pub struct ActArgs {
     /// Event ids; every handler's dead letters of them unless --handler is given.
     pub event_ids: Vec<String>,
 
-    /// Only this handler's dead letters (required with --all).
+    /// Only this handler's dead letters (required with --all; `relay`: events the relay gave
+    /// up on nats, replayed to every handler).
     #[arg(long)]
     pub handler: Option<String>,
 
