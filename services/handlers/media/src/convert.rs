@@ -29,11 +29,9 @@ use tonic::Code;
 
 use crate::{original_key, sha256_hex, variant_key};
 
-/// The widest and tallest poster decoded, and the memory the decoder may use for it: 32
-/// million RGB pixels (a poster is a few million). With the first resize's buffer (at most
-/// 500 x 10,000 x 16 bytes) one conversion stays under 180 MB, so the [`CONVERSIONS`] at once
-/// fit the media handlers' 512 MiB beside the rest of the process. (A hostile poster of a few
-/// hundred KB, one colour at 12,000 x 12,000, was decoded into 432 MB before.)
+/// The widest and tallest poster decoded, and the memory the decoder may use for its pixels:
+/// 32 million RGB pixels (a poster is a few million). (A hostile poster of a few hundred KB,
+/// one colour at 12,000 x 12,000, was decoded into 432 MB before.)
 const MAX_SIDE: u32 = 10_000;
 const MAX_DECODE_BYTES: u64 = 96 * 1024 * 1024;
 
@@ -41,6 +39,29 @@ const MAX_DECODE_BYTES: u64 = 96 * 1024 * 1024;
 /// otherwise decode its own).
 const CONVERSIONS: usize = 2;
 static CONVERTING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(CONVERSIONS);
+
+/// The memory, in MiB, the conversions of this process may use at once, each taking what
+/// [`decode_cost_mib`] says of its poster: the media handlers' 512 MiB less the rest of the
+/// process. Two posters of a few million pixels convert side by side; a large one alone. (The
+/// decoder's limits count its pixels only: a progressive JPEG of 5,600 x 5,600 at 4:4:4, 1.8
+/// MB on disk, peaked at 282 MB decoding, and two at once with their resizes passed 512 MiB.)
+const DECODE_BUDGET_MIB: u32 = 360;
+static DECODE_MEMORY: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(DECODE_BUDGET_MIB as usize);
+
+/// What converting a `width` x `height` poster into variants at most `widest` wide may take,
+/// in MiB (at most the whole [`DECODE_BUDGET_MIB`]): its decoded pixels (at most
+/// [`MAX_DECODE_BYTES`]), a progressive JPEG's coefficients (two bytes a sample, three samples a
+/// pixel), and the first resize's buffer (`widest` x `height`, 16 bytes a pixel).
+pub fn decode_cost_mib(width: u32, height: u32, widest: u32) -> u32 {
+    let pixels = u64::from(width) * u64::from(height);
+    let bytes = (pixels * 8).min(MAX_DECODE_BYTES) + pixels * 6 + u64::from(widest.min(width)) * u64::from(height) * 16;
+    bytes.div_ceil(1 << 20).clamp(1, u64::from(DECODE_BUDGET_MIB)) as u32
+}
+
+/// The size an image's header gives, if it can be read.
+fn dimensions(original: &[u8]) -> Option<(u32, u32)> {
+    ImageReader::new(Cursor::new(original)).with_guessed_format().ok()?.into_dimensions().ok()
+}
 
 /// How a variant is encoded.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -222,7 +243,11 @@ impl ImageConversion {
     /// the next wider one), so a variant made again is the same bytes as the first time.
     async fn make(&self, key: &str, original: Bytes, missing: Vec<u32>) -> Result<Vec<Variant>, HandlerError> {
         let (encoding, widths, key) = (self.encoding, Arc::clone(&self.widths), key.to_owned());
+        let widest = widths.iter().copied().max().unwrap_or(0);
+        // Unreadable: the decoder says why, within the whole budget.
+        let cost = dimensions(&original).map_or(DECODE_BUDGET_MIB, |(w, h)| decode_cost_mib(w, h, widest));
         let _converting = CONVERTING.acquire().await.expect("the semaphore is never closed");
+        let _memory = DECODE_MEMORY.acquire_many(cost).await.expect("the semaphore is never closed");
         tokio::task::spawn_blocking(move || {
             let failed = |reason: String| HandlerError::Permanent(format!("{key}: {reason}"));
             let image = decode(&original).map_err(failed)?;
@@ -358,6 +383,20 @@ mod tests {
 
     /// A poster too large to decode within the media handlers' memory is refused before its
     /// pixels are allocated, whatever its size on the wire.
+    /// Posters of a few million pixels convert two at a time within the budget; one as large as
+    /// the decoder takes (the progressive JPEG that peaked at 282 MB decoding) converts alone.
+    #[test]
+    fn large_posters_convert_alone() {
+        let poster = decode_cost_mib(2_000, 3_000, 500);
+        assert!((50..=DECODE_BUDGET_MIB / 2).contains(&poster), "{poster} MiB");
+        assert!(decode_cost_mib(5_600, 5_600, 500) > DECODE_BUDGET_MIB / 2);
+        assert_eq!(decode_cost_mib(10_000, 10_000, 500), DECODE_BUDGET_MIB);
+        assert_eq!(decode_cost_mib(1, 1, 500), 1);
+        let png = png_claiming(3_000, 4_000);
+        assert_eq!(dimensions(&png), Some((3_000, 4_000)), "read from the header, nothing decoded");
+        assert_eq!(dimensions(b"<html>"), None);
+    }
+
     #[test]
     fn a_poster_too_large_to_decode_is_refused_before_it_is_allocated() {
         for (width, height) in [(12_000, 12_000), (10_001, 10), (10, 10_001), (6_000, 6_000)] {
