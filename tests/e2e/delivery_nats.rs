@@ -218,6 +218,7 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
         (1_000_000, Some("set by ops")),
         "operator fields kept"
     );
+    assert_eq!(config.discard, stream::DiscardPolicy::New, "at its limit the stream refuses, it does not drop");
     let mut consumer: consumer::PullConsumer = stream.get_consumer("handler-probe-a").await.unwrap();
     let config = consumer.info().await.unwrap().config.clone();
     assert_eq!((config.max_deliver, config.ack_wait), (5, Duration::from_secs(20)));
@@ -231,7 +232,10 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
     }
     assert_eq!(subjects.iter().filter(|s| *s == "reelay.events.UserRegistered").count(), 1, "{subjects:?}");
     let log = handlers.log_text();
-    assert!(log.contains("updated the existing stream's duplicate_window and replicas in place"), "{log}");
+    assert!(
+        log.contains("updated the existing stream's duplicate_window, replicas and discard policy in place"),
+        "{log}"
+    );
     assert!(log.contains("updated the existing consumer's max_deliver, ack_wait and subjects in place"), "{log}");
     handlers.stop().await;
     write.stop().await;
@@ -1047,7 +1051,7 @@ async fn both_streams_are_brought_to_a_new_replica_count_and_what_handlers_need_
         let relay = &relay;
         eventually(line, Duration::from_secs(10), move || async move { relay.log_text().contains(line) })
     };
-    said("updated the existing stream's duplicate_window and replicas in place").await;
+    said("updated the existing stream's duplicate_window, replicas and discard policy in place").await;
     said("updated the existing stream's replicas, subjects and max age in place").await;
     relay.stop().await;
     write.stop().await;

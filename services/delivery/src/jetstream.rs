@@ -263,25 +263,41 @@ pub async fn ensure_given_up_consumer(
     }
 }
 
-/// Creates the event stream, or brings an existing one's `duplicate_window` to what Reelay needs.
+/// Creates the event stream, or brings an existing one to what Reelay needs: its
+/// `duplicate_window` and replicas, and, when an operator gave it a size limit, the discard
+/// policy `new` (at the limit the broker refuses new events, which the relay waits out, instead
+/// of dropping the oldest, which handlers may not have read).
 async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     match js.get_stream(&config.stream).await {
         Ok(existing) => {
             let current = existing.cached_info().config.clone();
-            if current.duplicate_window != DUPLICATE_WINDOW || current.num_replicas != config.replicas {
+            let limited = current.max_messages > 0 || current.max_bytes > 0 || current.max_messages_per_subject > 0;
+            let discard = if limited { stream::DiscardPolicy::New } else { current.discard };
+            if current.duplicate_window != DUPLICATE_WINDOW
+                || current.num_replicas != config.replicas
+                || current.discard != discard
+            {
                 let mut wanted = current.clone();
                 wanted.duplicate_window = DUPLICATE_WINDOW;
                 wanted.num_replicas = config.replicas;
+                wanted.discard = discard;
                 match js.update_stream(&wanted).await {
                     Ok(_) => {
                         tracing::warn!(stream = %config.stream, from = ?current.duplicate_window, to = ?DUPLICATE_WINDOW,
                         from_replicas = current.num_replicas, to_replicas = config.replicas,
-                        "updated the existing stream's duplicate_window and replicas in place")
+                        from_discard = ?current.discard, to_discard = ?discard,
+                        "updated the existing stream's duplicate_window, replicas and discard policy in place")
                     }
                     Err(error) => tracing::warn!(stream = %config.stream, %error,
-                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}",
-                        config.stream, config.replicas),
+                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}{}",
+                        config.stream, config.replicas, if limited { " --discard new" } else { "" }),
                 }
+            }
+            if !current.max_age.is_zero() {
+                tracing::warn!(stream = %config.stream, max_age = ?current.max_age,
+                    "the event stream deletes events older than its max_age, read or not: a handler stopped for \
+                     longer misses them; remove the limit (nats stream edit {} --max-age 0) unless that is meant",
+                    config.stream);
             }
             Ok(())
         }
