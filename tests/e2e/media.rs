@@ -360,6 +360,24 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: thief.clone() }).await.unwrap().into_inner();
     assert_eq!(movie.poster_source_url, host.url("/poster.png?v=2"));
 
+    // An older enrichment's poster stored and never recorded (a crash between), delivered
+    // again after a newer enrichment named another poster: its object goes, so the newer
+    // poster's sync downloads its own instead of recording the older bytes as its own.
+    let heist = c.movie(&ana, "Heist", 2001).await;
+    let older = enrich(&mut c, &db, &heist, &host.url("/poster.jpg")).await;
+    media.objects.put(&format!("posters/{heist}/original"), posters.jpeg.clone().into()).await.unwrap();
+    let newer = enrich(&mut c, &db, &heist, &host.url("/poster.png")).await;
+    media.sync.handle(&older).await.unwrap();
+    media.sync.handle(&newer).await.unwrap();
+    let original = media.objects.get(&format!("posters/{heist}/original")).await.unwrap().unwrap();
+    assert_eq!(original.bytes.as_ref(), posters.png.as_slice(), "the newer poster is stored");
+    let synced = events(&db, "PosterSynced", &heist).await;
+    let Some(v1::event::Payload::PosterSynced(synced)) = &synced[0].payload else { panic!("{synced:?}") };
+    assert_eq!(
+        (synced.source_url.as_str(), synced.content_type.as_str()),
+        (host.url("/poster.png").as_str(), "image/png")
+    );
+
     // A missing original means done: nothing made, nothing recorded.
     let ronin = c.movie(&ana, "Ronin", 1998).await;
     let enriched = enrich(&mut c, &db, &ronin, &host.url("/poster.jpg")).await;

@@ -295,11 +295,17 @@ impl Handler for PosterSync {
         // The profile is written with its event, so one naming another poster (or none) is
         // newer than this event: a late delivery of an older enrichment must not bring its
         // poster back over the current one.
+        let recorded = movie.poster_sizes.iter().any(|s| s == "original");
         if movie.profile.as_ref().map(|p| p.poster_url.as_str()) != Some(url) {
             tracing::info!(movie_id, url, "the movie's profile names another poster since; this event's is not stored");
+            if !recorded {
+                // An earlier try of this event may have stored its poster and not recorded it
+                // (a crash in between): the newer poster's sync would take that object for its
+                // own, so it goes.
+                self.objects.delete(&original_key(movie_id)).await.map_err(HandlerError::retryable)?;
+            }
             return Ok(());
         }
-        let recorded = movie.poster_sizes.iter().any(|s| s == "original");
         if recorded && movie.poster_source_url == url {
             tracing::debug!(movie_id, url, "poster already recorded; skipping");
             return Ok(());
