@@ -165,3 +165,58 @@ async fn counters_agree_with_the_database_on_the_db_backend() {
 async fn counters_agree_with_the_database_on_the_nats_backend() {
     counters_agree_with_the_database(Backend::Nats).await;
 }
+
+/// The services one port's gRPC reflection lists, in version v1 or v1alpha.
+async fn reflected(channel: reelay_harness::AuthedChannel, alpha: bool) -> Vec<String> {
+    use tonic_reflection::pb::{v1, v1alpha};
+    if alpha {
+        let request = v1alpha::ServerReflectionRequest {
+            message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(String::new())),
+            ..Default::default()
+        };
+        let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
+        let mut answers =
+            client.server_reflection_info(futures_util::stream::iter([request])).await.unwrap().into_inner();
+        match answers.message().await.unwrap().and_then(|a| a.message_response) {
+            Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
+                list.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("{other:?}"),
+        }
+    } else {
+        let request = v1::ServerReflectionRequest {
+            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(String::new())),
+            ..Default::default()
+        };
+        let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel);
+        let mut answers =
+            client.server_reflection_info(futures_util::stream::iter([request])).await.unwrap().into_inner();
+        match answers.message().await.unwrap().and_then(|a| a.message_response) {
+            Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
+                list.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Each port's reflection lists the services it serves, not every service of the protos (a
+/// client following it called methods answered UNIMPLEMENTED), in both reflection versions.
+#[tokio::test]
+async fn reflection_lists_what_each_port_serves() {
+    let dir = temp_dir();
+    let mut reelay = Reelay::start_all(BIN, &dir.path().join("reelay.db"), &[]).await;
+    for alpha in [false, true] {
+        let write = reflected(reelay.channel().await, alpha).await;
+        assert!(
+            write.iter().any(|s| s == "reelay.v1.Admin") && write.iter().any(|s| s == "reelay.v1.Reviews"),
+            "{write:?}"
+        );
+        assert!(!write.iter().any(|s| s == "reelay.v1.Search"), "{write:?}");
+        let handlers = reflected(reelay.handlers_channel().await, alpha).await;
+        assert!(handlers.iter().any(|s| s == "reelay.v1.Search"), "{handlers:?}");
+        assert!(!handlers.iter().any(|s| s == "reelay.v1.Admin"), "{handlers:?}");
+        assert!(handlers.iter().any(|s| s == "grpc.health.v1.Health"), "{handlers:?}");
+    }
+    reelay.stop().await;
+}

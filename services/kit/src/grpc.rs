@@ -160,13 +160,21 @@ impl GrpcServer {
         }
         let mounted: Vec<&str> = names.iter().copied().chain(["grpc.health.v1.Health"]).collect();
         let known = Arc::new(method_paths(&mounted));
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(reelay_contracts::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .expect("the embedded descriptor sets are valid");
+        // Reflection lists what this port serves (every proto's types stay resolvable), in both
+        // versions clients ask for (older ones know only v1alpha).
+        let reflection = || {
+            mounted.iter().fold(
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(reelay_contracts::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                    .with_service_name("grpc.reflection.v1.ServerReflection")
+                    .with_service_name("grpc.reflection.v1alpha.ServerReflection"),
+                |builder, name| builder.with_service_name(*name),
+            )
+        };
         routes.add_service(health_service);
-        routes.add_service(reflection);
+        routes.add_service(reflection().build_v1().expect("the embedded descriptor sets are valid"));
+        routes.add_service(reflection().build_v1alpha().expect("the embedded descriptor sets are valid"));
 
         let addr: Option<SocketAddr> = listener.local_addr().ok();
         tracing::info!(?addr, services = ?names, auth = config.service_token.is_some(), "grpc server listening");
