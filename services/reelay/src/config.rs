@@ -394,6 +394,18 @@ pub fn read_service_token(token: Option<&str>, file: Option<&std::path::Path>) -
 mod tests {
     use super::*;
 
+    /// A search's --limit out of 1..=100 is refused before any call, as its help says.
+    #[test]
+    fn a_search_limit_is_checked() {
+        use clap::Parser;
+        for limit in ["0", "101"] {
+            let parsed = Cli::try_parse_from(["reelay", "search", "reviews", "heat", "--limit", limit]);
+            let error = parsed.map(drop).unwrap_err().to_string();
+            assert!(error.contains("--limit"), "{limit}: {error}");
+        }
+        assert!(Cli::try_parse_from(["reelay", "search", "reviews", "heat", "--limit", "100"]).is_ok());
+    }
+
     #[test]
     fn the_service_token_comes_from_one_place() {
         let dir = tempfile::tempdir().unwrap();

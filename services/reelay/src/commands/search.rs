@@ -19,7 +19,7 @@ pub struct ReviewsArgs {
     pub query: String,
 
     /// At most this many hits (1..=100).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub limit: u32,
 
     /// The handlers service hosting the search handler.
