@@ -12,8 +12,40 @@ use super::{MovieRow, Result, Store, WrapUpRow, commit_events, ensure_user, keye
 use crate::convert;
 use crate::request_ids::RequestKey;
 
+/// Raises the WrapUpRequested of wrap-up `id` and keeps its event id with the wrap-up.
+async fn raise_request(tx: &mut WriteTx, id: &str, actor: UserId, year: i32) -> Result<()> {
+    let event = NewEvent::new(
+        id,
+        Payload::WrapUpRequested(v1::WrapUpRequested { wrap_up_id: id.to_owned(), user_id: actor.to_string(), year }),
+    );
+    let event_id = commit_events(tx, vec![event]).await?[0].to_string();
+    sqlx::query("UPDATE wrap_ups SET request_event_id = ? WHERE id = ?")
+        .bind(event_id)
+        .bind(id)
+        .execute(tx.conn())
+        .await?;
+    Ok(())
+}
+
+/// Whether the delivery of wrap-up `id`'s latest request to the wrap-up handler was given up:
+/// dead-lettered or discarded by the handler's ledger, or by the relay (nats). Each look is by
+/// key; a wrap-up from before the request was kept is never asked again.
+async fn request_given_up(tx: &mut WriteTx, id: &str) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM processed_events p JOIN wrap_ups w ON p.event_id = w.request_event_id \
+             WHERE w.id = ?1 AND p.handler = 'wrap-up' AND p.status IN ('dead_lettered', 'discarded')) \
+         OR EXISTS (SELECT 1 FROM event_queue q JOIN wrap_ups w ON q.event_id = w.request_event_id \
+             WHERE w.id = ?1 AND q.status IN ('dead_lettered', 'discarded'))",
+    )
+    .bind(id)
+    .fetch_one(tx.conn())
+    .await?)
+}
+
 impl Store {
-    /// Starts generating the actor's wrap-up of `year`, or returns the one that exists.
+    /// Starts generating the actor's wrap-up of `year`, or returns the one that exists. One
+    /// still generating whose request's delivery was given up (a dead letter the operator has
+    /// not replayed yet, or discarded) is asked for again: a new WrapUpRequested resumes it.
     pub async fn request_wrap_up(
         &self,
         actor: UserId,
@@ -29,6 +61,10 @@ impl Store {
                     .fetch_optional(tx.conn())
                     .await?;
             if let Some(wrap_up) = existing {
+                if wrap_up.status == "generating" && request_given_up(tx, &wrap_up.id).await? {
+                    tracing::warn!(wrap_up_id = %wrap_up.id, "the wrap-up's request was given up; asking again");
+                    raise_request(tx, &wrap_up.id, actor, year).await?;
+                }
                 return Ok(v1::RequestWrapUpResponse { wrap_up: Some(convert::wrap_up(wrap_up)), created: false });
             }
             let wrap_up = WrapUpRow {
@@ -47,15 +83,7 @@ impl Store {
                 .bind(wrap_up.requested_at)
                 .execute(tx.conn())
                 .await?;
-            let event = NewEvent::new(
-                &wrap_up.id,
-                Payload::WrapUpRequested(v1::WrapUpRequested {
-                    wrap_up_id: wrap_up.id.clone(),
-                    user_id: actor.to_string(),
-                    year,
-                }),
-            );
-            commit_events(tx, vec![event]).await?;
+            raise_request(tx, &wrap_up.id, actor, year).await?;
             Ok(v1::RequestWrapUpResponse { wrap_up: Some(convert::wrap_up(wrap_up)), created: true })
         })
         .await
@@ -165,4 +193,60 @@ pub struct WrapUpCompletion {
     pub summary: v1::WrapUpSummary,
     pub card_key: String,
     pub card_content_type: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use reelay_outbox::{Database, DbConfig};
+
+    use super::*;
+
+    async fn requests(db: &Database, wrap_up: &str) -> Vec<String> {
+        sqlx::query_scalar("SELECT event_id FROM event_queue WHERE aggregate_id = ? AND event_type = 'WrapUpRequested'")
+            .bind(wrap_up)
+            .fetch_all(&db.reads)
+            .await
+            .unwrap()
+    }
+
+    /// A wrap-up still generating whose request was given up is asked for again when the user
+    /// asks again (once per request given up); one whose request is under way is not.
+    #[tokio::test]
+    async fn asking_again_resumes_a_wrap_up_whose_request_was_given_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let store = Store::new(db.clone());
+        let user = store.create_user("ana".into(), "Ana".into(), None).await.unwrap();
+        let actor = UserId::parse("user_id", &user.user_id).unwrap();
+        let first = store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert!(first.created);
+        let id = first.wrap_up.unwrap().wrap_up_id;
+        let again = store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert!(!again.created);
+        let raised = requests(&db, &id).await;
+        assert_eq!(raised.len(), 1, "under way: not asked again");
+
+        let give_up = raised[0].clone();
+        db.writer
+            .transact::<_, crate::WriteError, _>("dead letter", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query(
+                        "INSERT INTO processed_events (event_id, handler, status, started_at, attempts) \
+                         VALUES (?, 'wrap-up', 'dead_lettered', 0, 8)",
+                    )
+                    .bind(give_up)
+                    .execute(tx.conn())
+                    .await?;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let resumed = store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert!(!resumed.created, "the same wrap-up");
+        assert_eq!(resumed.wrap_up.unwrap().wrap_up_id, id);
+        assert_eq!(requests(&db, &id).await.len(), 2, "asked again");
+        store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert_eq!(requests(&db, &id).await.len(), 2, "the new request is under way");
+    }
 }
