@@ -343,6 +343,25 @@ async fn claim_open(
             .await?;
             continue;
         };
+        if length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes {
+            // No answer to this claimer can hold it (a dead letter replayed as it was, or a
+            // smaller message limit since): given up again, or it would head every claim of
+            // the handler, which would get nothing else for ever.
+            let reason = undeliverable(length, c.request.max_bytes);
+            tracing::error!(event_id = %key, %handler, %reason, "delivery dead-lettered");
+            sqlx::query(
+                "UPDATE processed_events SET status = 'dead_lettered', last_error = ?, processed_at = ?, owner = NULL \
+                 WHERE event_id = ? AND handler = ? AND started_at = ?",
+            )
+            .bind(reason)
+            .bind(now)
+            .bind(&key)
+            .bind(&handler)
+            .bind(started_at)
+            .execute(tx.conn())
+            .await?;
+            continue;
+        }
         if !c.budget.take(length) {
             // This handler's answer is full; its other open rows wait for its next claim.
             c.budget.rows = 0;
@@ -412,6 +431,15 @@ async fn outbox_rows_of<'k>(
     Ok(found)
 }
 
+/// Why an event of `length` bytes is dead-lettered for a claimer whose answers hold `max_bytes`.
+fn undeliverable(length: i64, max_bytes: usize) -> String {
+    format!(
+        "undeliverable: the event is {length} bytes and a claim answer holds at most {} bytes of event \
+         (REELAY_GRPC_MAX_MESSAGE_BYTES)",
+        max_bytes.saturating_sub(CLAIM_ROW_OVERHEAD)
+    )
+}
+
 /// Rows after each handler's cursor: each of its types is handed over (its `processed_events`
 /// row created), others are passed; the cursor then moves past everything decided. Handlers
 /// whose positions are close share one read of the outbox, from the lowest of them.
@@ -475,12 +503,7 @@ async fn claim_new(tx: &mut WriteTx, now: i64, claiming: &mut [Claiming<'_>]) ->
     }
     for (i, candidate) in oversized {
         let request = claiming[i].request;
-        let reason = format!(
-            "undeliverable: the event is {} bytes and a claim answer holds at most {} bytes of event \
-             (REELAY_GRPC_MAX_MESSAGE_BYTES)",
-            candidate.length,
-            request.max_bytes.saturating_sub(CLAIM_ROW_OVERHEAD)
-        );
+        let reason = undeliverable(candidate.length, request.max_bytes);
         let key = delivery_key(candidate.id, candidate.event_id.as_deref());
         tracing::error!(event_id = %key, handler = %request.handler, %reason, "delivery dead-lettered");
         sqlx::query(
