@@ -347,27 +347,8 @@ pub(crate) async fn replays(tx: &mut WriteTx, event_id: &str, handler: &str) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CommitError, Database, DbConfig, queue};
-
-    #[derive(Debug)]
-    enum TestError {
-        #[allow(dead_code, reason = "shown by Debug when a test fails")]
-        Commit(CommitError),
-        #[allow(dead_code, reason = "shown by Debug when a test fails")]
-        Sql(sqlx::Error),
-    }
-
-    impl From<CommitError> for TestError {
-        fn from(error: CommitError) -> Self {
-            Self::Commit(error)
-        }
-    }
-
-    impl From<sqlx::Error> for TestError {
-        fn from(error: sqlx::Error) -> Self {
-            Self::Sql(error)
-        }
-    }
+    use crate::test_support::TestError;
+    use crate::{Database, DbConfig, queue};
 
     fn relay_filter() -> Filter {
         Filter { handler: Some(RELAY.into()), limit: 100, ..Default::default() }

@@ -861,8 +861,11 @@ pub async fn resume(
     Ok(resumed)
 }
 
-pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?, owner = NULL \
-     WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND owner LIKE ? ESCAPE '\\' AND owner != ?";
+/// An owner is `<instance>#<run>`; the instance's prefix is compared exactly (`LIKE` ignores the
+/// case of ASCII letters: it would hand back a live `Worker-1`'s claims for `worker-1`).
+pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?1, owner = NULL \
+     WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND substr(owner, 1, length(?2)) = ?2 \
+     AND owner != ?3";
 
 /// Claims still held by an earlier run of `instance` (its process died): handed back at once,
 /// without spending an attempt, instead of waiting out their leases. Covers per-handler
@@ -871,23 +874,19 @@ pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status 
 /// Only sound if no two live processes share an instance name (the `reelay` binary keeps the
 /// names of the live processes of one data dir apart with lock files).
 pub async fn release_instance(tx: &mut WriteTx, instance: &str, me: &str, now: i64) -> Result<u64, sqlx::Error> {
-    let pattern = format!("{}#%", escape_like(instance));
+    let prefix = format!("{instance}#");
     let deliveries =
-        sqlx::query(RELEASE_DELIVERIES).bind(now).bind(&pattern).bind(me).execute(tx.conn()).await?.rows_affected();
+        sqlx::query(RELEASE_DELIVERIES).bind(now).bind(&prefix).bind(me).execute(tx.conn()).await?.rows_affected();
     let rows = sqlx::query(
         "UPDATE event_queue SET status = 'pending', claimed_by = NULL \
-         WHERE status = 'processing' AND claimed_by LIKE ? ESCAPE '\\' AND claimed_by != ?",
+         WHERE status = 'processing' AND substr(claimed_by, 1, length(?1)) = ?1 AND claimed_by != ?2",
     )
-    .bind(&pattern)
+    .bind(&prefix)
     .bind(me)
     .execute(tx.conn())
     .await?
     .rows_affected();
     Ok(deliveries + rows)
-}
-
-fn escape_like(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('%', "\\%").replace('_', "\\_")
 }
 
 /// Where one handler stands.
@@ -999,4 +998,63 @@ pub async fn peek(
     let stale = crate::stale_before(lease_counted_from, now, policy.lease);
     let row = sqlx::query(PEEK).bind(names).bind(now).bind(stale).fetch_one(conn).await?;
     Ok((row.get(0), row.get(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::TestError;
+    use crate::{Database, DbConfig};
+
+    /// A restarted instance takes back its own predecessors' claims only: not a live process
+    /// whose name differs in the case of a letter or goes on after it, nor its own run's; and
+    /// `%` or `_` in a name are letters like the others.
+    #[tokio::test]
+    async fn an_instance_takes_back_only_its_own_claims() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let owners = ["worker-1#old", "Worker-1#live", "worker-10#live", "worker-1#me", "a%_#old", "abc#live"];
+        let released = db
+            .writer
+            .transact::<_, TestError, _>("release", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    for (n, owner) in owners.iter().enumerate() {
+                        sqlx::query(
+                            "INSERT INTO processed_events (event_id, handler, status, started_at, renewed_at, owner) \
+                             VALUES (?, 'h', 'in_progress', 1, 1, ?)",
+                        )
+                        .bind(format!("e{n}"))
+                        .bind(owner)
+                        .execute(tx.conn())
+                        .await?;
+                        sqlx::query(
+                            "INSERT INTO event_queue (event_id, event_type, payload, status, available_at, created_at, \
+                             claimed_at, claimed_by) VALUES (?, 'T', x'00', 'processing', 1, 1, 1, ?)",
+                        )
+                        .bind(format!("e{n}"))
+                        .bind(owner)
+                        .execute(tx.conn())
+                        .await?;
+                    }
+                    let mine = release_instance(tx, "worker-1", "worker-1#me", 5).await?;
+                    let odd = release_instance(tx, "a%_", "a%_#me", 5).await?;
+                    Ok((mine, odd))
+                })
+            })
+            .await
+            .unwrap();
+        assert_eq!(released, (2, 2), "one delivery and one outbox row each");
+        let held: Vec<String> =
+            sqlx::query_scalar("SELECT owner FROM processed_events WHERE status = 'in_progress' ORDER BY owner")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        assert_eq!(held, ["Worker-1#live", "abc#live", "worker-1#me", "worker-10#live"]);
+        let rows: Vec<String> =
+            sqlx::query_scalar("SELECT claimed_by FROM event_queue WHERE status = 'processing' ORDER BY claimed_by")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        assert_eq!(rows, held);
+    }
 }

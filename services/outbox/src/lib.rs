@@ -15,6 +15,8 @@ mod migrate;
 #[cfg(test)]
 mod plans;
 pub mod queue;
+#[cfg(test)]
+mod test_support;
 mod writer;
 
 pub use db::{DEFAULT_MAX_EVENT_BYTES, Database, DbConfig, Synchronous};
