@@ -166,38 +166,29 @@ async fn counters_agree_with_the_database_on_the_nats_backend() {
     counters_agree_with_the_database(Backend::Nats).await;
 }
 
-/// The services one port's gRPC reflection lists, in version v1 or v1alpha.
+/// The services one port's gRPC reflection lists, in version v1 or v1alpha (two generated
+/// APIs of the same shape).
 async fn reflected(channel: reelay_harness::AuthedChannel, alpha: bool) -> Vec<String> {
-    use tonic_reflection::pb::{v1, v1alpha};
-    if alpha {
-        let request = v1alpha::ServerReflectionRequest {
-            message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(String::new())),
-            ..Default::default()
-        };
-        let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
-        let mut answers =
-            client.server_reflection_info(futures_util::stream::iter([request])).await.unwrap().into_inner();
-        match answers.message().await.unwrap().and_then(|a| a.message_response) {
-            Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
-                list.service.into_iter().map(|s| s.name).collect()
+    macro_rules! list_services {
+        ($version:ident) => {{
+            use tonic_reflection::pb::$version::{
+                ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+                server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+            };
+            let request = ServerReflectionRequest {
+                message_request: Some(MessageRequest::ListServices(String::new())),
+                ..Default::default()
+            };
+            let mut client = ServerReflectionClient::new(channel);
+            let stream = futures_util::stream::iter([request]);
+            let mut answers = client.server_reflection_info(stream).await.unwrap().into_inner();
+            match answers.message().await.unwrap().and_then(|a| a.message_response) {
+                Some(MessageResponse::ListServicesResponse(list)) => list.service.into_iter().map(|s| s.name).collect(),
+                other => panic!("{other:?}"),
             }
-            other => panic!("{other:?}"),
-        }
-    } else {
-        let request = v1::ServerReflectionRequest {
-            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(String::new())),
-            ..Default::default()
-        };
-        let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel);
-        let mut answers =
-            client.server_reflection_info(futures_util::stream::iter([request])).await.unwrap().into_inner();
-        match answers.message().await.unwrap().and_then(|a| a.message_response) {
-            Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
-                list.service.into_iter().map(|s| s.name).collect()
-            }
-            other => panic!("{other:?}"),
-        }
+        }};
     }
+    if alpha { list_services!(v1alpha) } else { list_services!(v1) }
 }
 
 /// Each port's reflection lists the services it serves, not every service of the protos (a

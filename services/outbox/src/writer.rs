@@ -891,33 +891,8 @@ mod tests {
     use sqlx::Row;
 
     use super::*;
+    use crate::test_support::TestError;
     use crate::{Database, DbConfig, enqueue_events};
-
-    #[derive(Debug)]
-    enum TestError {
-        Refused,
-        Commit(CommitError),
-        Sql(#[allow(dead_code, reason = "shown by Debug when a test fails")] sqlx::Error),
-        Enqueue(#[allow(dead_code, reason = "shown by Debug when a test fails")] crate::EnqueueError),
-    }
-
-    impl From<CommitError> for TestError {
-        fn from(error: CommitError) -> Self {
-            Self::Commit(error)
-        }
-    }
-
-    impl From<sqlx::Error> for TestError {
-        fn from(error: sqlx::Error) -> Self {
-            Self::Sql(error)
-        }
-    }
-
-    impl From<crate::EnqueueError> for TestError {
-        fn from(error: crate::EnqueueError) -> Self {
-            Self::Enqueue(error)
-        }
-    }
 
     fn event(n: i64) -> NewEvent {
         NewEvent::new(n, v1::event::Payload::MovieDeleted(v1::MovieDeleted { movie_id: n.to_string() }))
