@@ -97,6 +97,9 @@ struct SearchResults {
 struct SearchHit {
     id: u64,
     title: String,
+    /// The title in the film's own language, when the search answers in another.
+    #[serde(default)]
+    original_title: String,
     #[serde(default)]
     release_date: String,
 }
@@ -143,6 +146,25 @@ struct Images {
 
 fn year_of(date: &str) -> Option<i32> {
     date.get(..4).and_then(|y| y.parse().ok())
+}
+
+/// A title as compared with a search hit's: its letters and digits, in lower case (so
+/// punctuation, spacing and case aside, "Dr. Strangelove" is "dr strangelove").
+fn title_letters(title: &str) -> String {
+    reelay_domain::validate::title_key(title).chars().filter(|c| c.is_alphanumeric()).collect()
+}
+
+/// The hit that is the film a title and year name: the same title (or original title) in
+/// that year, else in the year before or after (release years differ between countries).
+/// None when no hit has the title: the search ranks by relevance, and its best hit of the
+/// year may be another film ("Heat Wave" for "Heat").
+fn best_hit(hits: &[SearchHit], title: &str, year: i32) -> Option<u64> {
+    let wanted = title_letters(title);
+    let named = |h: &&SearchHit| title_letters(&h.title) == wanted || title_letters(&h.original_title) == wanted;
+    let in_year =
+        |h: &&SearchHit, distance: i32| year_of(&h.release_date).is_some_and(|y| (y - year).abs() <= distance);
+    let exact = hits.iter().filter(named).find(|h| in_year(h, 0));
+    exact.or_else(|| hits.iter().filter(named).find(|h| in_year(h, 1))).map(|h| h.id)
 }
 
 impl Tmdb {
@@ -245,11 +267,7 @@ impl Tmdb {
         let found: Option<SearchResults> =
             self.get("/search/movie", &[("query", query.title.as_str()), ("year", year.as_str())]).await?;
         let hits = found.map(|f| f.results).unwrap_or_default();
-        // The search ranks by relevance; prefer an exact title of the right year.
-        let exact = hits
-            .iter()
-            .find(|h| h.title.eq_ignore_ascii_case(query.title.trim()) && year_of(&h.release_date) == Some(query.year));
-        Ok(exact.or_else(|| hits.iter().find(|h| year_of(&h.release_date) == Some(query.year))).map(|h| h.id))
+        Ok(best_hit(&hits, &query.title, query.year))
     }
 }
 
@@ -324,5 +342,30 @@ impl MetadataProvider for Tmdb {
                 .collect(),
             profiled: true,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hit(id: u64, title: &str, original_title: &str, release_date: &str) -> SearchHit {
+        SearchHit { id, title: title.into(), original_title: original_title.into(), release_date: release_date.into() }
+    }
+
+    /// A search's hits are the film only under its own title (or original title), in its year
+    /// or the next to it: never the best-ranked other film of that year.
+    #[test]
+    fn a_hit_is_the_film_only_by_its_title() {
+        let hits = [hit(1, "Heat", "Heat", "1995-12-15"), hit(2, "Heat Wave", "Heat Wave", "1996-03-01")];
+        assert_eq!(best_hit(&hits, "Heat", 1995), Some(1));
+        assert_eq!(best_hit(&hits, "heat ", 1996), Some(1), "a year off, the same title");
+        assert_eq!(best_hit(&hits, "Heat Wave", 1996), Some(2));
+        assert_eq!(best_hit(&hits, "Heat", 1997), None);
+        assert_eq!(best_hit(&hits, "Fire", 1996), None, "no hit of the year by another title");
+        let hits =
+            [hit(3, "Léon: The Professional", "Léon", "1994-09-14"), hit(4, "Dr. Strangelove", "", "1964-01-29")];
+        assert_eq!(best_hit(&hits, "LÉON", 1994), Some(3), "by its original title");
+        assert_eq!(best_hit(&hits, "Dr Strangelove", 1964), Some(4), "punctuation aside");
     }
 }
