@@ -22,7 +22,8 @@ fn xml(text: &str) -> String {
             '>' => out.push_str("&gt;"),
             '"' => out.push_str("&quot;"),
             '\'' => out.push_str("&apos;"),
-            c if c.is_control() => {}
+            // Not characters XML 1.0 allows (a title may hold them): the card would not parse.
+            c if c.is_control() || matches!(c, '\u{FFFE}' | '\u{FFFF}') => {}
             c => out.push(c),
         }
     }
@@ -32,6 +33,24 @@ fn xml(text: &str) -> String {
 fn stars(half_stars: f64) -> String {
     format!("{:.1}★", half_stars / 2.0)
 }
+
+/// The most characters of a name or title drawn in a list row; a longer one ends in "…".
+const MAX_NAME_CHARS: usize = 40;
+
+/// A name or title as a list row holds it: at most [`MAX_NAME_CHARS`], isolated from the
+/// figures around it (a right-to-left title would otherwise take the year and rating beside it
+/// into its own direction, and draw them in the wrong order).
+fn isolated(name: &str) -> String {
+    let mut short: String = name.chars().take(MAX_NAME_CHARS).collect();
+    if name.chars().count() > MAX_NAME_CHARS {
+        short = format!("{}…", short.trim_end());
+    }
+    format!("\u{2068}{short}\u{2069}")
+}
+
+/// A list column's width, and about how wide a character of its 28-pixel text is.
+const COLUMN_WIDTH: usize = 400;
+const CHAR_WIDTH: usize = 15;
 
 /// The card of `year`'s `summary`.
 pub fn render(year: i32, summary: &v1::WrapUpSummary) -> String {
@@ -77,24 +96,31 @@ pub fn render(year: i32, summary: &v1::WrapUpSummary) -> String {
     let list = |svg: &mut String, title: &str, y: u32, rows: Vec<String>| {
         let _ = write!(svg, r##"<text x="80" y="{y}" font-size="32" fill="#ffffff">{}</text>"##, xml(title));
         for (i, row) in rows.iter().enumerate() {
+            // A row wider than its column is drawn narrower to fit, rather than into the next
+            // column or off the card.
+            let fit = if row.chars().count() * CHAR_WIDTH > COLUMN_WIDTH {
+                format!(r##" textLength="{COLUMN_WIDTH}" lengthAdjust="spacingAndGlyphs""##)
+            } else {
+                String::new()
+            };
             let _ = write!(
                 svg,
-                r##"<text x="80" y="{}" font-size="28" fill="#ccd">{}</text>"##,
+                r##"<text x="80" y="{}" font-size="28" fill="#ccd"{fit}>{}</text>"##,
                 y + 44 + i as u32 * 38,
                 xml(row)
             );
         }
     };
-    let genres = summary.top_genres.iter().map(|g| format!("{} · {}", g.name, g.count)).collect();
+    let genres = summary.top_genres.iter().map(|g| format!("{} · {}", isolated(&g.name), g.count)).collect();
     list(&mut svg, "Top genres", 880, genres);
     let best = summary
         .highest_rated
         .iter()
         .take(3)
-        .map(|f| format!("{} ({}) {}", f.title, f.year, stars(f64::from(f.rating))))
+        .map(|f| format!("{} ({}) {}", isolated(&f.title), f.year, stars(f64::from(f.rating))))
         .collect();
     let directors: Vec<String> =
-        summary.top_directors.iter().take(3).map(|d| format!("{} · {}", d.name, d.count)).collect();
+        summary.top_directors.iter().take(3).map(|d| format!("{} · {}", isolated(&d.name), d.count)).collect();
     list(&mut svg, "Top directors", 1110, directors);
     // Best rated on the right half, beside the genres.
     let _ = write!(svg, r##"<g transform="translate(500 0)">"##);
@@ -120,5 +146,24 @@ mod tests {
         assert_eq!(svg.matches(r#"class="month""#).count(), 12);
         assert!(svg.contains("Crime &amp; &lt;Drama&gt;") && !svg.contains("<Drama>"));
         assert_eq!(render(2024, &summary), svg, "deterministic");
+    }
+
+    /// A title XML cannot hold is dropped of what it cannot hold; a long one is shortened and
+    /// fitted to its column; a right-to-left one is isolated from its year and rating.
+    #[test]
+    fn titles_stay_in_their_place() {
+        let film = |title: &str| v1::RatedFilm { title: title.into(), year: 1964, rating: 10, ..Default::default() };
+        let long = "Dr. Strangelove or: How I Learned to Stop Worrying and Love the Bomb";
+        let summary = v1::WrapUpSummary {
+            highest_rated: vec![film("Noise\u{FFFF}"), film(long), film("סיפור אהבה")],
+            ..Default::default()
+        };
+        let svg = render(2024, &summary);
+        assert!(!svg.contains('\u{FFFF}') && svg.contains("\u{2068}Noise\u{2069} (1964)"), "{svg}");
+        let shortened: String = long.chars().take(MAX_NAME_CHARS).collect();
+        let row = svg.lines().flat_map(|l| l.split("<text")).find(|t| t.contains(&shortened)).unwrap();
+        assert!(row.contains(&format!("{}…\u{2069} (1964) 5.0★", shortened.trim_end())), "{row}");
+        assert!(row.contains(r#"textLength="400""#), "fitted to its column: {row}");
+        assert!(svg.contains("\u{2068}סיפור אהבה\u{2069} (1964) 5.0★"), "{svg}");
     }
 }
