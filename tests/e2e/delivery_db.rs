@@ -130,10 +130,87 @@ async fn handler_subsets_and_replicas_in_separate_processes_apply_each_effect_on
     for live in &cluster.handlers[..2] {
         assert!(pids.contains(&live.pid().to_string()), "process {} took part: {pids:?}", live.pid());
     }
-    let spent =
-        query_strings(&cluster.db, "SELECT CAST(COALESCE(SUM(attempts), 0) AS TEXT) FROM processed_events").await;
-    assert_eq!(spent[0][0], "0", "no attempt was spent");
+    // The only attempts spent are the killed replica's claims, taken over (some it had not
+    // begun): one each, all probe-b's.
+    let spent = query_strings(
+        &cluster.db,
+        "SELECT handler, CAST(attempts AS TEXT) FROM processed_events WHERE attempts > 0 GROUP BY handler, attempts",
+    )
+    .await;
+    assert!(spent.iter().all(|row| row == &["probe-b", "1"]), "{spent:?}");
     cluster.handlers.truncate(2);
+    cluster.stop().await;
+}
+
+/// An event that kills the process running it (as an out-of-memory kill would) is given up
+/// for that handler after EVENT_QUEUE_MAX_ATTEMPTS runs, each restart of the process having
+/// taken its claim back as one: it does not take down every restart for ever, and the handler
+/// goes on with the events after it.
+#[tokio::test]
+async fn an_event_that_kills_its_process_is_given_up_after_its_attempts() {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .env("EVENT_QUEUE_MAX_ATTEMPTS", "3")
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let poison = c.user("poison").await;
+    let poison = query_strings(
+        &cluster.db,
+        &format!("SELECT event_id FROM event_queue WHERE aggregate_id = '{poison}' AND event_type = 'UserRegistered'"),
+    )
+    .await[0][0]
+        .clone();
+    let env = [
+        ("REELAY_PROBE_HANDLERS", "probe-a"),
+        ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap()),
+        ("REELAY_PROBE_FAIL", "probe-a=abort:poison"),
+        // Each run is up and serving before it takes the event and aborts.
+        ("REELAY_PROBE_DELAY_MS", "1500"),
+    ];
+    // The same data dir each time: the same instance, restarted (as a pod's container is).
+    let data = dir.path().join("h");
+    let mut runs = 0;
+    while delivery(&cluster.db, &poison, "probe-a").await.is_none_or(|d| d.0 != "dead_lettered") {
+        runs += 1;
+        assert!(
+            runs <= 4,
+            "still not given up after {runs} runs: {:?}",
+            delivery(&cluster.db, &poison, "probe-a").await
+        );
+        let mut handlers = Reelay::start_handlers(BIN, &cluster.write, &data, &env).await;
+        let ended = || {
+            let running = handlers.is_running();
+            async move { !running }
+        };
+        let given_up = delivery(&cluster.db, &poison, "probe-a").await.is_some_and(|d| d.0 == "dead_lettered");
+        if given_up {
+            // Given up when this run took its claim back: it lives on.
+            c.user("after").await;
+            let after = event_ids(&cluster.db).await.pop().unwrap();
+            delivery_reaches(
+                &cluster.db,
+                &after,
+                "probe-a",
+                "done",
+                "the next event is handled",
+                Duration::from_secs(30),
+            )
+            .await;
+            handlers.stop().await;
+            break;
+        }
+        eventually("the poison event aborts the process", Duration::from_secs(30), ended).await;
+    }
+    let (status, attempts, _) = delivery(&cluster.db, &poison, "probe-a").await.unwrap();
+    assert_eq!((status.as_str(), attempts), ("dead_lettered", 3));
+    let reason = query_strings(
+        &cluster.db,
+        &format!("SELECT last_error FROM processed_events WHERE event_id = '{poison}' AND handler = 'probe-a'"),
+    )
+    .await;
+    assert!(reason[0][0].contains("stopped while running it"), "{reason:?}");
     cluster.stop().await;
 }
 
@@ -185,7 +262,7 @@ async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused()
     let taken: i64 = query_strings(&cluster.db, &claim_sql).await[0][1].parse().unwrap();
     assert!(taken > stale_token, "the take-over got a newer token");
     assert!(cluster.write.log_text().contains("taking over a delivery"), "the take-over is logged");
-    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 0, "no attempt spent");
+    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 1, "the dead owner's attempt counts");
 
     // The dead owner's late settle and renewal are refused and change nothing.
     let claim = v1::DeliveryClaim { key: event_id.clone(), token: stale_token };
@@ -219,9 +296,9 @@ async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused()
 }
 
 /// Someone else holds (event, probe-a) and stops renewing it: the consumer waits for the lease
-/// to run out, then runs the handler, without spending an attempt.
+/// to run out, then runs the handler: the wait spends no attempt, the lapsed claim's one.
 #[tokio::test]
-async fn a_claim_held_elsewhere_waits_out_its_lease_without_spending_an_attempt() {
+async fn a_claim_held_elsewhere_waits_out_its_lease_and_counts_as_an_attempt_only_once_lapsed() {
     let dir = temp_dir();
     let cluster = probe_a_with_a_3s_lease().start(dir.path()).await;
     let mut c = cluster.write.clients().await;
@@ -259,7 +336,7 @@ async fn a_claim_held_elsewhere_waits_out_its_lease_without_spending_an_attempt(
         query_strings(&cluster.effects, "SELECT CAST(MIN(at) AS TEXT) FROM attempts").await[0][0].parse().unwrap();
     assert!(attempt_at >= token + 3_000, "not before the lease ran out ({} ms after start)", attempt_at - started);
     assert_eq!(attempts.len(), 1);
-    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 0, "no attempt spent");
+    assert_eq!(delivery(&cluster.db, &event_id, "probe-a").await.unwrap().1, 1, "the lapsed claim's attempt");
     handlers.stop().await;
     cluster.stop().await;
 }

@@ -362,6 +362,27 @@ async fn claim_open(
             .await?;
             continue;
         }
+        // A claim whose owner stopped renewing it spends an attempt, as a JetStream redelivery
+        // does: an event that kills (or stalls) every process that runs it is given up after
+        // `max_attempts`, instead of taking down each next owner for ever.
+        let attempts = if status == "in_progress" { attempts + 1 } else { attempts };
+        if status == "in_progress" && attempts >= i64::from(policy.max_attempts) {
+            let reason = stopped_during(attempts);
+            tracing::error!(event_id = %key, %handler, %reason, "delivery dead-lettered");
+            sqlx::query(
+                "UPDATE processed_events SET status = 'dead_lettered', attempts = ?, last_error = ?, processed_at = ?, \
+                 owner = NULL WHERE event_id = ? AND handler = ? AND started_at = ?",
+            )
+            .bind(attempts)
+            .bind(reason)
+            .bind(now)
+            .bind(&key)
+            .bind(&handler)
+            .bind(started_at)
+            .execute(tx.conn())
+            .await?;
+            continue;
+        }
         if !c.budget.take(length) {
             // This handler's answer is full; its other open rows wait for its next claim.
             c.budget.rows = 0;
@@ -374,12 +395,13 @@ async fn claim_open(
         let token = now.max(started_at + 1);
         sqlx::query(
             "UPDATE processed_events SET status = 'in_progress', started_at = ?, renewed_at = ?, owner = ?, \
-             claim_call = ? WHERE event_id = ? AND handler = ? AND started_at = ?",
+             claim_call = ?, attempts = ? WHERE event_id = ? AND handler = ? AND started_at = ?",
         )
         .bind(token)
         .bind(now)
         .bind(&c.request.owner)
         .bind(claim_call(c.request.call))
+        .bind(attempts)
         .bind(&key)
         .bind(&handler)
         .bind(started_at)
@@ -429,6 +451,14 @@ async fn outbox_rows_of<'k>(
         }
     }
     Ok(found)
+}
+
+/// Why a delivery whose owner stopped during its last attempt is given up.
+fn stopped_during(attempts: i64) -> String {
+    format!(
+        "its worker stopped while running it (killed, or its claim not renewed) in {attempts} attempt(s), \
+         EVENT_QUEUE_MAX_ATTEMPTS: given up so it takes down no more"
+    )
 }
 
 /// Why an event of `length` bytes is dead-lettered for a claimer whose answers hold `max_bytes`.
@@ -863,20 +893,43 @@ pub async fn resume(
 
 /// An owner is `<instance>#<run>`; the instance's prefix is compared exactly (`LIKE` ignores the
 /// case of ASCII letters: it would hand back a live `Worker-1`'s claims for `worker-1`).
-pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET status = 'retry', available_at = ?1, owner = NULL \
+/// With `?4`, the db backend's most attempts, each release spends one (see [`claim_open`]), and a
+/// delivery out of attempts is dead-lettered with `?5`; without it (the ledger's claims, on
+/// nats, whose deliveries JetStream counts) nothing is counted.
+pub(crate) const RELEASE_DELIVERIES: &str = "UPDATE processed_events SET \
+     status = CASE WHEN attempts + 1 >= ?4 THEN 'dead_lettered' ELSE 'retry' END, \
+     attempts = attempts + (?4 IS NOT NULL), available_at = ?1, owner = NULL, \
+     processed_at = CASE WHEN attempts + 1 >= ?4 THEN ?1 ELSE processed_at END, \
+     last_error = CASE WHEN attempts + 1 >= ?4 THEN ?5 ELSE last_error END \
      WHERE status IN ('in_progress', 'retry') AND status = 'in_progress' AND substr(owner, 1, length(?2)) = ?2 \
      AND owner != ?3";
 
 /// Claims still held by an earlier run of `instance` (its process died): handed back at once,
-/// without spending an attempt, instead of waiting out their leases. Covers per-handler
-/// deliveries, ledger claims (nats backend) and the relay's outbox rows. Returns how many.
+/// instead of waiting out their leases. Covers per-handler deliveries, ledger claims (nats
+/// backend) and the relay's outbox rows. Returns how many. On db (`max_attempts` given) each
+/// delivery handed back spends an attempt, as a lease run out does: an event that kills its
+/// process is given up after that many, instead of killing each restart.
 ///
 /// Only sound if no two live processes share an instance name (the `reelay` binary keeps the
 /// names of the live processes of one data dir apart with lock files).
-pub async fn release_instance(tx: &mut WriteTx, instance: &str, me: &str, now: i64) -> Result<u64, sqlx::Error> {
+pub async fn release_instance(
+    tx: &mut WriteTx,
+    instance: &str,
+    me: &str,
+    now: i64,
+    max_attempts: Option<u32>,
+) -> Result<u64, sqlx::Error> {
     let prefix = format!("{instance}#");
-    let deliveries =
-        sqlx::query(RELEASE_DELIVERIES).bind(now).bind(&prefix).bind(me).execute(tx.conn()).await?.rows_affected();
+    let reason = max_attempts.map(|most| stopped_during(i64::from(most)));
+    let deliveries = sqlx::query(RELEASE_DELIVERIES)
+        .bind(now)
+        .bind(&prefix)
+        .bind(me)
+        .bind(max_attempts.map(i64::from))
+        .bind(reason)
+        .execute(tx.conn())
+        .await?
+        .rows_affected();
     let rows = sqlx::query(
         "UPDATE event_queue SET status = 'pending', claimed_by = NULL \
          WHERE status = 'processing' AND substr(claimed_by, 1, length(?1)) = ?1 AND claimed_by != ?2",
@@ -1036,8 +1089,8 @@ mod tests {
                         .execute(tx.conn())
                         .await?;
                     }
-                    let mine = release_instance(tx, "worker-1", "worker-1#me", 5).await?;
-                    let odd = release_instance(tx, "a%_", "a%_#me", 5).await?;
+                    let mine = release_instance(tx, "worker-1", "worker-1#me", 5, None).await?;
+                    let odd = release_instance(tx, "a%_", "a%_#me", 5, None).await?;
                     Ok((mine, odd))
                 })
             })

@@ -11,9 +11,10 @@
 //! - `REELAY_PROBE_DB` — the effects file.
 //! - `REELAY_PROBE_FAIL` — `1`: every execution fails (retryable) after recording its attempt;
 //!   or per probe, `probe-a=permanent:<text>` (a permanent failure for events whose encoded
-//!   payload contains `<text>`), `probe-a=panic:<text>` (the probe panics on such events) and
-//!   `probe-b=times:<n>` (each event fails its first `n` attempts, then succeeds),
-//!   comma-separated.
+//!   payload contains `<text>`), `probe-a=panic:<text>` (the probe panics on such events),
+//!   `probe-a=abort:<text>` (the whole process aborts on such events, as an out-of-memory kill
+//!   would end it) and `probe-b=times:<n>` (each event fails its first `n` attempts, then
+//!   succeeds), comma-separated.
 //! - `REELAY_PROBE_DELAY_MS` — `500`: every probe sleeps that long before its effect (to be
 //!   killed there); or per probe, `probe-c=2000`.
 
@@ -111,6 +112,8 @@ mod enabled {
         PermanentIf(String),
         /// A panic on events whose encoded payload contains this text.
         PanicIf(String),
+        /// The process aborts on events whose encoded payload contains this text.
+        AbortIf(String),
         /// Each event fails its first n attempts.
         Times(u32),
     }
@@ -218,10 +221,13 @@ mod enabled {
             Some(rule) => match rule.split_once(':') {
                 Some(("permanent", text)) => Failure::PermanentIf(text.to_owned()),
                 Some(("panic", text)) => Failure::PanicIf(text.to_owned()),
+                Some(("abort", text)) => Failure::AbortIf(text.to_owned()),
                 Some(("times", n)) => {
                     Failure::Times(n.parse().with_context(|| format!("REELAY_PROBE_FAIL: {rule:?}"))?)
                 }
-                _ => bail!("REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text>, panic:<text> or times:<n>"),
+                _ => bail!(
+                    "REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text>, panic:<text>, abort:<text> or times:<n>"
+                ),
             },
         };
         let delay = match ProbeSettings::for_probe(&settings.delay_ms, name) {
@@ -263,6 +269,13 @@ mod enabled {
                 }
                 Failure::PanicIf(text) => {
                     assert!(!mentions(event, text), "probe {} panics on events with {text:?}", self.name);
+                    Ok(())
+                }
+                Failure::AbortIf(text) => {
+                    if mentions(event, text) {
+                        tracing::error!(probe = self.name, event_id = %event.event_id, "probe aborts the process");
+                        std::process::abort();
+                    }
                     Ok(())
                 }
                 Failure::Times(n) => {

@@ -437,11 +437,15 @@ impl OutboxApi {
         }
         let me = format!("{}#{}", r.instance, r.incarnation);
         let instance = r.instance.clone();
+        // On db the write service keeps each handler's attempts; on nats JetStream counts them.
+        let max_attempts = (self.bus == crate::Bus::Db).then_some(self.deliveries.max_attempts);
         let released = self
             .db
             .writer
             .transact::<_, WriteError, _>("release_instance", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(deliveries::release_instance(tx, &instance, &me, tx.now_ms()).await?) })
+                Box::pin(async move {
+                    Ok(deliveries::release_instance(tx, &instance, &me, tx.now_ms(), max_attempts).await?)
+                })
             })
             .await?;
         if released > 0 {
