@@ -226,7 +226,7 @@ async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
     let other = request("a", &["MovieDeleted", "UserRegistered"], "p2#y");
     let taken = claim(&db, &other, t0() + 31_000).await.unwrap();
     assert_eq!(taken.iter().map(|d| d.key.clone()).collect::<Vec<_>>(), vec![held[1].key.clone()]);
-    assert_eq!(taken[0].attempt, 1, "a take-over spends no attempt");
+    assert_eq!(taken[0].attempt, 2, "the dead owner's run counts as an attempt");
     // The old owner of the second is late: its settle and renewal change nothing.
     let late = settle(&db, "a", vec![outcome(&held[1], DeliveryOutcome::Done)], t0() + 32_000).await;
     assert_eq!(late.lost, vec![held[1].key.clone()]);
@@ -310,16 +310,16 @@ async fn a_restarted_instance_takes_back_its_predecessors_claims_at_once() {
     let other = claim(&db, &request("b", &types, "otherhost:/data#2222"), t0()).await.unwrap();
     assert_eq!((dead.len(), other.len()), (3, 3));
     let released = job(&db, |tx| {
-        Box::pin(
-            async move { Ok(deliveries::release_instance(tx, "host:/data", "host:/data#3333", t0() + 1_000).await?) },
-        )
+        Box::pin(async move {
+            Ok(deliveries::release_instance(tx, "host:/data", "host:/data#3333", t0() + 1_000, Some(8)).await?)
+        })
     })
     .await
     .unwrap();
     assert_eq!(released, 3, "only the predecessor's claims");
     let again = claim(&db, &request("a", &types, "host:/data#3333"), t0() + 1_000).await.unwrap();
     assert_eq!(again.len(), 3, "well before the 30 s lease");
-    assert!(again.iter().all(|d| d.attempt == 1), "no attempt spent");
+    assert!(again.iter().all(|d| d.attempt == 2), "the dead run's attempt counts (db)");
     assert!(
         claim(&db, &request("b", &types, "host:/data#3333"), t0() + 1_000).await.unwrap().is_empty(),
         "another instance's live claims are untouched"
