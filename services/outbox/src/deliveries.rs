@@ -329,45 +329,25 @@ async fn claim_open(
     let rows = outbox_rows_of(tx, open.iter().map(|o| o.1.as_str())).await?;
     for (handler, key, attempts, started_at, status, owner) in open {
         let c = claiming.iter_mut().find(|c| c.request.handler == handler).expect("asked for by handler");
-        let Some(&(row_id, length)) = rows.get(&key) else {
-            // The outbox row is gone (deleted by hand or by retention): nothing left to deliver.
-            sqlx::query(
-                "UPDATE processed_events SET status = 'dead_lettered', last_error = ?, processed_at = ?, owner = NULL \
-                 WHERE event_id = ? AND handler = ?",
-            )
-            .bind("the event is no longer in the outbox")
-            .bind(now)
-            .bind(&key)
-            .bind(&handler)
-            .execute(tx.conn())
-            .await?;
-            continue;
-        };
-        if length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes {
-            // No answer to this claimer can hold it (a dead letter replayed as it was, or a
-            // smaller message limit since): given up again, or it would head every claim of
-            // the handler, which would get nothing else for ever.
-            let reason = undeliverable(length, c.request.max_bytes);
-            tracing::error!(event_id = %key, %handler, %reason, "delivery dead-lettered");
-            sqlx::query(
-                "UPDATE processed_events SET status = 'dead_lettered', last_error = ?, processed_at = ?, owner = NULL \
-                 WHERE event_id = ? AND handler = ? AND started_at = ?",
-            )
-            .bind(reason)
-            .bind(now)
-            .bind(&key)
-            .bind(&handler)
-            .bind(started_at)
-            .execute(tx.conn())
-            .await?;
-            continue;
-        }
         // A claim whose owner stopped renewing it spends an attempt, as a JetStream redelivery
         // does: an event that kills (or stalls) every process that runs it is given up after
         // `max_attempts`, instead of taking down each next owner for ever.
         let attempts = if status == "in_progress" { attempts + 1 } else { attempts };
-        if status == "in_progress" && attempts >= i64::from(policy.max_attempts) {
-            let reason = stopped_during(attempts);
+        let given_up = match rows.get(&key) {
+            // The outbox row is gone (deleted by hand or by retention): nothing left to deliver.
+            None => Some("the event is no longer in the outbox".to_owned()),
+            // No answer to this claimer can hold it (a dead letter replayed as it was, or a
+            // smaller message limit since): given up again, or it would head every claim of
+            // the handler, which would get nothing else for ever.
+            Some(&(_, length)) if length as usize + CLAIM_ROW_OVERHEAD > c.request.max_bytes => {
+                Some(undeliverable(length, c.request.max_bytes))
+            }
+            _ if status == "in_progress" && attempts >= i64::from(policy.max_attempts) => {
+                Some(stopped_during(attempts))
+            }
+            _ => None,
+        };
+        if let Some(reason) = given_up {
             tracing::error!(event_id = %key, %handler, %reason, "delivery dead-lettered");
             sqlx::query(
                 "UPDATE processed_events SET status = 'dead_lettered', attempts = ?, last_error = ?, processed_at = ?, \
@@ -383,6 +363,7 @@ async fn claim_open(
             .await?;
             continue;
         }
+        let (row_id, length) = rows[&key];
         if !c.budget.take(length) {
             // This handler's answer is full; its other open rows wait for its next claim.
             c.budget.rows = 0;
