@@ -214,6 +214,69 @@ async fn an_event_that_kills_its_process_is_given_up_after_its_attempts() {
     cluster.stop().await;
 }
 
+/// During a rolling update two builds of a handler claim at once, the newer also taking an
+/// event type the older does not: the older stands by while the newer claims (it would move
+/// the handler's cursor past that type's rows), so every event is handled, once, by the newer.
+#[tokio::test]
+async fn an_older_build_of_a_handler_stands_by_while_a_newer_one_claims() {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a")
+        .handlers(&[("REELAY_PROBE_TYPES", "probe-a=UserRegistered")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let ana = c.user("ana").await;
+    let first = event_ids(&cluster.db).await;
+    eventually("the older build handles the first event", Duration::from_secs(20), || {
+        let (effects, first) = (cluster.effects.clone(), first.clone());
+        async move { self::effects(&effects).await.contains_key(&(first[0].clone(), "probe-a".into())) }
+    })
+    .await;
+
+    let env = [("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())];
+    let newer = Reelay::start_handlers(BIN, &cluster.write, &dir.path().join("newer"), &env).await;
+    // A build is noted when it claims, which an idle one does when an event comes.
+    let builds = "SELECT event_types FROM handler_builds WHERE handler = 'probe-a'";
+    eventually("the newer build claims", Duration::from_secs(20), || {
+        let (db, mut c) = (cluster.db.clone(), c.clone());
+        async move {
+            c.user(&format!("waiting{}", now_ms())).await;
+            query_strings(&db, builds).await.len() == 2
+        }
+    })
+    .await;
+    let before = event_ids(&cluster.db).await.len();
+    for i in 0..20 {
+        c.user(&format!("user{i}")).await;
+        c.movie(&ana, &format!("Film {i}"), 1990 + i).await;
+    }
+    let written: Vec<String> = event_ids(&cluster.db).await.split_off(before);
+    assert!(written.len() >= 40, "{} events", written.len());
+    eventually("every event written since is handled by probe-a", Duration::from_secs(30), || {
+        let (effects, written) = (cluster.effects.clone(), written.clone());
+        async move {
+            let done = self::effects(&effects).await;
+            written.iter().all(|id| done.contains_key(&(id.clone(), "probe-a".to_owned())))
+        }
+    })
+    .await;
+    let rows =
+        query_strings(&cluster.effects, "SELECT event_id, CAST(pid AS TEXT) FROM effects WHERE handler = 'probe-a'")
+            .await;
+    let older = cluster.handlers[0].pid().to_string();
+    for id in &written {
+        let by: Vec<&String> = rows.iter().filter(|r| &r[0] == id).map(|r| &r[1]).collect();
+        assert_eq!(by, vec![&newer.pid().to_string()], "event {id}: once, by the newer build");
+    }
+    assert!(rows.iter().any(|r| r[1] == older), "the older build ran before the newer came");
+    let log = cluster.handlers[0].log_text();
+    assert!(log.contains("standing by: another build of this handler claims"), "{log}");
+    let mut newer = newer;
+    newer.stop().await;
+    cluster.stop().await;
+}
+
 /// A consumer dies inside the handler; another takes the delivery over once its lease runs out
 /// (it is no longer renewed), under a newer token; the dead owner's late settle changes nothing.
 #[tokio::test]

@@ -13,6 +13,9 @@ use crate::dispatch::{Dispatched, Dispatcher, Verdict};
 use crate::pause::Pause;
 use crate::source::{Delivery, EventSource, LeaseWatch, Renewal, Settlement, Settler, SourceError, while_renewing};
 
+/// How long a claimer standing by (another build of its handler claims) waits before asking again.
+const STAND_BY_POLL: std::time::Duration = std::time::Duration::from_secs(2);
+
 pub async fn run_consumer<S: EventSource>(
     mut source: S,
     dispatcher: Dispatcher,
@@ -29,6 +32,7 @@ pub async fn run_consumer<S: EventSource>(
     let permits = Arc::new(Semaphore::new(in_flight.max(1)));
     let mut batches = JoinSet::new();
     let mut source_pause = Pause::new("event source");
+    let mut standing_by = false;
     while !shutdown.is_requested() {
         let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
         while batches.try_join_next().is_some() {}
@@ -39,7 +43,20 @@ pub async fn run_consumer<S: EventSource>(
         let deliveries = match source.fetch(batch_size).await {
             Ok(deliveries) => {
                 source_pause.resumed();
+                if !deliveries.is_empty() && std::mem::take(&mut standing_by) {
+                    tracing::info!("handed deliveries again: no longer standing by");
+                }
                 deliveries
+            }
+            Err(SourceError::StandingBy(why)) => {
+                if !std::mem::replace(&mut standing_by, true) {
+                    tracing::warn!(%why, "standing by: another build of this handler claims its deliveries");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(STAND_BY_POLL) => {}
+                    () = shutdown.requested() => {}
+                }
+                continue;
             }
             Err(SourceError::Unavailable(error)) => {
                 source_pause.wait(&error).await;

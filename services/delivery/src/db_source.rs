@@ -217,6 +217,9 @@ async fn claim_call(
                     Some(part) if !part.refused.is_empty() => {
                         Err(SourceError::Rejected(format!("FailedPrecondition: {}", part.refused)))
                     }
+                    Some(part) if !part.standing_by.is_empty() => {
+                        Err(SourceError::StandingBy(std::mem::take(&mut part.standing_by)))
+                    }
                     Some(part) => Ok((std::mem::take(&mut part.deliveries), granted)),
                     None => Err(SourceError::Rejected(format!("the claim's answer left out handler {handler:?}"))),
                 };

@@ -89,6 +89,11 @@ pub enum SourceError {
     /// The backend answered with an error that waiting will not fix.
     #[error("event source refused the request: {0}")]
     Rejected(String),
+    /// Another build of the handler (taking other event types) claims its deliveries: this
+    /// one is handed nothing until that build stops (db backend). Not an error: wait and ask
+    /// again.
+    #[error("standing by: {0}")]
+    StandingBy(String),
 }
 
 #[async_trait::async_trait]

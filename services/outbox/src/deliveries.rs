@@ -130,6 +130,10 @@ pub enum ClaimError {
          --handler list) that has it, so no event written meanwhile is missed"
     )]
     UnknownHandler(String),
+    /// Another build of the handler (other event types) began claiming later and still claims:
+    /// this claimer is handed nothing until that build has not claimed for a lease.
+    #[error("{0}")]
+    StandingBy(String),
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
 }
@@ -204,10 +208,13 @@ pub async fn claim_many(
             None => rounds.push(vec![index]),
         }
     }
+    // Every build is noted before any claim: an older build's claim must not pass over rows
+    // in the same job as the newer build's first.
+    let standing_by = note_builds(tx, now, policy.lease, requests).await?;
     let mut answers: Vec<Option<Result<Vec<ClaimedDelivery>, ClaimError>>> = requests.iter().map(|_| None).collect();
     for round in rounds {
         let claims: Vec<&HandlerClaim> = round.iter().map(|&i| &requests[i]).collect();
-        for (index, answer) in round.into_iter().zip(claim_round(tx, now, policy, &claims).await?) {
+        for (index, answer) in round.into_iter().zip(claim_round(tx, now, policy, &claims, &standing_by).await?) {
             answers[index] = Some(answer);
         }
     }
@@ -232,6 +239,7 @@ async fn claim_round(
     now: i64,
     policy: HandlerPolicy,
     requests: &[&HandlerClaim],
+    standing_by: &HashMap<String, String>,
 ) -> Result<Vec<Result<Vec<ClaimedDelivery>, ClaimError>>, sqlx::Error> {
     let sql = format!(
         "SELECT handler, position FROM handler_cursors WHERE handler IN ({})",
@@ -244,6 +252,7 @@ async fn claim_round(
     let positions: HashMap<String, i64> = query.fetch_all(tx.conn()).await?.into_iter().collect();
     let mut claiming: Vec<Claiming> = requests
         .iter()
+        .filter(|request| !standing_by.contains_key(&build_id(&request.handler, &build_key(&request.event_types))))
         .filter_map(|&request| {
             let position = *positions.get(&request.handler)?;
             Some(Claiming {
@@ -265,7 +274,10 @@ async fn claim_round(
     let mut answers = Vec::with_capacity(requests.len());
     for request in requests {
         let Some(c) = claiming.iter_mut().find(|c| c.request.handler == request.handler) else {
-            answers.push(Err(ClaimError::UnknownHandler(request.handler.clone())));
+            answers.push(Err(match standing_by.get(&build_id(&request.handler, &build_key(&request.event_types))) {
+                Some(reason) => ClaimError::StandingBy(reason.clone()),
+                None => ClaimError::UnknownHandler(request.handler.clone()),
+            }));
             continue;
         };
         let mut claimed: Vec<ClaimedDelivery> = std::mem::take(&mut c.taken)
@@ -279,6 +291,134 @@ async fn claim_round(
         answers.push(Ok(claimed));
     }
     Ok(answers)
+}
+
+/// The key a build of a handler is known by: the event types its claims name.
+fn build_key(event_types: &[String]) -> String {
+    let mut types: Vec<&str> = event_types.iter().map(String::as_str).collect();
+    types.sort_unstable();
+    types.dedup();
+    types.join(",")
+}
+
+/// How many leases a build of a handler stays live after its last claim. A live claimer asks
+/// at least every sixth of a lease, unless every batch it may hold is running (a slow handler
+/// under its timeout): a build is taken for gone only well after that, at the cost of an older
+/// build rolled back to standing by that long after the newer one stops.
+const BUILD_LIVE_LEASES: u32 = 4;
+
+/// A build of a handler, as [`note_builds`] keys it.
+fn build_id(handler: &str, key: &str) -> String {
+    format!("{handler}\n{key}")
+}
+
+/// Notes which build of each handler claims (see migration 0129): a build is live while it has
+/// claimed within [`BUILD_LIVE_LEASES`] leases, and one that begins claiming (first, or again after not claiming
+/// for a lease) is the newest. Of a handler's live builds only the newest is handed anything:
+/// during a rolling update the older build would pass over the rows of a type only the newer
+/// one takes, and take its retries of them and skip them. Returns, for each older build
+/// claiming (keyed `<handler>\n<types>`), why it stands by. Unregistered handlers are passed.
+async fn note_builds(
+    tx: &mut WriteTx,
+    now: i64,
+    lease: Duration,
+    requests: &[HandlerClaim],
+) -> Result<HashMap<String, String>, sqlx::Error> {
+    let mut standing_by = HashMap::new();
+    if requests.is_empty() {
+        return Ok(standing_by);
+    }
+    let lease_ms = lease.as_millis() as i64;
+    // As for claims: until leases have counted since the writer started, no build's silence
+    // counts (they could not reach it), so none is taken for gone.
+    let live_since = crate::stale_before(tx.lease_counted_from(), now, lease * BUILD_LIVE_LEASES);
+    let sql = format!(
+        "SELECT c.handler, b.event_types, COALESCE(b.first_seen, 0), COALESCE(b.last_seen, 0) FROM handler_cursors c \
+             LEFT JOIN handler_builds b ON b.handler = c.handler WHERE c.handler IN ({})",
+        vec!["?"; requests.len()].join(", ")
+    );
+    let mut query = sqlx::query_as(AssertSqlSafe(sql));
+    for request in requests {
+        query = query.bind(&request.handler);
+    }
+    let rows: Vec<(String, Option<String>, i64, i64)> = query.fetch_all(tx.conn()).await?;
+    let registered: HashSet<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+    // (handler, build key, first seen, last seen)
+    let mut builds: Vec<(String, String, i64, i64)> = rows
+        .iter()
+        .filter_map(|(handler, key, first, last)| Some((handler.clone(), key.clone()?, *first, *last)))
+        .collect();
+    let claimers: Vec<(&str, String)> = requests
+        .iter()
+        .filter(|r| registered.contains(r.handler.as_str()))
+        .map(|r| (r.handler.as_str(), build_key(&r.event_types)))
+        .collect();
+    // First every claiming build is noted, so that of two builds claiming in one job the newer
+    // wins whichever asked first.
+    for (handler, key) in &claimers {
+        let own = builds.iter_mut().find(|(h, k, ..)| h == handler && k == key);
+        let (first_seen, write) = match own {
+            // Live: its last claim is written at most every quarter lease.
+            Some((.., first_seen, last_seen)) if *last_seen >= live_since => {
+                let write = now - *last_seen >= lease_ms / 4;
+                *last_seen = now;
+                (*first_seen, write)
+            }
+            // Begins claiming (again).
+            Some((.., first_seen, last_seen)) => {
+                (*first_seen, *last_seen) = (now, now);
+                (now, true)
+            }
+            None => {
+                builds.push((handler.to_string(), key.clone(), now, now));
+                (now, true)
+            }
+        };
+        if !write {
+            continue;
+        }
+        sqlx::query(
+            "INSERT INTO handler_builds (handler, event_types, first_seen, last_seen) VALUES (?, ?, ?, ?) \
+             ON CONFLICT (handler, event_types) DO UPDATE SET first_seen = excluded.first_seen, \
+             last_seen = excluded.last_seen",
+        )
+        .bind(*handler)
+        .bind(key)
+        .bind(first_seen)
+        .bind(now)
+        .execute(tx.conn())
+        .await?;
+        let older: Vec<&str> = builds
+            .iter()
+            .filter(|(h, k, _, last_seen)| h == handler && k != key && *last_seen >= live_since)
+            .map(|(_, k, ..)| k.as_str())
+            .collect();
+        if first_seen == now && !older.is_empty() {
+            tracing::warn!(%handler, this_build = %key, older_builds = ?older,
+                "a new build of this handler began claiming; the older builds stand by while it claims");
+        }
+    }
+    for (handler, key) in claimers {
+        // The newest live build (ties: the larger key, so that every claimer agrees).
+        let newest = builds
+            .iter()
+            .filter(|(h, _, _, last_seen)| h == handler && *last_seen >= live_since)
+            .max_by(|a, b| (a.2, &a.1).cmp(&(b.2, &b.1)))
+            .expect("the claimer's own build is live");
+        if newest.1 == key {
+            continue;
+        }
+        let why = format!(
+            "handler {handler:?}: another build of it, taking [{}], began claiming after this one (taking [{key}]) \
+             and was last seen claiming {} ms ago; this one is handed nothing until that build has not claimed for {} ms \
+             ({BUILD_LIVE_LEASES} claim leases), so no event of a type only it takes is passed over",
+            newest.1,
+            now - newest.3,
+            lease_ms * i64::from(BUILD_LIVE_LEASES),
+        );
+        standing_by.insert(build_id(handler, &key), why);
+    }
+    Ok(standing_by)
 }
 
 struct Budget {

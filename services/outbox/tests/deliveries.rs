@@ -104,9 +104,14 @@ fn request(handler: &str, types: &[&str], owner: &str) -> HandlerClaim {
     }
 }
 
+/// One claim, committed whatever its answer, as the write service commits a claim job (a
+/// refused claim still notes its handler's build).
 async fn claim(db: &Database, request: &HandlerClaim, now: i64) -> Result<Vec<ClaimedDelivery>, Error> {
-    let request = request.clone();
-    job(db, move |tx| Box::pin(async move { Ok(deliveries::claim(tx, now, POLICY, &request).await?) })).await
+    let requests = vec![request.clone()];
+    let mut answers =
+        job(db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, now, POLICY, &requests).await?) }))
+            .await?;
+    Ok(answers.pop().expect("one answer per request")?)
 }
 
 async fn settle(db: &Database, handler: &str, settlements: Vec<Settlement>, now: i64) -> deliveries::Settled {
@@ -207,6 +212,77 @@ async fn each_handler_gets_its_own_events_attempts_and_fate() {
         ("dead_lettered".into(), 3, "busy 3".into())
     );
     assert_eq!(state(&db, &for_b[0].key, "a").await, ("done".into(), 0), "a finished that event regardless");
+}
+
+#[tokio::test]
+async fn during_a_rolling_update_only_the_newest_build_of_a_handler_is_handed_anything() {
+    let (_dir, db) = open().await;
+    register(&db, &["h"], t0()).await;
+    let old = request("h", &["MovieDeleted"], "old-1#x");
+    let new = request("h", &["UserRegistered", "MovieDeleted"], "new-1#y");
+    #[track_caller]
+    fn standing_by(result: Result<Vec<ClaimedDelivery>, Error>) -> String {
+        match result {
+            Err(Error::Claim(ClaimError::StandingBy(why))) => why,
+            other => panic!("expected standing by, got {other:?}"),
+        }
+    }
+    assert!(claim(&db, &old, t0()).await.unwrap().is_empty(), "the old build claims alone");
+
+    // The new build (it also takes UserRegistered) begins claiming: from now on the old one,
+    // which would move the cursor past UserRegistered rows, stands by, and says why.
+    assert!(claim(&db, &new, t0() + 1_000).await.unwrap().is_empty());
+    enqueue(&db, 4).await;
+    let why = standing_by(claim(&db, &old, t0() + 2_000).await);
+    assert!(why.contains("[MovieDeleted,UserRegistered]") && why.contains("[MovieDeleted]"), "{why}");
+    let handed = claim(&db, &new, t0() + 3_000).await.unwrap();
+    assert_eq!(handed.len(), 4, "every row is the new build's, none passed over: {handed:?}");
+
+    // A retry of a type only the new build takes is not handed to the old one either.
+    let user = handed.iter().find(|d| d.event_type == "UserRegistered").unwrap();
+    let mut settlements = vec![outcome(user, DeliveryOutcome::Failed { error: "busy".into(), terminal: false })];
+    settlements.extend(handed.iter().filter(|d| d.key != user.key).map(|d| outcome(d, DeliveryOutcome::Done)));
+    settle(&db, "h", settlements, t0() + 3_100).await;
+    standing_by(claim(&db, &old, t0() + 20_000).await);
+    let retry = claim(&db, &new, t0() + 20_000).await.unwrap();
+    assert_eq!((retry.len(), retry[0].key.clone(), retry[0].attempt), (1, user.key.clone(), 2));
+    settle(&db, "h", vec![outcome(&retry[0], DeliveryOutcome::Done)], t0() + 20_100).await;
+
+    // A claimer of the new build's other instances is handed deliveries as usual.
+    let other_instance = request("h", &["MovieDeleted", "UserRegistered"], "new-2#z");
+    assert!(claim(&db, &other_instance, t0() + 21_000).await.unwrap().is_empty());
+
+    // The new build stops (rolled back): four leases after its last claim noted (at 20 s; they
+    // are noted every quarter lease) the old one is handed deliveries again, from where the new
+    // build left the cursor.
+    standing_by(claim(&db, &old, t0() + 20_000 + 120_000).await);
+    enqueue(&db, 2).await;
+    let resumed = claim(&db, &old, t0() + 20_000 + 120_001).await.unwrap();
+    assert_eq!(resumed.iter().map(|d| d.event_type.as_str()).collect::<Vec<_>>(), vec!["MovieDeleted"]);
+
+    // Claiming again after that long without, the new build is the newest once more (and the
+    // UserRegistered row the old one passed over is not its: that build did not run then).
+    assert!(claim(&db, &new, t0() + 150_000).await.unwrap().is_empty());
+    standing_by(claim(&db, &old, t0() + 150_001).await);
+}
+
+#[tokio::test]
+async fn a_newer_build_claiming_first_in_the_same_job_as_an_older_one_wins() {
+    let (_dir, db) = open().await;
+    register(&db, &["h"], t0()).await;
+    let old = request("h", &["MovieDeleted"], "old-1#x");
+    let new = request("h", &["MovieDeleted", "UserRegistered"], "new-1#y");
+    assert!(claim(&db, &old, t0()).await.unwrap().is_empty());
+    enqueue(&db, 4).await;
+    // The older build's claim comes first in the job that sees the newer build's first.
+    let requests = vec![old, new];
+    let answers = job(&db, move |tx| {
+        Box::pin(async move { Ok(deliveries::claim_many(tx, t0() + 1_000, POLICY, &requests).await?) })
+    })
+    .await
+    .unwrap();
+    assert!(matches!(&answers[0], Err(ClaimError::StandingBy(_))), "{:?}", answers[0]);
+    assert_eq!(answers[1].as_ref().unwrap().len(), 4, "the newer build is handed every row");
 }
 
 #[tokio::test]

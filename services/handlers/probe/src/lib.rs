@@ -17,6 +17,9 @@
 //!   succeeds), comma-separated.
 //! - `REELAY_PROBE_DELAY_MS` — `500`: every probe sleeps that long before its effect (to be
 //!   killed there); or per probe, `probe-c=2000`.
+//! - `REELAY_PROBE_TYPES` — per probe, the event types it takes instead of all of them,
+//!   separated by `+`: `probe-a=UserRegistered+MovieDeleted` (an older build of a handler that
+//!   took fewer types).
 
 use reelay_delivery::{BuiltHandler, HandlerContext};
 
@@ -45,6 +48,8 @@ pub struct ProbeSettings {
         default_value = ""
     )]
     pub delay_ms: String,
+    #[arg(id = "probe_types", long = "probe-types", env = "REELAY_PROBE_TYPES", hide = true, default_value = "")]
+    pub types: String,
 }
 
 impl ProbeSettings {
@@ -123,6 +128,7 @@ mod enabled {
         effects: Effects,
         failure: Failure,
         delay: Duration,
+        types: &'static [&'static str],
     }
 
     /// Rows for one table, recorded together with whatever the other probes send meanwhile.
@@ -234,9 +240,23 @@ mod enabled {
             None => Duration::ZERO,
             Some(ms) => Duration::from_millis(ms.parse().with_context(|| format!("REELAY_PROBE_DELAY_MS: {ms:?}"))?),
         };
+        let types: &'static [&'static str] = match ProbeSettings::for_probe(&settings.types, name) {
+            None | Some("") => EVENT_TYPES,
+            Some(types) => {
+                let mut taken = Vec::new();
+                for wanted in types.split('+') {
+                    let Some(known) = EVENT_TYPES.iter().find(|t| **t == wanted) else {
+                        bail!("REELAY_PROBE_TYPES: {wanted:?} is not an event type");
+                    };
+                    taken.push(*known);
+                }
+                // Built once per probe per process.
+                Vec::leak(taken)
+            }
+        };
         let effects = effects(settings).await?;
-        tracing::warn!(probe = name, ?failure, ?delay, "test probe handler enabled");
-        Ok(BuiltHandler { handler: Arc::new(Probe { name, effects, failure, delay }), grpc: None })
+        tracing::warn!(probe = name, ?failure, ?delay, ?types, "test probe handler enabled");
+        Ok(BuiltHandler { handler: Arc::new(Probe { name, effects, failure, delay, types }), grpc: None })
     }
 
     impl Probe {
@@ -308,7 +328,7 @@ mod enabled {
         }
 
         fn event_types(&self) -> &'static [&'static str] {
-            EVENT_TYPES
+            self.types
         }
 
         async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {

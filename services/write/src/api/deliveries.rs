@@ -10,7 +10,7 @@ use reelay_contracts::v1::{self, delivery_settlement::Outcome};
 use reelay_kit::metrics::{self, Counter};
 use reelay_kit::{ServiceError, now_ms};
 use reelay_outbox::deliveries::{
-    self, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
+    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement, SharedAnswer,
 };
 use reelay_outbox::{Database, Durability, WriteTx};
 use tokio::time::Instant;
@@ -68,7 +68,25 @@ pub(super) type ClaimGroup = Vec<HandlerClaim>;
 #[derive(Debug)]
 pub(super) struct HandlerAnswer {
     index: usize,
-    claimed: Result<Vec<ClaimedDelivery>, String>,
+    claimed: Result<Vec<ClaimedDelivery>, Refused>,
+}
+
+/// Why a handler of a claim was handed nothing.
+#[derive(Debug)]
+pub(super) enum Refused {
+    /// Not registered with the write service.
+    Unknown(String),
+    /// Another build of the handler claims (see [`deliveries::ClaimError::StandingBy`]).
+    StandingBy(String),
+}
+
+impl From<ClaimError> for Refused {
+    fn from(error: ClaimError) -> Self {
+        match error {
+            ClaimError::StandingBy(why) => Self::StandingBy(why),
+            error => Self::Unknown(error.to_string()),
+        }
+    }
 }
 
 /// The claims of `group`, drawing on one answer's bytes.
@@ -95,7 +113,7 @@ async fn claim_groups(
         .iter()
         .map(|group| {
             let answered = (0..group.len()).filter_map(|index| {
-                let claimed = answers.next().expect("one answer per claim").map_err(|e| e.to_string());
+                let claimed = answers.next().expect("one answer per claim").map_err(Refused::from);
                 let nothing = matches!(&claimed, Ok(handed) if handed.is_empty());
                 (!nothing).then_some(HandlerAnswer { index, claimed })
             });
@@ -180,8 +198,8 @@ impl OutboxApi {
         let deliveries = match answered.pop() {
             None => Vec::new(),
             Some(HandlerAnswer { claimed: Ok(claimed), .. }) => claimed.into_iter().map(delivery).collect(),
-            Some(HandlerAnswer { claimed: Err(refused), .. }) => {
-                return Err(ServiceError::failed_precondition(refused).into());
+            Some(HandlerAnswer { claimed: Err(Refused::Unknown(why) | Refused::StandingBy(why)), .. }) => {
+                return Err(ServiceError::failed_precondition(why).into());
             }
         };
         Ok(v1::ClaimDeliveriesResponse { deliveries, lease_ms: self.deliveries.lease.as_millis() as i64 })
@@ -230,6 +248,7 @@ impl OutboxApi {
                 handler: w.handler.clone(),
                 deliveries: Vec::new(),
                 refused: String::new(),
+                standing_by: String::new(),
             })
             .collect();
         let group = self.group(checked, &r.owner, r.call_id, r.max_bytes);
@@ -247,7 +266,8 @@ impl OutboxApi {
             let entry = &mut handlers[answer.index];
             match answer.claimed {
                 Ok(claimed) => entry.deliveries = claimed.into_iter().map(delivery).collect(),
-                Err(refused) => entry.refused = refused,
+                Err(Refused::Unknown(why)) => entry.refused = why,
+                Err(Refused::StandingBy(why)) => entry.standing_by = why,
             }
         }
         Ok(v1::ClaimDeliveriesForHandlersResponse { handlers, lease_ms: self.deliveries.lease.as_millis() as i64 })
