@@ -420,6 +420,29 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 ..Default::default()
             })
         ),
+        case!(
+            "a ledger claim naming a build with an unknown event type",
+            InvalidArgument,
+            "builds.event_types",
+            |c, x| c.ledger.claim(v1::LedgerClaimRequest {
+                builds: vec![v1::HandlerBuild { handler: "search".into(), event_types: vec!["NoSuchEvent".into()] }],
+                owner: "test#1".into(),
+                ..Default::default()
+            })
+        ),
+        case!("a ledger claim naming one handler's build twice", InvalidArgument, "builds.handler", |c, x| c
+            .ledger
+            .claim(v1::LedgerClaimRequest {
+                builds: vec![
+                    v1::HandlerBuild { handler: "search".into(), event_types: vec!["UserRegistered".into()] };
+                    2
+                ],
+                owner: "test#1".into(),
+                ..Default::default()
+            })),
+        case!("a ledger claim of no key and no build", InvalidArgument, "keys", |c, x| c
+            .ledger
+            .claim(v1::LedgerClaimRequest { owner: "test#1".into(), ..Default::default() })),
         case!("a given-up pair without deliveries", InvalidArgument, "given_up.attempts", |c, x| c.ledger.given_up(
             v1::LedgerGivenUpRequest {
                 given_up: vec![v1::LedgerGivenUp {

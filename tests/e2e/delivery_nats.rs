@@ -505,7 +505,7 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     let ask = |handler: &str| {
         let taken = claims.take(keys_of(handler));
         let claims = claims.clone();
-        async move { (claims.claim(&taken).await.expect("the ledger answers"), taken) }
+        async move { (claims.claim(&taken, Vec::new()).await.expect("the ledger answers"), taken) }
     };
     let before = calls(&write.metrics().await);
     let answers = futures_util::future::join_all(handlers.iter().map(|h| ask(h))).await;
@@ -514,9 +514,9 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     for (handler, ((answer, granted), taken)) in handlers.iter().zip(answers) {
         in_hand.push(taken);
         assert_eq!(granted, Some(Duration::from_secs(30)), "the answer's lease (the default), for the claims it made");
-        let keys: Vec<v1::LedgerKey> = answer.iter().map(|c| c.key.clone().unwrap()).collect();
+        let keys: Vec<v1::LedgerKey> = answer.claims.iter().map(|c| c.key.clone().unwrap()).collect();
         assert_eq!(keys, keys_of(handler), "each asker gets its own keys back, in order");
-        for claim in answer {
+        for claim in answer.claims {
             match claim.outcome.unwrap() {
                 v1::ledger_claim::Outcome::AcquiredToken(token) => held.push(v1::OwnedKey { key: claim.key, token }),
                 other => panic!("{handler}: expected a fresh claim, got {other:?}"),
@@ -534,8 +534,8 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     for (handler, ((answer, _), taken)) in handlers.iter().zip(again) {
         let alone = handler == "h0";
         assert_eq!(taken.alone(), [alone, alone], "{handler}");
-        assert_eq!(answer.len(), if alone { 2 } else { 0 }, "{handler}: {answer:?}");
-        for claim in answer {
+        assert_eq!(answer.claims.len(), if alone { 2 } else { 0 }, "{handler}: {answer:?}");
+        for claim in answer.claims {
             assert!(matches!(claim.outcome.unwrap(), v1::ledger_claim::Outcome::Done(_)), "{handler}");
         }
     }
@@ -545,7 +545,7 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     let resumed = futures_util::future::join_all(handlers.iter().map(|h| ask(h))).await;
     let tokens: Vec<v1::OwnedKey> = resumed
         .into_iter()
-        .flat_map(|((answer, _), _)| answer)
+        .flat_map(|((answer, _), _)| answer.claims)
         .filter_map(|claim| match claim.outcome.unwrap() {
             v1::ledger_claim::Outcome::AcquiredToken(token) => Some(v1::OwnedKey { key: claim.key, token }),
             _ => None,
@@ -554,8 +554,8 @@ async fn ledger_claims_asked_together_go_out_as_one_call() {
     assert_eq!(tokens, held[2..], "h1..h7 handed back, h0 done");
     // What was taken is asked for once.
     let taken = claims.take(keys_of("h8"));
-    claims.claim(&taken).await.expect("the first ask");
-    let again = claims.claim(&taken).await.expect_err("a second ask of the same pairs");
+    claims.claim(&taken, Vec::new()).await.expect("the first ask");
+    let again = claims.claim(&taken, Vec::new()).await.expect_err("a second ask of the same pairs");
     assert_eq!(again.code(), tonic::Code::FailedPrecondition, "{again:?}");
     write.stop().await;
 }
@@ -1101,4 +1101,10 @@ async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
     let paths = (dir.path(), db.as_path());
     crate::claims_for_a_caller_that_went_away_are_handed_back(&mut write, paths, counts, new_event, claim).await;
     write.stop().await;
+}
+
+/// Two builds of a handler at once on nats (see the db test's text).
+#[tokio::test]
+async fn an_older_build_of_a_handler_stands_by_while_a_newer_one_claims_on_nats() {
+    crate::delivery_db::older_build_stands_by(reelay_harness::Backend::Nats).await;
 }

@@ -9,12 +9,9 @@ use reelay_kit::Shutdown;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::dispatch::{Dispatched, Dispatcher, Verdict};
+use crate::dispatch::{Dispatched, Dispatcher, STAND_BY_POLL, Verdict};
 use crate::pause::Pause;
 use crate::source::{Delivery, EventSource, LeaseWatch, Renewal, Settlement, Settler, SourceError, while_renewing};
-
-/// How long a claimer standing by (another build of its handler claims) waits before asking again.
-const STAND_BY_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub async fn run_consumer<S: EventSource>(
     mut source: S,
@@ -34,6 +31,21 @@ pub async fn run_consumer<S: EventSource>(
     let mut source_pause = Pause::new("event source");
     let mut standing_by = false;
     while !shutdown.is_requested() {
+        // On nats a handler standing by (another build of it claims) fetches nothing: each
+        // message it fetched it could only hand back, spending a delivery of it.
+        if let Some(why) = dispatcher.standing_by() {
+            if !std::mem::replace(&mut standing_by, true) {
+                tracing::warn!(%why, "standing by: another build of this handler claims its deliveries");
+            }
+            tokio::select! {
+                () = tokio::time::sleep(STAND_BY_POLL) => {}
+                () = shutdown.requested() => {}
+            }
+            if let Err(unavailable) = dispatcher.ask_standing_by().await {
+                source_pause.wait(&unavailable.0).await;
+            }
+            continue;
+        }
         let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
         while batches.try_join_next().is_some() {}
         // The fetch is not raced against shutdown: dropping a claim in flight could strand rows

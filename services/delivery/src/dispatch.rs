@@ -129,13 +129,31 @@ pub struct Dispatcher {
     claims: LedgerClaims,
     config: DispatchConfig,
     shutdown: Shutdown,
+    /// Why this dispatcher's handlers stand by, when the ledger's last answer said they do
+    /// (another build of them claims: nats backend). Shared by its clones.
+    standing_by: Arc<Mutex<Option<String>>>,
 }
+
+/// How long a handler standing by (another build of it claims) waits before asking again.
+pub const STAND_BY_POLL: Duration = Duration::from_secs(2);
 
 /// One ledger claim request of a dispatcher, waiting to go out with the others'.
 struct ClaimAsk {
     keys: Vec<v1::LedgerKey>,
+    /// The asker's builds of its handlers (see `LedgerClaimRequest.builds`).
+    builds: Vec<v1::HandlerBuild>,
     /// The answers for its keys, and the lease the call's answer gave.
-    reply: oneshot::Sender<Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status>>,
+    reply: oneshot::Sender<Result<Leased<Answered>, tonic::Status>>,
+}
+
+/// The ledger's answer to one ask: a claim per key, and which of the asker's handlers stand by
+/// (another build of them claims), with why.
+#[derive(Debug, Default)]
+pub struct Answered {
+    pub claims: Vec<v1::LedgerClaim>,
+    pub standing_by: Vec<v1::HandlerStandingBy>,
+    /// Whether the ledger was asked (not when the asker had no key alone).
+    pub asked: bool,
 }
 
 /// The (event, handler) pairs this process's batches have in hand (being asked of the ledger,
@@ -251,20 +269,36 @@ impl LedgerClaims {
     }
 
     /// The ledger's answer for each key `taken` has alone (at most the server's limit), in
-    /// order, and the lease it gave the claims. No call when it has none alone. Once per
-    /// `taken` (FailedPrecondition after).
-    pub async fn claim(&self, taken: &Taken) -> Result<Leased<Vec<v1::LedgerClaim>>, tonic::Status> {
+    /// order, and the lease it gave the claims; `builds` are the asker's builds of the keys'
+    /// handlers. No call when it has none alone. Once per `taken` (FailedPrecondition after).
+    pub async fn claim(&self, taken: &Taken, builds: Vec<v1::HandlerBuild>) -> Result<Leased<Answered>, tonic::Status> {
         if taken.asked.swap(true, Ordering::SeqCst) {
             return Err(tonic::Status::failed_precondition("these pairs were asked for already; take them again"));
         }
         let keys: Vec<v1::LedgerKey> =
             taken.keys.iter().zip(&taken.alone).filter(|(_, alone)| **alone).map(|(key, _)| key.clone()).collect();
         if keys.is_empty() {
-            return Ok((Vec::new(), None));
+            return Ok((Answered::default(), None));
         }
+        self.ask(keys, builds).await
+    }
+
+    /// Whether the `builds` stand by (a claim of no key).
+    pub async fn standing_by(
+        &self,
+        builds: Vec<v1::HandlerBuild>,
+    ) -> Result<Vec<v1::HandlerStandingBy>, tonic::Status> {
+        Ok(self.ask(Vec::new(), builds).await?.0.standing_by)
+    }
+
+    async fn ask(
+        &self,
+        keys: Vec<v1::LedgerKey>,
+        builds: Vec<v1::HandlerBuild>,
+    ) -> Result<Leased<Answered>, tonic::Status> {
         let stopped = || tonic::Status::unavailable("the ledger claimer stopped");
         let (reply, answer) = oneshot::channel();
-        self.asks.send(ClaimAsk { keys, reply }).map_err(|_| stopped())?;
+        self.asks.send(ClaimAsk { keys, builds, reply }).map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())?
     }
 }
@@ -283,15 +317,27 @@ async fn claim_call(
         return;
     }
     let keys = asks.iter().flat_map(|ask| ask.keys.iter().cloned()).collect();
+    let mut builds: Vec<v1::HandlerBuild> = Vec::new();
+    for build in asks.iter().flat_map(|ask| &ask.builds) {
+        if !builds.iter().any(|b| b.handler == build.handler) {
+            builds.push(build.clone());
+        }
+    }
     // Every key asked is one its batch has alone (see `InHand`).
-    match client.claim(v1::LedgerClaimRequest { keys, owner, resume_own: true }).await {
+    match client.claim(v1::LedgerClaimRequest { keys, owner, resume_own: true, builds }).await {
         Ok(answer) => {
             let answer = answer.into_inner();
             let granted = lease.heard(answer.lease_ms);
             let mut claims = answer.claims.into_iter();
             for ask in asks {
-                let mine = claims.by_ref().take(ask.keys.len()).collect();
-                let _ = ask.reply.send(Ok((mine, granted)));
+                let claims = claims.by_ref().take(ask.keys.len()).collect();
+                let standing_by = answer
+                    .standing_by
+                    .iter()
+                    .filter(|s| ask.builds.iter().any(|b| b.handler == s.handler))
+                    .cloned()
+                    .collect();
+                let _ = ask.reply.send(Ok((Answered { claims, standing_by, asked: true }, granted)));
             }
         }
         Err(status) => {
@@ -343,7 +389,43 @@ impl Dispatcher {
         config: DispatchConfig,
         shutdown: Shutdown,
     ) -> Self {
-        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown }
+        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, standing_by: Arc::default() }
+    }
+
+    /// Why this dispatcher's handlers stand by, if the ledger's last word was that they do: the
+    /// consumer then fetches nothing (it would only hand the messages back, spending a delivery
+    /// of each) and asks again with [`Dispatcher::ask_standing_by`].
+    pub fn standing_by(&self) -> Option<String> {
+        self.standing_by.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Asks the ledger whether this dispatcher's handlers still stand by.
+    pub async fn ask_standing_by(&self) -> Result<Option<String>, LedgerUnavailable> {
+        match self.claims.standing_by(self.builds()).await {
+            Ok(standing_by) => Ok(self.heard(&standing_by)),
+            Err(status) if is_transport_failure(&status) => Err(LedgerUnavailable(status.message().to_owned())),
+            // An older write service (it refuses a claim of no key): nothing stands by there.
+            Err(_) => Ok(self.heard(&[])),
+        }
+    }
+
+    /// This dispatcher's builds of its handlers: the event types each takes.
+    fn builds(&self) -> Vec<v1::HandlerBuild> {
+        self.handlers
+            .iter()
+            .map(|h| v1::HandlerBuild {
+                handler: h.name().to_owned(),
+                event_types: h.event_types().iter().map(|t| t.to_string()).collect(),
+            })
+            .collect()
+    }
+
+    /// Notes what the ledger said of this dispatcher's handlers standing by; returns why.
+    fn heard(&self, standing_by: &[v1::HandlerStandingBy]) -> Option<String> {
+        let why = (!standing_by.is_empty())
+            .then(|| standing_by.iter().map(|s| s.why.as_str()).collect::<Vec<_>>().join("; "));
+        why.clone_into(&mut self.standing_by.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        why
     }
 
     pub fn handler_names(&self) -> Vec<&'static str> {
@@ -369,7 +451,18 @@ impl Dispatcher {
             .collect();
 
         let asked = tokio::time::Instant::now();
-        let (granted, in_hand) = self.claim(deliveries, &mut pairs).await?;
+        let (granted, in_hand, heard) = self.claim(deliveries, &mut pairs).await?;
+        // A message none of the handlers takes came on their consumer because another build
+        // of them takes its type (it added the subject): while that build claims, it is its,
+        // not to be acked here. The claim's answer says whether they stand by; without one
+        // (nothing else in the batch) the ledger is asked, no claim being held then.
+        let not_taken: Vec<usize> =
+            (0..deliveries.len()).filter(|&d| deliveries[d].claimed.is_none() && pairs[d].is_empty()).collect();
+        let mut left = None;
+        if !not_taken.is_empty() {
+            let standing_by = if heard { self.standing_by() } else { self.ask_standing_by().await? };
+            left = standing_by.map(|_| reelay_kit::now_ms() + STAND_BY_POLL.as_millis() as i64);
+        }
         let held = self.held_claims(deliveries, &pairs);
         let work = self.run_handlers(deliveries, &mut pairs);
         if with_renewals(self, &held, asked, granted, work).await.is_none() {
@@ -377,7 +470,13 @@ impl Dispatcher {
         }
         let ledger = LedgerSettlement { in_hand, ..self.ledger_settlement(deliveries, &pairs) };
         self.count_outcomes(deliveries, &pairs);
-        let verdicts = deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.config.retry_policy)).collect();
+        let mut verdicts: Vec<Verdict> =
+            deliveries.iter().zip(&pairs).map(|(d, p)| verdict(d, p, self.config.retry_policy)).collect();
+        if let Some(until_ms) = left {
+            for d in not_taken {
+                verdicts[d] = Verdict::Defer { until_ms };
+            }
+        }
         Ok(Some(Dispatched { verdicts, ledger }))
     }
 
@@ -405,7 +504,7 @@ impl Dispatcher {
         &mut self,
         deliveries: &[Delivery<T>],
         pairs: &mut [Vec<(usize, PairState)>],
-    ) -> Result<(Option<Duration>, Vec<Taken>), LedgerUnavailable> {
+    ) -> Result<(Option<Duration>, Vec<Taken>, bool), LedgerUnavailable> {
         let mut index = Vec::new();
         let mut keys = Vec::new();
         for (d, delivery) in deliveries.iter().enumerate() {
@@ -421,13 +520,18 @@ impl Dispatcher {
                 });
             }
         }
-        let (mut granted, mut in_hand) = (Granted::default(), Vec::new());
+        let (mut granted, mut in_hand, mut heard) = (Granted::default(), Vec::new(), false);
         for (chunk_index, chunk_keys) in index.chunks(LEDGER_BATCH).zip(keys.chunks(LEDGER_BATCH)) {
             let taken = self.claims.take(chunk_keys.to_vec());
-            let claims = match self.claims.claim(&taken).await {
-                Ok((claims, lease)) => {
+            let claims = match self.claims.claim(&taken, self.builds()).await {
+                Ok((answered, lease)) => {
                     granted.add(lease);
-                    claims
+                    // Keys of a handler standing by come back held for a short while.
+                    if answered.asked {
+                        self.heard(&answered.standing_by);
+                        heard = true;
+                    }
+                    answered.claims
                 }
                 Err(status) if is_transport_failure(&status) => {
                     return Err(LedgerUnavailable(status.message().to_owned()));
@@ -458,7 +562,7 @@ impl Dispatcher {
             }
             in_hand.push(taken);
         }
-        Ok((granted.lease(), in_hand))
+        Ok((granted.lease(), in_hand, heard))
     }
 
     /// Runs each handler once over all its runnable events, handlers concurrently.

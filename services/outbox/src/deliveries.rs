@@ -210,7 +210,9 @@ pub async fn claim_many(
     }
     // Every build is noted before any claim: an older build's claim must not pass over rows
     // in the same job as the newer build's first.
-    let standing_by = note_builds(tx, now, policy.lease, requests).await?;
+    let builds: Vec<(&str, String)> =
+        requests.iter().map(|r| (r.handler.as_str(), build_key(&r.event_types))).collect();
+    let standing_by = note_builds(tx, now, policy.lease, &builds).await?;
     let mut answers: Vec<Option<Result<Vec<ClaimedDelivery>, ClaimError>>> = requests.iter().map(|_| None).collect();
     for round in rounds {
         let claims: Vec<&HandlerClaim> = round.iter().map(|&i| &requests[i]).collect();
@@ -316,16 +318,17 @@ fn build_id(handler: &str, key: &str) -> String {
 /// claimed within [`BUILD_LIVE_LEASES`] leases, and one that begins claiming (first, or again after not claiming
 /// for a lease) is the newest. Of a handler's live builds only the newest is handed anything:
 /// during a rolling update the older build would pass over the rows of a type only the newer
-/// one takes, and take its retries of them and skip them. Returns, for each older build
-/// claiming (keyed `<handler>\n<types>`), why it stands by. Unregistered handlers are passed.
+/// one takes, and take its retries of them and skip them (on nats, ack the messages of that
+/// type its consumer now brings it). Returns, for each older build of `builds` ((handler,
+/// [`build_key`])), keyed by [`build_id`], why it stands by. Unregistered handlers are passed.
 async fn note_builds(
     tx: &mut WriteTx,
     now: i64,
     lease: Duration,
-    requests: &[HandlerClaim],
+    builds: &[(&str, String)],
 ) -> Result<HashMap<String, String>, sqlx::Error> {
     let mut standing_by = HashMap::new();
-    if requests.is_empty() {
+    if builds.is_empty() {
         return Ok(standing_by);
     }
     let lease_ms = lease.as_millis() as i64;
@@ -335,28 +338,25 @@ async fn note_builds(
     let sql = format!(
         "SELECT c.handler, b.event_types, COALESCE(b.first_seen, 0), COALESCE(b.last_seen, 0) FROM handler_cursors c \
              LEFT JOIN handler_builds b ON b.handler = c.handler WHERE c.handler IN ({})",
-        vec!["?"; requests.len()].join(", ")
+        vec!["?"; builds.len()].join(", ")
     );
     let mut query = sqlx::query_as(AssertSqlSafe(sql));
-    for request in requests {
-        query = query.bind(&request.handler);
+    for (handler, _) in builds {
+        query = query.bind(*handler);
     }
     let rows: Vec<(String, Option<String>, i64, i64)> = query.fetch_all(tx.conn()).await?;
     let registered: HashSet<&str> = rows.iter().map(|r| r.0.as_str()).collect();
     // (handler, build key, first seen, last seen)
-    let mut builds: Vec<(String, String, i64, i64)> = rows
+    let mut known: Vec<(String, String, i64, i64)> = rows
         .iter()
         .filter_map(|(handler, key, first, last)| Some((handler.clone(), key.clone()?, *first, *last)))
         .collect();
-    let claimers: Vec<(&str, String)> = requests
-        .iter()
-        .filter(|r| registered.contains(r.handler.as_str()))
-        .map(|r| (r.handler.as_str(), build_key(&r.event_types)))
-        .collect();
+    let claimers: Vec<(&str, &str)> =
+        builds.iter().filter(|(handler, _)| registered.contains(handler)).map(|(h, k)| (*h, k.as_str())).collect();
     // First every claiming build is noted, so that of two builds claiming in one job the newer
     // wins whichever asked first.
-    for (handler, key) in &claimers {
-        let own = builds.iter_mut().find(|(h, k, ..)| h == handler && k == key);
+    for &(handler, key) in &claimers {
+        let own = known.iter_mut().find(|(h, k, ..)| h == handler && k == key);
         let (first_seen, write) = match own {
             // Live: its last claim is written at most every quarter lease.
             Some((.., first_seen, last_seen)) if *last_seen >= live_since => {
@@ -370,7 +370,7 @@ async fn note_builds(
                 (now, true)
             }
             None => {
-                builds.push((handler.to_string(), key.clone(), now, now));
+                known.push((handler.to_owned(), key.to_owned(), now, now));
                 (now, true)
             }
         };
@@ -382,13 +382,13 @@ async fn note_builds(
              ON CONFLICT (handler, event_types) DO UPDATE SET first_seen = excluded.first_seen, \
              last_seen = excluded.last_seen",
         )
-        .bind(*handler)
+        .bind(handler)
         .bind(key)
         .bind(first_seen)
         .bind(now)
         .execute(tx.conn())
         .await?;
-        let older: Vec<&str> = builds
+        let older: Vec<&str> = known
             .iter()
             .filter(|(h, k, _, last_seen)| h == handler && k != key && *last_seen >= live_since)
             .map(|(_, k, ..)| k.as_str())
@@ -400,7 +400,7 @@ async fn note_builds(
     }
     for (handler, key) in claimers {
         // The newest live build (ties: the larger key, so that every claimer agrees).
-        let newest = builds
+        let newest = known
             .iter()
             .filter(|(h, _, _, last_seen)| h == handler && *last_seen >= live_since)
             .max_by(|a, b| (a.2, &a.1).cmp(&(b.2, &b.1)))
@@ -416,9 +416,26 @@ async fn note_builds(
             now - newest.3,
             lease_ms * i64::from(BUILD_LIVE_LEASES),
         );
-        standing_by.insert(build_id(handler, &key), why);
+        standing_by.insert(build_id(handler, key), why);
     }
     Ok(standing_by)
+}
+
+/// For the ledger's claims (nats backend): notes the builds of the handlers (name, event types)
+/// and returns, for each handler whose build stands by, why (see [`note_builds`]).
+pub async fn builds_standing_by(
+    tx: &mut WriteTx,
+    now: i64,
+    lease: Duration,
+    builds: &[(String, Vec<String>)],
+) -> Result<HashMap<String, String>, sqlx::Error> {
+    let keyed: Vec<(&str, String)> =
+        builds.iter().map(|(handler, types)| (handler.as_str(), build_key(types))).collect();
+    let mut standing_by = note_builds(tx, now, lease, &keyed).await?;
+    Ok(keyed
+        .iter()
+        .filter_map(|(handler, key)| Some((handler.to_string(), standing_by.remove(&build_id(handler, key))?)))
+        .collect())
 }
 
 struct Budget {

@@ -365,6 +365,13 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                 }
                 (Some(client), NatsMode::Jetstream) => {
+                    // This build of the handler is noted before its consumer gains the subjects
+                    // of the types it takes: from then on an older build's replicas stand by
+                    // instead of acking those messages as none of theirs. (A write service in
+                    // this process does not serve yet, and no other build shares it.)
+                    if write_listener.is_none() {
+                        note_build(&dispatcher, handler.name()).await;
+                    }
                     let js = async_nats::jetstream::new(client.clone());
                     let consumer =
                         jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
@@ -592,6 +599,20 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     conn.close().await?;
     tracing::info!(database = %config.path.display(), to = ?args.to, "migrations applied");
     Ok(())
+}
+
+/// Tells the write service which build of `handler` this process runs (see
+/// `LedgerClaimRequest.builds`), waiting at most a few seconds: it is noted again with every
+/// claim, this is only the earliest.
+async fn note_build(dispatcher: &Dispatcher, handler: &str) {
+    match tokio::time::timeout(Duration::from_secs(3), dispatcher.ask_standing_by()).await {
+        Ok(Ok(None)) => {}
+        Ok(Ok(Some(why))) => tracing::warn!(handler, %why, "another build of this handler claims; standing by"),
+        Ok(Err(error)) => tracing::warn!(handler, %error, "could not tell the write service this build yet"),
+        Err(_) => {
+            tracing::warn!(handler, "the write service did not answer in time; this build is noted at its first claim")
+        }
+    }
 }
 
 #[cfg(test)]

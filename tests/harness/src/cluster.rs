@@ -99,12 +99,15 @@ impl ClusterBuilder {
             let all: Vec<(&str, &str)> = all.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
             handlers.push(Reelay::start_handlers(bin, &write, &dir.join(format!("handlers-{n}")), &all).await);
         }
-        Cluster { backend: self.backend, db, effects, nats, write, relay, handlers }
+        Cluster { backend: self.backend, binary: self.binary, env, db, effects, nats, write, relay, handlers }
     }
 }
 
 pub struct Cluster {
     pub backend: Backend,
+    binary: String,
+    /// The variables of every process.
+    env: Vec<(String, String)>,
     pub db: PathBuf,
     /// The probes' effects file.
     pub effects: PathBuf,
@@ -140,6 +143,14 @@ impl Cluster {
         }
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         self.write.cli(args, &env).await
+    }
+
+    /// Starts one more handlers process, in `data_dir`, with these variables on top of the
+    /// cluster's; it is the last of `handlers`.
+    pub async fn add_handlers(&mut self, data_dir: &Path, env: &[(&str, &str)]) {
+        let all: Vec<(&str, &str)> =
+            self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(env.iter().copied()).collect();
+        self.handlers.push(Reelay::start_handlers(&self.binary, &self.write, data_dir, &all).await);
     }
 
     /// Stops every process with SIGTERM (each must exit cleanly), consumers first.

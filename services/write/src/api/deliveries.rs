@@ -151,7 +151,7 @@ fn max_rows(field: &str, max_rows: u32) -> Result<u32, ServiceError> {
 
 /// The event types a handler claims: at least one, each of the catalogue (so a claim's reads of
 /// the outbox stay within what SQLite binds, whatever a caller sends), each once.
-fn event_types(field: &str, types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
+pub(super) fn event_types(field: &str, types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
     if types.is_empty() {
         return Err(ServiceError::invalid(field, format!("must name at least one event type (handler {handler:?})")));
     }

@@ -9,10 +9,11 @@ use reelay_kit::metrics::{self, Counter};
 use reelay_outbox::ledger::{
     self, ClaimOutcome, DeadLetter, GivenUp, GivenUpOutcome, LedgerKey, LedgerPolicy, OwnedKey,
 };
-use reelay_outbox::{Database, WriteTx};
+use reelay_outbox::{Database, WriteTx, deliveries};
 use tonic::{Request, Response, Status};
 
 use super::Bus;
+use super::deliveries::event_types;
 use super::internal::{MAX_BATCH_KEYS, handler_name};
 use crate::WriteError;
 
@@ -67,6 +68,29 @@ fn batch_size(field: &str, what: &str, len: usize) -> Result<(), ServiceError> {
     Ok(())
 }
 
+/// How long a standing-by build's keys are answered held: it asks again after as long.
+const STAND_BY_MS: i64 = 2_000;
+
+/// The claimer's builds of its handlers: (name, event types), each handler once.
+fn builds(builds: Vec<v1::HandlerBuild>) -> Result<Vec<(String, Vec<String>)>, ServiceError> {
+    if builds.len() > MAX_BATCH_KEYS {
+        return Err(ServiceError::invalid(
+            "builds",
+            format!("must hold at most {MAX_BATCH_KEYS} builds, got {}", builds.len()),
+        ));
+    }
+    let mut checked: Vec<(String, Vec<String>)> = Vec::with_capacity(builds.len());
+    for build in builds {
+        let handler = handler_name("builds.handler", &build.handler)?;
+        if checked.iter().any(|(h, _)| *h == handler) {
+            return Err(ServiceError::invalid("builds.handler", format!("{handler:?} is named twice")));
+        }
+        let types = event_types("builds.event_types", build.event_types, &handler)?;
+        checked.push((handler, types));
+    }
+    Ok(checked)
+}
+
 fn owned_keys(keys: Vec<v1::OwnedKey>) -> Result<Vec<OwnedKey>, ServiceError> {
     batch_size("keys", "keys", keys.len())?;
     keys.into_iter().map(|k| Ok(OwnedKey { key: ledger_key("keys.key", k.key)?, token: k.token })).collect()
@@ -80,16 +104,39 @@ impl v1::ledger_server::Ledger for LedgerApi {
     ) -> Result<Response<v1::LedgerClaimResponse>, Status> {
         let request = request.into_inner();
         let (keys, owner) = (request.keys, request.owner);
-        batch_size("keys", "keys", keys.len())?;
+        let builds = builds(request.builds)?;
+        // No key is a check whether the builds stand by.
+        if !keys.is_empty() || builds.is_empty() {
+            batch_size("keys", "keys", keys.len())?;
+        }
         let keys = keys.into_iter().map(|k| ledger_key("keys", Some(k))).collect::<Result<Vec<_>, _>>()?;
         let resume_own = request.resume_own;
         let policy = self.policy;
         let claims = keys.clone();
-        let outcomes = self
+        let (outcomes, standing_by) = self
             .db
             .writer
             .transact::<_, WriteError, _>("ledger_claim", move |tx: &mut WriteTx| {
-                Box::pin(async move { Ok(ledger::claim(tx, &claims, resume_own, &owner, tx.now_ms(), policy).await?) })
+                Box::pin(async move {
+                    let now = tx.now_ms();
+                    let standing_by = deliveries::builds_standing_by(tx, now, policy.lease, &builds).await?;
+                    // A standing-by build's keys are not claimed: held for as long as it waits
+                    // before asking again.
+                    let claimed: Vec<LedgerKey> =
+                        claims.iter().filter(|k| !standing_by.contains_key(&k.handler)).cloned().collect();
+                    let mut outcomes = ledger::claim(tx, &claimed, resume_own, &owner, now, policy).await?.into_iter();
+                    let outcomes = claims
+                        .iter()
+                        .map(|k| {
+                            if standing_by.contains_key(&k.handler) {
+                                ClaimOutcome::HeldUntil(now + STAND_BY_MS)
+                            } else {
+                                outcomes.next().expect("one outcome per key claimed")
+                            }
+                        })
+                        .collect::<Vec<_>>();
+                    Ok((outcomes, standing_by))
+                })
             })
             .await?;
         for outcome in &outcomes {
@@ -114,7 +161,9 @@ impl v1::ledger_server::Ledger for LedgerApi {
                 }),
             })
             .collect();
-        Ok(Response::new(v1::LedgerClaimResponse { claims, lease_ms: policy.lease.as_millis() as i64 }))
+        let standing_by =
+            standing_by.into_iter().map(|(handler, why)| v1::HandlerStandingBy { handler, why }).collect();
+        Ok(Response::new(v1::LedgerClaimResponse { claims, lease_ms: policy.lease.as_millis() as i64, standing_by }))
     }
 
     async fn complete(
