@@ -68,3 +68,64 @@ async fn the_outbox_stays_bounded_on_the_db_backend() {
 async fn the_outbox_stays_bounded_on_the_nats_backend() {
     the_outbox_stays_bounded(Backend::Nats).await;
 }
+
+/// A handler removed from the build keeps its cursor, which on db holds outbox retention back
+/// for ever: `reelay status` says so, and `reelay handlers retire` forgets it (its dead
+/// letters discarded and recorded), after which retention goes on. A handler the write
+/// service delivers to, or one it never knew, is refused, and nothing changes.
+#[tokio::test]
+async fn a_handler_removed_from_the_build_is_retired_and_retention_goes_on() {
+    let dir = temp_dir();
+    let mut cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a,probe-b")
+        .env("REELAY_PROBE_FAIL", "probe-b=permanent:doomed")
+        .env("REELAY_OUTBOX_RETENTION_SECS", "1")
+        .env("REELAY_LEDGER_PURGE_INTERVAL_MS", "250")
+        .handlers(&[])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    c.user("doomed").await;
+    let doomed = query_strings(&cluster.db, "SELECT event_id FROM event_queue").await[0][0].clone();
+    eventually("probe-b dead-letters the event", Duration::from_secs(20), || {
+        let db = cluster.db.clone();
+        async move {
+            query_strings(&db, "SELECT status FROM processed_events WHERE handler = 'probe-b'").await
+                == vec![vec!["dead_lettered".to_owned()]]
+        }
+    })
+    .await;
+
+    // probe-b leaves the build: the write service (and the handlers) run without it. Its cursor
+    // stays, and holds back every row after it.
+    cluster.handlers[0].restart_with(&[("REELAY_PROBE_HANDLERS", "probe-a")]).await;
+    cluster.write.restart_with(&[("REELAY_PROBE_HANDLERS", "probe-a")]).await;
+    let mut c = cluster.write.clients().await;
+    for i in 0..5 {
+        c.user(&format!("user{i}")).await;
+    }
+    let status = cluster.cli(&["status"]).await;
+    assert!(status.ok().contains("not delivered by this write service (not in its build or --handler list): probe-b"));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(rows(&cluster).await >= 6, "probe-b's cursor holds retention back");
+
+    let delivered = cluster.cli(&["handlers", "retire", "probe-a"]).await;
+    assert!(!delivered.success && delivered.stderr.contains("is delivered to by the write service"), "{delivered:?}");
+    let unknown = cluster.cli(&["handlers", "retire", "probe-z"]).await;
+    assert!(!unknown.success && unknown.stderr.contains("no handler named \"probe-z\""), "{unknown:?}");
+    assert!(rows(&cluster).await >= 6, "a refused retire changes nothing");
+
+    let retired = cluster.cli(&["handlers", "retire", "probe-b"]).await;
+    assert!(retired.ok().contains("retired probe-b: 1 dead letter(s)"), "{retired:?}");
+    let actions =
+        query_strings(&cluster.db, "SELECT action, event_id FROM dead_letter_actions WHERE handler = 'probe-b'").await;
+    assert_eq!(actions, vec![vec!["discard".to_owned(), doomed]], "the discard is recorded");
+    assert!(query_strings(&cluster.db, "SELECT 1 FROM handler_cursors WHERE handler = 'probe-b'").await.is_empty());
+    eventually("retention goes on: every row probe-a finished is deleted", Duration::from_secs(20), || {
+        let cluster = &cluster;
+        async move { rows(cluster).await == 0 }
+    })
+    .await;
+    assert!(!cluster.cli(&["status"]).await.ok().contains("not delivered"));
+    cluster.stop().await;
+}

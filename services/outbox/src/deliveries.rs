@@ -166,7 +166,65 @@ pub async fn register(tx: &mut WriteTx, handlers: &[String], now: i64) -> Result
             .await?;
         added.push(handler.clone());
     }
+    let listed = serde_json::to_string(handlers).expect("strings serialize");
+    sqlx::query("UPDATE handler_cursors SET delivered = handler IN (SELECT value FROM json_each(?))")
+        .bind(listed)
+        .execute(tx.conn())
+        .await?;
     Ok(added)
+}
+
+/// Why a handler could not be retired.
+#[derive(Debug, thiserror::Error)]
+pub enum RetireError {
+    #[error(
+        "handler {0:?} is delivered to by the write service (it is in its build, or its --handler list); restart \
+         the write service without it first"
+    )]
+    Delivered(String),
+    #[error("no handler named {0:?} has a cursor here")]
+    Unknown(String),
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// What retiring a handler did besides dropping its cursor.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Retired {
+    /// Its claimed, retrying and dead-lettered deliveries, now discarded.
+    pub open: u64,
+}
+
+/// Forgets a handler the write service no longer delivers to: its cursor (on db it holds
+/// outbox retention back for ever), its builds, and its open and dead-lettered deliveries,
+/// which are marked discarded (the caller discards the dead letters first, in batches and
+/// recorded, with [`crate::dead_letters::act`]; any left are swept here). Refused for a
+/// handler the write service delivers to: it would then be handed nothing, and events written
+/// meanwhile would reach it only from a new cursor at its next start.
+pub async fn retire(tx: &mut WriteTx, handler: &str, operator: &str, now: i64) -> Result<Retired, RetireError> {
+    let delivered: Option<bool> = sqlx::query_scalar("SELECT delivered FROM handler_cursors WHERE handler = ?")
+        .bind(handler)
+        .fetch_optional(tx.conn())
+        .await?;
+    match delivered {
+        None => return Err(RetireError::Unknown(handler.to_owned())),
+        Some(true) => return Err(RetireError::Delivered(handler.to_owned())),
+        Some(false) => {}
+    }
+    let open = sqlx::query(
+        "UPDATE processed_events SET status = 'discarded', owner = NULL, processed_at = ?, \
+         last_error = 'handler retired by ' || ? WHERE handler = ? AND status IN ('in_progress', 'retry', 'dead_lettered')",
+    )
+    .bind(now)
+    .bind(operator)
+    .bind(handler)
+    .execute(tx.conn())
+    .await?
+    .rows_affected();
+    sqlx::query("DELETE FROM handler_cursors WHERE handler = ?").bind(handler).execute(tx.conn()).await?;
+    sqlx::query("DELETE FROM handler_builds WHERE handler = ?").bind(handler).execute(tx.conn()).await?;
+    tracing::warn!(%handler, operator, open_discarded = open, "handler retired: its cursor and open deliveries are gone");
+    Ok(Retired { open })
 }
 
 /// An outbox row a handler is to be handed.
@@ -1092,6 +1150,8 @@ pub struct HandlerStats {
     pub in_progress: u64,
     pub retrying: u64,
     pub dead_lettered: u64,
+    /// Whether the write service delivers to it (in its build or --handler list at its start).
+    pub delivered: bool,
 }
 
 /// Every handler's standing, read every time Prometheus scrapes, so it must stay cheap with a
@@ -1118,7 +1178,8 @@ pub(crate) const STATS: &str = "WITH ordered AS ( \
              WHERE p.handler = c.handler AND p.status IN ('in_progress', 'retry') AND p.status = 'in_progress'), \
         (SELECT COUNT(*) FROM processed_events p \
              WHERE p.handler = c.handler AND p.status IN ('in_progress', 'retry') AND p.status = 'retry'), \
-        (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status = 'dead_lettered') \
+        (SELECT COUNT(*) FROM processed_events p WHERE p.handler = c.handler AND p.status = 'dead_lettered'), \
+        (SELECT h.delivered FROM handler_cursors h WHERE h.handler = c.handler) \
      FROM cursors c ORDER BY c.handler";
 
 pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats>, sqlx::Error> {
@@ -1132,6 +1193,7 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats
             in_progress: r.get::<i64, _>(3) as u64,
             retrying: r.get::<i64, _>(4) as u64,
             dead_lettered: r.get::<i64, _>(5) as u64,
+            delivered: r.get(6),
         })
         .collect())
 }

@@ -28,6 +28,8 @@ pub struct HandlerStatus {
     pub in_progress: u64,
     pub retrying: u64,
     pub dead_lettered: u64,
+    /// False for a handler the write service no longer delivers to that keeps a cursor.
+    pub delivered: bool,
 }
 
 /// The outbox by status and every registered handler's standing. `cursors`: the db backend
@@ -58,6 +60,7 @@ pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Res
             in_progress: h.in_progress,
             retrying: h.retrying,
             dead_lettered: h.dead_lettered,
+            delivered: h.delivered,
         });
     }
     Ok(Status { outbox, handlers })

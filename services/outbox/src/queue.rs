@@ -454,9 +454,9 @@ pub async fn peek(
 ///
 /// Finished means: on the nats backend (`cursors` false) the relay published the row (`done`);
 /// on the db backend every handler's cursor is past it (a handler no longer deployed keeps its
-/// cursor, and holds retention back until it is removed from `handler_cursors`). On both, no handler's delivery of it is
-/// still open (claimed, retrying) or dead-lettered: a dead letter keeps its event until an
-/// operator replays or discards it. Rows dead-lettered in the outbox itself stay too.
+/// cursor, and holds retention back until it is retired: [`crate::deliveries::retire`]). On
+/// both, no handler's delivery of it is still open (claimed, retrying) or dead-lettered: a dead
+/// letter keeps its event until an operator replays or discards it. Rows dead-lettered in the outbox itself stay too.
 pub async fn purge_finished(tx: &mut WriteTx, cutoff: i64, cursors: bool, batch: u32) -> Result<u64, sqlx::Error> {
     let sql = purge_finished_sql(cursors);
     let deleted =

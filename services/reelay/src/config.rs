@@ -47,6 +47,9 @@ pub enum Command {
     /// List, replay or discard dead letters (operator).
     #[command(subcommand)]
     DeadLetters(crate::commands::dead_letters::DeadLettersCommand),
+    /// Retire a handler no longer delivered to (operator).
+    #[command(subcommand)]
+    Handlers(crate::commands::handlers::HandlersCommand),
     /// Create users.
     #[command(subcommand)]
     Users(crate::commands::users::UsersCommand),

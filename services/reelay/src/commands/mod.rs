@@ -1,11 +1,12 @@
 //! The command-line clients of the running services, one file per noun with its verbs:
-//! operators' (`status`, `events explain`, `dead-letters list|replay|discard`, over the write
+//! operators' (`status`, `events explain`, `dead-letters list|replay|discard`, `handlers retire`, over the write
 //! service's Admin API) and users' (`users create`, `reviews log`, `movies show`, `search reviews`,
 //! `wrap-ups request`, `import letterboxd`, over the domain and Search APIs). Each talks gRPC with the service
 //! token, like the services talk to each other, so the binary is all a newcomer needs.
 
 pub mod dead_letters;
 pub mod events;
+pub mod handlers;
 pub mod import;
 pub mod movies;
 pub mod reviews;
@@ -99,6 +100,7 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::Status(args) => status::run(args).await,
         Command::Events(command) => events::run(command).await,
         Command::DeadLetters(command) => dead_letters::run(command).await,
+        Command::Handlers(command) => handlers::run(command).await,
         Command::Users(command) => users::run(command).await,
         Command::Reviews(command) => reviews::run(command).await,
         Command::Movies(command) => movies::run(command).await,

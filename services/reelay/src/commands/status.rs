@@ -65,6 +65,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             h.handler, pending, oldest, h.in_progress, h.retrying, h.dead_lettered
         );
     }
+    let retired: Vec<&str> = status.handlers.iter().filter(|h| !h.delivered).map(|h| h.handler.as_str()).collect();
+    if !retired.is_empty() {
+        println!(
+            "not delivered by this write service (not in its build or --handler list): {}; on db each cursor holds \
+             outbox retention back: reelay handlers retire <name>",
+            retired.join(", ")
+        );
+    }
     if let Some(Err(error)) = nats {
         println!("(pending on nats is each handler's JetStream consumer backlog; cannot read it: {error})");
     }

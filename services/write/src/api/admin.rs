@@ -12,8 +12,7 @@ use reelay_domain::EventId;
 use reelay_kit::metrics::{self, Gauge};
 use reelay_kit::{ErrorCode, ServiceError, now_ms};
 use reelay_outbox::dead_letters::{self, Action, Filter, Target};
-use reelay_outbox::inspect;
-use reelay_outbox::{Database, WriteTx};
+use reelay_outbox::{Database, WriteTx, deliveries, inspect};
 use tonic::{Request, Response, Status};
 
 use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
@@ -54,6 +53,15 @@ fn event_key(field: &str, value: &str) -> Result<String, ServiceError> {
         return Ok(format!("row:{id}"));
     }
     Ok(EventId::parse(field, value.trim())?.to_string())
+}
+
+/// Who asks for an action (recorded with it).
+fn operator(operator: &str) -> Result<String, ServiceError> {
+    let operator = operator.trim();
+    if operator.is_empty() || operator.len() > 64 {
+        return Err(ServiceError::invalid("operator", "is required (who asks, 1-64 characters; it is recorded)"));
+    }
+    Ok(operator.to_owned())
 }
 
 fn row_state(r: inspect::RowState) -> v1::OutboxRowState {
@@ -120,12 +128,7 @@ impl AdminApi {
         r: v1::DeadLetterActionRequest,
         action: Action,
     ) -> Result<v1::DeadLetterActionResponse, WriteError> {
-        let operator = r.operator.trim().to_owned();
-        if operator.is_empty() || operator.len() > 64 {
-            return Err(
-                ServiceError::invalid("operator", "is required (who asks, 1-64 characters; it is recorded)").into()
-            );
-        }
+        let operator = operator(&r.operator)?;
         let handler = if r.handler.is_empty() { None } else { Some(handler_name("handler", &r.handler)?) };
         let target = match (r.all, handler) {
             (true, _) if !r.event_ids.is_empty() => {
@@ -186,6 +189,15 @@ impl AdminApi {
     }
 }
 
+/// A refused retire as the service answers it.
+fn retire_error(error: deliveries::RetireError) -> WriteError {
+    match error {
+        deliveries::RetireError::Delivered(_) => ServiceError::failed_precondition(error.to_string()).into(),
+        deliveries::RetireError::Unknown(_) => ServiceError::new(ErrorCode::NotFound, error.to_string()).into(),
+        deliveries::RetireError::Sql(error) => error.into(),
+    }
+}
+
 #[tonic::async_trait]
 impl v1::admin_server::Admin for AdminApi {
     async fn status(&self, _request: Request<v1::StatusRequest>) -> Result<Response<v1::StatusResponse>, Status> {
@@ -208,9 +220,49 @@ impl v1::admin_server::Admin for AdminApi {
                     in_progress: h.in_progress,
                     retrying: h.retrying,
                     dead_lettered: h.dead_lettered,
+                    delivered: h.delivered,
                 })
                 .collect(),
         }))
+    }
+
+    async fn retire_handler(
+        &self,
+        request: Request<v1::RetireHandlerRequest>,
+    ) -> Result<Response<v1::RetireHandlerResponse>, Status> {
+        let r = request.into_inner();
+        let handler = handler_name("handler", &r.handler)?;
+        let operator = operator(&r.operator)?;
+        // Refused before any dead letter is discarded (the job checks again).
+        let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
+        let delivered: Option<bool> = sqlx::query_scalar("SELECT delivered FROM handler_cursors WHERE handler = ?")
+            .bind(&handler)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(WriteError::from)?;
+        drop(conn);
+        match delivered {
+            None => return Err(retire_error(deliveries::RetireError::Unknown(handler)).into()),
+            Some(true) => return Err(retire_error(deliveries::RetireError::Delivered(handler)).into()),
+            Some(false) => {}
+        }
+        let discard = v1::DeadLetterActionRequest {
+            event_ids: Vec::new(),
+            handler: handler.clone(),
+            all: true,
+            operator: operator.clone(),
+        };
+        let discarded = self.act(discard, Action::Discard).await?.changed_total;
+        let retired = self
+            .db
+            .writer
+            .transact::<_, WriteError, _>("admin_retire_handler", move |tx: &mut WriteTx| {
+                Box::pin(
+                    async move { deliveries::retire(tx, &handler, &operator, tx.now_ms()).await.map_err(retire_error) },
+                )
+            })
+            .await?;
+        Ok(Response::new(v1::RetireHandlerResponse { dead_letters_discarded: discarded, open_discarded: retired.open }))
     }
 
     async fn explain_event(
