@@ -134,6 +134,14 @@ pub struct Dispatcher {
     standing_by: Arc<Mutex<Option<String>>>,
 }
 
+/// This process's build of `handler`: its name and the event types it takes.
+pub fn build_of(handler: &dyn Handler) -> v1::HandlerBuild {
+    v1::HandlerBuild {
+        handler: handler.name().to_owned(),
+        event_types: handler.event_types().iter().map(|t| t.to_string()).collect(),
+    }
+}
+
 /// How long a handler standing by (another build of it claims) waits before asking again.
 pub const STAND_BY_POLL: Duration = Duration::from_secs(2);
 
@@ -411,13 +419,7 @@ impl Dispatcher {
 
     /// This dispatcher's builds of its handlers: the event types each takes.
     fn builds(&self) -> Vec<v1::HandlerBuild> {
-        self.handlers
-            .iter()
-            .map(|h| v1::HandlerBuild {
-                handler: h.name().to_owned(),
-                event_types: h.event_types().iter().map(|t| t.to_string()).collect(),
-            })
-            .collect()
+        self.handlers.iter().map(|h| build_of(h.as_ref())).collect()
     }
 
     /// Notes what the ledger said of this dispatcher's handlers standing by; returns why.

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -10,11 +11,11 @@ use reelay_contracts::v1::{self, ledger_client::LedgerClient, outbox_client::Out
 use reelay_delivery::consumer::run_consumer;
 use reelay_delivery::core_source::CoreSource;
 use reelay_delivery::db_source::{ClaimerConfig, DeliveryClaimer, DeliverySource, DeliverySourceConfig};
-use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, LedgerClaims};
+use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, LedgerClaims, build_of};
 use reelay_delivery::given_up::GivenUpWatch;
 use reelay_delivery::jetstream::{self, JetStreamConfig};
 use reelay_delivery::nats_source::JetStreamSource;
-use reelay_delivery::{BuiltHandler, HandlerContext};
+use reelay_delivery::{BuiltHandler, Handler, HandlerContext};
 use reelay_kit::client::{ServiceChannel, connect_lazy};
 use reelay_kit::{Backoff, GrpcConfig, GrpcServer, Readiness, ReadyFlag, Service, Shutdown};
 use reelay_outbox::deliveries::HandlerPolicy;
@@ -318,6 +319,15 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let mut claimer: Option<DeliveryClaimer> = None;
         // On nats their ledger claims go together the same way.
         let ledger_claims = LedgerClaims::start(write_channel.clone(), identity.owner());
+        // This build of each handler is noted before any consumes: from then on an older
+        // build's replicas stand by (on nats before the consumers gain the subjects of the types
+        // this build takes, which they would ack as none of theirs; on db before an idle
+        // claimer's first claim). A write service in this process does not serve yet, and no
+        // other build shares it.
+        if write_listener.is_none() {
+            let handlers: Vec<Arc<dyn Handler>> = built.iter().map(|b| b.handler.clone()).collect();
+            note_builds(&ledger_claims, &handlers).await;
+        }
         for BuiltHandler { handler, grpc } in built {
             if let Some(mount) = grpc {
                 server = mount(server);
@@ -365,13 +375,6 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                 }
                 (Some(client), NatsMode::Jetstream) => {
-                    // This build of the handler is noted before its consumer gains the subjects
-                    // of the types it takes: from then on an older build's replicas stand by
-                    // instead of acking those messages as none of theirs. (A write service in
-                    // this process does not serve yet, and no other build shares it.)
-                    if write_listener.is_none() {
-                        note_build(&dispatcher, handler.name()).await;
-                    }
                     let js = async_nats::jetstream::new(client.clone());
                     let consumer =
                         jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
@@ -601,17 +604,19 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Tells the write service which build of `handler` this process runs (see
-/// `LedgerClaimRequest.builds`), waiting at most a few seconds: it is noted again with every
-/// claim, this is only the earliest.
-async fn note_build(dispatcher: &Dispatcher, handler: &str) {
-    match tokio::time::timeout(Duration::from_secs(3), dispatcher.ask_standing_by()).await {
-        Ok(Ok(None)) => {}
-        Ok(Ok(Some(why))) => tracing::warn!(handler, %why, "another build of this handler claims; standing by"),
-        Ok(Err(error)) => tracing::warn!(handler, %error, "could not tell the write service this build yet"),
-        Err(_) => {
-            tracing::warn!(handler, "the write service did not answer in time; this build is noted at its first claim")
+/// Tells the write service which build of each of `handlers` this process runs (see
+/// `LedgerClaimRequest.builds`), in one call, waiting at most a few seconds: each is noted
+/// again with every claim, this is only the earliest.
+async fn note_builds(claims: &LedgerClaims, handlers: &[Arc<dyn Handler>]) {
+    let builds = handlers.iter().map(|h| build_of(h.as_ref())).collect();
+    match tokio::time::timeout(Duration::from_secs(3), claims.standing_by(builds)).await {
+        Ok(Ok(standing_by)) => {
+            for s in standing_by {
+                tracing::warn!(handler = %s.handler, why = %s.why, "another build of this handler claims; it stands by");
+            }
         }
+        Ok(Err(status)) => tracing::warn!(error = %status.message(), "could not tell the write service this build yet"),
+        Err(_) => tracing::warn!("the write service did not answer in time; this build is noted at its first claims"),
     }
 }
 
