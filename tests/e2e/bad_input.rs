@@ -421,11 +421,11 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
             })
         ),
         case!(
-            "a ledger claim naming a build with an unknown event type",
+            "a ledger claim naming a build with a malformed event type",
             InvalidArgument,
             "builds.event_types",
             |c, x| c.ledger.claim(v1::LedgerClaimRequest {
-                builds: vec![v1::HandlerBuild { handler: "search".into(), event_types: vec!["NoSuchEvent".into()] }],
+                builds: vec![v1::HandlerBuild { handler: "search".into(), event_types: vec!["No such event".into()] }],
                 owner: "test#1".into(),
                 ..Default::default()
             })

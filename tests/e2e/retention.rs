@@ -81,6 +81,8 @@ async fn a_handler_removed_from_the_build_is_retired_and_retention_goes_on() {
         .env("REELAY_PROBE_FAIL", "probe-b=permanent:doomed")
         .env("REELAY_OUTBOX_RETENTION_SECS", "1")
         .env("REELAY_LEDGER_PURGE_INTERVAL_MS", "250")
+        // A handler not heard from for four leases (8 s) counts as no longer run anywhere.
+        .env("REELAY_LEDGER_LEASE_MS", "2000")
         .handlers(&[])
         .start(dir.path())
         .await;
@@ -100,6 +102,9 @@ async fn a_handler_removed_from_the_build_is_retired_and_retention_goes_on() {
     // stays, and holds back every row after it.
     cluster.handlers[0].restart_with(&[("REELAY_PROBE_HANDLERS", "probe-a")]).await;
     cluster.write.restart_with(&[("REELAY_PROBE_HANDLERS", "probe-a")]).await;
+    // The handlers process ran probe-b a moment ago: it may still hold some of its work.
+    let live = cluster.cli(&["handlers", "retire", "probe-b"]).await;
+    assert!(!live.success && live.stderr.contains("is still run by a process"), "{live:?}");
     let mut c = cluster.write.clients().await;
     for i in 0..5 {
         c.user(&format!("user{i}")).await;
@@ -114,6 +119,11 @@ async fn a_handler_removed_from_the_build_is_retired_and_retention_goes_on() {
     let unknown = cluster.cli(&["handlers", "retire", "probe-z"]).await;
     assert!(!unknown.success && unknown.stderr.contains("no handler named \"probe-z\""), "{unknown:?}");
     assert!(rows(&cluster).await >= 6, "a refused retire changes nothing");
+    let dead = "SELECT handler, status FROM processed_events WHERE status = 'dead_lettered'";
+    assert_eq!(query_strings(&cluster.db, dead).await, vec![vec!["probe-b".to_owned(), "dead_lettered".to_owned()]]);
+    let cursors = query_strings(&cluster.db, "SELECT handler FROM handler_cursors WHERE handler LIKE 'probe-%'").await;
+    assert_eq!(cursors.len(), 2, "{cursors:?}");
+    tokio::time::sleep(Duration::from_secs(9)).await;
 
     let retired = cluster.cli(&["handlers", "retire", "probe-b"]).await;
     assert!(retired.ok().contains("retired probe-b: 1 dead letter(s)"), "{retired:?}");

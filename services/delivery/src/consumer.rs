@@ -31,7 +31,15 @@ pub async fn run_consumer<S: EventSource>(
     let mut source_pause = Pause::new("event source");
     let mut standing_by = false;
     while !shutdown.is_requested() {
-        // On nats a handler standing by (another build of it claims) fetches nothing: each
+        // Its builds are told to the ledger at least every quarter lease, idle or not: a build
+        // not heard from for a few leases counts as gone.
+        if dispatcher.due_to_tell()
+            && let Err(unavailable) = dispatcher.ask_standing_by().await
+        {
+            source_pause.wait(&unavailable.0).await;
+            continue;
+        }
+        // A handler standing by (another build of it claims) fetches nothing: on nats each
         // message it fetched it could only hand back, spending a delivery of it.
         if let Some(why) = dispatcher.standing_by() {
             if !std::mem::replace(&mut standing_by, true) {

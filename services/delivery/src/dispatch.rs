@@ -129,9 +129,17 @@ pub struct Dispatcher {
     claims: LedgerClaims,
     config: DispatchConfig,
     shutdown: Shutdown,
-    /// Why this dispatcher's handlers stand by, when the ledger's last answer said they do
-    /// (another build of them claims: nats backend). Shared by its clones.
-    standing_by: Arc<Mutex<Option<String>>>,
+    /// What the ledger last said of this dispatcher's builds (shared by its clones).
+    told: Arc<Mutex<Told>>,
+}
+
+/// What the ledger last said of a dispatcher's builds of its handlers.
+#[derive(Debug, Default)]
+struct Told {
+    /// Why they stand by (another build of them claims), when they do.
+    standing_by: Option<String>,
+    /// When it was last told of them.
+    at: Option<tokio::time::Instant>,
 }
 
 /// This process's build of `handler`: its name and the event types it takes.
@@ -371,6 +379,10 @@ pub struct DispatchConfig {
     /// The source keeps no dead letters (JetStream): record the last failed delivery of a
     /// claim this dispatcher holds as a dead letter in the ledger.
     pub record_dead_letters: bool,
+    /// Tell the ledger this process's builds of its handlers, and stand by while another build
+    /// of them claims (db and JetStream; not core NATS, which has no redelivery: a message
+    /// handed back there is gone).
+    pub tell_builds: bool,
 }
 
 impl DispatchConfig {
@@ -397,18 +409,34 @@ impl Dispatcher {
         config: DispatchConfig,
         shutdown: Shutdown,
     ) -> Self {
-        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, standing_by: Arc::default() }
+        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default() }
+    }
+
+    fn told(&self) -> std::sync::MutexGuard<'_, Told> {
+        self.told.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Why this dispatcher's handlers stand by, if the ledger's last word was that they do: the
     /// consumer then fetches nothing (it would only hand the messages back, spending a delivery
     /// of each) and asks again with [`Dispatcher::ask_standing_by`].
     pub fn standing_by(&self) -> Option<String> {
-        self.standing_by.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        self.told().standing_by.clone()
     }
 
-    /// Asks the ledger whether this dispatcher's handlers still stand by.
+    /// Whether the ledger should hear of this dispatcher's builds again: a build not heard from
+    /// for a few leases counts as gone, so an idle one (no claim, no ledger claim) tells it
+    /// every quarter lease. Never, for a source that does not tell builds.
+    pub fn due_to_tell(&self) -> bool {
+        let every = self.claims.lease.bound(self.config.ledger_lease) / 4;
+        self.config.tell_builds && self.told().at.is_none_or(|at| at.elapsed() >= every)
+    }
+
+    /// Asks the ledger whether this dispatcher's handlers still stand by (telling it of their
+    /// builds).
     pub async fn ask_standing_by(&self) -> Result<Option<String>, LedgerUnavailable> {
+        if !self.config.tell_builds {
+            return Ok(None);
+        }
         match self.claims.standing_by(self.builds()).await {
             Ok(standing_by) => Ok(self.heard(&standing_by)),
             Err(status) if is_transport_failure(&status) => Err(LedgerUnavailable(status.message().to_owned())),
@@ -419,6 +447,9 @@ impl Dispatcher {
 
     /// This dispatcher's builds of its handlers: the event types each takes.
     fn builds(&self) -> Vec<v1::HandlerBuild> {
+        if !self.config.tell_builds {
+            return Vec::new();
+        }
         self.handlers.iter().map(|h| build_of(h.as_ref())).collect()
     }
 
@@ -426,7 +457,9 @@ impl Dispatcher {
     fn heard(&self, standing_by: &[v1::HandlerStandingBy]) -> Option<String> {
         let why = (!standing_by.is_empty())
             .then(|| standing_by.iter().map(|s| s.why.as_str()).collect::<Vec<_>>().join("; "));
-        why.clone_into(&mut self.standing_by.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let mut told = self.told();
+        told.standing_by.clone_from(&why);
+        told.at = Some(tokio::time::Instant::now());
         why
     }
 
@@ -461,7 +494,7 @@ impl Dispatcher {
         let not_taken: Vec<usize> =
             (0..deliveries.len()).filter(|&d| deliveries[d].claimed.is_none() && pairs[d].is_empty()).collect();
         let mut left = None;
-        if !not_taken.is_empty() {
+        if !not_taken.is_empty() && self.config.tell_builds {
             let standing_by = if heard { self.standing_by() } else { self.ask_standing_by().await? };
             left = standing_by.map(|_| reelay_kit::now_ms() + STAND_BY_POLL.as_millis() as i64);
         }

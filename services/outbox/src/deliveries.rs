@@ -184,8 +184,48 @@ pub enum RetireError {
     Delivered(String),
     #[error("no handler named {0:?} has a cursor here")]
     Unknown(String),
+    /// A process still runs it: retiring it would discard what it holds.
+    #[error("{0}")]
+    Live(String),
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
+}
+
+/// Refuses to retire `handler` when it has no cursor, when the write service delivers to it,
+/// or when a process still runs it (a build of it heard from within [`BUILD_LIVE_LEASES`]
+/// leases, or a claim of it renewed within the lease): what it holds would be discarded under
+/// it, and on nats its next claims of a discarded event would be answered done.
+pub async fn check_retirable(
+    conn: &mut sqlx::SqliteConnection,
+    handler: &str,
+    now: i64,
+    lease: Duration,
+) -> Result<(), RetireError> {
+    let lease_ms = lease.as_millis() as i64;
+    let row: Option<(bool, Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT c.delivered, (SELECT MAX(last_seen) FROM handler_builds b WHERE b.handler = c.handler), \
+             (SELECT MAX(renewed_at) FROM processed_events p WHERE p.handler = c.handler \
+                 AND p.status IN ('in_progress', 'retry') AND p.status = 'in_progress') \
+         FROM handler_cursors c WHERE c.handler = ?",
+    )
+    .bind(handler)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some((delivered, heard, renewed)) = row else { return Err(RetireError::Unknown(handler.to_owned())) };
+    if delivered {
+        return Err(RetireError::Delivered(handler.to_owned()));
+    }
+    let heard = heard.filter(|&at| at >= now - lease_ms * i64::from(BUILD_LIVE_LEASES));
+    let renewed = renewed.filter(|&at| at >= now - lease_ms);
+    if let Some(at) = heard.into_iter().chain(renewed).max() {
+        return Err(RetireError::Live(format!(
+            "handler {handler:?} is still run by a process (heard from {} ms ago); stop every process running it, \
+             then retire it once it has not been heard from for {} ms",
+            now - at,
+            lease_ms * i64::from(BUILD_LIVE_LEASES)
+        )));
+    }
+    Ok(())
 }
 
 /// What retiring a handler did besides dropping its cursor.
@@ -201,16 +241,14 @@ pub struct Retired {
 /// recorded, with [`crate::dead_letters::act`]; any left are swept here). Refused for a
 /// handler the write service delivers to: it would then be handed nothing, and events written
 /// meanwhile would reach it only from a new cursor at its next start.
-pub async fn retire(tx: &mut WriteTx, handler: &str, operator: &str, now: i64) -> Result<Retired, RetireError> {
-    let delivered: Option<bool> = sqlx::query_scalar("SELECT delivered FROM handler_cursors WHERE handler = ?")
-        .bind(handler)
-        .fetch_optional(tx.conn())
-        .await?;
-    match delivered {
-        None => return Err(RetireError::Unknown(handler.to_owned())),
-        Some(true) => return Err(RetireError::Delivered(handler.to_owned())),
-        Some(false) => {}
-    }
+pub async fn retire(
+    tx: &mut WriteTx,
+    handler: &str,
+    operator: &str,
+    now: i64,
+    lease: Duration,
+) -> Result<Retired, RetireError> {
+    check_retirable(tx.conn(), handler, now, lease).await?;
     let open = sqlx::query(
         "UPDATE processed_events SET status = 'discarded', owner = NULL, processed_at = ?, \
          last_error = 'handler retired by ' || ? WHERE handler = ? AND status IN ('in_progress', 'retry', 'dead_lettered')",
@@ -361,24 +399,26 @@ fn build_key(event_types: &[String]) -> String {
     types.join(",")
 }
 
-/// How many leases a build of a handler stays live after its last claim. A live claimer asks
-/// at least every sixth of a lease, unless every batch it may hold is running (a slow handler
-/// under its timeout): a build is taken for gone only well after that, at the cost of an older
-/// build rolled back to standing by that long after the newer one stops.
-const BUILD_LIVE_LEASES: u32 = 4;
+/// How many leases a build of a handler stays live after it was last heard from. A live
+/// claimer is heard at least every quarter lease, idle or not (its claims, its ledger claims,
+/// or the note an idle one sends): a build is taken for gone only well after that, at the cost
+/// of an older build rolled back to standing by that long after the newer one stops.
+pub const BUILD_LIVE_LEASES: u32 = 4;
 
 /// A build of a handler, as [`note_builds`] keys it.
 fn build_id(handler: &str, key: &str) -> String {
     format!("{handler}\n{key}")
 }
 
-/// Notes which build of each handler claims (see migration 0129): a build is live while it has
-/// claimed within [`BUILD_LIVE_LEASES`] leases, and one that begins claiming (first, or again after not claiming
-/// for a lease) is the newest. Of a handler's live builds only the newest is handed anything:
-/// during a rolling update the older build would pass over the rows of a type only the newer
-/// one takes, and take its retries of them and skip them (on nats, ack the messages of that
-/// type its consumer now brings it). Returns, for each older build of `builds` ((handler,
-/// [`build_key`])), keyed by [`build_id`], why it stands by. Unregistered handlers are passed.
+/// Notes which builds of the handlers are heard from (see migration 0129) and says which stand
+/// by. A build is live while it was heard from within [`BUILD_LIVE_LEASES`] leases; the newest
+/// is the one first heard from last (never reset: one back after a partition longer than that
+/// is still the newer, and one whose processes are idle stays live through the notes they
+/// send). Of a handler's live builds only the newest is handed anything: during a rolling update
+/// the older build would pass over the rows of a type only the newer one takes, and take its
+/// retries of them and skip them (on nats, ack the messages of that type its consumer now brings
+/// it). Returns, for each older build of `builds` ((handler, [`build_key`])), keyed by
+/// [`build_id`], why it stands by. Unregistered handlers are passed.
 async fn note_builds(
     tx: &mut WriteTx,
     now: i64,
@@ -390,9 +430,11 @@ async fn note_builds(
         return Ok(standing_by);
     }
     let lease_ms = lease.as_millis() as i64;
-    // As for claims: until leases have counted since the writer started, no build's silence
-    // counts (they could not reach it), so none is taken for gone.
-    let live_since = crate::stale_before(tx.lease_counted_from(), now, lease * BUILD_LIVE_LEASES);
+    let span = lease_ms * i64::from(BUILD_LIVE_LEASES);
+    // Until that long has passed since the writer started (it could hear no one before), the
+    // builds live when it started stay live.
+    let counted_from = tx.lease_counted_from();
+    let live_since = if now - counted_from >= span { now - span } else { counted_from - span };
     let sql = format!(
         "SELECT c.handler, b.event_types, COALESCE(b.first_seen, 0), COALESCE(b.last_seen, 0) FROM handler_cursors c \
              LEFT JOIN handler_builds b ON b.handler = c.handler WHERE c.handler IN ({})",
@@ -411,25 +453,19 @@ async fn note_builds(
         .collect();
     let claimers: Vec<(&str, &str)> =
         builds.iter().filter(|(handler, _)| registered.contains(handler)).map(|(h, k)| (*h, k.as_str())).collect();
-    // First every claiming build is noted, so that of two builds claiming in one job the newer
-    // wins whichever asked first.
+    // First every build heard from is noted, so that of two builds claiming in one job the
+    // newer wins whichever asked first.
     for &(handler, key) in &claimers {
-        let own = known.iter_mut().find(|(h, k, ..)| h == handler && k == key);
-        let (first_seen, write) = match own {
-            // Live: its last claim is written at most every quarter lease.
-            Some((.., first_seen, last_seen)) if *last_seen >= live_since => {
-                let write = now - *last_seen >= lease_ms / 4;
-                *last_seen = now;
-                (*first_seen, write)
-            }
-            // Begins claiming (again).
+        let (first_seen, write, back) = match known.iter_mut().find(|(h, k, ..)| h == handler && k == key) {
+            // Its last word is written at most every quarter lease.
             Some((.., first_seen, last_seen)) => {
-                (*first_seen, *last_seen) = (now, now);
-                (now, true)
+                let noted = (*first_seen, now - *last_seen >= lease_ms / 4, *last_seen < live_since);
+                *last_seen = now;
+                noted
             }
             None => {
                 known.push((handler.to_owned(), key.to_owned(), now, now));
-                (now, true)
+                (now, true, false)
             }
         };
         if !write {
@@ -437,8 +473,7 @@ async fn note_builds(
         }
         sqlx::query(
             "INSERT INTO handler_builds (handler, event_types, first_seen, last_seen) VALUES (?, ?, ?, ?) \
-             ON CONFLICT (handler, event_types) DO UPDATE SET first_seen = excluded.first_seen, \
-             last_seen = excluded.last_seen",
+             ON CONFLICT (handler, event_types) DO UPDATE SET last_seen = excluded.last_seen",
         )
         .bind(handler)
         .bind(key)
@@ -446,18 +481,19 @@ async fn note_builds(
         .bind(now)
         .execute(tx.conn())
         .await?;
-        let older: Vec<&str> = known
+        let others: Vec<&str> = known
             .iter()
             .filter(|(h, k, _, last_seen)| h == handler && k != key && *last_seen >= live_since)
             .map(|(_, k, ..)| k.as_str())
             .collect();
-        if first_seen == now && !older.is_empty() {
-            tracing::warn!(%handler, this_build = %key, older_builds = ?older,
-                "a new build of this handler began claiming; the older builds stand by while it claims");
+        if (first_seen == now || back) && !others.is_empty() {
+            tracing::warn!(%handler, this_build = %key, other_builds = ?others,
+                "a build of this handler is heard from beside others; only the one first heard from last is handed anything");
         }
     }
     for (handler, key) in claimers {
-        // The newest live build (ties: the larger key, so that every claimer agrees).
+        // The newest live build (ties, two builds first heard from in the same millisecond: the
+        // larger key, so that every claimer agrees).
         let newest = known
             .iter()
             .filter(|(h, _, _, last_seen)| h == handler && *last_seen >= live_since)
@@ -467,12 +503,12 @@ async fn note_builds(
             continue;
         }
         let why = format!(
-            "handler {handler:?}: another build of it, taking [{}], began claiming after this one (taking [{key}]) \
-             and was last seen claiming {} ms ago; this one is handed nothing until that build has not claimed for {} ms \
-             ({BUILD_LIVE_LEASES} claim leases), so no event of a type only it takes is passed over",
+            "handler {handler:?}: another build of it, taking [{}], was first heard from after this one (taking \
+             [{key}]) and was last heard from {} ms ago; this one is handed nothing until that build has not been \
+             heard from for {span} ms ({BUILD_LIVE_LEASES} claim leases), so no event of a type only it takes is \
+             passed over",
             newest.1,
             now - newest.3,
-            lease_ms * i64::from(BUILD_LIVE_LEASES),
         );
         standing_by.insert(build_id(handler, key), why);
     }

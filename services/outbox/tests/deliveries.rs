@@ -286,6 +286,45 @@ async fn a_newer_build_claiming_first_in_the_same_job_as_an_older_one_wins() {
 }
 
 #[tokio::test]
+async fn idle_builds_stay_live_while_they_are_heard_from_and_the_first_heard_from_last_stays_newest() {
+    let (_dir, db) = open().await;
+    register(&db, &["h"], t0()).await;
+    let old = request("h", &["MovieDeleted"], "old-1#x");
+    let new = request("h", &["MovieDeleted", "UserRegistered"], "new-1#y");
+    assert!(claim(&db, &old, t0()).await.unwrap().is_empty());
+    assert!(claim(&db, &new, t0() + 1_000).await.unwrap().is_empty());
+    // Five idle minutes: no claim, only what idle claimers tell every quarter lease.
+    let tell = |types: &'static [&'static str], now: i64| {
+        let builds = vec![("h".to_owned(), types.iter().map(|t| t.to_string()).collect::<Vec<_>>())];
+        let db = db.clone();
+        async move {
+            job(&db, move |tx| {
+                Box::pin(async move { Ok(deliveries::builds_standing_by(tx, now, POLICY.lease, &builds).await?) })
+            })
+            .await
+            .unwrap()
+        }
+    };
+    for step in 1..=40 {
+        let now = t0() + 1_000 + step * 7_500;
+        assert!(tell(&["MovieDeleted"], now).await.contains_key("h"), "the old build stands by, told so");
+        assert!(tell(&["MovieDeleted", "UserRegistered"], now).await.is_empty());
+    }
+    // The old build's claim comes first after the quiet: still standing by.
+    enqueue(&db, 2).await;
+    let now = t0() + 301_000 + 1_000;
+    assert!(matches!(claim(&db, &old, now).await, Err(Error::Claim(ClaimError::StandingBy(_)))));
+    assert_eq!(claim(&db, &new, now).await.unwrap().len(), 2);
+
+    // Not heard from for four leases, the new build counts as gone (rolled back); heard from
+    // again, it is still the one first heard from last.
+    let gone = now + 120_001;
+    assert!(tell(&["MovieDeleted"], gone).await.is_empty(), "the old build claims again");
+    assert!(tell(&["MovieDeleted", "UserRegistered"], gone + 1).await.is_empty());
+    assert!(tell(&["MovieDeleted"], gone + 2).await.contains_key("h"), "and stands by again");
+}
+
+#[tokio::test]
 async fn leases_are_renewed_by_live_owners_and_taken_over_from_dead_ones() {
     let (_dir, db) = open().await;
     register(&db, &["a"], t0()).await;

@@ -324,9 +324,10 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         // this build takes, which they would ack as none of theirs; on db before an idle
         // claimer's first claim). A write service in this process does not serve yet, and no
         // other build shares it.
-        if write_listener.is_none() {
+        if write_listener.is_none() && !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core) {
             let handlers: Vec<Arc<dyn Handler>> = built.iter().map(|b| b.handler.clone()).collect();
-            note_builds(&ledger_claims, &handlers).await;
+            let until_told = nats_client.is_some();
+            note_builds(&ledger_claims, &handlers, until_told, &shutdown).await;
         }
         for BuiltHandler { handler, grpc } in built {
             if let Some(mount) = grpc {
@@ -342,6 +343,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                     max_attempts: args.delivery.max_attempts,
                     record_dead_letters,
+                    tell_builds: !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core),
                 },
                 shutdown.clone(),
             );
@@ -605,18 +607,37 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 }
 
 /// Tells the write service which build of each of `handlers` this process runs (see
-/// `LedgerClaimRequest.builds`), in one call, waiting at most a few seconds: each is noted
-/// again with every claim, this is only the earliest.
-async fn note_builds(claims: &LedgerClaims, handlers: &[Arc<dyn Handler>]) {
-    let builds = handlers.iter().map(|h| build_of(h.as_ref())).collect();
-    match tokio::time::timeout(Duration::from_secs(3), claims.standing_by(builds)).await {
-        Ok(Ok(standing_by)) => {
-            for s in standing_by {
-                tracing::warn!(handler = %s.handler, why = %s.why, "another build of this handler claims; it stands by");
+/// `LedgerClaimRequest.builds`), in one call. `until_told`: ask again until it has heard (on
+/// nats, where the consumers are about to gain this build's subjects: an older build not yet
+/// standing by would ack those messages), else once, for a few seconds (each is told again with
+/// every claim and every quarter lease). Returns early at shutdown.
+async fn note_builds(claims: &LedgerClaims, handlers: &[Arc<dyn Handler>], until_told: bool, shutdown: &Shutdown) {
+    let builds: Vec<v1::HandlerBuild> = handlers.iter().map(|h| build_of(h.as_ref())).collect();
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    loop {
+        let error = match tokio::time::timeout(Duration::from_secs(3), claims.standing_by(builds.clone())).await {
+            Ok(Ok(standing_by)) => {
+                for s in standing_by {
+                    tracing::warn!(handler = %s.handler, why = %s.why, "another build of this handler claims; it stands by");
+                }
+                return;
             }
+            // An older write service refuses a claim of no key: it tells no builds apart.
+            Ok(Err(status)) if !reelay_kit::client::is_transport_failure(&status) => {
+                tracing::warn!(error = %status.message(), "the write service does not tell builds apart");
+                return;
+            }
+            Ok(Err(status)) => status.message().to_owned(),
+            Err(_) => "no answer within 3 s".to_owned(),
+        };
+        if !until_told || shutdown.is_requested() {
+            tracing::warn!(%error, "could not tell the write service this build yet; it hears of it with the first claims");
+            return;
         }
-        Ok(Err(status)) => tracing::warn!(error = %status.message(), "could not tell the write service this build yet"),
-        Err(_) => tracing::warn!("the write service did not answer in time; this build is noted at its first claims"),
+        if backoff.retries() == 0 {
+            tracing::warn!(%error, "telling the write service this build before consuming; asking again");
+        }
+        backoff.sleep().await;
     }
 }
 

@@ -41,6 +41,8 @@ impl Bus {
 pub(super) struct AdminApi {
     pub(super) db: Database,
     pub(super) bus: Bus,
+    /// The claim lease (a handler heard from within a few of them is still run somewhere).
+    pub(super) lease: std::time::Duration,
 }
 
 /// An event id as the ledger keys it: a UUID (in the form events carry, whatever form it was
@@ -194,6 +196,7 @@ fn retire_error(error: deliveries::RetireError) -> WriteError {
     match error {
         deliveries::RetireError::Delivered(_) => ServiceError::failed_precondition(error.to_string()).into(),
         deliveries::RetireError::Unknown(_) => ServiceError::new(ErrorCode::NotFound, error.to_string()).into(),
+        deliveries::RetireError::Live(_) => ServiceError::failed_precondition(error.to_string()).into(),
         deliveries::RetireError::Sql(error) => error.into(),
     }
 }
@@ -235,17 +238,8 @@ impl v1::admin_server::Admin for AdminApi {
         let operator = operator(&r.operator)?;
         // Refused before any dead letter is discarded (the job checks again).
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
-        let delivered: Option<bool> = sqlx::query_scalar("SELECT delivered FROM handler_cursors WHERE handler = ?")
-            .bind(&handler)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(WriteError::from)?;
+        deliveries::check_retirable(&mut conn, &handler, now_ms(), self.lease).await.map_err(retire_error)?;
         drop(conn);
-        match delivered {
-            None => return Err(retire_error(deliveries::RetireError::Unknown(handler)).into()),
-            Some(true) => return Err(retire_error(deliveries::RetireError::Delivered(handler)).into()),
-            Some(false) => {}
-        }
         let discard = v1::DeadLetterActionRequest {
             event_ids: Vec::new(),
             handler: handler.clone(),
@@ -253,13 +247,14 @@ impl v1::admin_server::Admin for AdminApi {
             operator: operator.clone(),
         };
         let discarded = self.act(discard, Action::Discard).await?.changed_total;
+        let lease = self.lease;
         let retired = self
             .db
             .writer
             .transact::<_, WriteError, _>("admin_retire_handler", move |tx: &mut WriteTx| {
-                Box::pin(
-                    async move { deliveries::retire(tx, &handler, &operator, tx.now_ms()).await.map_err(retire_error) },
-                )
+                Box::pin(async move {
+                    deliveries::retire(tx, &handler, &operator, tx.now_ms(), lease).await.map_err(retire_error)
+                })
             })
             .await?;
         Ok(Response::new(v1::RetireHandlerResponse { dead_letters_discarded: discarded, open_discarded: retired.open }))

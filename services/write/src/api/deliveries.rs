@@ -139,6 +139,9 @@ fn claims(claims: Vec<v1::DeliveryClaim>) -> Result<Vec<(String, i64)>, ServiceE
     Ok(claims.into_iter().map(|c| (c.key, c.token)).collect())
 }
 
+/// How long an answer saying only that its handlers stand by is held (at most the call's wait).
+const STANDING_BY_HOLD: Duration = Duration::from_secs(2);
+
 /// Most handlers one `ClaimDeliveriesForHandlers` call claims for.
 const MAX_HANDLERS_PER_CLAIM: usize = 64;
 
@@ -151,7 +154,7 @@ fn max_rows(field: &str, max_rows: u32) -> Result<u32, ServiceError> {
 
 /// The event types a handler claims: at least one, each of the catalogue (so a claim's reads of
 /// the outbox stay within what SQLite binds, whatever a caller sends), each once.
-pub(super) fn event_types(field: &str, types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
+fn event_types(field: &str, types: Vec<String>, handler: &str) -> Result<Vec<String>, ServiceError> {
     if types.is_empty() {
         return Err(ServiceError::invalid(field, format!("must name at least one event type (handler {handler:?})")));
     }
@@ -268,6 +271,18 @@ impl OutboxApi {
                 Ok(claimed) => entry.deliveries = claimed.into_iter().map(delivery).collect(),
                 Err(Refused::Unknown(why)) => entry.refused = why,
                 Err(Refused::StandingBy(why)) => entry.standing_by = why,
+            }
+        }
+        // An answer that only says "stand by" is held a little: a claimer from before builds
+        // were told apart does not read it, takes it for an empty answer and would ask again
+        // at once, a write job each time.
+        if handlers.iter().any(|h| !h.standing_by.is_empty())
+            && handlers.iter().all(|h| h.deliveries.is_empty() && h.refused.is_empty())
+        {
+            let hold = Duration::from_millis(u64::from(r.wait_ms)).min(STANDING_BY_HOLD);
+            tokio::select! {
+                () = tokio::time::sleep(hold) => {}
+                () = self.shutdown.requested() => {}
             }
         }
         Ok(v1::ClaimDeliveriesForHandlersResponse { handlers, lease_ms: self.deliveries.lease.as_millis() as i64 })

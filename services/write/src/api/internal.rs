@@ -75,7 +75,7 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         Bus::Nats => outbox.waiting_rows.ride_with(&db.writer),
     }
     let ledger = LedgerApi { db: db.clone(), policy: policy.ledger, bus: policy.bus };
-    let admin = AdminApi { db, bus: policy.bus };
+    let admin = AdminApi { db, bus: policy.bus, lease: policy.ledger.lease.max(policy.deliveries.lease) };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))
         .add_service(LedgerServer::new(ledger).max_decoding_message_size(limit).max_encoding_message_size(limit))
