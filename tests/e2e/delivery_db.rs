@@ -241,7 +241,8 @@ pub async fn older_build_stands_by(backend: Backend) {
     .await;
 
     cluster.add_handlers(&dir.path().join("newer"), &[]).await;
-    // A build is noted when it claims, which an idle one does when an event comes.
+    // A build is noted when its process tells it (as it starts, then every quarter lease) or
+    // claims; the events written meanwhile are the older build's or the newer's.
     let builds = "SELECT event_types FROM handler_builds WHERE handler = 'probe-a'";
     eventually("the newer build claims", Duration::from_secs(20), || {
         let (db, mut c) = (cluster.db.clone(), c.clone());

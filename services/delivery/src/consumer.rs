@@ -42,13 +42,7 @@ pub async fn run_consumer<S: EventSource>(
         // A handler standing by (another build of it claims) fetches nothing: on nats each
         // message it fetched it could only hand back, spending a delivery of it.
         if let Some(why) = dispatcher.standing_by() {
-            if !std::mem::replace(&mut standing_by, true) {
-                tracing::warn!(%why, "standing by: another build of this handler claims its deliveries");
-            }
-            tokio::select! {
-                () = tokio::time::sleep(STAND_BY_POLL) => {}
-                () = shutdown.requested() => {}
-            }
+            stand_by(&mut standing_by, &why, &shutdown).await;
             if let Err(unavailable) = dispatcher.ask_standing_by().await {
                 source_pause.wait(&unavailable.0).await;
             }
@@ -69,13 +63,7 @@ pub async fn run_consumer<S: EventSource>(
                 deliveries
             }
             Err(SourceError::StandingBy(why)) => {
-                if !std::mem::replace(&mut standing_by, true) {
-                    tracing::warn!(%why, "standing by: another build of this handler claims its deliveries");
-                }
-                tokio::select! {
-                    () = tokio::time::sleep(STAND_BY_POLL) => {}
-                    () = shutdown.requested() => {}
-                }
+                stand_by(&mut standing_by, &why, &shutdown).await;
                 continue;
             }
             Err(SourceError::Unavailable(error)) => {
@@ -99,6 +87,18 @@ pub async fn run_consumer<S: EventSource>(
     }
     while batches.join_next().await.is_some() {}
     tracing::info!("consumer stopped");
+}
+
+/// Waits before asking again while another build of the handler claims, saying so once when
+/// it starts (`standing_by` records that it did).
+async fn stand_by(standing_by: &mut bool, why: &str, shutdown: &Shutdown) {
+    if !std::mem::replace(standing_by, true) {
+        tracing::warn!(%why, "standing by: another build of this handler claims its deliveries");
+    }
+    tokio::select! {
+        () = tokio::time::sleep(STAND_BY_POLL) => {}
+        () = shutdown.requested() => {}
+    }
 }
 
 /// Dispatches one batch, fetched by a call sent at `asked`, through the ledger and settles it.

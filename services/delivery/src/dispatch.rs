@@ -168,8 +168,6 @@ struct ClaimAsk {
 pub struct Answered {
     pub claims: Vec<v1::LedgerClaim>,
     pub standing_by: Vec<v1::HandlerStandingBy>,
-    /// Whether the ledger was asked (not when the asker had no key alone).
-    pub asked: bool,
 }
 
 /// The (event, handler) pairs this process's batches have in hand (being asked of the ledger,
@@ -353,7 +351,7 @@ async fn claim_call(
                     .filter(|s| ask.builds.iter().any(|b| b.handler == s.handler))
                     .cloned()
                     .collect();
-                let _ = ask.reply.send(Ok((Answered { claims, standing_by, asked: true }, granted)));
+                let _ = ask.reply.send(Ok((Answered { claims, standing_by }, granted)));
             }
         }
         Err(status) => {
@@ -494,7 +492,7 @@ impl Dispatcher {
         let not_taken: Vec<usize> =
             (0..deliveries.len()).filter(|&d| deliveries[d].claimed.is_none() && pairs[d].is_empty()).collect();
         let mut left = None;
-        if !not_taken.is_empty() && self.config.tell_builds {
+        if !not_taken.is_empty() {
             let standing_by = if heard { self.standing_by() } else { self.ask_standing_by().await? };
             left = standing_by.map(|_| reelay_kit::now_ms() + STAND_BY_POLL.as_millis() as i64);
         }
@@ -561,8 +559,9 @@ impl Dispatcher {
             let claims = match self.claims.claim(&taken, self.builds()).await {
                 Ok((answered, lease)) => {
                     granted.add(lease);
-                    // Keys of a handler standing by come back held for a short while.
-                    if answered.asked {
+                    // Keys of a handler standing by come back held for a short while. (The
+                    // ledger was asked when the batch had any of them alone.)
+                    if taken.alone().contains(&true) {
                         self.heard(&answered.standing_by);
                         heard = true;
                     }

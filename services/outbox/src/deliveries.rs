@@ -130,8 +130,8 @@ pub enum ClaimError {
          --handler list) that has it, so no event written meanwhile is missed"
     )]
     UnknownHandler(String),
-    /// Another build of the handler (other event types) began claiming later and still claims:
-    /// this claimer is handed nothing until that build has not claimed for a lease.
+    /// Another build of the handler (other event types) was first heard from later and is
+    /// still heard from: this claimer is handed nothing meanwhile (see [`note_builds`]).
     #[error("{0}")]
     StandingBy(String),
     #[error(transparent)]
@@ -305,14 +305,20 @@ pub async fn claim_many(
         }
     }
     // Every build is noted before any claim: an older build's claim must not pass over rows
-    // in the same job as the newer build's first.
+    // in the same job as the newer build's first. A standing-by one is answered so, and claims
+    // nothing.
     let builds: Vec<(&str, String)> =
         requests.iter().map(|r| (r.handler.as_str(), build_key(&r.event_types))).collect();
-    let standing_by = note_builds(tx, now, policy.lease, &builds).await?;
-    let mut answers: Vec<Option<Result<Vec<ClaimedDelivery>, ClaimError>>> = requests.iter().map(|_| None).collect();
+    let mut answers: Vec<Option<Result<Vec<ClaimedDelivery>, ClaimError>>> =
+        note_builds(tx, now, policy.lease, &builds)
+            .await?
+            .into_iter()
+            .map(|standing_by| standing_by.map(|why| Err(ClaimError::StandingBy(why))))
+            .collect();
     for round in rounds {
+        let round: Vec<usize> = round.into_iter().filter(|&i| answers[i].is_none()).collect();
         let claims: Vec<&HandlerClaim> = round.iter().map(|&i| &requests[i]).collect();
-        for (index, answer) in round.into_iter().zip(claim_round(tx, now, policy, &claims, &standing_by).await?) {
+        for (index, answer) in round.into_iter().zip(claim_round(tx, now, policy, &claims).await?) {
             answers[index] = Some(answer);
         }
     }
@@ -337,7 +343,6 @@ async fn claim_round(
     now: i64,
     policy: HandlerPolicy,
     requests: &[&HandlerClaim],
-    standing_by: &HashMap<String, String>,
 ) -> Result<Vec<Result<Vec<ClaimedDelivery>, ClaimError>>, sqlx::Error> {
     let sql = format!(
         "SELECT handler, position FROM handler_cursors WHERE handler IN ({})",
@@ -350,7 +355,6 @@ async fn claim_round(
     let positions: HashMap<String, i64> = query.fetch_all(tx.conn()).await?.into_iter().collect();
     let mut claiming: Vec<Claiming> = requests
         .iter()
-        .filter(|request| !standing_by.contains_key(&build_id(&request.handler, &build_key(&request.event_types))))
         .filter_map(|&request| {
             let position = *positions.get(&request.handler)?;
             Some(Claiming {
@@ -372,10 +376,7 @@ async fn claim_round(
     let mut answers = Vec::with_capacity(requests.len());
     for request in requests {
         let Some(c) = claiming.iter_mut().find(|c| c.request.handler == request.handler) else {
-            answers.push(Err(match standing_by.get(&build_id(&request.handler, &build_key(&request.event_types))) {
-                Some(reason) => ClaimError::StandingBy(reason.clone()),
-                None => ClaimError::UnknownHandler(request.handler.clone()),
-            }));
+            answers.push(Err(ClaimError::UnknownHandler(request.handler.clone())));
             continue;
         };
         let mut claimed: Vec<ClaimedDelivery> = std::mem::take(&mut c.taken)
@@ -405,11 +406,6 @@ fn build_key(event_types: &[String]) -> String {
 /// of an older build rolled back to standing by that long after the newer one stops.
 pub const BUILD_LIVE_LEASES: u32 = 4;
 
-/// A build of a handler, as [`note_builds`] keys it.
-fn build_id(handler: &str, key: &str) -> String {
-    format!("{handler}\n{key}")
-}
-
 /// Notes which builds of the handlers are heard from (see migration 0129) and says which stand
 /// by. A build is live while it was heard from within [`BUILD_LIVE_LEASES`] leases; the newest
 /// is the one first heard from last (never reset: one back after a partition longer than that
@@ -417,17 +413,16 @@ fn build_id(handler: &str, key: &str) -> String {
 /// send). Of a handler's live builds only the newest is handed anything: during a rolling update
 /// the older build would pass over the rows of a type only the newer one takes, and take its
 /// retries of them and skip them (on nats, ack the messages of that type its consumer now brings
-/// it). Returns, for each older build of `builds` ((handler, [`build_key`])), keyed by
-/// [`build_id`], why it stands by. Unregistered handlers are passed.
+/// it). Returns, for each of `builds` ((handler, [`build_key`])) in order, why it stands by
+/// when it does. Unregistered handlers are passed.
 async fn note_builds(
     tx: &mut WriteTx,
     now: i64,
     lease: Duration,
     builds: &[(&str, String)],
-) -> Result<HashMap<String, String>, sqlx::Error> {
-    let mut standing_by = HashMap::new();
+) -> Result<Vec<Option<String>>, sqlx::Error> {
     if builds.is_empty() {
-        return Ok(standing_by);
+        return Ok(Vec::new());
     }
     let lease_ms = lease.as_millis() as i64;
     let span = lease_ms * i64::from(BUILD_LIVE_LEASES);
@@ -451,11 +446,9 @@ async fn note_builds(
         .iter()
         .filter_map(|(handler, key, first, last)| Some((handler.clone(), key.clone()?, *first, *last)))
         .collect();
-    let claimers: Vec<(&str, &str)> =
-        builds.iter().filter(|(handler, _)| registered.contains(handler)).map(|(h, k)| (*h, k.as_str())).collect();
     // First every build heard from is noted, so that of two builds claiming in one job the
     // newer wins whichever asked first.
-    for &(handler, key) in &claimers {
+    for (handler, key) in builds.iter().filter(|(handler, _)| registered.contains(handler)) {
         let (first_seen, write, back) = match known.iter_mut().find(|(h, k, ..)| h == handler && k == key) {
             // Its last word is written at most every quarter lease.
             Some((.., first_seen, last_seen)) => {
@@ -464,7 +457,7 @@ async fn note_builds(
                 noted
             }
             None => {
-                known.push((handler.to_owned(), key.to_owned(), now, now));
+                known.push((handler.to_string(), key.clone(), now, now));
                 (now, true, false)
             }
         };
@@ -491,7 +484,10 @@ async fn note_builds(
                 "a build of this handler is heard from beside others; only the one first heard from last is handed anything");
         }
     }
-    for (handler, key) in claimers {
+    let standing_by = |(handler, key): &(&str, String)| {
+        if !registered.contains(handler) {
+            return None;
+        }
         // The newest live build (ties, two builds first heard from in the same millisecond: the
         // larger key, so that every claimer agrees).
         let newest = known
@@ -499,20 +495,18 @@ async fn note_builds(
             .filter(|(h, _, _, last_seen)| h == handler && *last_seen >= live_since)
             .max_by(|a, b| (a.2, &a.1).cmp(&(b.2, &b.1)))
             .expect("the claimer's own build is live");
-        if newest.1 == key {
-            continue;
-        }
-        let why = format!(
-            "handler {handler:?}: another build of it, taking [{}], was first heard from after this one (taking \
-             [{key}]) and was last heard from {} ms ago; this one is handed nothing until that build has not been \
-             heard from for {span} ms ({BUILD_LIVE_LEASES} claim leases), so no event of a type only it takes is \
-             passed over",
-            newest.1,
-            now - newest.3,
-        );
-        standing_by.insert(build_id(handler, key), why);
-    }
-    Ok(standing_by)
+        (newest.1 != *key).then(|| {
+            format!(
+                "handler {handler:?}: another build of it, taking [{}], was first heard from after this one \
+                 (taking [{key}]) and was last heard from {} ms ago; this one is handed nothing until that build \
+                 has not been heard from for {span} ms ({BUILD_LIVE_LEASES} claim leases), so no event of a type \
+                 only it takes is passed over",
+                newest.1,
+                now - newest.3,
+            )
+        })
+    };
+    Ok(builds.iter().map(standing_by).collect())
 }
 
 /// For the ledger's claims (nats backend): notes the builds of the handlers (name, event types)
@@ -525,11 +519,8 @@ pub async fn builds_standing_by(
 ) -> Result<HashMap<String, String>, sqlx::Error> {
     let keyed: Vec<(&str, String)> =
         builds.iter().map(|(handler, types)| (handler.as_str(), build_key(types))).collect();
-    let mut standing_by = note_builds(tx, now, lease, &keyed).await?;
-    Ok(keyed
-        .iter()
-        .filter_map(|(handler, key)| Some((handler.to_string(), standing_by.remove(&build_id(handler, key))?)))
-        .collect())
+    let standing_by = note_builds(tx, now, lease, &keyed).await?;
+    Ok(keyed.iter().zip(standing_by).filter_map(|((handler, _), why)| Some((handler.to_string(), why?))).collect())
 }
 
 struct Budget {

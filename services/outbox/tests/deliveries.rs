@@ -104,14 +104,31 @@ fn request(handler: &str, types: &[&str], owner: &str) -> HandlerClaim {
     }
 }
 
-/// One claim, committed whatever its answer, as the write service commits a claim job (a
-/// refused claim still notes its handler's build).
+/// Claims in one job, committed whatever the answers, as the write service commits a claim job
+/// (a refused claim still notes its handler's build).
+async fn claim_all(
+    db: &Database,
+    requests: Vec<HandlerClaim>,
+    now: i64,
+) -> Vec<Result<Vec<ClaimedDelivery>, ClaimError>> {
+    job(db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, now, POLICY, &requests).await?) }))
+        .await
+        .unwrap()
+}
+
+/// One claim, committed whatever its answer (see [`claim_all`]).
 async fn claim(db: &Database, request: &HandlerClaim, now: i64) -> Result<Vec<ClaimedDelivery>, Error> {
-    let requests = vec![request.clone()];
-    let mut answers =
-        job(db, move |tx| Box::pin(async move { Ok(deliveries::claim_many(tx, now, POLICY, &requests).await?) }))
-            .await?;
-    Ok(answers.pop().expect("one answer per request")?)
+    Ok(claim_all(db, vec![request.clone()], now).await.pop().expect("one answer per request")?)
+}
+
+/// A database with handler `h` registered, and claims of two builds of it: an older one that
+/// takes MovieDeleted, and a newer one that also takes UserRegistered.
+async fn two_builds() -> (tempfile::TempDir, Database, HandlerClaim, HandlerClaim) {
+    let (dir, db) = open().await;
+    register(&db, &["h"], t0()).await;
+    let old = request("h", &["MovieDeleted"], "old-1#x");
+    let new = request("h", &["UserRegistered", "MovieDeleted"], "new-1#y");
+    (dir, db, old, new)
 }
 
 async fn settle(db: &Database, handler: &str, settlements: Vec<Settlement>, now: i64) -> deliveries::Settled {
@@ -216,10 +233,7 @@ async fn each_handler_gets_its_own_events_attempts_and_fate() {
 
 #[tokio::test]
 async fn during_a_rolling_update_only_the_newest_build_of_a_handler_is_handed_anything() {
-    let (_dir, db) = open().await;
-    register(&db, &["h"], t0()).await;
-    let old = request("h", &["MovieDeleted"], "old-1#x");
-    let new = request("h", &["UserRegistered", "MovieDeleted"], "new-1#y");
+    let (_dir, db, old, new) = two_builds().await;
     #[track_caller]
     fn standing_by(result: Result<Vec<ClaimedDelivery>, Error>) -> String {
         match result {
@@ -268,29 +282,18 @@ async fn during_a_rolling_update_only_the_newest_build_of_a_handler_is_handed_an
 
 #[tokio::test]
 async fn a_newer_build_claiming_first_in_the_same_job_as_an_older_one_wins() {
-    let (_dir, db) = open().await;
-    register(&db, &["h"], t0()).await;
-    let old = request("h", &["MovieDeleted"], "old-1#x");
-    let new = request("h", &["MovieDeleted", "UserRegistered"], "new-1#y");
+    let (_dir, db, old, new) = two_builds().await;
     assert!(claim(&db, &old, t0()).await.unwrap().is_empty());
     enqueue(&db, 4).await;
     // The older build's claim comes first in the job that sees the newer build's first.
-    let requests = vec![old, new];
-    let answers = job(&db, move |tx| {
-        Box::pin(async move { Ok(deliveries::claim_many(tx, t0() + 1_000, POLICY, &requests).await?) })
-    })
-    .await
-    .unwrap();
+    let answers = claim_all(&db, vec![old, new], t0() + 1_000).await;
     assert!(matches!(&answers[0], Err(ClaimError::StandingBy(_))), "{:?}", answers[0]);
     assert_eq!(answers[1].as_ref().unwrap().len(), 4, "the newer build is handed every row");
 }
 
 #[tokio::test]
 async fn idle_builds_stay_live_while_they_are_heard_from_and_the_first_heard_from_last_stays_newest() {
-    let (_dir, db) = open().await;
-    register(&db, &["h"], t0()).await;
-    let old = request("h", &["MovieDeleted"], "old-1#x");
-    let new = request("h", &["MovieDeleted", "UserRegistered"], "new-1#y");
+    let (_dir, db, old, new) = two_builds().await;
     assert!(claim(&db, &old, t0()).await.unwrap().is_empty());
     assert!(claim(&db, &new, t0() + 1_000).await.unwrap().is_empty());
     // Five idle minutes: no claim, only what idle claimers tell every quarter lease.

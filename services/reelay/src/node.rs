@@ -319,15 +319,16 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let mut claimer: Option<DeliveryClaimer> = None;
         // On nats their ledger claims go together the same way.
         let ledger_claims = LedgerClaims::start(write_channel.clone(), identity.owner());
-        // This build of each handler is noted before any consumes: from then on an older
-        // build's replicas stand by (on nats before the consumers gain the subjects of the types
-        // this build takes, which they would ack as none of theirs; on db before an idle
-        // claimer's first claim). A write service in this process does not serve yet, and no
-        // other build shares it.
-        if write_listener.is_none() && !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core) {
+        // Core NATS has no redelivery: a message handed back while standing by would be gone.
+        let tell_builds = !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core);
+        // On JetStream this build of each handler is told before the consumers gain the
+        // subjects of the types it takes: from then on an older build's replicas stand by
+        // instead of acking those messages as none of theirs. (On db each consumer tells it as
+        // it starts. A write service in this process does not serve yet, and no other build
+        // shares it.)
+        if tell_builds && nats_client.is_some() && write_listener.is_none() {
             let handlers: Vec<Arc<dyn Handler>> = built.iter().map(|b| b.handler.clone()).collect();
-            let until_told = nats_client.is_some();
-            note_builds(&ledger_claims, &handlers, until_told, &shutdown).await;
+            tell_builds_before_consuming(&ledger_claims, &handlers, &shutdown).await;
         }
         for BuiltHandler { handler, grpc } in built {
             if let Some(mount) = grpc {
@@ -343,7 +344,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                     max_attempts: args.delivery.max_attempts,
                     record_dead_letters,
-                    tell_builds: !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core),
+                    tell_builds,
                 },
                 shutdown.clone(),
             );
@@ -607,14 +608,13 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 }
 
 /// Tells the write service which build of each of `handlers` this process runs (see
-/// `LedgerClaimRequest.builds`), in one call. `until_told`: ask again until it has heard (on
-/// nats, where the consumers are about to gain this build's subjects: an older build not yet
-/// standing by would ack those messages), else once, for a few seconds (each is told again with
-/// every claim and every quarter lease). Returns early at shutdown.
-async fn note_builds(claims: &LedgerClaims, handlers: &[Arc<dyn Handler>], until_told: bool, shutdown: &Shutdown) {
+/// `LedgerClaimRequest.builds`), in one call, asking again until it has heard: the consumers
+/// are about to gain this build's subjects, and an older build not yet standing by would ack
+/// those messages. Returns early at shutdown.
+async fn tell_builds_before_consuming(claims: &LedgerClaims, handlers: &[Arc<dyn Handler>], shutdown: &Shutdown) {
     let builds: Vec<v1::HandlerBuild> = handlers.iter().map(|h| build_of(h.as_ref())).collect();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-    loop {
+    while !shutdown.is_requested() {
         let error = match tokio::time::timeout(Duration::from_secs(3), claims.standing_by(builds.clone())).await {
             Ok(Ok(standing_by)) => {
                 for s in standing_by {
@@ -630,10 +630,6 @@ async fn note_builds(claims: &LedgerClaims, handlers: &[Arc<dyn Handler>], until
             Ok(Err(status)) => status.message().to_owned(),
             Err(_) => "no answer within 3 s".to_owned(),
         };
-        if !until_told || shutdown.is_requested() {
-            tracing::warn!(%error, "could not tell the write service this build yet; it hears of it with the first claims");
-            return;
-        }
         if backoff.retries() == 0 {
             tracing::warn!(%error, "telling the write service this build before consuming; asking again");
         }
