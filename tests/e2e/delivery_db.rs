@@ -167,7 +167,7 @@ async fn an_event_that_kills_its_process_is_given_up_after_its_attempts() {
         ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap()),
         ("REELAY_PROBE_FAIL", "probe-a=abort:poison"),
         // Each run is up and serving before it takes the event and aborts.
-        ("REELAY_PROBE_DELAY_MS", "1500"),
+        ("REELAY_PROBE_DELAY_MS", "5000"),
     ];
     // The same data dir each time: the same instance, restarted (as a pod's container is).
     let data = dir.path().join("h");
@@ -180,12 +180,21 @@ async fn an_event_that_kills_its_process_is_given_up_after_its_attempts() {
             delivery(&cluster.db, &poison, "probe-a").await
         );
         let mut handlers = Reelay::start_handlers(BIN, &cluster.write, &data, &env).await;
-        let ended = || {
-            let running = handlers.is_running();
-            async move { !running }
-        };
-        let given_up = delivery(&cluster.db, &poison, "probe-a").await.is_some_and(|d| d.0 == "dead_lettered");
+        // Either this run aborts on the event, or it gave the event up as it took its
+        // predecessor's claim back (which it does beside serving, so after its start).
+        let given_up =
+            reelay_harness::eventually_some("the run aborts or gives the event up", Duration::from_secs(40), || {
+                let running = handlers.is_running();
+                let db = cluster.db.clone();
+                let poison = poison.clone();
+                async move {
+                    let dead = delivery(&db, &poison, "probe-a").await.is_some_and(|d| d.0 == "dead_lettered");
+                    (dead || !running).then_some(dead)
+                }
+            })
+            .await;
         if given_up {
+            assert!(handlers.is_running(), "the run that gave the event up lives on");
             // Given up when this run took its claim back: it lives on.
             c.user("after").await;
             let after = event_ids(&cluster.db).await.pop().unwrap();
@@ -201,7 +210,6 @@ async fn an_event_that_kills_its_process_is_given_up_after_its_attempts() {
             handlers.stop().await;
             break;
         }
-        eventually("the poison event aborts the process", Duration::from_secs(30), ended).await;
     }
     let (status, attempts, _) = delivery(&cluster.db, &poison, "probe-a").await.unwrap();
     assert_eq!((status.as_str(), attempts), ("dead_lettered", 3));
@@ -583,11 +591,24 @@ async fn a_claim_is_not_taken_over_because_the_write_service_was_down_for_a_leas
     let event_id = a_user_inside_probe_a(&cluster, &mut cluster.write.clients().await).await;
     cluster.write.kill();
     tokio::time::sleep(Duration::from_millis(4_500)).await;
+    let restarting = now_ms();
     cluster.write.restart().await;
     let mut c = cluster.write.clients().await;
     assert!(claimed_by_another_replica(&mut c).await.is_empty(), "no claim is taken over at the restart");
-    tokio::time::sleep(Duration::from_millis(2_000)).await;
-    assert!(claimed_by_another_replica(&mut c).await.is_empty(), "nor within a lease of it");
+    // How long the claim is held, as the write service sees it: a whole lease from the restart
+    // at least (a slow start-up eats into that lease, so the check below asks before it ends).
+    let claim = v1::LedgerClaimRequest {
+        keys: vec![v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() }],
+        owner: "another-replica#1".into(),
+        ..Default::default()
+    };
+    let reply = c.ledger.claim(claim).await.unwrap().into_inner();
+    let Some(v1::ledger_claim::Outcome::HeldUntilMs(until)) = reply.claims[0].outcome else { panic!("{reply:?}") };
+    assert!(until >= restarting + 3_000, "held until {until}: a lease from the restart ({restarting}) at least");
+    tokio::time::sleep(Duration::from_millis(u64::try_from(until - 1_000 - now_ms()).unwrap_or(0))).await;
+    if now_ms() < until - 300 {
+        assert!(claimed_by_another_replica(&mut c).await.is_empty(), "nor later within that lease");
+    }
     delivery_reaches(&cluster.db, &event_id, "probe-a", "done", "probe-a finishes", Duration::from_secs(30)).await;
     let attempts = query_strings(&cluster.effects, "SELECT COUNT(*) || '' FROM attempts").await;
     assert_eq!(attempts[0][0], "2", "the run dropped in the outage, and the one that finished");
@@ -692,7 +713,7 @@ async fn a_claim_answered_late_is_not_worked_on_past_its_lease() {
     cluster.stop().await;
 }
 
-/// probe-a's process is frozen (SIGSTOP) 2 s into a 3 s call, for longer than the lease (3 s):
+/// probe-a's process is frozen (SIGSTOP) inside a 3 s call, for longer than the lease (3 s):
 /// another replica is handed the event meanwhile. When the process runs again its call's time
 /// is up as well as its lease: the lease comes first, so the run is dropped without taking
 /// another step (it would otherwise record its effect beside the other replica's claim).

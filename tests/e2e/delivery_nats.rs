@@ -706,7 +706,7 @@ async fn a_ledger_claim_answered_late_is_not_worked_on_past_its_lease() {
     cluster.stop().await;
 }
 
-/// probe-a's process is frozen (SIGSTOP) 2 s into a 3 s call, for longer than the ledger lease
+/// probe-a's process is frozen (SIGSTOP) inside a 3 s call, for longer than the ledger lease
 /// (3 s): another worker's ledger claim takes the event over meanwhile. When the process runs
 /// again its call's time is up as well as its lease: the lease comes first, and the run is
 /// dropped without recording its effect.

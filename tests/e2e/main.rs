@@ -103,22 +103,29 @@ async fn dropped_without_effect(effects: &Path, event_id: &str, process: &Reelay
     assert!(log.contains("its work is dropped unsettled"), "{log}");
 }
 
-/// Freezes `process` (SIGSTOP) 2 s into probe-a's 3 s call of `event_id`, for as long as
-/// `taken_over` takes to see the event handed to another claimer (the lease, 3 s, runs out
-/// meanwhile) and 2 s more; lets it run again for 2 s; and checks that the frozen run was
-/// dropped: when it wakes its call's time is up as well as its lease, and the lease comes first.
+/// Freezes `process` (SIGSTOP) while probe-a's 3 s call of `event_id` is under way, for as long
+/// as `taken_over` takes to see the event handed to another claimer (the lease, 3 s, runs out
+/// meanwhile) and 2 s more; lets it run again until it logs the drop; and checks that the frozen
+/// run was dropped: when it wakes its call's time is up as well as its lease, and the lease
+/// comes first. (It is frozen early in the call, so a slow machine cannot let the call end
+/// before the freeze.)
 async fn frozen_until_taken_over(
     process: &Reelay,
     effects: &Path,
     event_id: &str,
     taken_over: impl std::future::Future<Output = ()>,
 ) {
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     process.pause();
+    let (before, _) = reelay_harness::probe_records(effects, "effects").await;
+    assert_eq!(before.get(&(event_id.to_owned(), "probe-a".to_owned())), None, "frozen inside the call");
     taken_over.await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     process.resume();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    eventually("the woken process drops its run", Duration::from_secs(20), || async {
+        process.log_text().contains("its work is dropped unsettled")
+    })
+    .await;
     dropped_without_effect(effects, event_id, process, "the frozen run").await;
 }
 
