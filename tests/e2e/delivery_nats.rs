@@ -667,14 +667,8 @@ async fn a_worker_cut_off_from_the_ledger_drops_its_work_before_its_lease_ends()
     .await;
     proxy.partition();
     let cut_at = Instant::now();
-    tokio::time::sleep(Duration::from_millis(3_500)).await;
-    let key = v1::LedgerKey { event_id: event_id.clone(), handler: "probe-a".into() };
-    let claim = v1::LedgerClaimRequest { keys: vec![key], owner: "another-worker#1".into(), ..Default::default() };
-    let reply = c.ledger.claim(claim).await.unwrap().into_inner();
-    assert!(
-        matches!(reply.claims[0].outcome, Some(v1::ledger_claim::Outcome::AcquiredToken(_))),
-        "the lease ran out: another worker takes the event over: {reply:?}"
-    );
+    // The lease runs out: another worker takes the event over.
+    taken_over_by_another_worker(&c, &event_id).await;
     // The first run would have recorded its effect 8 s after it started.
     tokio::time::sleep(Duration::from_secs(9).saturating_sub(cut_at.elapsed())).await;
     let (effects, _) = probe_records(&cluster.effects, "effects").await;

@@ -180,8 +180,10 @@ async fn a_crash_between_the_people_and_the_profile_redoes_the_film_once() {
         .env("REELAY_ENRICHMENT_PROVIDER", "tmdb")
         .env("REELAY_ENRICHMENT_TMDB_URL", &tmdb_url)
         .env("REELAY_ENRICHMENT_TMDB_TOKEN", TMDB_TOKEN)
-        .env("REELAY_LEDGER_LEASE_MS", "2000")
-        .env("REELAY_OUTBOX_LEASE_MS", "2000")
+        // The crashed process's claim comes back soon, but not so soon that a renewal slowed by
+        // a loaded machine lapses (which would fetch the film a third time).
+        .env("REELAY_LEDGER_LEASE_MS", "4000")
+        .env("REELAY_OUTBOX_LEASE_MS", "4000")
         .handlers(&[("REELAY_HANDLERS", "movie-enrichment"), ("REELAY_FAILPOINTS", "enrichment_after_people")])
         .start(dir.path())
         .await;

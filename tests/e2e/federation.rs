@@ -559,14 +559,21 @@ async fn following_again_sends_a_follow_whose_delivery_was_given_up() {
     };
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(!again().await, "already following: nothing changed");
+    // Right after (well within 5 s of the first): not sent a third time.
+    assert!(!again().await);
+    let resends = || async {
+        let followed = events_of(&a.database, "Followed").await;
+        let resend = |e: &v1::Event| matches!(&e.payload, Some(v1::event::Payload::Followed(f)) if !f.resends_follow_event_id.is_empty());
+        followed.iter().filter(|e| resend(e)).count()
+    };
+    assert_eq!(resends().await, 1, "one resend, not again within 5 s");
     wait_until!("the Follow is sent again", peer.received_of("Follow").len() == 2);
     let resent = peer.received_of("Follow")[1].clone();
     assert_eq!(resent.activity, first, "the same Follow, id and all");
     assert_eq!(resent.status, 202);
     assert!(resent.verified.is_ok(), "{:?}", resent.verified);
-    assert!(!again().await);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(peer.received_of("Follow").len(), 2, "not again within 5 s");
+    assert_eq!(peer.received_of("Follow").len(), 2, "nothing more was sent");
 
     let accept = json!({
         "@context": "https://www.w3.org/ns/activitystreams",

@@ -179,8 +179,10 @@ where
     panic!("no cut answer was a claim's with an event in it");
 }
 
-/// How long each fsync of the write service waits while a claim's caller goes away.
-const SLOW_FSYNC: Duration = Duration::from_secs(4);
+/// How long each fsync of the write service waits while a claim's caller goes away: long, so the
+/// calls' deadlines (3 s, 7 s) leave a traced (so slowed) write service on a loaded machine time
+/// to start the claim's commit first, and still pass before it ends.
+const SLOW_FSYNC: Duration = Duration::from_secs(10);
 
 /// How a claim's answer is lost, in [`claims_for_a_caller_that_went_away_are_handed_back`].
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -223,7 +225,7 @@ async fn claims_for_a_caller_that_went_away_are_handed_back<E, EF, C, CF>(
         let slow = reelay_harness::Strace::delay(write.pid(), "fsync,fdatasync", SLOW_FSYNC, dir).await;
         // The deadline leaves room for the claim (or the event's batch, for a waiting call) to
         // start before it, and passes well before that claim's slow commit ends.
-        let (wait_ms, deadline) = if written_with_the_event { (20_000, 3_000) } else { (0, 1_000) };
+        let (wait_ms, deadline) = if written_with_the_event { (20_000, 7_000) } else { (0, 3_000) };
         let call = tokio::spawn(claim(outbox.clone(), gone_call, Vec::new(), wait_ms, Duration::from_millis(deadline)));
         let event = match event {
             Some(event) => event,

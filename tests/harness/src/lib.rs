@@ -82,8 +82,18 @@ pub fn port_taken(log: &str) -> bool {
 
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("find a free port")
+    loop {
+        let port =
+            TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("find a free port");
+        // Not one of `reelay run`'s default ports, which a test of the defaults binds.
+        if !DEFAULT_PORTS.contains(&port) {
+            return port;
+        }
+    }
 }
+
+/// The ports `reelay run` listens on when given none (gRPC 50051-50053, metrics 9464).
+const DEFAULT_PORTS: [u16; 4] = [50051, 50052, 50053, 9464];
 
 /// A temp dir that survives the test when `REELAY_KEEP_TEST_DIRS` is set.
 pub fn temp_dir() -> tempfile::TempDir {
