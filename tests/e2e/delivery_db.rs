@@ -294,6 +294,13 @@ pub async fn older_build_stands_by(backend: Backend) {
         async move { log.contains("standing by: another build of this handler claims") }
     })
     .await;
+    // The operator sees it too.
+    let status = cluster.cli(&["status"]).await;
+    let status = status.ok();
+    let line = status.lines().find(|l| l.starts_with("probe-a: 2 builds live")).unwrap_or_else(|| panic!("{status}"));
+    let (handed, standing_by) = line.split_once("; ").unwrap_or_else(|| panic!("{line}"));
+    assert!(handed.contains("handed work [") && handed.contains(" types] (heard"), "{line}");
+    assert!(standing_by.starts_with("standing by [UserRegistered] (heard"), "{line}");
     cluster.stop().await;
 }
 

@@ -424,12 +424,9 @@ async fn note_builds(
     if builds.is_empty() {
         return Ok(Vec::new());
     }
+    let span = i64::from(BUILD_LIVE_LEASES) * lease.as_millis() as i64;
     let lease_ms = lease.as_millis() as i64;
-    let span = lease_ms * i64::from(BUILD_LIVE_LEASES);
-    // Until that long has passed since the writer started (it could hear no one before), the
-    // builds live when it started stay live.
-    let counted_from = tx.lease_counted_from();
-    let live_since = if now - counted_from >= span { now - span } else { counted_from - span };
+    let live_since = builds_live_since(now, tx.lease_counted_from(), lease);
     let sql = format!(
         "SELECT c.handler, b.event_types, COALESCE(b.first_seen, 0), COALESCE(b.last_seen, 0) FROM handler_cursors c \
              LEFT JOIN handler_builds b ON b.handler = c.handler WHERE c.handler IN ({})",
@@ -488,12 +485,7 @@ async fn note_builds(
         if !registered.contains(handler) {
             return None;
         }
-        // The newest live build (ties, two builds first heard from in the same millisecond: the
-        // larger key, so that every claimer agrees).
-        let newest = known
-            .iter()
-            .filter(|(h, _, _, last_seen)| h == handler && *last_seen >= live_since)
-            .max_by(|a, b| (a.2, &a.1).cmp(&(b.2, &b.1)))
+        let newest = newest_build(known.iter().filter(|(h, ..)| h == handler), live_since)
             .expect("the claimer's own build is live");
         (newest.1 != *key).then(|| {
             format!(
@@ -507,6 +499,83 @@ async fn note_builds(
         })
     };
     Ok(builds.iter().map(standing_by).collect())
+}
+
+/// Since when a build heard from counts as live at `now`: within [`BUILD_LIVE_LEASES`] leases;
+/// until that long has passed since the writer started (`counted_from`: it could hear no one
+/// before), the builds live when it started stay live.
+fn builds_live_since(now: i64, counted_from: i64, lease: Duration) -> i64 {
+    let span = i64::from(BUILD_LIVE_LEASES) * lease.as_millis() as i64;
+    if now - counted_from >= span { now - span } else { counted_from - span }
+}
+
+/// Of one handler's builds ((handler, key, first seen, last seen)), the one handed work: the
+/// newest live one (ties, two builds first heard from in the same millisecond: the larger key,
+/// so that every claimer agrees).
+fn newest_build<'a>(
+    builds: impl Iterator<Item = &'a (String, String, i64, i64)>,
+    live_since: i64,
+) -> Option<&'a (String, String, i64, i64)> {
+    builds.filter(|(.., last_seen)| *last_seen >= live_since).max_by(|a, b| (a.2, &a.1).cmp(&(b.2, &b.1)))
+}
+
+/// A build of a handler as the write service last heard of it (see [`note_builds`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Build {
+    pub handler: String,
+    /// The event types it takes.
+    pub event_types: Vec<String>,
+    pub first_seen: i64,
+    pub last_seen: i64,
+    /// Heard from recently enough to count as run somewhere.
+    pub live: bool,
+    /// The live build handed work; the other live ones stand by.
+    pub handed: bool,
+}
+
+/// Every build of every handler, by handler and then newest first, with which is live and
+/// which is handed work at `now` (`counted_from`: the writer's, see
+/// [`crate::Writer::lease_counted_from`]).
+pub async fn builds(
+    conn: &mut sqlx::SqliteConnection,
+    now: i64,
+    counted_from: i64,
+    lease: Duration,
+) -> Result<Vec<Build>, sqlx::Error> {
+    let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
+        "SELECT handler, event_types, first_seen, last_seen FROM handler_builds \
+         ORDER BY handler, first_seen DESC, event_types DESC",
+    )
+    .fetch_all(conn)
+    .await?;
+    let live_since = builds_live_since(now, counted_from, lease);
+    let build = |row: &(String, String, i64, i64)| {
+        let newest = newest_build(rows.iter().filter(|r| r.0 == row.0), live_since);
+        Build {
+            handler: row.0.clone(),
+            event_types: row.1.split(',').filter(|t| !t.is_empty()).map(str::to_owned).collect(),
+            first_seen: row.2,
+            last_seen: row.3,
+            live: row.3 >= live_since,
+            handed: newest == Some(row),
+        }
+    };
+    Ok(rows.iter().map(build).collect())
+}
+
+/// Forgets up to `batch` builds not heard from since `cutoff` (the ledger's retention, days at
+/// least: long after they stopped counting as live). One that comes back later is noted as new,
+/// which it is: the build deployed last.
+pub async fn purge_builds(tx: &mut WriteTx, cutoff: i64, batch: u32) -> Result<u64, sqlx::Error> {
+    let deleted = sqlx::query(
+        "DELETE FROM handler_builds WHERE (handler, event_types) IN \
+             (SELECT handler, event_types FROM handler_builds WHERE last_seen < ?1 LIMIT ?2)",
+    )
+    .bind(cutoff)
+    .bind(i64::from(batch))
+    .execute(tx.conn())
+    .await?;
+    Ok(deleted.rows_affected())
 }
 
 /// For the ledger's claims (nats backend): notes the builds of the handlers (name, event types)

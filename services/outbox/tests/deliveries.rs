@@ -131,6 +131,14 @@ async fn two_builds() -> (tempfile::TempDir, Database, HandlerClaim, HandlerClai
     (dir, db, old, new)
 }
 
+/// Handler h's builds as `reelay status` shows them at `now`: (types, live, handed), newest
+/// first; the writer started at `started`.
+async fn builds_at(db: &Database, now: i64, started: i64) -> Vec<(String, bool, bool)> {
+    let mut conn = db.reads.acquire().await.unwrap();
+    let builds = deliveries::builds(&mut conn, now, started, POLICY.lease).await.unwrap();
+    builds.into_iter().filter(|b| b.handler == "h").map(|b| (b.event_types.join(","), b.live, b.handed)).collect()
+}
+
 async fn settle(db: &Database, handler: &str, settlements: Vec<Settlement>, now: i64) -> deliveries::Settled {
     let handler = handler.to_owned();
     job(db, move |tx| Box::pin(async move { Ok(deliveries::settle(tx, &handler, &settlements, now, POLICY).await?) }))
@@ -251,6 +259,12 @@ async fn during_a_rolling_update_only_the_newest_build_of_a_handler_is_handed_an
     assert!(why.contains("[MovieDeleted,UserRegistered]") && why.contains("[MovieDeleted]"), "{why}");
     let handed = claim(&db, &new, t0() + 3_000).await.unwrap();
     assert_eq!(handed.len(), 4, "every row is the new build's, none passed over: {handed:?}");
+    let (both, new_build, old_build) = (
+        vec![("MovieDeleted,UserRegistered".to_owned(), true, true), ("MovieDeleted".to_owned(), true, false)],
+        "MovieDeleted,UserRegistered".to_owned(),
+        "MovieDeleted".to_owned(),
+    );
+    assert_eq!(builds_at(&db, t0() + 3_000, 0).await, both, "the operator's view: which build is handed work");
 
     // A retry of a type only the new build takes is not handed to the old one either.
     let user = handed.iter().find(|d| d.event_type == "UserRegistered").unwrap();
@@ -273,11 +287,35 @@ async fn during_a_rolling_update_only_the_newest_build_of_a_handler_is_handed_an
     enqueue(&db, 2).await;
     let resumed = claim(&db, &old, t0() + 20_000 + 120_001).await.unwrap();
     assert_eq!(resumed.iter().map(|d| d.event_type.as_str()).collect::<Vec<_>>(), vec!["MovieDeleted"]);
+    let gone = t0() + 20_000 + 120_001;
+    assert_eq!(builds_at(&db, gone, 0).await, vec![(new_build, false, false), (old_build, true, true)]);
+    // Had the writer started a second before, it could not have heard the new build lately:
+    // the builds live when it started stay live (and the newest handed work) four leases more.
+    assert_eq!(builds_at(&db, gone, gone - 1_000).await, both, "live when the writer started");
 
     // Claiming again after that long without, the new build is the newest once more (and the
     // UserRegistered row the old one passed over is not its: that build did not run then).
     assert!(claim(&db, &new, t0() + 150_000).await.unwrap().is_empty());
     standing_by(claim(&db, &old, t0() + 150_001).await);
+}
+
+#[tokio::test]
+async fn builds_not_heard_from_for_the_ledger_retention_are_forgotten() {
+    let (_dir, db, old, new) = two_builds().await;
+    assert!(claim(&db, &old, t0()).await.unwrap().is_empty());
+    assert!(claim(&db, &new, t0() + 60_000).await.unwrap().is_empty());
+    let purge = |cutoff: i64, batch: u32| {
+        job(&db, move |tx| Box::pin(async move { Ok(deliveries::purge_builds(tx, cutoff, batch).await?) }))
+    };
+    assert_eq!(purge(t0(), 10).await.unwrap(), 0, "both heard from since");
+    assert_eq!(purge(t0() + 1, 10).await.unwrap(), 1, "the old build is forgotten");
+    assert_eq!(builds_at(&db, t0() + 60_000, 0).await, vec![("MovieDeleted,UserRegistered".to_owned(), true, true)]);
+    // Back after that, it is noted as the newest build: the one deployed last.
+    assert!(claim(&db, &old, t0() + 90_000).await.unwrap().is_empty());
+    assert_eq!(builds_at(&db, t0() + 90_000, 0).await[0], ("MovieDeleted".to_owned(), true, true));
+    assert_eq!(purge(t0() + 200_000, 1).await.unwrap(), 1, "a batch at a time");
+    assert_eq!(purge(t0() + 200_000, 1).await.unwrap(), 1);
+    assert_eq!(purge(t0() + 200_000, 1).await.unwrap(), 0);
 }
 
 #[tokio::test]

@@ -1,14 +1,15 @@
 //! Retention: rows that only matter for a while are deleted once past it, in small batches
 //! (each its own short write job, so writes never wait long behind a purge): outbox rows every
-//! handler is finished with, finished ledger rows, client request ids and the federation's
-//! dedup records. Dead-lettered work stays until an operator replays or discards it.
+//! handler is finished with, finished ledger rows, handlers' builds long gone, client request
+//! ids and the federation's dedup records. Dead-lettered work stays until an operator replays
+//! or discards it.
 
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use reelay_kit::{Shutdown, now_ms};
 use reelay_outbox::ledger::{self, LedgerPolicy};
-use reelay_outbox::{Database, WriteTx, queue};
+use reelay_outbox::{Database, WriteTx, deliveries, queue};
 
 use crate::{Bus, WriteError, request_ids, store};
 
@@ -46,6 +47,11 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
         let (policy, abandoned_claims) = (retention.ledger, retention.bus == Bus::Nats);
         purge(&db, "ledger_purge", "ledger rows", move |tx| {
             Box::pin(async move { ledger::purge(tx, now_ms(), policy, BATCH, abandoned_claims).await })
+        })
+        .await;
+        let cutoff = now_ms() - retention.ledger.retention.as_millis() as i64;
+        purge(&db, "build_purge", "handler builds", move |tx| {
+            Box::pin(async move { deliveries::purge_builds(tx, cutoff, BATCH).await })
         })
         .await;
         let cutoff = now_ms() - retention.request_ids.as_millis() as i64;

@@ -65,6 +65,28 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             h.handler, pending, oldest, h.in_progress, h.retrying, h.dead_lettered
         );
     }
+    // During a rolling update: which build of a handler is handed work, which stand by.
+    let now = reelay_kit::now_ms();
+    for h in &status.handlers {
+        let live: Vec<&v1::HandlerBuildStatus> = h.builds.iter().filter(|b| b.live).collect();
+        if live.len() < 2 {
+            continue;
+        }
+        let described: Vec<String> = live
+            .iter()
+            .map(|b| {
+                let role = if b.handed { "handed work" } else { "standing by" };
+                // A build is told apart by its types; a long list is only counted.
+                let types = if b.event_types.len() <= 4 {
+                    format!("[{}]", b.event_types.join(", "))
+                } else {
+                    format!("[{} types]", b.event_types.len())
+                };
+                format!("{role} {types} (heard {} ago)", age(now - b.last_seen_ms))
+            })
+            .collect();
+        println!("{}: {} builds live (a rolling update?): {}", h.handler, live.len(), described.join("; "));
+    }
     let retired: Vec<&str> = status.handlers.iter().filter(|h| !h.delivered).map(|h| h.handler.as_str()).collect();
     if !retired.is_empty() {
         println!(

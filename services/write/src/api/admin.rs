@@ -205,7 +205,23 @@ fn retire_error(error: deliveries::RetireError) -> WriteError {
 impl v1::admin_server::Admin for AdminApi {
     async fn status(&self, _request: Request<v1::StatusRequest>) -> Result<Response<v1::StatusResponse>, Status> {
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
-        let s = inspect::status(&mut conn, now_ms(), self.bus == Bus::Db).await.map_err(WriteError::from)?;
+        let now = now_ms();
+        let s = inspect::status(&mut conn, now, self.bus == Bus::Db).await.map_err(WriteError::from)?;
+        let builds = deliveries::builds(&mut conn, now, self.db.writer.lease_counted_from(), self.lease)
+            .await
+            .map_err(WriteError::from)?;
+        let builds_of = |handler: &str| {
+            let builds = builds.iter().filter(|b| b.handler == handler);
+            builds
+                .map(|b| v1::HandlerBuildStatus {
+                    event_types: b.event_types.clone(),
+                    first_seen_ms: b.first_seen,
+                    last_seen_ms: b.last_seen,
+                    live: b.live,
+                    handed: b.handed,
+                })
+                .collect()
+        };
         Ok(Response::new(v1::StatusResponse {
             backend: self.bus.as_str().into(),
             outbox_pending: s.outbox.pending,
@@ -217,6 +233,7 @@ impl v1::admin_server::Admin for AdminApi {
                 .handlers
                 .into_iter()
                 .map(|h| v1::HandlerStatus {
+                    builds: builds_of(&h.handler),
                     handler: h.handler,
                     pending: h.pending,
                     oldest_age_ms: h.oldest_age_ms,
