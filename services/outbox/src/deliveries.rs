@@ -192,16 +192,18 @@ pub enum RetireError {
 }
 
 /// Refuses to retire `handler` when it has no cursor, when the write service delivers to it,
-/// or when a process still runs it (a build of it heard from within [`BUILD_LIVE_LEASES`]
-/// leases, or a claim of it renewed within the lease): what it holds would be discarded under
-/// it, and on nats its next claims of a discarded event would be answered done.
+/// or when a process still runs it (a build of it live, or a claim of it live, by the rules the
+/// claims go by: heard from within [`BUILD_LIVE_LEASES`] leases, renewed within the lease, and
+/// either live when the writer started, `counted_from`, until it could have heard again): what
+/// it holds would be discarded under it, and on nats its next claims of a discarded event would
+/// be answered done.
 pub async fn check_retirable(
     conn: &mut sqlx::SqliteConnection,
     handler: &str,
     now: i64,
+    counted_from: i64,
     lease: Duration,
 ) -> Result<(), RetireError> {
-    let lease_ms = lease.as_millis() as i64;
     let row: Option<(bool, Option<i64>, Option<i64>)> = sqlx::query_as(
         "SELECT c.delivered, (SELECT MAX(last_seen) FROM handler_builds b WHERE b.handler = c.handler), \
              (SELECT MAX(renewed_at) FROM processed_events p WHERE p.handler = c.handler \
@@ -215,14 +217,22 @@ pub async fn check_retirable(
     if delivered {
         return Err(RetireError::Delivered(handler.to_owned()));
     }
-    let heard = heard.filter(|&at| at >= now - lease_ms * i64::from(BUILD_LIVE_LEASES));
-    let renewed = renewed.filter(|&at| at >= now - lease_ms);
+    let heard = heard.filter(|&at| at >= builds_live_since(now, counted_from, lease));
+    let renewed = renewed.filter(|&at| at > crate::stale_before(counted_from, now, lease));
     if let Some(at) = heard.into_iter().chain(renewed).max() {
+        let started = if at < counted_from {
+            format!(
+                ", before this write service started {} ms ago: it may not have been heard since",
+                now - counted_from
+            )
+        } else {
+            String::new()
+        };
         return Err(RetireError::Live(format!(
-            "handler {handler:?} is still run by a process (heard from {} ms ago); stop every process running it, \
-             then retire it once it has not been heard from for {} ms",
+            "handler {handler:?} is still run by a process (heard from {} ms ago{started}); stop every process \
+             running it, then retire it once it has not been heard from for {} ms",
             now - at,
-            lease_ms * i64::from(BUILD_LIVE_LEASES)
+            build_live_span(lease)
         )));
     }
     Ok(())
@@ -248,7 +258,8 @@ pub async fn retire(
     now: i64,
     lease: Duration,
 ) -> Result<Retired, RetireError> {
-    check_retirable(tx.conn(), handler, now, lease).await?;
+    let counted_from = tx.lease_counted_from();
+    check_retirable(tx.conn(), handler, now, counted_from, lease).await?;
     let open = sqlx::query(
         "UPDATE processed_events SET status = 'discarded', owner = NULL, processed_at = ?, \
          last_error = 'handler retired by ' || ? WHERE handler = ? AND status IN ('in_progress', 'retry', 'dead_lettered')",
@@ -424,8 +435,7 @@ async fn note_builds(
     if builds.is_empty() {
         return Ok(Vec::new());
     }
-    let span = i64::from(BUILD_LIVE_LEASES) * lease.as_millis() as i64;
-    let lease_ms = lease.as_millis() as i64;
+    let (lease_ms, span) = (lease.as_millis() as i64, build_live_span(lease));
     let live_since = builds_live_since(now, tx.lease_counted_from(), lease);
     let sql = format!(
         "SELECT c.handler, b.event_types, COALESCE(b.first_seen, 0), COALESCE(b.last_seen, 0) FROM handler_cursors c \
@@ -505,8 +515,13 @@ async fn note_builds(
 /// until that long has passed since the writer started (`counted_from`: it could hear no one
 /// before), the builds live when it started stay live.
 fn builds_live_since(now: i64, counted_from: i64, lease: Duration) -> i64 {
-    let span = i64::from(BUILD_LIVE_LEASES) * lease.as_millis() as i64;
+    let span = build_live_span(lease);
     if now - counted_from >= span { now - span } else { counted_from - span }
+}
+
+/// How long (ms) a build stays live after it was last heard from.
+fn build_live_span(lease: Duration) -> i64 {
+    i64::from(BUILD_LIVE_LEASES) * lease.as_millis() as i64
 }
 
 /// Of one handler's builds ((handler, key, first seen, last seen)), the one handed work: the

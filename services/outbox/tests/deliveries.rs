@@ -8,7 +8,7 @@ use reelay_contracts::v1;
 use reelay_domain::{NewEvent, RetryPolicy};
 use reelay_outbox::dead_letters::{self, Acted, Action, Target};
 use reelay_outbox::deliveries::{
-    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, Settlement,
+    self, ClaimError, ClaimedDelivery, DeliveryOutcome, HandlerClaim, HandlerPolicy, RetireError, Settlement,
 };
 use reelay_outbox::{CommitError, Database, DbConfig, WriteTx, enqueue_events};
 use sqlx::Row;
@@ -316,6 +316,36 @@ async fn builds_not_heard_from_for_the_ledger_retention_are_forgotten() {
     assert_eq!(purge(t0() + 200_000, 1).await.unwrap(), 1, "a batch at a time");
     assert_eq!(purge(t0() + 200_000, 1).await.unwrap(), 1);
     assert_eq!(purge(t0() + 200_000, 1).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_handler_is_retirable_only_once_no_process_can_still_run_it() {
+    let (_dir, db, old, _) = two_builds().await;
+    assert!(claim(&db, &old, t0()).await.unwrap().is_empty(), "h's build is heard from at t0");
+    let retirable = |handler: &'static str, now: i64, started: i64| {
+        let db = db.clone();
+        async move {
+            let mut conn = db.reads.acquire().await.unwrap();
+            deliveries::check_retirable(&mut conn, handler, now, started, POLICY.lease).await
+        }
+    };
+    assert!(matches!(retirable("h", t0() + 1_000, 0).await, Err(RetireError::Delivered(_))));
+    assert!(matches!(retirable("nope", t0() + 1_000, 0).await, Err(RetireError::Unknown(_))));
+    // The write service no longer delivers to h: retirable four leases (2 min) after it was
+    // last heard from.
+    register(&db, &["other"], t0() + 1_000).await;
+    assert!(matches!(retirable("h", t0() + 120_000, 0).await, Err(RetireError::Live(_))));
+    assert!(retirable("h", t0() + 120_001, 0).await.is_ok());
+    // A write service that started at 100 s (after an outage), when h was still live, may not
+    // have heard from h's processes since: h counts as run somewhere until four leases after
+    // that start, not after h was last heard from.
+    let started = t0() + 100_000;
+    match retirable("h", t0() + 130_000, started).await {
+        Err(RetireError::Live(why)) => assert!(why.contains("before this write service started"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(retirable("h", started + 119_999, started).await, Err(RetireError::Live(_))));
+    assert!(retirable("h", started + 120_000, started).await.is_ok());
 }
 
 #[tokio::test]

@@ -255,7 +255,9 @@ impl v1::admin_server::Admin for AdminApi {
         let operator = operator(&r.operator)?;
         // Refused before any dead letter is discarded (the job checks again).
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
-        deliveries::check_retirable(&mut conn, &handler, now_ms(), self.lease).await.map_err(retire_error)?;
+        deliveries::check_retirable(&mut conn, &handler, now_ms(), self.db.writer.lease_counted_from(), self.lease)
+            .await
+            .map_err(retire_error)?;
         drop(conn);
         let discard = v1::DeadLetterActionRequest {
             event_ids: Vec::new(),
