@@ -13,6 +13,7 @@ use reelay_contracts::v1::{self, search_client::SearchClient};
 use reelay_harness::{
     Backend, Clients, Cluster, Reelay, event_ids, eventually, probe_records, query_strings, temp_dir,
 };
+use reelay_kit::now_ms;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 
@@ -48,10 +49,6 @@ async fn settled(c: &mut reelay_harness::Clients) -> bool {
         .iter()
         .filter(|h| h.handler.starts_with("probe-"))
         .all(|h| h.behind == 0 && h.in_progress == 0 && h.retrying == 0)
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
 }
 
 /// probe-a in one process, probe-b in two replicas of another; one probe-b replica is killed

@@ -2,11 +2,16 @@
 //! handler is finished with are deleted once past REELAY_OUTBOX_RETENTION_SECS, in small
 //! batches), while a dead-lettered event stays until an operator acts on it, and goes after.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use reelay_harness::{Backend, Cluster, eventually, query_strings, temp_dir};
+use reelay_kit::now_ms;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
+
+/// The claim lease of the retire test: a handler not heard from for four of them (16 s) counts as
+/// no longer run anywhere.
+const LEASE_MS: i64 = 4_000;
 
 async fn rows(cluster: &Cluster) -> usize {
     query_strings(&cluster.db, "SELECT COUNT(*) || '' FROM event_queue").await[0][0].parse().unwrap()
@@ -36,8 +41,7 @@ async fn the_outbox_stays_bounded(backend: Backend) {
             let sql =
                 format!("SELECT COALESCE(MIN(created_at), 0) || '' FROM event_queue WHERE event_id IS NOT '{kept}'");
             let min: i64 = query_strings(&db, &sql).await[0][0].parse().unwrap();
-            let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
-            if min == 0 { 0 } else { now - min }
+            if min == 0 { 0 } else { now_ms() - min }
         }
     };
     let (mut written, mut oldest) = (1, 0);
@@ -95,9 +99,8 @@ async fn a_handler_removed_from_the_build_is_retired_and_retention_goes_on() {
         .env("REELAY_PROBE_FAIL", "probe-b=permanent:doomed")
         .env("REELAY_OUTBOX_RETENTION_SECS", "1")
         .env("REELAY_LEDGER_PURGE_INTERVAL_MS", "250")
-        // A handler not heard from for four leases (16 s) counts as no longer run anywhere: long
-        // enough that the two restarts below fit inside it on a slow machine.
-        .env("REELAY_LEDGER_LEASE_MS", "4000")
+        // Long enough that the two restarts below fit inside four leases on a slow machine.
+        .env("REELAY_LEDGER_LEASE_MS", &LEASE_MS.to_string())
         .handlers(&[])
         .start(dir.path())
         .await;
@@ -151,8 +154,10 @@ async fn a_handler_removed_from_the_build_is_retired_and_retention_goes_on() {
         None
     })
     .await;
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
-    assert!(now >= last_heard + 4 * 4_000, "retired only four leases after it was last heard from ({last_heard})");
+    assert!(
+        now_ms() >= last_heard + 4 * LEASE_MS,
+        "retired only four leases after it was last heard from ({last_heard})"
+    );
     assert!(retired.ok().contains("retired probe-b: 1 dead letter(s)"), "{retired:?}");
     let actions =
         query_strings(&cluster.db, "SELECT action, event_id FROM dead_letter_actions WHERE handler = 'probe-b'").await;

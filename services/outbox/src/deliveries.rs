@@ -564,18 +564,20 @@ pub async fn builds(
     .fetch_all(conn)
     .await?;
     let live_since = builds_live_since(now, counted_from, lease);
-    let build = |row: &(String, String, i64, i64)| {
-        let newest = newest_build(rows.iter().filter(|r| r.0 == row.0), live_since);
-        Build {
+    let mut builds = Vec::with_capacity(rows.len());
+    // Rows come grouped by handler: each handler's newest live build is found once.
+    for handler in rows.chunk_by(|a, b| a.0 == b.0) {
+        let newest = newest_build(handler.iter(), live_since);
+        builds.extend(handler.iter().map(|row| Build {
             handler: row.0.clone(),
             event_types: row.1.split(',').filter(|t| !t.is_empty()).map(str::to_owned).collect(),
             first_seen: row.2,
             last_seen: row.3,
             live: row.3 >= live_since,
             handed: newest == Some(row),
-        }
-    };
-    Ok(rows.iter().map(build).collect())
+        }));
+    }
+    Ok(builds)
 }
 
 /// Forgets up to `batch` builds not heard from since `cutoff` (the ledger's retention, days at

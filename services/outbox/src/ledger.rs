@@ -457,8 +457,9 @@ pub(crate) const PURGE: [&str; 3] = [
 ];
 
 /// Deletes up to `batch` rows past retention: done and discarded rows processed before
-/// `now - retention`, and, with `abandoned_claims`, claims abandoned that long ago. Returns how
-/// many went; call again until 0.
+/// `now - retention`, with `abandoned_claims` claims abandoned that long ago, and handlers'
+/// builds not heard from since then ([`crate::deliveries::purge_builds`]). Returns how many
+/// went; call again until 0.
 ///
 /// Only the nats backend's abandoned claims may go: there the event stays in JetStream and a
 /// delivery of it claims afresh. On db an `in_progress` row is the delivery itself (the
@@ -480,6 +481,10 @@ pub async fn purge(
             break;
         }
         deleted += sqlx::query(*sql).bind(cutoff).bind(left as i64).execute(tx.conn()).await?.rows_affected();
+    }
+    let left = u64::from(batch) - deleted;
+    if left > 0 {
+        deleted += crate::deliveries::purge_builds(tx, cutoff, left as u32).await?;
     }
     Ok(deleted)
 }

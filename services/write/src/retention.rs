@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use reelay_kit::{Shutdown, now_ms};
 use reelay_outbox::ledger::{self, LedgerPolicy};
-use reelay_outbox::{Database, WriteTx, deliveries, queue};
+use reelay_outbox::{Database, WriteTx, queue};
 
 use crate::{Bus, WriteError, request_ids, store};
 
@@ -45,13 +45,9 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
         })
         .await;
         let (policy, abandoned_claims) = (retention.ledger, retention.bus == Bus::Nats);
+        // Ledger rows, and handlers' builds long gone, in one job.
         purge(&db, "ledger_purge", "ledger rows", move |tx| {
             Box::pin(async move { ledger::purge(tx, now_ms(), policy, BATCH, abandoned_claims).await })
-        })
-        .await;
-        let cutoff = now_ms() - retention.ledger.retention.as_millis() as i64;
-        purge(&db, "build_purge", "handler builds", move |tx| {
-            Box::pin(async move { deliveries::purge_builds(tx, cutoff, BATCH).await })
         })
         .await;
         let cutoff = now_ms() - retention.request_ids.as_millis() as i64;
