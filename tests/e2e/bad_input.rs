@@ -364,6 +364,15 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         case!("a wrap-up of a year not begun", InvalidArgument, "year", |c, x| c.wrap_ups.request_wrap_up(
             v1::RequestWrapUpRequest { actor_user_id: x.a.clone(), year: 2100, ..Default::default() }
         )),
+        case!("a wrap-up completed with a malformed inputs digest", InvalidArgument, "inputs_digest", |c, x| c
+            .wrap_ups
+            .complete_wrap_up(v1::CompleteWrapUpRequest {
+                wrap_up_id: x.nobody.clone(),
+                summary: Some(v1::WrapUpSummary { per_month: vec![0; 12], ..Default::default() }),
+                card_key: "wrapups/x/card.svg".into(),
+                card_content_type: "image/svg+xml".into(),
+                inputs_digest: "AB".repeat(32),
+            })),
         case!("request_id with spaces", InvalidArgument, "request_id", |c, x| c.reviews.log_review(
             v1::LogReviewRequest {
                 request_id: "my key".into(),

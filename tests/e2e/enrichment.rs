@@ -552,8 +552,11 @@ async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     assert!(profiles.iter().any(|p| !p.directors.is_empty() && !p.genres.is_empty() && p.runtime_minutes > 0));
     assert!(profiles.iter().all(|p| p.cast.is_empty() && p.overview.is_empty()), "no cast, no overview");
 
-    // A third ask, after completion, changes nothing either.
-    c.wrap_ups.request_wrap_up(ask("again-1")).await.unwrap();
+    // A third ask, after completion, changes nothing either: the diary is what it was computed
+    // from.
+    let third = c.wrap_ups.request_wrap_up(ask("again-1")).await.unwrap().into_inner();
+    assert!(!third.created);
+    assert_eq!(third.wrap_up.unwrap().wrap_up_id, id);
     assert_eq!(events_for(&reelay.database, "WrapUpRequested", &id).await.len(), 1);
     assert_eq!(events_for(&reelay.database, "WrapUpCompleted", &id).await.len(), 1);
     done
@@ -602,7 +605,61 @@ async fn a_known_2024_diary_gets_exactly_its_wrap_up_with_a_card() {
     let card = dir.path().join("objects").join(&done.card_key);
     assert!(card.is_file(), "the card is stored under the data dir by default: {}", card.display());
     assert!(done.card_url.starts_with(&format!("http://{}/media/", reelay.media_addr)), "{}", done.card_url);
+    wrap_up_made_again_after_the_diary_changed(&reelay, &done).await;
+    let cards: Vec<String> = reelay_harness::files_under(&dir.path().join("objects"))
+        .into_iter()
+        .filter(|p| p.ends_with("card.svg"))
+        .collect();
+    assert_eq!(cards.len(), 2, "a card each: {cards:?}");
     reelay.stop().await;
+}
+
+/// One more 2024 entry (a rewatch on New Year's Eve, rated 1.5 stars) after `done` was
+/// completed: asking again makes a new wrap-up, naming `done`, from the diary as it is now; `done`
+/// keeps its figures.
+async fn wrap_up_made_again_after_the_diary_changed(reelay: &Reelay, done: &v1::WrapUp) {
+    let mut c = reelay.clients().await;
+    let before = done.summary.clone().unwrap();
+    let film = before.highest_rated[0].movie_id.clone();
+    c.reviews
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: done.user_id.clone(),
+            movie: reelay_harness::movie_id_ref(&film),
+            rating: 3,
+            watched_on: "2024-12-31".into(),
+            rewatch: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let ask = v1::RequestWrapUpRequest { actor_user_id: done.user_id.clone(), year: 2024, ..Default::default() };
+    let again = c.wrap_ups.request_wrap_up(ask.clone()).await.unwrap().into_inner();
+    assert!(again.created, "the diary changed: a new wrap-up");
+    let again = again.wrap_up.unwrap();
+    assert_eq!(again.previous_wrap_up_id, done.wrap_up_id);
+    let renewed = reelay_harness::eventually_some("the new wrap-up is completed", LIMIT, || {
+        let mut wrap_ups = c.wrap_ups.clone();
+        let id = again.wrap_up_id.clone();
+        async move {
+            let w = wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id }).await.unwrap().into_inner();
+            (w.status() == v1::WrapUpStatus::Completed).then_some(w)
+        }
+    })
+    .await;
+    let after = renewed.summary.unwrap();
+    assert_eq!((after.films, after.entries, after.rewatches), (before.films, before.entries + 1, before.rewatches + 1));
+    assert_eq!(after.per_month[11], before.per_month[11] + 1, "December");
+    assert_eq!(after.rating_counts[3], before.rating_counts[3] + 1, "1.5 stars");
+    assert_eq!(renewed.card_key, format!("wrapups/{}/card.svg", again.wrap_up_id));
+    let (status, _, body) = http_request("GET", &renewed.card_url, &[], b"").await;
+    assert_eq!(status, 200, "{}", renewed.card_url);
+    check_card(&body, &after);
+
+    let first = c.wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: done.wrap_up_id.clone() }).await.unwrap();
+    assert_eq!(first.into_inner().summary.unwrap(), before, "the first keeps its figures");
+    let unchanged = c.wrap_ups.request_wrap_up(ask).await.unwrap().into_inner();
+    assert!(!unchanged.created);
+    assert_eq!(unchanged.wrap_up.unwrap().wrap_up_id, again.wrap_up_id, "the newest, while nothing changed");
 }
 
 #[tokio::test]

@@ -130,6 +130,7 @@ pub fn wrap_up(row: WrapUpRow) -> v1::WrapUp {
         card_key: row.card_key.unwrap_or_default(),
         card_content_type: row.card_content_type.unwrap_or_default(),
         card_url: String::new(),
+        previous_wrap_up_id: row.previous_id.unwrap_or_default(),
     }
 }
 

@@ -61,13 +61,7 @@ impl RequestKey {
                 format!("must be 1-{MAX_LEN} of A-Z a-z 0-9 . _ : -, got {:?}", truncate(request_id)),
             ));
         }
-        let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
-        digest.update(method.as_bytes());
-        for part in parts {
-            digest.update(&(part.len() as u64).to_le_bytes());
-            digest.update(part);
-        }
-        let fingerprint = digest.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        let fingerprint = sha256_of_parts(method.as_bytes(), parts.iter().copied());
         let stored = if actor.is_empty() { request_id.to_owned() } else { format!("{actor}/{request_id}") };
         Ok(Some(Self { method, request_id: request_id.to_owned(), stored, fingerprint }))
     }
@@ -118,6 +112,18 @@ impl RequestKey {
         .await?;
         Ok(())
     }
+}
+
+/// SHA-256 of `head` and then each of `parts` with its length before it (so no two different
+/// lists of parts hash the same bytes), as 64 lowercase hex digits.
+pub fn sha256_of_parts<'a>(head: &[u8], parts: impl IntoIterator<Item = &'a [u8]>) -> String {
+    let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+    digest.update(head);
+    for part in parts {
+        digest.update(&(part.len() as u64).to_le_bytes());
+        digest.update(part);
+    }
+    digest.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn truncate(value: &str) -> String {

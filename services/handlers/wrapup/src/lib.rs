@@ -3,7 +3,9 @@
 //! rewatches, ratings, top genres and directors, month by month, highest rated), draws it as a
 //! card stored in object storage, then completes the wrap-up through `WrapUps.CompleteWrapUp`,
 //! atomically, so `WrapUpCompleted` is raised once. A wrap-up already completed is left alone;
-//! the figures and the card are deterministic, so a redelivery redraws the same object.
+//! the figures and the card are deterministic, so a redelivery redraws the same object. The
+//! completion carries the digest of the inputs the figures came from: asking for the year again
+//! once the diary differs from them makes a new wrap-up.
 
 pub mod card;
 pub mod figures;
@@ -67,6 +69,7 @@ impl Handler for WrapUp {
             summary: Some(summary),
             card_key: key,
             card_content_type: card::CONTENT_TYPE.into(),
+            inputs_digest: inputs.inputs_digest.clone(),
         };
         let done = self
             .wrap_ups

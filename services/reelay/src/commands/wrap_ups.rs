@@ -10,7 +10,8 @@ use super::{ClientArgs, call_failed};
 
 #[derive(Debug, Subcommand)]
 pub enum WrapUpsCommand {
-    /// Ask for a year's wrap-up (asking again returns the same one) and show it once computed.
+    /// Ask for a year's wrap-up and show it once computed. Asking again returns the same one
+    /// while the year's diary is unchanged, and computes a new one once it changed.
     Request(RequestArgs),
 }
 
@@ -63,6 +64,9 @@ pub async fn run(command: WrapUpsCommand) -> anyhow::Result<()> {
     };
     let s = wrap_up.summary.unwrap_or_default();
     println!("{} in film — wrap-up {}", wrap_up.year, wrap_up.wrap_up_id);
+    if !wrap_up.previous_wrap_up_id.is_empty() {
+        println!("  (replaces wrap-up {}: the diary changed since)", wrap_up.previous_wrap_up_id);
+    }
     println!("  {} films, {} diary entries, {} rewatches", s.films, s.entries, s.rewatches);
     println!("  {:.1} hours watched", f64::from(s.minutes_watched) / 60.0);
     if s.mean_rating > 0.0 {

@@ -36,7 +36,7 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
 
     async fn get_wrap_up_inputs(&self, request: Request<v1::GetWrapUpInputsRequest>) -> Reply<v1::WrapUpInputs> {
         let id = WrapUpId::parse("wrap_up_id", &request.into_inner().wrap_up_id).map_err(ServiceError::from)?;
-        let (wrap_up, entries) = self.store.wrap_up_inputs(id).await?;
+        let (wrap_up, entries, inputs_digest) = self.store.wrap_up_inputs(id).await?;
         let entries = entries
             .into_iter()
             .map(|e| {
@@ -56,7 +56,7 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
                 }
             })
             .collect();
-        ok(v1::WrapUpInputs { wrap_up: Some(self.wrap_up(wrap_up)), entries })
+        ok(v1::WrapUpInputs { wrap_up: Some(self.wrap_up(wrap_up)), entries, inputs_digest })
     }
 
     async fn complete_wrap_up(&self, request: Request<v1::CompleteWrapUpRequest>) -> Reply<v1::CompleteWrapUpResponse> {
@@ -74,7 +74,17 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         if r.card_content_type.is_empty() || r.card_content_type.len() > 100 {
             return Err(ServiceError::invalid("card_content_type", "must be a media type such as image/svg+xml").into());
         }
-        let completion = WrapUpCompletion { summary, card_key, card_content_type: r.card_content_type };
+        let digest = &r.inputs_digest;
+        let well_formed = digest.len() == 64 && digest.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if !(digest.is_empty() || well_formed) {
+            return Err(ServiceError::invalid(
+                "inputs_digest",
+                "must be empty or the 64 lowercase hex digits GetWrapUpInputs gave",
+            )
+            .into());
+        }
+        let inputs_digest = (!r.inputs_digest.is_empty()).then_some(r.inputs_digest);
+        let completion = WrapUpCompletion { summary, card_key, card_content_type: r.card_content_type, inputs_digest };
         let (wrap_up, changed) = self.store.complete_wrap_up(id, completion).await?;
         ok(v1::CompleteWrapUpResponse { changed, wrap_up: Some(self.wrap_up(wrap_up)) })
     }

@@ -158,12 +158,19 @@ pub struct WrapUpRow {
     pub card_key: Option<String>,
     #[sqlx(default)]
     pub card_content_type: Option<String>,
+    /// What the completed figures were computed from (`inputs_digest`), if known.
+    #[sqlx(default)]
+    pub inputs_digest: Option<String>,
+    /// The wrap-up of the same user and year this one replaces.
+    #[sqlx(default)]
+    pub previous_id: Option<String>,
 }
 
 /// Every column of a `WrapUpRow`.
 macro_rules! wrap_up_columns {
     () => {
-        "id, user_id, year, status, requested_at, completed_at, summary, card_key, card_content_type"
+        "id, user_id, year, status, requested_at, completed_at, summary, card_key, card_content_type, \
+         inputs_digest, previous_id"
     };
 }
 pub(crate) use wrap_up_columns;
