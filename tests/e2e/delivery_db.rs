@@ -291,6 +291,12 @@ pub async fn older_build_stands_by(backend: Backend) {
         async move { log.contains("standing by: another build of this handler claims") }
     })
     .await;
+    if backend == Backend::Nats {
+        // Keys a standing-by build asked for are counted as such, not as held by another
+        // worker: no key was ever held here.
+        let claims = cluster.write.metrics().await;
+        assert_eq!(claims.sum("reelay_ledger_claims_total", &[r#"outcome="held""#]), 0.0);
+    }
     // The operator sees it too.
     let status = cluster.cli(&["status"]).await;
     let status = status.ok();

@@ -19,7 +19,7 @@ use crate::WriteError;
 static LEDGER_CLAIMS: LazyLock<Counter> = LazyLock::new(|| {
     metrics::counter(
         "reelay_ledger_claims_total",
-        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), resumed (the claimer's own live claim handed back: the answer that made it was lost, or the work it was for is gone), done (skip), held (another worker has it).",
+        "Ledger claims of (event, handler) pairs by outcome: acquired (run the handler), resumed (the claimer's own live claim handed back: the answer that made it was lost, or the work it was for is gone), done (skip), held (another worker has it), standing_by (answered held: another build of the handler claims).",
         &["outcome"],
     )
 });
@@ -166,8 +166,9 @@ impl v1::ledger_server::Ledger for LedgerApi {
                 })
             })
             .await?;
-        for outcome in &outcomes {
+        for (key, outcome) in keys.iter().zip(&outcomes) {
             LEDGER_CLAIMS.inc(&[match outcome {
+                _ if standing_by.contains_key(&key.handler) => "standing_by",
                 ClaimOutcome::Acquired(_) => "acquired",
                 ClaimOutcome::Resumed(_) => "resumed",
                 ClaimOutcome::Done => "done",
