@@ -108,6 +108,34 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
         }
     })
     .await;
+
+    // A title and a review without spaces between words are found by a word inside them.
+    let spirited = c
+        .reviews
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("千と千尋の神隠し", 2001),
+            rating: 10,
+            body: "何度見ても新しい発見がある。".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    eventually("a Japanese review is found by a word inside it", || {
+        let mut search = search.clone();
+        async move { review_hits(&mut search, "発見").await.len() == 1 }
+    })
+    .await;
+    assert_eq!(review_hits(&mut search, "千尋 発見").await[0].review_id, spirited.review_id);
+    let movies = search
+        .search_movies(v1::SearchMoviesRequest { query: "神隠し".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(movies.hits.iter().map(|h| h.title.as_str()).collect::<Vec<_>>(), ["千と千尋の神隠し"]);
     reelay.stop().await;
 }
 

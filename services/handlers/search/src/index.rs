@@ -23,7 +23,6 @@ use tantivy::directory::MmapDirectory;
 use tantivy::indexer::IndexWriterOptions;
 use tantivy::query::{BooleanQuery, ConstScoreQuery, Occur, Query, TermQuery};
 use tantivy::schema::{Field, INDEXED, IndexRecordOption, STORED, STRING, Schema, TEXT, Value};
-use tantivy::tokenizer::TokenStream;
 use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Score, Searcher, TantivyDocument, Term};
 
 /// Tantivy's minimum per indexing thread; with one thread it keeps the writer's buffer, and so
@@ -61,7 +60,6 @@ pub struct SearchIndex {
 const COMMIT_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
 
 struct Inner {
-    index: Index,
     reader: IndexReader,
     /// Tantivy allows one writer per index; the mutex also makes each batch's read-check-write
     /// of versions atomic with respect to other batches.
@@ -344,6 +342,8 @@ impl SearchIndex {
     }
 
     fn from_index(index: Index) -> tantivy::Result<Self> {
+        // Before the writer exists: its segments take the text fields' analyzer from here.
+        index.tokenizers().register(crate::words::ANALYZER, crate::words::Words);
         let fields = Fields::of(&index.schema())?;
         let writer = index.writer_with_options(
             IndexWriterOptions::builder()
@@ -355,7 +355,7 @@ impl SearchIndex {
         // Only our own commits change the index, and each one reloads explicitly.
         let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
         Ok(Self {
-            inner: Arc::new(Inner { index, reader, writer: Mutex::new(writer), queue: Mutex::new(Vec::new()), fields }),
+            inner: Arc::new(Inner { reader, writer: Mutex::new(writer), queue: Mutex::new(Vec::new()), fields }),
         })
     }
 
@@ -616,7 +616,7 @@ impl Inner {
     }
 
     /// Documents of `kind` with every word of `text` in one of `fields`, best first, tombstones
-    /// excluded. Query syntax is not interpreted: the words are the default tokenizer's tokens.
+    /// excluded. Query syntax is not interpreted: the words are those of [`crate::words::query_words`].
     fn search<T>(
         &self,
         kind: &str,
@@ -626,7 +626,7 @@ impl Inner {
         limit: usize,
         hit: impl Fn(Score, &TantivyDocument) -> T,
     ) -> Result<SearchPage<T>, IndexError> {
-        let words = self.words(text)?;
+        let words = crate::words::query_words(text);
         if words.is_empty() {
             return Ok(SearchPage { hits: Vec::new(), total_hits: 0 });
         }
@@ -658,20 +658,6 @@ impl Inner {
             .map(|(score, address)| Ok(hit(score, &searcher.doc(address)?)))
             .collect::<tantivy::Result<_>>()?;
         Ok(SearchPage { hits, total_hits: total_hits as u64 })
-    }
-
-    /// The distinct tokens of `text`, as the indexed text fields were tokenized.
-    fn words(&self, text: &str) -> tantivy::Result<Vec<String>> {
-        let mut analyzer = self.index.tokenizer_for_field(self.fields.title)?;
-        let mut stream = analyzer.token_stream(text);
-        let mut words = Vec::new();
-        while stream.advance() {
-            let word = &stream.token().text;
-            if !words.contains(word) {
-                words.push(word.clone());
-            }
-        }
-        Ok(words)
     }
 }
 
@@ -917,6 +903,42 @@ mod tests {
         assert_eq!(review_ids(&index, "diner").await, ["r1"]);
         apply_ok(&index, &[&review_logged("r2", 100, "Heat", "the diner again")]).await;
         assert_eq!(review_ids(&index, "diner").await, ["r1"], "the tombstone survived the reopen");
+    }
+
+    /// Titles and reviews in Chinese, Japanese and Korean are found by a word inside them, a
+    /// sentence longer than 40 bytes included; the space-separated scripts as before, also after
+    /// the index is reopened.
+    #[tokio::test]
+    async fn text_without_spaces_is_found_by_the_words_inside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut index = open(&dir);
+        apply_ok(
+            &index,
+            &[
+                &movie_discovered("m1", 100, "千と千尋の神隠し", 2001),
+                &movie_discovered("m2", 100, "七人の侍", 1954),
+                &movie_discovered("m3", 100, "Heat", 1995),
+                &review_logged("r1", 100, "千と千尋の神隠し", "何度見ても新しい発見がある。湯婆婆が怖い"),
+                &review_logged("r2", 100, "기생충", "반지하 냄새가 잊히지 않는 영화를 봤다"),
+                &review_logged("r3", 100, "Heat", "The diner scene, again"),
+            ],
+        )
+        .await;
+        for _ in 0..2 {
+            assert_eq!(movie_ids(&index, "千尋").await, ["m1"]);
+            assert_eq!(movie_ids(&index, "神隠し").await, ["m1"]);
+            assert_eq!(movie_ids(&index, "侍").await, ["m2"]);
+            assert_eq!(movie_ids(&index, "の").await.len(), 2, "a lone character");
+            assert!(movie_ids(&index, "千侍").await.is_empty(), "both characters, side by side");
+            assert_eq!(movie_ids(&index, "heat").await, ["m3"]);
+            assert_eq!(review_ids(&index, "発見").await, ["r1"], "inside a sentence of 60 bytes");
+            assert_eq!(review_ids(&index, "湯婆婆 千尋").await, ["r1"], "the body and the title");
+            assert_eq!(review_ids(&index, "영화").await, ["r2"], "a Korean word with its particle");
+            assert_eq!(review_ids(&index, "기생충").await, ["r2"]);
+            assert_eq!(review_ids(&index, "DINER").await, ["r3"]);
+            drop(index);
+            index = open(&dir);
+        }
     }
 
     #[tokio::test]

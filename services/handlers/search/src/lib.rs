@@ -10,6 +10,7 @@ mod api;
 mod fixtures;
 mod handler;
 mod index;
+mod words;
 
 use std::path::PathBuf;
 use std::sync::Arc;
