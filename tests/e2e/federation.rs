@@ -329,8 +329,27 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     assert_eq!(status, 200);
     let note_id = format!("{actor_url}/reviews/{}", review.review_id);
     assert_eq!(page["orderedItems"][0]["object"]["id"], note_id.as_str());
+    let create_id = format!("{note_id}/activity");
+    assert_eq!(page["orderedItems"][0]["id"], create_id.as_str(), "the Create followers were sent");
     let (status, note) = get_json(&note_id).await;
     assert_eq!((status, note["film"]["name"].as_str()), (200, Some("Heat")));
+    // The Create's id resolves: the activity, around the note as it is now (edited).
+    let (status, served) = get_json(&create_id).await;
+    assert_eq!(
+        (status, served["type"].as_str(), served["id"].as_str()),
+        (200, Some("Create"), Some(create_id.as_str()))
+    );
+    assert_eq!(
+        served["object"],
+        note.as_object()
+            .map(|n| {
+                let mut n = n.clone();
+                n.remove("@context");
+                serde_json::Value::Object(n)
+            })
+            .unwrap()
+    );
+    assert_eq!(served["actor"], actor_url.as_str());
 
     delete(&mut c, &ana, &review).await;
     wait_until!("the Delete arrives", !peer.received_of("Delete").is_empty());
@@ -360,10 +379,18 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
         update["object"]
     );
     assert_eq!(peer.received_of("Delete")[0].activity["object"]["id"], note_id.as_str());
-    let event_ids: Vec<String> = events_of(&a.database, "ReviewLogged").await.into_iter().map(|e| e.event_id).collect();
-    assert_eq!(create["id"], format!("{}/activities/{}", a.public_url(), event_ids[1]), "named after its event");
+    assert_eq!(create["id"], create_id.as_str(), "named after its note, as the outbox lists it");
+    let update_id =
+        format!("{}/activities/{}", a.public_url(), events_of(&a.database, "ReviewEdited").await[0].event_id);
+    assert_eq!(update["id"], update_id.as_str(), "an Update is named after its event");
     assert_eq!(create["actor"], actor_url.as_str(), "ana's review, not bo's");
-    let bo_activity = format!("{}/activities/{}", a.public_url(), event_ids[0]);
+    let logged = events_of(&a.database, "ReviewLogged").await;
+    let Some(v1::event::Payload::ReviewLogged(bo_review)) = &logged[0].payload else { panic!("bo's review first") };
+    assert_ne!(bo_review.user_id, ana);
+    let elsewhere = format!("{actor_url}/reviews/{}/activity", bo_review.review_id);
+    assert_eq!(get_json(&elsewhere).await.0, 404, "bo's review is not ana's");
+    let bo_activity =
+        format!("{}/users/{}/reviews/{}/activity", a.public_url(), bo_review.user_id, bo_review.review_id);
     let sql = format!("SELECT COUNT(*) FROM federation_outbox WHERE activity_id = '{bo_activity}'");
     assert_eq!(count(&a.database, &sql).await, 0, "nothing queued for bo's review");
     let queued =

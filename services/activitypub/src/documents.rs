@@ -171,9 +171,13 @@ pub fn note(urls: &Urls, r: &Review<'_>) -> Value {
 }
 
 fn activity(urls: &Urls, kind: &str, event_id: &str, user_id: &str, object: Value, to: Value, cc: Value) -> Value {
+    activity_named(urls, urls.activity(event_id), kind, user_id, object, to, cc)
+}
+
+fn activity_named(urls: &Urls, id: String, kind: &str, user_id: &str, object: Value, to: Value, cc: Value) -> Value {
     json!({
         "@context": context(),
-        "id": urls.activity(event_id),
+        "id": id,
         "type": kind,
         "actor": urls.actor(user_id),
         "to": to,
@@ -182,10 +186,21 @@ fn activity(urls: &Urls, kind: &str, event_id: &str, user_id: &str, object: Valu
     })
 }
 
-/// `Create`/`Update` of a review note, to the public and the author's followers.
-pub fn create_or_update(urls: &Urls, kind: &str, event_id: &str, r: &Review<'_>) -> Value {
-    let mut activity =
-        activity(urls, kind, event_id, r.user_id, note(urls, r), json!([PUBLIC]), json!([urls.followers(r.user_id)]));
+/// `Create` of a review note, to the public and the author's followers. Its id is the note's
+/// ([`Urls::note_create`]), not its event's: the outbox lists it and the gateway serves it under
+/// that id.
+pub fn create(urls: &Urls, r: &Review<'_>) -> Value {
+    let id = urls.note_create(r.user_id, r.review_id);
+    let (to, cc) = (json!([PUBLIC]), json!([urls.followers(r.user_id)]));
+    let mut activity = activity_named(urls, id, "Create", r.user_id, note(urls, r), to, cc);
+    activity["published"] = json!(rfc3339(r.published_ms));
+    activity
+}
+
+/// `Update` of an edited review note (event `event_id`), to the public and the author's followers.
+pub fn update(urls: &Urls, event_id: &str, r: &Review<'_>) -> Value {
+    let (to, cc) = (json!([PUBLIC]), json!([urls.followers(r.user_id)]));
+    let mut activity = activity(urls, "Update", event_id, r.user_id, note(urls, r), to, cc);
     activity["published"] = json!(rfc3339(r.updated_ms.unwrap_or(r.published_ms)));
     activity
 }
@@ -291,11 +306,14 @@ mod tests {
     }
 
     #[test]
-    fn activity_ids_come_from_the_event() {
+    fn activity_ids_come_from_the_event_and_a_create_from_its_note() {
         let urls = Urls::new("https://reelay.example").unwrap();
-        let create = create_or_update(&urls, "Create", "e1", &review());
-        assert_eq!(create["id"], "https://reelay.example/activities/e1");
-        assert_eq!(create, create_or_update(&urls, "Create", "e1", &review()));
+        let create = create(&urls, &review());
+        assert_eq!(create["id"], "https://reelay.example/users/u1/reviews/r1/activity");
+        assert_eq!(create["object"]["id"], "https://reelay.example/users/u1/reviews/r1");
+        assert_eq!(create, super::create(&urls, &review()));
+        let update = update(&urls, "e1", &review());
+        assert_eq!(update["id"], "https://reelay.example/activities/e1");
         let undo = undo_follow(&urls, "e3", "u1", "e2", "https://m.example/users/bo");
         assert_eq!(undo["object"]["id"], "https://reelay.example/activities/e2");
     }

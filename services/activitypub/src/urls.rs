@@ -88,6 +88,12 @@ impl Urls {
         format!("{}/reviews/{review_id}", self.actor(user_id))
     }
 
+    /// The id of the `Create` of a review's note: one per note, the same in the outbox and in
+    /// what followers are sent, and served (the gateway's `GET <note>/activity`).
+    pub fn note_create(&self, user_id: &str, review_id: &str) -> String {
+        format!("{}/activity", self.note(user_id, review_id))
+    }
+
     /// The id of the activity the event `event_id` caused.
     pub fn activity(&self, event_id: &str) -> String {
         format!("{}/activities/{event_id}", self.base)

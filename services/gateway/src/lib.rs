@@ -81,6 +81,7 @@ pub async fn serve(
         .route("/users/{id}/outbox", get(public::outbox))
         .route("/users/{id}/followers", get(public::followers))
         .route("/users/{id}/reviews/{review_id}", get(public::note))
+        .route("/users/{id}/reviews/{review_id}/activity", get(public::note_create))
         .route("/users/{id}/inbox", post(inbox::user_inbox))
         .route("/inbox", post(inbox::shared_inbox))
         .layer(DefaultBodyLimit::max(config.max_body_bytes))

@@ -4,9 +4,10 @@
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
+use reelay_activitypub::Urls;
 use reelay_activitypub::documents::{self, Profile, Review};
 use reelay_contracts::v1::{self, get_local_actor_request};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::{Gateway, activity_json, from_status, json, refuse};
 
@@ -193,16 +194,10 @@ pub(crate) async fn outbox(State(gw): State<Gateway>, Path(id): Path<String>, Ra
         .iter()
         .filter_map(review_of)
         .map(|review| {
-            let note = documents::note(urls, &review);
-            json!({
-                "id": format!("{}/activity", urls.note(review.user_id, review.review_id)),
-                "type": "Create",
-                "actor": urls.actor(review.user_id),
-                "published": note["published"].clone(),
-                "to": note["to"].clone(),
-                "cc": note["cc"].clone(),
-                "object": note,
-            })
+            let mut create = documents::create(urls, &review);
+            // The collection's context covers its items.
+            create.as_object_mut().map(|c| c.remove("@context"));
+            create
         })
         .collect();
     let page_id =
@@ -214,28 +209,54 @@ pub(crate) async fn outbox(State(gw): State<Gateway>, Path(id): Path<String>, Ra
 
 /// One review as a `Note`.
 pub(crate) async fn note(State(gw): State<Gateway>, Path((id, review_id)): Path<(String, String)>) -> Response {
+    review_document(&gw, &id, review_id, |urls, review| {
+        let mut note = documents::note(urls, review);
+        note["@context"] = documents::context();
+        note
+    })
+    .await
+}
+
+/// The `Create` of one review's note, under the id followers were sent and the outbox lists.
+pub(crate) async fn note_create(State(gw): State<Gateway>, Path((id, review_id)): Path<(String, String)>) -> Response {
+    review_document(&gw, &id, review_id, documents::create).await
+}
+
+/// The `document` of review `review_id` of user `id` (404 when it is not theirs).
+async fn review_document(
+    gw: &Gateway,
+    id: &str,
+    review_id: String,
+    document: impl Fn(&Urls, &Review<'_>) -> Value,
+) -> Response {
+    let row = match review_row(gw, id, review_id).await {
+        Ok(row) => row,
+        Err(answer) => return answer,
+    };
+    let Some(review) = review_of(&row) else { return refuse(StatusCode::NOT_FOUND, "no such review") };
+    activity_json(document(&gw.config.urls, &review))
+}
+
+/// Review `review_id` of user `id`, with its film, as the outbox lists it.
+async fn review_row(gw: &Gateway, id: &str, review_id: String) -> Result<v1::OutboxReview, Response> {
     if uuid_like(&review_id).is_none() {
-        return refuse(StatusCode::NOT_FOUND, "no such review");
+        return Err(refuse(StatusCode::NOT_FOUND, "no such review"));
     }
     let review = match gw.reviews.clone().get_review(v1::GetReviewRequest { review_id }).await {
         Ok(review) => review.into_inner(),
-        Err(status) => return from_status(&status),
+        Err(status) => return Err(from_status(&status)),
     };
     if review.user_id != id {
-        return refuse(StatusCode::NOT_FOUND, "no such review");
+        return Err(refuse(StatusCode::NOT_FOUND, "no such review"));
     }
     let movie = match gw.movies.clone().get_movie(v1::GetMovieRequest { movie_id: review.movie_id.clone() }).await {
         Ok(movie) => movie.into_inner(),
-        Err(status) => return from_status(&status),
+        Err(status) => return Err(from_status(&status)),
     };
-    let row = v1::OutboxReview {
+    Ok(v1::OutboxReview {
         movie_title: movie.title,
         movie_year: movie.year,
         movie_external_id: movie.external_id,
         review: Some(review),
-    };
-    let Some(review) = review_of(&row) else { return refuse(StatusCode::NOT_FOUND, "no such review") };
-    let mut note = documents::note(&gw.config.urls, &review);
-    note["@context"] = documents::context();
-    activity_json(note)
+    })
 }

@@ -128,13 +128,13 @@ impl Handler for ActivitiesHandler {
                 // Published when the review was logged, as its note served and its Update say
                 // (the event is stamped when its batch commits, a moment later).
                 let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
-                let activity = documents::create_or_update(urls, "Create", id, &review_note!(r, logged, None));
+                let activity = documents::create(urls, &review_note!(r, logged, None));
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewEdited(r)) => {
                 // An event from before it carried the review's first logging has only the edit's time.
                 let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
-                let activity = documents::create_or_update(urls, "Update", id, &review_note!(r, logged, Some(at)));
+                let activity = documents::update(urls, id, &review_note!(r, logged, Some(at)));
                 self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
             }
             Some(Payload::ReviewDeleted(r)) => {
