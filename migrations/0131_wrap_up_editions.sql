@@ -32,5 +32,7 @@ INSERT INTO wrap_ups_new (id, user_id, year, status, summary_json, requested_at,
     FROM wrap_ups ORDER BY rowid;
 DROP TABLE wrap_ups;
 ALTER TABLE wrap_ups_new RENAME TO wrap_ups;
-CREATE INDEX wrap_ups_user_year ON wrap_ups (user_id, year, requested_at);
+-- The newest of a user's year is the last inserted (rowid order, kept by the copy above; wrap-ups
+-- are never deleted), not the latest `requested_at`, which a wall clock stepping back misorders.
+CREATE INDEX wrap_ups_user_year ON wrap_ups (user_id, year);
 CREATE UNIQUE INDEX wrap_ups_generating ON wrap_ups (user_id, year) WHERE status = 'generating';

@@ -1,8 +1,10 @@
 //! The ids of what this instance publishes, all under its public origin (`REELAY_PUBLIC_URL`).
 //!
 //! Actors are named by user id, which never changes (`/users/<uuid>`); WebFinger maps a handle
-//! to it. Every activity Reelay sends is `/activities/<event id>`: the event that caused it
-//! names it, so a redelivery of that event sends the same activity again, never a new one.
+//! to it. A review's `Create` is `<note>/activity`, one per note, the id its outbox lists and
+//! the gateway serves; every other activity Reelay sends is `/activities/<event id>`: the event
+//! that caused it names it. Either way a redelivery of the event sends the same activity again,
+//! never a new one.
 
 use url::Url;
 

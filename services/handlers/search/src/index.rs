@@ -616,7 +616,7 @@ impl Inner {
     }
 
     /// Documents of `kind` with every word of `text` in one of `fields`, best first, tombstones
-    /// excluded. Query syntax is not interpreted: the words are those of [`crate::words::query_words`].
+    /// excluded. Query syntax is not interpreted: what is asked for is [`crate::words::query`]'s.
     fn search<T>(
         &self,
         kind: &str,
@@ -626,8 +626,8 @@ impl Inner {
         limit: usize,
         hit: impl Fn(Score, &TantivyDocument) -> T,
     ) -> Result<SearchPage<T>, IndexError> {
-        let words = crate::words::query_words(text);
-        if words.is_empty() {
+        let wanted = crate::words::query(text);
+        if wanted.is_empty() {
             return Ok(SearchPage { hits: Vec::new(), total_hits: 0 });
         }
         let filter = |term| -> (Occur, Box<dyn Query>) {
@@ -638,14 +638,28 @@ impl Inner {
             filter(Term::from_field_text(self.fields.kind, kind)),
             filter(Term::from_field_bool(self.fields.deleted, false)),
         ];
-        for word in &words {
-            let any_field = fields
+        let in_any_field = |word: &String| -> Box<dyn Query> {
+            let terms = fields
                 .iter()
                 .map(|field| -> Box<dyn Query> {
                     Box::new(TermQuery::new(Term::from_field_text(*field, word), IndexRecordOption::WithFreqs))
                 })
                 .collect();
-            clauses.push((Occur::Must, Box::new(BooleanQuery::union(any_field))));
+            Box::new(BooleanQuery::union(terms))
+        };
+        for want in &wanted {
+            let clause: Box<dyn Query> = match &want.alternatives[..] {
+                [words] if words.len() == 1 => in_any_field(&words[0]),
+                alternatives => Box::new(BooleanQuery::union(
+                    alternatives
+                        .iter()
+                        .map(|words| -> Box<dyn Query> {
+                            Box::new(BooleanQuery::intersection(words.iter().map(in_any_field).collect()))
+                        })
+                        .collect(),
+                )),
+            };
+            clauses.push((Occur::Must, clause));
         }
         let query = BooleanQuery::new(clauses);
         let searcher = self.reader.searcher();
@@ -939,6 +953,44 @@ mod tests {
             drop(index);
             index = open(&dir);
         }
+    }
+
+    /// An index written by the analyzer before (tantivy's default: a run of Chinese, Japanese
+    /// or Korean text was one word) keeps finding what it found: a query for such a run also
+    /// accepts it as one word.
+    #[tokio::test]
+    async fn documents_indexed_before_are_found_as_they_were() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("search");
+        {
+            std::fs::create_dir_all(&path).unwrap();
+            let index = Index::create_in_dir(&path, schema()).unwrap();
+            let f = Fields::of(&index.schema()).unwrap();
+            let mut writer: IndexWriter = index.writer(WRITER_MEMORY_BYTES).unwrap();
+            for (key, kind, title, body) in
+                [("movie:m1", KIND_MOVIE, "七人の侍", ""), ("review:r1", KIND_REVIEW, "기생충", "BTS의 노래")]
+            {
+                let mut doc = TantivyDocument::new();
+                doc.add_text(f.key, key);
+                doc.add_i64(f.version, 100);
+                doc.add_bool(f.deleted, false);
+                doc.add_text(f.kind, kind);
+                doc.add_text(f.movie_id, &key[key.len() - 2..]);
+                doc.add_text(f.review_id, &key[key.len() - 2..]);
+                doc.add_text(f.title, title);
+                doc.add_text(f.body, body);
+                writer.add_document(doc).unwrap();
+            }
+            writer.commit().unwrap();
+        }
+        let index = SearchIndex::open(&path).unwrap();
+        assert_eq!(movie_ids(&index, "七人の侍").await, ["m1"]);
+        assert_eq!(review_ids(&index, "기생충").await, ["r1"]);
+        assert_eq!(review_ids(&index, "bts의 기생충").await, ["r1"]);
+        // Found by a word inside it once indexed again; the old document's words stay found.
+        apply_ok(&index, &[&movie_discovered("m1", 200, "七人の侍", 1954)]).await;
+        assert_eq!(movie_ids(&index, "侍").await, ["m1"]);
+        assert_eq!(movie_ids(&index, "七人の侍").await, ["m1"]);
     }
 
     #[tokio::test]

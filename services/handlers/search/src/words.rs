@@ -9,14 +9,19 @@
 //! of neighbouring characters; a query asks for each pair of neighbours in its run (all must be
 //! there), or for the character when its run is one character long. So "千尋" finds
 //! "千と千尋の神隠し", and "侍" finds "七人の侍", as the CJK analyzers of the common search
-//! engines do.
+//! engines do. Those characters are taken in one form (NFKC: half-width katakana as full-width,
+//! a decomposed voicing mark composed, variation selectors dropped), in the index and in queries.
 //!
 //! The analyzer is registered under tantivy's name `default`, the name the schema's text fields
-//! were created with, so an index written before still opens; its documents' words are the same
-//! for the space-separated scripts, and a document with Chinese, Japanese or Korean text is
-//! found by them once it is indexed again (its next change).
+//! were created with, so an index written before still opens. Its documents' words are the same
+//! for the space-separated scripts; for text with a joined script in it, a query also accepts
+//! the words the analyzer before this one made of it (a whole run under 40 bytes), so what was
+//! found before still is, and the rest is found once the document is indexed again (its next
+//! change).
 
 use tantivy::tokenizer::{Token, TokenStream, Tokenizer};
+use unicode_normalization::UnicodeNormalization;
+use unicode_normalization::char::is_combining_mark;
 
 /// The name the schema's text fields refer to their analyzer by.
 pub const ANALYZER: &str = "default";
@@ -43,7 +48,9 @@ fn joined_script(c: char) -> bool {
     )
 }
 
-/// A run of letters and digits of one kind, as byte offsets into the text.
+/// A run of letters and digits of one kind, as byte offsets into the text. A run of a joined
+/// script also takes the marks that follow its characters (a decomposed kana's voicing mark, a
+/// variation selector).
 struct Run {
     from: usize,
     to: usize,
@@ -55,12 +62,19 @@ fn runs(text: &str) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
     let mut open: Option<Run> = None;
     for (at, c) in text.char_indices() {
-        let kind = c.is_alphanumeric().then(|| joined_script(c));
+        let to = at + c.len_utf8();
+        let kind = if c.is_alphanumeric() {
+            Some(joined_script(c))
+        } else if is_combining_mark(c) && open.as_ref().is_some_and(|run| run.joined) {
+            Some(true)
+        } else {
+            None
+        };
         match (&mut open, kind) {
-            (Some(run), Some(joined)) if run.joined == joined => run.to = at + c.len_utf8(),
+            (Some(run), Some(joined)) if run.joined == joined => run.to = to,
             (_, kind) => {
                 runs.extend(open.take());
-                open = kind.map(|joined| Run { from: at, to: at + c.len_utf8(), joined });
+                open = kind.map(|joined| Run { from: at, to, joined });
             }
         }
     }
@@ -69,64 +83,100 @@ fn runs(text: &str) -> Vec<Run> {
 }
 
 /// The word of a run of a space-separated script, if it is short enough to keep.
-fn spaced_word(text: &str, run: &Run) -> Option<String> {
-    let word = &text[run.from..run.to];
-    (word.len() < LONGEST).then(|| word.chars().flat_map(char::to_lowercase).collect())
+fn spaced_word(text: &str) -> Option<String> {
+    (text.len() < LONGEST).then(|| text.chars().flat_map(char::to_lowercase).collect())
 }
 
-/// The character boundaries of a run of a joined script.
-fn boundaries(text: &str, run: &Run) -> Vec<usize> {
-    let mut at: Vec<usize> = text[run.from..run.to].char_indices().map(|(i, _)| run.from + i).collect();
-    at.push(run.to);
-    at
+/// The characters of a run of a joined script, in one form: compatibility forms folded
+/// (half-width katakana, compatibility ideographs), voicing marks composed, and the marks left
+/// over (variation selectors) dropped.
+fn characters(text: &str) -> Vec<String> {
+    text.nfkc().filter(|&c| !is_combining_mark(c)).map(String::from).collect()
 }
 
-/// The words `text` is indexed under, in order, with their offsets.
+/// The words `text` is indexed under, in order. A character of a joined script, and a pair, has
+/// its run's offsets (its form may differ from the text's).
 fn index_tokens(text: &str) -> Vec<Token> {
     let mut tokens = Vec::new();
-    let mut push = |from: usize, to: usize, word: String| {
+    let mut push = |run: &Run, word: String| {
         let position = tokens.len();
-        tokens.push(Token { offset_from: from, offset_to: to, position, text: word, position_length: 1 });
+        tokens.push(Token { offset_from: run.from, offset_to: run.to, position, text: word, position_length: 1 });
     };
     for run in runs(text) {
+        let part = &text[run.from..run.to];
         if !run.joined {
-            if let Some(word) = spaced_word(text, &run) {
-                push(run.from, run.to, word);
+            if let Some(word) = spaced_word(part) {
+                push(&run, word);
             }
             continue;
         }
-        let at = boundaries(text, &run);
-        for i in 0..at.len() - 1 {
-            push(at[i], at[i + 1], text[at[i]..at[i + 1]].to_owned());
-            if let Some(&to) = at.get(i + 2) {
-                push(at[i], to, text[at[i]..to].to_owned());
+        let chars = characters(part);
+        for (i, c) in chars.iter().enumerate() {
+            push(&run, c.clone());
+            if let Some(next) = chars.get(i + 1) {
+                push(&run, format!("{c}{next}"));
             }
         }
     }
     tokens
 }
 
-/// The distinct words a query for `text` asks for, each of which a hit must hold.
-pub fn query_words(text: &str) -> Vec<String> {
-    let mut words: Vec<String> = Vec::new();
-    for run in runs(text) {
-        let found: Vec<String> = if run.joined {
-            let at = boundaries(text, &run);
-            if at.len() == 2 {
-                vec![text[run.from..run.to].to_owned()]
-            } else {
-                at.windows(3).map(|w| text[w[0]..w[2]].to_owned()).collect()
-            }
-        } else {
-            spaced_word(text, &run).into_iter().collect()
-        };
-        for word in found {
-            if !words.contains(&word) {
-                words.push(word);
-            }
+/// One thing a hit must hold: every word of one of `alternatives`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    pub alternatives: Vec<Vec<String>>,
+}
+
+/// What a query for `text` asks for: each [`Wanted`] must be in a hit. A word of a
+/// space-separated script is wanted as itself. A stretch of text with a joined script in it
+/// (letters, digits and marks with no space) is wanted by its own words: those of its spaced
+/// runs, each pair of neighbouring characters of its joined runs (the character, for a run of
+/// one); or, as the alternative, by the words the analyzer before this one made of it (a whole
+/// run of letters and digits, lowercased, under 40 bytes), which documents indexed before hold.
+pub fn query(text: &str) -> Vec<Wanted> {
+    let mut wanted: Vec<Wanted> = Vec::new();
+    let mut want = |alternatives: Vec<Vec<String>>| {
+        let w = Wanted { alternatives };
+        if !w.alternatives.is_empty() && !wanted.contains(&w) {
+            wanted.push(w);
         }
+    };
+    let runs = runs(text);
+    let mut i = 0;
+    while i < runs.len() {
+        // A stretch: runs that touch.
+        let mut end = i + 1;
+        while end < runs.len() && runs[end].from == runs[end - 1].to {
+            end += 1;
+        }
+        let stretch = &runs[i..end];
+        if !stretch.iter().any(|run| run.joined) {
+            want(spaced_word(&text[stretch[0].from..stretch[0].to]).map(|word| vec![word]).into_iter().collect());
+        } else {
+            let mut own: Vec<String> = Vec::new();
+            for run in stretch {
+                let part = &text[run.from..run.to];
+                if run.joined {
+                    let chars = characters(part);
+                    match chars.len() {
+                        0 => {}
+                        1 => own.push(chars[0].clone()),
+                        _ => own.extend(chars.windows(2).map(|pair| pair.concat())),
+                    }
+                } else {
+                    own.extend(spaced_word(part));
+                }
+            }
+            own.dedup();
+            let text = &text[stretch[0].from..stretch[end - i - 1].to];
+            let before: Vec<String> =
+                text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).filter_map(spaced_word).collect();
+            let before = if before == own { Vec::new() } else { before };
+            want([own, before].into_iter().filter(|words| !words.is_empty()).collect());
+        }
+        i = end;
     }
-    words
+    wanted
 }
 
 /// The index's analyzer (see the module's documentation).
@@ -178,37 +228,52 @@ mod tests {
         words
     }
 
+    /// The words tantivy's default analyzer (the one before) makes of `text`, with offsets.
+    fn before(text: &str) -> Vec<(String, usize, usize)> {
+        let mut theirs = tantivy::tokenizer::TokenizerManager::default().get("default").unwrap();
+        let mut stream = theirs.token_stream(text);
+        let mut words = Vec::new();
+        while stream.advance() {
+            let t = stream.token();
+            words.push((t.text.clone(), t.offset_from, t.offset_to));
+        }
+        words
+    }
+
+    fn words(list: &[&str]) -> Vec<String> {
+        list.iter().map(|w| w.to_string()).collect()
+    }
+
+    /// What `text`'s query asks for, each wanted as its alternatives.
+    fn asked(text: &str) -> Vec<Vec<Vec<String>>> {
+        query(text).into_iter().map(|w| w.alternatives).collect()
+    }
+
     /// Text of the space-separated scripts gets exactly the words tantivy's default analyzer
-    /// gave it, at the same offsets, so documents indexed before keep matching.
+    /// gave it, at the same offsets, so documents indexed before keep matching; a query wants
+    /// each of those words.
     #[test]
     fn spaced_scripts_are_split_as_tantivys_default_analyzer_splits_them() {
         let samples = [
             "Heat (1995) — the diner scene; De Niro & Pacino!",
             "Amélie's ÉTÉ: Ça va, Straße, İstanbul, ΣΊΣΥΦΟΣ",
             "Сталкер, Солярис — Тарковский 1979",
-            "word_with_underscores dash-joined 3.14 ٣٤ الفيلم",
+            "word_with_underscores dash-joined 3.14 ٣٤ الفيلم heat",
             "a-very-long-but-split word and onewordthatislongerthanfortybytesforsure!",
             "",
             "   \t\n",
         ];
-        let default = tantivy::tokenizer::TokenizerManager::default();
         for sample in samples {
-            let mut theirs = default.get("default").unwrap();
-            let mut stream = theirs.token_stream(sample);
-            let mut expected = Vec::new();
-            while stream.advance() {
-                let t = stream.token();
-                expected.push((t.text.clone(), t.offset_from, t.offset_to));
-            }
+            let expected = before(sample);
             let ours: Vec<_> = index_tokens(sample).into_iter().map(|t| (t.text, t.offset_from, t.offset_to)).collect();
             assert_eq!(ours, expected, "{sample:?}");
-            let asked: Vec<String> = expected.into_iter().map(|(word, _, _)| word).fold(Vec::new(), |mut v, w| {
-                if !v.contains(&w) {
-                    v.push(w);
+            let mut each: Vec<Vec<Vec<String>>> = Vec::new();
+            for (word, _, _) in expected {
+                if !each.contains(&vec![vec![word.clone()]]) {
+                    each.push(vec![vec![word]]);
                 }
-                v
-            });
-            assert_eq!(query_words(sample), asked, "{sample:?}");
+            }
+            assert_eq!(asked(sample), each, "{sample:?}");
         }
     }
 
@@ -223,18 +288,31 @@ mod tests {
         let sentence = "千と千尋の神隠しは何度見ても新しい発見がある";
         assert!(sentence.len() > LONGEST);
         assert!(indexed(sentence).contains(&"発見".to_owned()));
+        // One form: decomposed voicing marks, half-width katakana, variation selectors.
+        let composed = indexed("ガイド");
+        assert_eq!(indexed("\u{30AB}\u{3099}\u{30A4}\u{30C8}\u{3099}"), composed);
+        assert_eq!(indexed("ｶﾞｲﾄﾞ"), composed);
+        assert_eq!(indexed("葛\u{E0100}飾"), indexed("葛飾"));
     }
 
     #[test]
-    fn a_query_asks_for_each_pair_or_the_lone_character() {
-        assert_eq!(query_words("千と千尋"), ["千と", "と千", "千尋"]);
-        assert_eq!(query_words("侍"), ["侍"]);
-        assert_eq!(query_words("Heat 侍 神隠し heat"), ["heat", "侍", "神隠", "隠し"]);
-        assert_eq!(query_words("ＣＯＷＢＯＹ ビバップ"), ["ｃｏｗｂｏｙ", "ビバ", "バッ", "ップ"]);
+    fn a_query_asks_for_each_pair_or_what_the_analyzer_before_made() {
+        assert_eq!(asked("千と千尋"), [vec![words(&["千と", "と千", "千尋"]), words(&["千と千尋"])]]);
+        assert_eq!(asked("侍"), [vec![words(&["侍"])]]);
+        assert_eq!(
+            asked("Heat 侍 神隠し heat"),
+            [vec![words(&["heat"])], vec![words(&["侍"])], vec![words(&["神隠", "隠し"]), words(&["神隠し"])]]
+        );
+        // A stretch of two scripts: its own words, or the one word it was.
+        assert_eq!(asked("BTS의"), [vec![words(&["bts", "의"]), words(&["bts의"])]]);
+        // The before words of a long run are left out, as they were.
+        let sentence = "千と千尋の神隠しは何度見ても新しい発見がある";
+        assert_eq!(query(sentence)[0].alternatives.len(), 1);
         // Every pair a query asks for of a text is indexed for that text.
         let text = "ハウルの動く城を映画館で観た";
         let held = indexed(text);
-        assert!(query_words(text).iter().all(|w| held.contains(w)));
-        assert!(query_words("動く城").iter().all(|w| held.contains(w)));
+        for part in [text, "動く城", "ハウル"] {
+            assert!(query(part).iter().all(|w| w.alternatives[0].iter().all(|p| held.contains(p))), "{part}");
+        }
     }
 }

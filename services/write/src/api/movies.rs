@@ -167,7 +167,7 @@ fn checked_variants(r: v1::RecordPosterVariantsRequest) -> Result<PosterVariants
 }
 
 /// A lower-case hex SHA-256 digest.
-fn sha256(field: &str, digest: &str) -> Result<(), ServiceError> {
+pub(super) fn sha256(field: &str, digest: &str) -> Result<(), ServiceError> {
     if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
         return Err(ServiceError::invalid(field, format!("must be 64 lower-case hex digits, got {digest:?}")));
     }

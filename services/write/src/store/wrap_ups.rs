@@ -52,7 +52,7 @@ macro_rules! year_entries_sql {
             $profile,
             ", m.enriched_at ",
             "FROM reviews r JOIN movies m ON m.id = r.movie_id WHERE r.user_id = ?1 AND substr(day, 1, 4) = ?2 ",
-            "ORDER BY day, r.created_at"
+            "ORDER BY day, r.created_at, r.id"
         )
     };
 }
@@ -125,7 +125,7 @@ impl Store {
             let newest: Option<WrapUpRow> = sqlx::query_as(concat!(
                 "SELECT ",
                 wrap_up_columns!(),
-                " FROM wrap_ups WHERE user_id = ? AND year = ? ORDER BY requested_at DESC, rowid DESC LIMIT 1"
+                " FROM wrap_ups WHERE user_id = ? AND year = ? ORDER BY rowid DESC LIMIT 1"
             ))
             .bind(actor.to_string())
             .bind(year)
@@ -383,6 +383,44 @@ mod tests {
         };
         store.complete_wrap_up(WrapUpId::parse("wrap_up_id", &again).unwrap(), completion).await.unwrap();
         assert!(ask().await.unwrap().created, "completed without a digest");
+    }
+
+    /// The newest wrap-up of a year is the last one made, even when the clock stepped back
+    /// after an older one was asked for.
+    #[tokio::test]
+    async fn the_newest_wrap_up_is_the_last_made_whatever_the_clock_said() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let store = Store::new(db.clone());
+        let user = store.create_user("ana".into(), "Ana".into(), None).await.unwrap();
+        let actor = UserId::parse("user_id", &user.user_id).unwrap();
+        let first = store.request_wrap_up(actor, 2024, None).await.unwrap().wrap_up.unwrap().wrap_up_id;
+        complete(&store, &first, None).await;
+        // Asked for an hour ahead of the clock that follows.
+        let ahead = first.clone();
+        db.writer
+            .transact::<_, crate::WriteError, _>("clock ahead", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query("UPDATE wrap_ups SET requested_at = requested_at + 3600000 WHERE id = ?")
+                        .bind(ahead)
+                        .execute(tx.conn())
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let fields = ReviewFields { rating: 7, body: String::new(), watched_on: "2024-05-05".into(), rewatch: false };
+        let heat = MovieSpec::TitleYear { title: "Heat".into(), year: 1995, external_id: None };
+        store.log_review(actor, heat, fields, None).await.unwrap();
+        let second = store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert!(second.created);
+        let second = second.wrap_up.unwrap().wrap_up_id;
+        let again = store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert_eq!((again.created, again.wrap_up.unwrap().wrap_up_id), (false, second.clone()), "still generating");
+        complete(&store, &second, None).await;
+        let done = store.request_wrap_up(actor, 2024, None).await.unwrap();
+        assert_eq!((done.created, done.wrap_up.unwrap().wrap_up_id), (false, second), "and then it stands");
     }
 
     /// Wrap-ups written before a year's wrap-up could be made again keep every column through
