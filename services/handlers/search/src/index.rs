@@ -343,7 +343,7 @@ impl SearchIndex {
 
     fn from_index(index: Index) -> tantivy::Result<Self> {
         // Before the writer exists: its segments take the text fields' analyzer from here.
-        index.tokenizers().register(crate::words::ANALYZER, crate::words::Words);
+        index.tokenizers().register(crate::words::ANALYZER, crate::words::Words::default());
         let fields = Fields::of(&index.schema())?;
         let writer = index.writer_with_options(
             IndexWriterOptions::builder()
