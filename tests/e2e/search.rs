@@ -34,20 +34,7 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
     let mut search = SearchClient::new(reelay.handlers_channel().await);
     let ana = c.user("ana").await;
 
-    let review = c
-        .reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: ana.clone(),
-            movie: movie_ref("Heat", 1995),
-            rating: 9,
-            body: "The diner scene is unbearable tension.".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let review = c.review_with_text(&ana, movie_ref("Heat", 1995), 9, "The diner scene is unbearable tension.").await;
     eventually("the logged review is searchable", || {
         let mut search = search.clone();
         let id = review.review_id.clone();
@@ -110,20 +97,8 @@ pub async fn review_lifecycle_reaches_search(env: &[(&str, &str)]) {
     .await;
 
     // A title and a review without spaces between words are found by a word inside them.
-    let spirited = c
-        .reviews
-        .log_review(v1::LogReviewRequest {
-            actor_user_id: ana.clone(),
-            movie: movie_ref("千と千尋の神隠し", 2001),
-            rating: 10,
-            body: "何度見ても新しい発見がある。".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let spirited =
+        c.review_with_text(&ana, movie_ref("千と千尋の神隠し", 2001), 10, "何度見ても新しい発見がある。").await;
     eventually("a Japanese review is found by a word inside it", || {
         let mut search = search.clone();
         async move { review_hits(&mut search, "発見").await.len() == 1 }

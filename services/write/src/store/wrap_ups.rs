@@ -273,6 +273,20 @@ mod tests {
             .unwrap()
     }
 
+    /// Runs `sql` with `value` bound, in a write job of its own.
+    async fn execute(db: &Database, sql: &'static str, value: &str) {
+        let value = value.to_owned();
+        db.writer
+            .transact::<_, crate::WriteError, _>("test statement", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query(sql).bind(value).execute(tx.conn()).await?;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+    }
+
     /// Completes wrap-up `id` from the inputs GetWrapUpInputs gives now; returns their digest.
     async fn complete(store: &Store, id: &str, digest: Option<String>) -> String {
         let id = WrapUpId::parse("wrap_up_id", id).unwrap();
@@ -397,19 +411,7 @@ mod tests {
         let first = store.request_wrap_up(actor, 2024, None).await.unwrap().wrap_up.unwrap().wrap_up_id;
         complete(&store, &first, None).await;
         // Asked for an hour ahead of the clock that follows.
-        let ahead = first.clone();
-        db.writer
-            .transact::<_, crate::WriteError, _>("clock ahead", move |tx: &mut WriteTx| {
-                Box::pin(async move {
-                    sqlx::query("UPDATE wrap_ups SET requested_at = requested_at + 3600000 WHERE id = ?")
-                        .bind(ahead)
-                        .execute(tx.conn())
-                        .await?;
-                    Ok(())
-                })
-            })
-            .await
-            .unwrap();
+        execute(&db, "UPDATE wrap_ups SET requested_at = requested_at + 3600000 WHERE id = ?", &first).await;
         let fields = ReviewFields { rating: 7, body: String::new(), watched_on: "2024-05-05".into(), rewatch: false };
         let heat = MovieSpec::TitleYear { title: "Heat".into(), year: 1995, external_id: None };
         store.log_review(actor, heat, fields, None).await.unwrap();
@@ -492,22 +494,9 @@ mod tests {
         let raised = requests(&db, &id).await;
         assert_eq!(raised.len(), 1, "under way: not asked again");
 
-        let give_up = raised[0].clone();
-        db.writer
-            .transact::<_, crate::WriteError, _>("dead letter", move |tx: &mut WriteTx| {
-                Box::pin(async move {
-                    sqlx::query(
-                        "INSERT INTO processed_events (event_id, handler, status, started_at, attempts) \
-                         VALUES (?, 'wrap-up', 'dead_lettered', 0, 8)",
-                    )
-                    .bind(give_up)
-                    .execute(tx.conn())
-                    .await?;
-                    Ok(())
-                })
-            })
-            .await
-            .unwrap();
+        let dead_letter = "INSERT INTO processed_events (event_id, handler, status, started_at, attempts) \
+                           VALUES (?, 'wrap-up', 'dead_lettered', 0, 8)";
+        execute(&db, dead_letter, &raised[0]).await;
         let resumed = store.request_wrap_up(actor, 2024, None).await.unwrap();
         assert!(!resumed.created, "the same wrap-up");
         assert_eq!(resumed.wrap_up.unwrap().wrap_up_id, id);
