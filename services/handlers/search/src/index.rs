@@ -919,7 +919,7 @@ mod tests {
         assert_eq!(review_ids(&index, "diner").await, ["r1"], "the tombstone survived the reopen");
     }
 
-    /// Titles and reviews in Chinese, Japanese and Korean are found by a word inside them, a
+    /// Titles and reviews in Chinese, Japanese, Korean and Thai are found by a word inside them, a
     /// sentence longer than 40 bytes included; the space-separated scripts as before, also after
     /// the index is reopened.
     #[tokio::test]
@@ -935,6 +935,7 @@ mod tests {
                 &review_logged("r1", 100, "千と千尋の神隠し", "何度見ても新しい発見がある。湯婆婆が怖い"),
                 &review_logged("r2", 100, "기생충", "반지하 냄새가 잊히지 않는 영화를 봤다"),
                 &review_logged("r3", 100, "Heat", "The diner scene, again"),
+                &review_logged("r4", 100, "Heat", "หนังเรื่องนี้สนุกมากและดนตรีไพเราะ"),
             ],
         )
         .await;
@@ -950,6 +951,7 @@ mod tests {
             assert_eq!(review_ids(&index, "영화").await, ["r2"], "a Korean word with its particle");
             assert_eq!(review_ids(&index, "기생충").await, ["r2"]);
             assert_eq!(review_ids(&index, "DINER").await, ["r3"]);
+            assert_eq!(review_ids(&index, "ดนตรี").await, ["r4"], "a Thai word inside a sentence of 102 bytes");
             drop(index);
             index = open(&dir);
         }

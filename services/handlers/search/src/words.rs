@@ -2,10 +2,11 @@
 //!
 //! Text written with spaces between words (Latin, Cyrillic, Greek, Arabic, ...) is split as
 //! tantivy's default analyzer splits it: a word is a run of letters and digits, lowercased, and a
-//! word of 40 bytes or more is left out. Chinese, Japanese and Korean are written without spaces
-//! (or, in Korean, with particles joined to the word), so there a run is one "word" of a whole
-//! sentence, which nobody searches for and which is mostly over 40 bytes. Those scripts are
-//! split into characters instead: the index holds every character of such a run and every pair
+//! word of 40 bytes or more is left out. Chinese, Japanese, Thai, Lao, Burmese and Khmer are
+//! written without spaces between words (Korean with particles joined to the word), so there a
+//! run is one "word" of a whole sentence, which nobody searches for and which is mostly over 40
+//! bytes. Those scripts are split into characters instead (a character with the marks that
+//! follow it): the index holds every character of such a run and every pair
 //! of neighbouring characters; a query asks for each pair of neighbours in its run (all must be
 //! there), or for the character when its run is one character long. So "千尋" finds
 //! "千と千尋の神隠し", and "侍" finds "七人の侍", as the CJK analyzers of the common search
@@ -34,10 +35,13 @@ pub const ANALYZER: &str = "default";
 const LONGEST: usize = 40;
 
 /// Whether `c` is written without spaces between words: a Han character, Hiragana, Katakana
-/// (half-width too) or Hangul.
+/// (half-width too), Hangul, or Thai, Lao, Burmese or Khmer.
 fn joined_script(c: char) -> bool {
     matches!(c,
-        '\u{1100}'..='\u{11FF}'     // Hangul Jamo
+        '\u{0E00}'..='\u{0EFF}'     // Thai, Lao
+        | '\u{1000}'..='\u{109F}'   // Myanmar
+        | '\u{1100}'..='\u{11FF}'   // Hangul Jamo
+        | '\u{1780}'..='\u{17FF}'   // Khmer
         | '\u{3005}' | '\u{3007}'   // 々 〇
         | '\u{3040}'..='\u{30FF}'   // Hiragana, Katakana
         | '\u{3130}'..='\u{318F}'   // Hangul Compatibility Jamo
@@ -91,20 +95,27 @@ fn spaced_word(text: &str) -> Option<String> {
     (text.len() < LONGEST).then(|| text.chars().flat_map(char::to_lowercase).collect())
 }
 
+/// Whether `c` only selects a glyph of the character before it.
+fn variation_selector(c: char) -> bool {
+    matches!(c, '\u{FE00}'..='\u{FE0F}' | '\u{E0100}'..='\u{E01EF}')
+}
+
 /// A run of a joined script in one form: compatibility forms folded (half-width katakana,
-/// compatibility ideographs), voicing marks composed, and the marks left over (variation
-/// selectors) dropped. Most text is in that form already and is returned as it is.
+/// compatibility ideographs), voicing marks composed, variation selectors dropped. Most text is
+/// in that form already and is returned as it is.
 fn one_form(text: &str) -> Cow<'_, str> {
-    if is_nfkc_quick(text.chars()) == IsNormalized::Yes && !text.chars().any(is_combining_mark) {
+    if is_nfkc_quick(text.chars()) == IsNormalized::Yes && !text.chars().any(variation_selector) {
         return Cow::Borrowed(text);
     }
-    Cow::Owned(text.nfkc().filter(|&c| !is_combining_mark(c)).collect())
+    Cow::Owned(text.nfkc().filter(|&c| !variation_selector(c)).collect())
 }
 
 /// The characters of a run of a joined script, in [`one_form`], each with the one after it
-/// (if any): what the index holds of it.
+/// (if any): what the index holds of it. A character keeps the marks that follow it (a Thai
+/// vowel or tone mark, a voicing mark that did not compose).
 fn characters(text: &str) -> Vec<(&str, Option<&str>)> {
-    let mut at: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+    let mut at: Vec<usize> =
+        text.char_indices().filter(|&(i, c)| i == 0 || !is_combining_mark(c)).map(|(i, _)| i).collect();
     at.push(text.len());
     (0..at.len() - 1).map(|i| (&text[at[i]..at[i + 1]], at.get(i + 2).map(|&to| &text[at[i]..to]))).collect()
 }
@@ -334,12 +345,17 @@ mod tests {
         assert_eq!(indexed("\u{30AB}\u{3099}\u{30A4}\u{30C8}\u{3099}"), composed);
         assert_eq!(indexed("ｶﾞｲﾄﾞ"), composed);
         assert_eq!(indexed("葛\u{E0100}飾"), indexed("葛飾"));
+        // A character keeps its marks (Thai vowels and tones).
+        assert_eq!(indexed("ข้าว"), ["ข้", "ข้า", "า", "าว", "ว"]);
+        assert_eq!(indexed("\u{3042}\u{3099}"), ["\u{3042}\u{3099}"], "a voicing mark that does not compose");
     }
 
     #[test]
     fn a_query_asks_for_each_pair_or_what_the_analyzer_before_made() {
         assert_eq!(asked("千と千尋"), [vec![words(&["千と", "と千", "千尋"]), words(&["千と千尋"])]]);
         assert_eq!(asked("侍"), [vec![words(&["侍"])]]);
+        // The analyzer before split Thai at every mark.
+        assert_eq!(asked("ข้าว"), [vec![words(&["ข้า", "าว"]), words(&["ข", "าว"])]]);
         assert_eq!(
             asked("Heat 侍 神隠し heat"),
             [vec![words(&["heat"])], vec![words(&["侍"])], vec![words(&["神隠", "隠し"]), words(&["神隠し"])]]
