@@ -339,16 +339,9 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
         (status, served["type"].as_str(), served["id"].as_str()),
         (200, Some("Create"), Some(create_id.as_str()))
     );
-    assert_eq!(
-        served["object"],
-        note.as_object()
-            .map(|n| {
-                let mut n = n.clone();
-                n.remove("@context");
-                serde_json::Value::Object(n)
-            })
-            .unwrap()
-    );
+    let mut bare_note = note.clone();
+    bare_note.as_object_mut().unwrap().remove("@context");
+    assert_eq!(served["object"], bare_note);
     assert_eq!(served["actor"], actor_url.as_str());
 
     delete(&mut c, &ana, &review).await;

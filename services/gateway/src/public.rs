@@ -196,7 +196,9 @@ pub(crate) async fn outbox(State(gw): State<Gateway>, Path(id): Path<String>, Ra
         .map(|review| {
             let mut create = documents::create(urls, &review);
             // The collection's context covers its items.
-            create.as_object_mut().map(|c| c.remove("@context"));
+            if let Some(create) = create.as_object_mut() {
+                create.remove("@context");
+            }
             create
         })
         .collect();

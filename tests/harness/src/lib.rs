@@ -92,9 +92,6 @@ pub fn free_port() -> u16 {
     }
 }
 
-/// The number of the next process's log file.
-static NEXT_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
 /// The ports `reelay run` listens on when given none (gRPC 50051-50053, metrics 9464).
 const DEFAULT_PORTS: [u16; 4] = [50051, 50052, 50053, 9464];
 
@@ -150,6 +147,10 @@ fn local_addr() -> SocketAddr {
     format!("127.0.0.1:{}", free_port()).parse().unwrap()
 }
 
+/// The number of the next process's log file: unique within the test binary (two processes
+/// sharing a data dir once drew the same free port for their log's name and wrote one file).
+static NEXT_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 impl Reelay {
     /// The spec of a process over `database` that logs next to it. `env` adds or overrides
     /// environment variables.
@@ -162,8 +163,6 @@ impl Reelay {
             services: services.to_vec(),
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             database: database.to_owned(),
-            // Unique within the test binary: two processes sharing a data dir once drew the same
-            // free port for their log's name and wrote one file.
             log: data_dir.join(format!("{name}-{}.log", NEXT_LOG.fetch_add(1, std::sync::atomic::Ordering::Relaxed))),
             data_dir,
         }

@@ -22,9 +22,7 @@
 
 use std::borrow::Cow;
 
-use tantivy::tokenizer::{
-    BoxTokenStream, LowerCaser, RemoveLongFilter, SimpleTokenizer, TextAnalyzer, Token, TokenStream, Tokenizer,
-};
+use tantivy::tokenizer::{BoxTokenStream, TextAnalyzer, Token, TokenStream, Tokenizer, TokenizerManager};
 use unicode_normalization::char::is_combining_mark;
 use unicode_normalization::{IsNormalized, UnicodeNormalization, is_nfkc_quick};
 
@@ -167,40 +165,32 @@ pub fn query(text: &str) -> Vec<Wanted> {
             wanted.push(w);
         }
     };
-    let runs = runs(text);
-    let mut i = 0;
-    while i < runs.len() {
-        // A stretch: runs that touch.
-        let mut end = i + 1;
-        while end < runs.len() && runs[end].from == runs[end - 1].to {
-            end += 1;
-        }
-        let stretch = &runs[i..end];
+    // A stretch: runs that touch.
+    for stretch in runs(text).chunk_by(|a, b| a.to == b.from) {
         if !stretch.iter().any(|run| run.joined) {
             want(spaced_word(&text[stretch[0].from..stretch[0].to]).map(|word| vec![word]).into_iter().collect());
-        } else {
-            let mut own: Vec<String> = Vec::new();
-            for run in stretch {
-                let part = &text[run.from..run.to];
-                if run.joined {
-                    let part = one_form(part);
-                    match &characters(&part)[..] {
-                        [] => {}
-                        [(c, None)] => own.push(c.to_string()),
-                        chars => own.extend(chars.iter().filter_map(|(_, pair)| pair.map(str::to_owned))),
-                    }
-                } else {
-                    own.extend(spaced_word(part));
-                }
-            }
-            own.dedup();
-            let text = &text[stretch[0].from..stretch[end - i - 1].to];
-            let before: Vec<String> =
-                text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).filter_map(spaced_word).collect();
-            let before = if before == own { Vec::new() } else { before };
-            want([own, before].into_iter().filter(|words| !words.is_empty()).collect());
+            continue;
         }
-        i = end;
+        let mut own: Vec<String> = Vec::new();
+        for run in stretch {
+            let part = &text[run.from..run.to];
+            if run.joined {
+                let part = one_form(part);
+                match &characters(&part)[..] {
+                    [] => {}
+                    [(c, None)] => own.push(c.to_string()),
+                    chars => own.extend(chars.iter().filter_map(|(_, pair)| pair.map(str::to_owned))),
+                }
+            } else {
+                own.extend(spaced_word(part));
+            }
+        }
+        own.dedup();
+        let text = &text[stretch[0].from..stretch[stretch.len() - 1].to];
+        let before: Vec<String> =
+            text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).filter_map(spaced_word).collect();
+        let before = if before == own { Vec::new() } else { before };
+        want([own, before].into_iter().filter(|words| !words.is_empty()).collect());
     }
     wanted
 }
@@ -215,10 +205,7 @@ pub struct Words {
 
 impl Default for Words {
     fn default() -> Self {
-        let spaced = TextAnalyzer::builder(SimpleTokenizer::default())
-            .filter(RemoveLongFilter::limit(LONGEST))
-            .filter(LowerCaser)
-            .build();
+        let spaced = TokenizerManager::default().get("default").expect("tantivy registers its default analyzer");
         Self { spaced }
     }
 }

@@ -66,7 +66,6 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         );
     }
     // During a rolling update: which build of a handler is handed work, which stand by.
-    let now = reelay_kit::now_ms();
     for h in &status.handlers {
         let live: Vec<&v1::HandlerBuildStatus> = h.builds.iter().filter(|b| b.live).collect();
         if live.len() < 2 {
@@ -82,7 +81,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                 } else {
                     format!("[{} types]", b.event_types.len())
                 };
-                format!("{role} {types} (heard {} ago)", age(now - b.last_seen_ms))
+                format!("{role} {types} (heard {} ago)", age(b.last_seen_age_ms))
             })
             .collect();
         println!("{}: {} builds live (a rolling update?): {}", h.handler, live.len(), described.join("; "));

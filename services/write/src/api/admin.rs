@@ -211,12 +211,14 @@ impl v1::admin_server::Admin for AdminApi {
             .await
             .map_err(WriteError::from)?;
         let builds_of = |handler: &str| {
-            let builds = builds.iter().filter(|b| b.handler == handler);
             builds
+                .iter()
+                .filter(|b| b.handler == handler)
                 .map(|b| v1::HandlerBuildStatus {
                     event_types: b.event_types.clone(),
                     first_seen_ms: b.first_seen,
                     last_seen_ms: b.last_seen,
+                    last_seen_age_ms: (now - b.last_seen).max(0),
                     live: b.live,
                     handed: b.handed,
                 })

@@ -143,7 +143,7 @@ pub struct WatchlistRow {
     pub added_at: i64,
 }
 
-#[derive(Debug, Clone, Default, sqlx::FromRow)]
+#[derive(Debug, Clone, Default, PartialEq, sqlx::FromRow)]
 pub struct WrapUpRow {
     pub id: String,
     pub user_id: String,

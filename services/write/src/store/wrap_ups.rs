@@ -56,6 +56,7 @@ macro_rules! year_entries_sql {
         )
     };
 }
+
 /// The diary entries of `user` watched in `year`, in the order watched, each with its film;
 /// the films' profiles only `with_profiles` (the digest does not read them).
 async fn year_entries(
@@ -467,7 +468,7 @@ mod tests {
             inputs_digest: None,
             previous_id: None,
         };
-        assert_eq!(format!("{kept:?}"), format!("{expected:?}"));
+        assert_eq!(kept, expected);
         let event: Option<String> = sqlx::query_scalar("SELECT request_event_id FROM wrap_ups WHERE id = ?")
             .bind(id.to_string())
             .fetch_one(&db.reads)
