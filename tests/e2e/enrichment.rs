@@ -674,3 +674,58 @@ async fn wrap_up_cards_are_stored_in_an_s3_compatible_server() {
     assert!(!dir.path().join("objects").exists(), "nothing stored locally");
     reelay.stop().await;
 }
+
+/// A card is on stable storage before its wrap-up is completed: while the handlers process's
+/// fsyncs fail (EIO, injected by strace), storing the card fails and the wrap-up stays
+/// generating (a card written to the page cache alone could be gone after a power cut while
+/// the wrap-up, committed by the write service, points at it); once they pass, it completes.
+#[tokio::test]
+async fn a_card_is_synced_to_disk_before_its_wrap_up_completes() {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .env("REELAY_RETRY_BASE_MS", "200")
+        .handlers(&[("REELAY_HANDLERS", "wrap-up,movie-enrichment")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let ana = c.user("ana").await;
+    let logged = c
+        .reviews
+        .log_review(v1::LogReviewRequest {
+            actor_user_id: ana.clone(),
+            movie: movie_ref("Heat", 1995),
+            rating: 9,
+            watched_on: "2024-06-01".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    settled_movie(&c, &logged.into_inner().review.unwrap().movie_id).await;
+    let handlers = &cluster.handlers[0];
+    let strace = reelay_harness::Strace::inject(handlers.pid(), "fsync,fdatasync", "EIO", "1+1", dir.path()).await;
+
+    let ask = v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year: 2024, ..Default::default() };
+    let id = c.wrap_ups.request_wrap_up(ask).await.unwrap().into_inner().wrap_up.unwrap().wrap_up_id;
+    eventually("storing the card fails while fsyncs fail", || {
+        let failed =
+            handlers.log_text().lines().any(|l| l.contains("handler=\"wrap-up\"") && l.contains("handler failed"));
+        async move { failed }
+    })
+    .await;
+    let generating = c.wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id.clone() }).await.unwrap();
+    assert_eq!(generating.get_ref().status(), v1::WrapUpStatus::Generating);
+    assert!(strace.stop().await > 0, "no fsync failed");
+
+    let done = reelay_harness::eventually_some("the wrap-up is completed once fsyncs pass", LIMIT, || {
+        let mut wrap_ups = c.wrap_ups.clone();
+        let id = id.clone();
+        async move {
+            let w = wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id }).await.unwrap().into_inner();
+            (w.status() == v1::WrapUpStatus::Completed).then_some(w)
+        }
+    })
+    .await;
+    let card = std::fs::read(dir.path().join("handlers-0/objects").join(&done.card_key)).expect("the card");
+    check_card(&card, done.summary.as_ref().unwrap());
+    cluster.stop().await;
+}

@@ -131,3 +131,67 @@ async fn review_lifecycle_reaches_search_on_the_nats_backend() {
     ])
     .await;
 }
+
+/// The search index's disk fills up while reviews are logged: the write service acknowledges
+/// them (its database is elsewhere), the index's commits fail part way and are rolled back and
+/// retried, searches keep answering from what was committed, and once space is freed every
+/// acknowledged review is found, each once.
+#[tokio::test]
+async fn a_full_disk_under_the_search_index_loses_no_review() {
+    let dir = temp_dir();
+    let disk = reelay_harness::Tmpfs::mount(&dir.path().join("search"), "16m");
+    let search_dir = disk.path.to_str().unwrap().to_owned();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_all(
+        BIN,
+        &db,
+        &[("EVENT_BUS_BACKEND", "db"), ("REELAY_SEARCH_DIR", &search_dir), ("REELAY_RETRY_BASE_MS", "200")],
+    )
+    .await;
+    let mut c = reelay.clients().await;
+    let mut search = SearchClient::new(reelay.handlers_channel().await);
+    let ana = c.user("ana").await;
+    let first = c.review_with_text(&ana, movie_ref("Heat", 1995), 9, "The diner scene.").await;
+    eventually("the first review is searchable", || {
+        let mut search = search.clone();
+        async move { review_hits(&mut search, "diner").await.len() == 1 }
+    })
+    .await;
+
+    // Full but for 16 KiB: the first commits' files start to be written, then writes fail.
+    disk.fill();
+    disk.free(16 * 1024);
+    let mut logged = Vec::new();
+    for n in 0..12 {
+        // Text that does not compress to nothing, so the index's files take room.
+        let prose: Vec<String> = (0..300u64).map(|w| format!("{:x}", (w + 1) * 2_654_435_761 * (n + 1))).collect();
+        let text = format!("Night {n}: the waterfront shootout, word{n}. {}", prose.join(" "));
+        logged.push(c.review_with_text(&ana, movie_ref("Heat", 1995), 8, &text).await.review_id);
+    }
+    eventually("the index's commit fails on the full disk", || {
+        let failed = reelay.log_text().contains("search index batch failed");
+        async move { failed }
+    })
+    .await;
+    // Searches keep answering from what was indexed before the disk filled.
+    assert_eq!(review_hits(&mut search, "diner").await[0].review_id, first.review_id);
+
+    disk.drain();
+    eventually("every review acknowledged while the disk was full is searchable", || {
+        let mut search = search.clone();
+        async move { review_hits(&mut search, "waterfront").await.len() == 12 }
+    })
+    .await;
+    for (n, id) in logged.iter().enumerate() {
+        let hits = review_hits(&mut search, &format!("word{n}")).await;
+        assert_eq!(hits.iter().map(|h| h.review_id.as_str()).collect::<Vec<_>>(), [id.as_str()], "word{n}");
+    }
+    let after = c.review_with_text(&ana, movie_ref("Heat", 1995), 7, "The airport ending.").await;
+    eventually("a review logged after the disk was freed is searchable", || {
+        let mut search = search.clone();
+        async move { review_hits(&mut search, "airport").await.len() == 1 }
+    })
+    .await;
+    assert_eq!(review_hits(&mut search, "airport").await[0].review_id, after.review_id);
+    reelay.stop().await;
+}

@@ -128,7 +128,12 @@ impl Objects {
             .with_context(|| format!("cannot create the objects directory {}", dir.display()))?;
         let local = object_store::local::LocalFileSystem::new_with_prefix(&dir)
             .with_context(|| format!("cannot use the objects directory {}", dir.display()))?
-            .with_automatic_cleanup(true);
+            .with_automatic_cleanup(true)
+            // Synced before a put returns, as S3 does: a handler records what it stored (a
+            // wrap-up's card, a poster's variants) once the put returns, and the write service
+            // commits that record with an fsync; an object left in the page cache alone could be
+            // missing or empty after a power cut while the record points at it.
+            .with_fsync(true);
         Ok(Self { store: Arc::new(local), describe: Arc::from(format!("file://{}", dir.display()).as_str()) })
     }
 

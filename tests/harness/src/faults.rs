@@ -253,6 +253,14 @@ impl Tmpfs {
         ballast
     }
 
+    /// Frees `bytes` of the space `fill` took.
+    pub fn free(&self, bytes: u64) {
+        let ballast =
+            std::fs::OpenOptions::new().write(true).open(self.path.join("ballast")).expect("open the ballast");
+        let len = ballast.metadata().expect("the ballast's size").len();
+        ballast.set_len(len.saturating_sub(bytes)).expect("shrink the ballast");
+    }
+
     /// Frees the space `fill` took.
     pub fn drain(&self) {
         let _ = std::fs::remove_file(self.path.join("ballast"));
