@@ -482,6 +482,19 @@ fn expected_figures(rows: &[Row], movies: &HashMap<(String, i32), v1::Movie>) ->
 
 /// Imports the 2024 diary, waits for every film's enrichment, asks for the wrap-up twice and
 /// checks the figures, the single WrapUpCompleted and the card served at `card_url`.
+/// The wrap-up `id` once it is completed.
+async fn completed(c: &Clients, id: &str, what: &str) -> v1::WrapUp {
+    reelay_harness::eventually_some(what, LIMIT, || {
+        let mut wrap_ups = c.wrap_ups.clone();
+        let id = id.to_owned();
+        async move {
+            let w = wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id }).await.unwrap().into_inner();
+            (w.status() == v1::WrapUpStatus::Completed).then_some(w)
+        }
+    })
+    .await
+}
+
 async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     let mut c = reelay.clients().await;
     let ana = c.user("ana").await;
@@ -511,15 +524,7 @@ async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     assert!(first.created);
     let id = first.wrap_up.unwrap().wrap_up_id;
     assert_eq!(second.wrap_up.unwrap().wrap_up_id, id, "asking again is the same wrap-up");
-    let done = reelay_harness::eventually_some("the wrap-up is completed", LIMIT, || {
-        let mut wrap_ups = c.wrap_ups.clone();
-        let id = id.clone();
-        async move {
-            let w = wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id }).await.unwrap().into_inner();
-            (w.status() == v1::WrapUpStatus::Completed).then_some(w)
-        }
-    })
-    .await;
+    let done = completed(&c, &id, "the wrap-up is completed").await;
     let summary = done.summary.clone().unwrap();
     assert_eq!(summary.films, expected.films);
     assert_eq!(summary.entries, expected.entries);
@@ -637,15 +642,7 @@ async fn wrap_up_made_again_after_the_diary_changed(reelay: &Reelay, done: &v1::
     assert!(again.created, "the diary changed: a new wrap-up");
     let again = again.wrap_up.unwrap();
     assert_eq!(again.previous_wrap_up_id, done.wrap_up_id);
-    let renewed = reelay_harness::eventually_some("the new wrap-up is completed", LIMIT, || {
-        let mut wrap_ups = c.wrap_ups.clone();
-        let id = again.wrap_up_id.clone();
-        async move {
-            let w = wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id }).await.unwrap().into_inner();
-            (w.status() == v1::WrapUpStatus::Completed).then_some(w)
-        }
-    })
-    .await;
+    let renewed = completed(&c, &again.wrap_up_id, "the new wrap-up is completed").await;
     let after = renewed.summary.unwrap();
     assert_eq!((after.films, after.entries, after.rewatches), (before.films, before.entries + 1, before.rewatches + 1));
     assert_eq!(after.per_month[11], before.per_month[11] + 1, "December");
@@ -716,15 +713,7 @@ async fn a_card_is_synced_to_disk_before_its_wrap_up_completes() {
     assert_eq!(generating.get_ref().status(), v1::WrapUpStatus::Generating);
     assert!(strace.stop().await > 0, "no fsync failed");
 
-    let done = reelay_harness::eventually_some("the wrap-up is completed once fsyncs pass", LIMIT, || {
-        let mut wrap_ups = c.wrap_ups.clone();
-        let id = id.clone();
-        async move {
-            let w = wrap_ups.get_wrap_up(v1::GetWrapUpRequest { wrap_up_id: id }).await.unwrap().into_inner();
-            (w.status() == v1::WrapUpStatus::Completed).then_some(w)
-        }
-    })
-    .await;
+    let done = completed(&c, &id, "the wrap-up is completed once fsyncs pass").await;
     let card = std::fs::read(dir.path().join("handlers-0/objects").join(&done.card_key)).expect("the card");
     check_card(&card, done.summary.as_ref().unwrap());
     cluster.stop().await;
