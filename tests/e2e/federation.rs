@@ -489,6 +489,28 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 1);
 
+    // An Update naming another film moves the review there, and the film it leaves, named by
+    // nothing else now, is deleted with its MovieDeleted.
+    let stalker = query_strings(&a.database, "SELECT movie_id FROM remote_reviews").await.remove(0).remove(0);
+    let mut moved = review_note(&peer, "alice", 1, "Mirror", 1975, "The zone, remembered.");
+    moved["type"] = json!("Update");
+    moved["id"] = json!(format!("{}/statuses/1#updates/1", peer.actor("alice")));
+    assert_eq!(peer.send("alice", &inbox, &moved).await, 202);
+    wait_until!(
+        "the review names the other film",
+        count(&a.database, &format!("SELECT COUNT(*) FROM remote_reviews WHERE movie_id != '{stalker}'")).await == 1
+    );
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM movies").await, 1, "only Mirror is left");
+    let deleted: Vec<String> = events_of(&a.database, "MovieDeleted")
+        .await
+        .into_iter()
+        .filter_map(|e| match e.payload {
+            Some(v1::event::Payload::MovieDeleted(d)) => Some(d.movie_id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(deleted, [stalker]);
+
     // Out of order: a Delete before the Create it follows (both retried by a server whose
     // deliveries failed for a while), and a Create sent again under a new activity id after
     // its Delete. Neither brings a deleted review back.
@@ -511,7 +533,7 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     assert_eq!(peer.send("alice", &inbox, &again).await, 202);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 0, "nothing came back");
-    assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 1);
+    assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 2, "the Create and the Update");
     // Nor can an actor delete, ahead of time, an id of another server.
     let mut elsewhere = delete_of(3, 1);
     elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");

@@ -127,6 +127,8 @@ impl Store {
                 .fetch_optional(tx.conn())
                 .await?;
             let now = tx.now_ms();
+            // The film the review named before an update that names another.
+            let mut left_movie = None;
             let (id, created) = match existing {
                 Some(row) => {
                     let id: String = row.get("id");
@@ -153,6 +155,7 @@ impl Store {
                         .bind(id.clone())
                         .execute(tx.conn())
                         .await?;
+                    left_movie = Some(row.get::<String, _>("movie_id")).filter(|old| *old != movie.id);
                     (id, false)
                 }
                 None => {
@@ -188,6 +191,9 @@ impl Store {
                     movie_year: movie.year as i32,
                 }),
             ));
+            if let Some(left) = left_movie {
+                events.extend(delete_if_orphan(tx.conn(), &left).await?);
+            }
             commit_events(tx, events).await?;
             Ok(RemoteReviewSaved { id, created, changed: true })
         })
