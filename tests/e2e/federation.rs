@@ -470,6 +470,13 @@ async fn the_inbox_refuses_bad_input_before_writing() {
             })
             .await,
         ),
+        // An actor document holding a URI longer than any the write service takes (a signer
+        // is cached before its signature is checked: such documents would pile up there).
+        (
+            "signed by an actor whose inbox is 3,000 characters",
+            401,
+            peer.send("long-inbox", &inbox, &review_note(&peer, "long-inbox", 1, "Stalker", 1979, "The zone.")).await,
+        ),
         // A key document naming alice as its owner; alice does not publish it.
         (
             "signed with a key its owner does not publish",

@@ -18,6 +18,10 @@ use serde_json::Value;
 
 /// Keys kept; past this the cache starts over.
 const CACHED_KEYS: usize = 10_000;
+/// The longest key id, actor id or inbox taken (the write service takes no longer URI). A
+/// signer is cached before its signature is checked, so without it anyone could have 10,000
+/// actor documents of a megabyte each held here.
+const MAX_URI_CHARS: usize = 2048;
 
 /// A remote signer: its key and who it is.
 #[derive(Debug, Clone)]
@@ -96,6 +100,9 @@ impl RemoteKeys {
     }
 
     async fn fetch(&self, key_id: &str) -> Result<RemoteActor, KeyFetchError> {
+        if key_id.len() > MAX_URI_CHARS {
+            return Err(invalid(format!("the key id is longer than {MAX_URI_CHARS} characters")));
+        }
         let document_url = key_id.split('#').next().unwrap_or(key_id);
         let document = self.fetch_document(document_url).await?;
         let (actor, key) = if document.get("publicKeyPem").is_some() {
@@ -122,11 +129,16 @@ impl RemoteKeys {
         }
         let pem = key.get("publicKeyPem").and_then(Value::as_str).ok_or_else(|| invalid("the key has no PEM"))?;
         let key = PublicKey::from_pem(pem).map_err(|e| invalid(e.to_string()))?;
-        let text = |v: Option<&Value>| v.and_then(Value::as_str).map(str::to_owned);
+        let text = |what: &str, v: Option<&Value>| match v.and_then(Value::as_str) {
+            Some(uri) if uri.len() > MAX_URI_CHARS => {
+                Err(invalid(format!("the actor's {what} is longer than {MAX_URI_CHARS} characters")))
+            }
+            uri => Ok(uri.map(str::to_owned)),
+        };
         Ok(RemoteActor {
             key,
-            inbox: text(actor.get("inbox")),
-            shared_inbox: text(actor.get("endpoints").and_then(|e| e.get("sharedInbox"))),
+            inbox: text("inbox", actor.get("inbox"))?,
+            shared_inbox: text("sharedInbox", actor.get("endpoints").and_then(|e| e.get("sharedInbox")))?,
             actor_uri,
         })
     }
@@ -142,4 +154,23 @@ fn published_key(actor: &Value, key_id: &str) -> Option<Value> {
 
 fn invalid(reason: impl Into<String>) -> KeyFetchError {
     KeyFetchError::Invalid(reason.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key id longer than any URI taken is refused before anything is fetched (port 1 on
+    /// loopback would only refuse the connection).
+    #[tokio::test]
+    async fn a_key_id_too_long_is_refused_unfetched() {
+        let http = FederationClient::new(Duration::from_secs(5), 1024, true).unwrap();
+        let keys = RemoteKeys::new(http, Duration::from_secs(60));
+        let key_id = format!("http://127.0.0.1:1/users/{}#main-key", "a".repeat(MAX_URI_CHARS));
+        let error = keys.get(&key_id, false).await.unwrap_err();
+        assert!(matches!(&error, KeyFetchError::Invalid(reason) if reason.contains("key id")), "{error}");
+        assert!(!keys.is_cached(&key_id));
+        let short = "http://127.0.0.1:1/users/alice#main-key";
+        assert!(matches!(keys.get(short, false).await, Err(KeyFetchError::Fetch(_))), "a short one is fetched");
+    }
 }

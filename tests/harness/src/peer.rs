@@ -260,14 +260,16 @@ impl MastodonPeer {
     }
 }
 
+/// An actor's document; an actor named `long-inbox` has an inbox of 3,000 characters.
 async fn actor(State(peer): State<MastodonPeer>, Path(name): Path<String>) -> Response {
     let id = peer.actor(&name);
+    let inbox = if name == "long-inbox" { format!("{id}/{}", "i".repeat(3000)) } else { format!("{id}/inbox") };
     let document = json!({
         "@context": ["https://www.w3.org/ns/activitystreams", "https://w3id.org/security/v1"],
         "id": id,
         "type": "Person",
         "preferredUsername": name,
-        "inbox": format!("{id}/inbox"),
+        "inbox": inbox,
         "outbox": format!("{id}/outbox"),
         "endpoints": { "sharedInbox": format!("{}/inbox", peer.base()) },
         "publicKey": { "id": peer.key_id(&name), "owner": id, "publicKeyPem": peer.inner.key.pem },
