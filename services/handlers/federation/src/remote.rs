@@ -19,10 +19,11 @@ pub struct Remote {
     write: FederationClient<ServiceChannel>,
 }
 
-/// A failed write-service call: retried when the service was unreachable or busy, given up
-/// when it refused the request.
+/// A failed write-service call: retried when the service was unreachable or busy, or failed
+/// inside (`INTERNAL`: a write job that panicked, a storage error it does not classify), given
+/// up when it refused the request.
 pub fn write_error(status: tonic::Status) -> HandlerError {
-    if is_transport_failure(&status) {
+    if is_transport_failure(&status) || status.code() == tonic::Code::Internal {
         HandlerError::retryable(format!("write service: {}", status.message()))
     } else {
         HandlerError::permanent(format!("write service refused: {:?}: {}", status.code(), status.message()))
@@ -131,5 +132,21 @@ impl Remote {
         tracing::info!(activity = %activity_id, queued = queued.queued, duplicate = queued.duplicate,
             "activity queued for delivery");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_service_failing_inside_is_retried_and_a_refusal_is_not() {
+        let retried = |status: tonic::Status| matches!(write_error(status), HandlerError::Retryable(_));
+        assert!(retried(tonic::Status::internal("database error: disk I/O error")));
+        assert!(retried(tonic::Status::unavailable("write service down")));
+        assert!(retried(tonic::Status::resource_exhausted("database or disk is full")));
+        assert!(!retried(tonic::Status::invalid_argument("inbox: must be an https URL")));
+        assert!(!retried(tonic::Status::failed_precondition("nobody here follows")));
+        assert!(!retried(tonic::Status::not_found("user_id: no such user")));
     }
 }
