@@ -649,3 +649,42 @@ async fn crashes_between_the_object_writes_and_the_records_lose_and_repeat_nothi
     cluster.handlers.clear();
     cluster.stop().await;
 }
+
+/// A deleted movie's images are gone on disk before image-cleanup reports done: while strace
+/// fails the handlers process's fsyncs with EIO, the cleanup (whose unlinks would otherwise sit
+/// in the page cache, for a power cut to bring the posters back) fails and is retried; once
+/// fsyncs pass it completes.
+#[tokio::test]
+async fn a_movie_s_images_are_deleted_on_disk_before_cleanup_is_done() {
+    let dir = temp_dir();
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .env("REELAY_RETRY_BASE_MS", "200")
+        .handlers(&[("REELAY_HANDLERS", "image-cleanup")])
+        .start(dir.path())
+        .await;
+    let mut c = cluster.write.clients().await;
+    let ana = c.user("ana").await;
+    let review = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 8).await;
+    let posters = dir.path().join("handlers-0/objects/posters").join(&review.movie_id);
+    std::fs::create_dir_all(&posters).unwrap();
+    for name in ["original", "w92.webp"] {
+        std::fs::write(posters.join(name), b"image").unwrap();
+    }
+    let handlers = &cluster.handlers[0];
+    let strace = reelay_harness::Strace::inject(handlers.pid(), "fsync,fdatasync", "EIO", "1+1", dir.path()).await;
+    delete_review(&mut c, &ana, &review).await;
+    eventually("the cleanup fails while fsyncs fail", LIMIT, || {
+        let log = handlers.log_text();
+        let failed = log.lines().any(|l| l.contains("handler=\"image-cleanup\"") && l.contains("handler failed"));
+        async move { failed }
+    })
+    .await;
+    assert!(strace.stop().await > 0, "no fsync failed");
+    eventually("the cleanup is done once fsyncs pass", LIMIT, || {
+        let db = cluster.db.clone();
+        async move { reelay_harness::unsettled(&db, false, &["image-cleanup"]).await.is_empty() }
+    })
+    .await;
+    assert_eq!(files_under(&dir.path().join("handlers-0/objects")), Vec::<String>::new());
+    cluster.stop().await;
+}

@@ -64,12 +64,20 @@ pub enum ObjectsError {
         #[source]
         source: object_store::Error,
     },
+    #[error("object storage: cannot sync the directory {path} after a delete: {source}")]
+    Sync {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A handle on the object store. Cheap to clone.
 #[derive(Clone)]
 pub struct Objects {
     store: Arc<dyn ObjectStore>,
+    /// The directory of a store on the local filesystem (its deletes are synced here).
+    local_dir: Option<Arc<std::path::PathBuf>>,
     /// Where it is, for logs and errors.
     describe: Arc<str>,
 }
@@ -114,7 +122,7 @@ impl Objects {
             } else {
                 Arc::new(object_store::prefix::PrefixStore::new(s3, prefix.trim_matches('/')))
             };
-            return Ok(Self { store, describe: Arc::from(url.as_str()) });
+            return Ok(Self { store, local_dir: None, describe: Arc::from(url.as_str()) });
         }
         let dir = match url.strip_prefix("file://") {
             Some(path) => FsPath::new(path).to_owned(),
@@ -134,7 +142,8 @@ impl Objects {
             // commits that record with an fsync; an object left in the page cache alone could be
             // missing or empty after a power cut while the record points at it.
             .with_fsync(true);
-        Ok(Self { store: Arc::new(local), describe: Arc::from(format!("file://{}", dir.display()).as_str()) })
+        let describe = Arc::from(format!("file://{}", dir.display()).as_str());
+        Ok(Self { store: Arc::new(local), local_dir: Some(Arc::new(dir)), describe })
     }
 
     fn error(&self, source: object_store::Error) -> ObjectsError {
@@ -198,12 +207,34 @@ impl Objects {
         Ok(keys.len())
     }
 
-    /// Deletes `key`; a key that is not there counts as deleted.
+    /// Deletes `key`; a key that is not there counts as deleted. On the local filesystem the
+    /// delete is synced before this returns, as a put is.
     pub async fn delete(&self, key: &str) -> Result<(), ObjectsError> {
         match self.store.delete(&Self::path(key)?).await {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => self.sync_after_delete(key).await,
             Err(error) => Err(self.error(error)),
         }
+    }
+
+    /// Syncs the directory that held `key` (or, where the empty directory was removed with it,
+    /// the nearest one left), so the unlink is on disk before the caller records the delete:
+    /// object_store syncs puts but not deletes, and a power cut could otherwise bring back a
+    /// deleted movie's posters, served again and stored for ever.
+    async fn sync_after_delete(&self, key: &str) -> Result<(), ObjectsError> {
+        let Some(root) = self.local_dir.clone() else { return Ok(()) };
+        let mut dir = root.join(key);
+        let root_path = root.to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            dir.pop();
+            while !dir.is_dir() && dir.starts_with(&*root) && dir != *root {
+                dir.pop();
+            }
+            std::fs::File::open(&dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|source| ObjectsError::Sync { path: dir, source })
+        })
+        .await
+        .map_err(|e| ObjectsError::Sync { path: root_path, source: std::io::Error::other(e.to_string()) })?
     }
 
     /// Where the store is, for logs.
