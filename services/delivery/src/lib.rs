@@ -16,5 +16,6 @@ pub mod jetstream;
 pub mod nats_source;
 mod pause;
 pub mod source;
+pub mod trim;
 
 pub use handler::{BuiltHandler, Handler, HandlerContext, HandlerError, MountGrpc, handle_in_span};
