@@ -3,9 +3,9 @@
 //!
 //! The stream keeps its limits retention (a message stays whatever its consumers did, so a
 //! handler whose consumer does not exist yet loses nothing, and a message the server gave up
-//! stays readable for its advisory). The trim deletes below the lowest point the delivered
-//! handlers' consumers are done with (see [`StreamTrim::done_with`]): every message there was
-//! acknowledged, or given up, by every handler that takes it. It holds off while
+//! stays readable for its advisory). The trim deletes below the lowest ack floor of the
+//! delivered handlers' consumers: every message there was acknowledged, or given up, by every
+//! handler that takes it. It holds off while
 //!
 //! - a delivered handler has no consumer yet (its processes have not started: it will read the
 //!   stream from the start), or
@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer, context::ConsumerInfoErrorKind, stream::RawMessageErrorKind};
+use async_nats::jetstream::{self, context::ConsumerInfoErrorKind};
 use reelay_kit::Shutdown;
 
 use crate::jetstream::{JetStreamConfig, SetupError, filters_with};
@@ -100,7 +100,12 @@ impl StreamTrim {
                 }
                 Err(error) => return Err(js_error(format!("reading consumer {name}"), &error)),
             };
-            floor = floor.min(self.done_with(&stream, &info, state.last_sequence).await?);
+            // A consumer with nothing undelivered and nothing unacknowledged needs no message up
+            // to `last`. Otherwise its ack floor: the ack floor of a consumer that was never
+            // handed a message of its types stays 0, however far the stream went.
+            if info.num_pending > 0 || info.num_ack_pending > 0 {
+                floor = floor.min(info.ack_floor.stream_sequence);
+            }
         }
         if floor < state.first_sequence {
             return Ok(Trimmed::Nothing);
@@ -140,44 +145,5 @@ impl StreamTrim {
             .map_err(|e| js_error(format!("purging stream {stream_name} below {}", floor + 1), &e))?
             .purged;
         Ok(Trimmed::Below { below: floor + 1, purged })
-    }
-
-    /// How far a handler's consumer is done with the stream, at most `last`: below its ack floor
-    /// while it has messages out unacknowledged; else below the next message of its subjects
-    /// after the last one it was handed (looked up in the stream itself: the consumer's count of
-    /// undelivered messages can lag a message just stored), or `last` if there is none. (The ack
-    /// floor alone will not do: a consumer never handed a message of its types keeps 0.)
-    async fn done_with(
-        &self,
-        stream: &jetstream::stream::Stream,
-        info: &consumer::Info,
-        last: u64,
-    ) -> Result<u64, SetupError> {
-        if info.num_ack_pending > 0 {
-            return Ok(info.ack_floor.stream_sequence.min(last));
-        }
-        let start = info.delivered.stream_sequence + 1;
-        let mut subjects = info.config.filter_subjects.clone();
-        if !info.config.filter_subject.is_empty() {
-            subjects.push(info.config.filter_subject.clone());
-        }
-        if subjects.is_empty() {
-            // No filter: every message is one of its subjects.
-            return Ok(info.delivered.stream_sequence.min(last));
-        }
-        let mut done = last;
-        for subject in subjects {
-            match stream.raw_message_builder().sequence(start).next_by_subject(subject.clone()).send().await {
-                Ok(message) => done = done.min(message.sequence.saturating_sub(1)),
-                Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => {}
-                Err(error) => {
-                    return Err(SetupError::JetStream {
-                        what: format!("looking up the next {subject} message of {}", info.name),
-                        message: error.to_string(),
-                    });
-                }
-            }
-        }
-        Ok(done)
     }
 }
