@@ -98,8 +98,6 @@ impl Cluster {
             ("REELAY_RETRY_CAP_MS".into(), "2000".into()),
             ("REELAY_PROBE_DB".into(), effects.to_str().unwrap().into()),
             ("REELAY_PROBE_HANDLERS".into(), "probe-a,probe-b".into()),
-            // nats: the relay trims the event stream every second, through every fault.
-            ("REELAY_STREAM_TRIM_INTERVAL_MS".into(), "1000".into()),
         ];
         if let Some(nats) = &nats {
             env.push(("EVENT_BUS_BACKEND".into(), "nats".into()));

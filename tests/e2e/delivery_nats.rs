@@ -927,15 +927,11 @@ async fn a_second_replay_is_delivered_after_the_first_failed() {
 /// A delivery terminated with no outcome recorded (here by hand, as a dispatcher does after a
 /// permanent failure whose dead letter the ledger could not take) is recorded from the server's
 /// terminated advisory once the handler runs again: the advisory waits in the given-up stream,
-/// the event in the event stream (which the relay does not trim while the advisory waits), and
-/// the handler's consumer of it takes that subject again even if it had lost it.
+/// and the handler's consumer of it takes that subject again even if it had lost it.
 #[tokio::test]
 async fn a_terminated_delivery_without_an_outcome_becomes_a_dead_letter() {
     let dir = temp_dir();
-    // The relay trims often: the message must stay until its advisory is recorded.
-    let builder = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a")
-        .env("REELAY_STREAM_TRIM_INTERVAL_MS", "100");
+    let builder = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats).probes("probe-a");
     // The handlers process made probe-a's consumers; it is down when the event comes.
     let mut cluster = builder.handlers(&[]).start(dir.path()).await;
     cluster.handlers[0].stop().await;
@@ -1106,72 +1102,4 @@ async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
 #[tokio::test]
 async fn an_older_build_of_a_handler_stands_by_while_a_newer_one_claims_on_nats() {
     crate::delivery_db::older_build_stands_by(reelay_harness::Backend::Nats).await;
-}
-
-/// How many messages the event stream holds now.
-async fn stream_count(url: &str) -> u64 {
-    let js = jetstream::new(async_nats::connect(url).await.unwrap());
-    js.get_stream(STREAM).await.unwrap().get_info().await.unwrap().state.messages
-}
-
-/// The relay trims the event stream of what every delivered handler is done with: while one
-/// of them (probe-b) has never run, every event stays for it, and it gets them all when it
-/// starts; then the stream empties, a handler whose types nothing here raised (wrap-up) holding
-/// nothing back, and so it does again after more events.
-#[tokio::test]
-async fn the_event_stream_keeps_what_a_handler_still_needs_and_is_trimmed_of_the_rest() {
-    let dir = temp_dir();
-    let mut cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
-        .probes("probe-a,probe-b")
-        .env("REELAY_HANDLERS", "probe-a,probe-b,wrap-up")
-        .env("REELAY_STREAM_TRIM_INTERVAL_MS", "200")
-        .handlers(&[("REELAY_HANDLERS", "probe-a,wrap-up")])
-        .start(dir.path())
-        .await;
-    let url = cluster.nats.as_ref().unwrap().url();
-    let mut c = cluster.write.clients().await;
-    let ana = c.user("ana").await;
-    for n in 0..5 {
-        c.review(&ana, reelay_harness::movie_ref(&format!("Film {n}"), 2000 + n), 8).await;
-    }
-    let events = event_ids(&cluster.db).await;
-    let effects = cluster.effects.clone();
-    // Whether each of `handlers` has the effect of every one of `events`.
-    let handled = |handlers: &'static [&'static str], events: Vec<String>| {
-        let effects = effects.clone();
-        async move {
-            let records = probe_records(&effects, "effects").await.0;
-            events.iter().all(|e| handlers.iter().all(|h| records.contains_key(&(e.clone(), h.to_string()))))
-        }
-    };
-    eventually("probe-a handled every event", Duration::from_secs(20), || handled(&["probe-a"], events.clone())).await;
-    let relay = cluster.relay.as_ref().unwrap();
-    eventually("the relay holds the trim for probe-b", Duration::from_secs(20), || {
-        let held = relay.log_text().contains("handler probe-b has no consumer yet");
-        async move { held }
-    })
-    .await;
-    assert_eq!(stream_count(&url).await, events.len() as u64, "every event is kept for probe-b");
-
-    cluster.add_handlers(&dir.path().join("handlers-b"), &[("REELAY_HANDLERS", "probe-b")]).await;
-    eventually("probe-b handled every event", Duration::from_secs(20), || handled(&["probe-b"], events.clone())).await;
-    eventually("the stream is trimmed of what both are done with", Duration::from_secs(20), || {
-        let url = url.clone();
-        async move { stream_count(&url).await == 0 }
-    })
-    .await;
-
-    c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 9).await;
-    let events = event_ids(&cluster.db).await;
-    assert_eq!(events.len(), 13, "ana, five films and their reviews, then Heat and its review");
-    eventually("both handled the new events", Duration::from_secs(20), || {
-        handled(&["probe-a", "probe-b"], events.clone())
-    })
-    .await;
-    eventually("the new events are trimmed too", Duration::from_secs(20), || {
-        let url = url.clone();
-        async move { stream_count(&url).await == 0 }
-    })
-    .await;
-    cluster.stop().await;
 }

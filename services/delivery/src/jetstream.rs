@@ -389,10 +389,7 @@ pub async fn ensure_consumer(
 
 /// A consumer's filter with the `needed` subjects none of its own takes added (its own kept as
 /// they are), or `None` if it takes them all (a consumer without a filter takes everything).
-pub(crate) fn filters_with(
-    current: &consumer::Config,
-    needed: impl IntoIterator<Item = String>,
-) -> Option<Vec<String>> {
+fn filters_with(current: &consumer::Config, needed: impl IntoIterator<Item = String>) -> Option<Vec<String>> {
     let mut filters = current.filter_subjects.clone();
     if !current.filter_subject.is_empty() {
         filters.push(current.filter_subject.clone());

@@ -16,6 +16,5 @@ pub mod jetstream;
 pub mod nats_source;
 mod pause;
 pub mod source;
-pub mod trim;
 
 pub use handler::{BuiltHandler, Handler, HandlerContext, HandlerError, MountGrpc, handle_in_span};

@@ -282,11 +282,6 @@ pub struct NatsArgs {
     /// Rows the relay claims and publishes at once.
     #[arg(long, env = "REELAY_RELAY_BATCH", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub relay_batch: u32,
-
-    /// How often the relay deletes from the event stream the messages every delivered handler
-    /// is done with (0: never; the stream then keeps every event). Up to a day.
-    #[arg(long, env = "REELAY_STREAM_TRIM_INTERVAL_MS", default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
-    pub stream_trim_interval_ms: u64,
 }
 
 /// Where events come from.

@@ -15,7 +15,6 @@ use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, LedgerClaims, build_
 use reelay_delivery::given_up::GivenUpWatch;
 use reelay_delivery::jetstream::{self, JetStreamConfig};
 use reelay_delivery::nats_source::JetStreamSource;
-use reelay_delivery::trim::StreamTrim;
 use reelay_delivery::{BuiltHandler, Handler, HandlerContext};
 use reelay_kit::client::{ServiceChannel, connect_lazy};
 use reelay_kit::{Backoff, GrpcConfig, GrpcServer, Readiness, ReadyFlag, Service, Shutdown};
@@ -137,16 +136,6 @@ fn jetstream_config(args: &RunArgs) -> JetStreamConfig {
         max_ack_pending: args.nats.max_ack_pending,
         monitor_url: args.nats.monitor_url.clone(),
         replicas: args.nats.stream_replicas as usize,
-    }
-}
-
-/// The handlers the deployment delivers to: those `REELAY_HANDLERS` names, else every one this
-/// build has.
-fn delivered_handlers(args: &RunArgs, known: &[&str]) -> Vec<String> {
-    if args.handlers.handlers.is_empty() {
-        known.iter().map(|h| h.to_string()).collect()
-    } else {
-        args.handlers.handlers.clone()
     }
 }
 
@@ -296,16 +285,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         };
         tracing::info!(%write_url, nats = %jetstream::redacted(&js_config.url), ?mode, owner = %config.owner, "relay service starting");
         let stop = shutdown.clone();
-        clients.spawn(relay::Relay::new(write_channel.clone(), client.clone(), config).run(stop));
-        if mode == relay::Mode::JetStream && args.nats.stream_trim_interval_ms > 0 {
-            let trim = StreamTrim::new(
-                async_nats::jetstream::new(client),
-                js_config.clone(),
-                delivered_handlers(&args, &known),
-                Duration::from_millis(args.nats.stream_trim_interval_ms),
-            );
-            tasks.spawn(trim.run(shutdown.clone()).map(Ok));
-        }
+        clients.spawn(relay::Relay::new(write_channel.clone(), client, config).run(stop));
     }
 
     // Sent once every consumer is set up (below).
@@ -501,7 +481,11 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         tracing::info!(database = %path.display(), synchronous = ?args.database.sqlite_synchronous, "database ready");
         // Every handler this deployment delivers to gets its cursor before the first write, so
         // none misses an event.
-        let delivered = delivered_handlers(&args, &known);
+        let delivered: Vec<String> = if args.handlers.handlers.is_empty() {
+            known.iter().map(|h| h.to_string()).collect()
+        } else {
+            args.handlers.handlers.clone()
+        };
         let added = reelay_write::register_handlers(&database, delivered.clone())
             .await
             .context("cannot register the handlers' delivery cursors")?;
