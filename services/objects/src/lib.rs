@@ -202,39 +202,52 @@ impl Objects {
     pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, ObjectsError> {
         let keys = self.list(prefix).await?;
         for key in &keys {
-            self.delete(key).await?;
+            self.unlink(key).await?;
         }
+        self.sync_deletes(&keys).await?;
         Ok(keys.len())
     }
 
     /// Deletes `key`; a key that is not there counts as deleted. On the local filesystem the
     /// delete is synced before this returns, as a put is.
     pub async fn delete(&self, key: &str) -> Result<(), ObjectsError> {
+        self.unlink(key).await?;
+        self.sync_deletes(&[key]).await
+    }
+
+    /// Deletes `key` without syncing; a key that is not there counts as deleted.
+    async fn unlink(&self, key: &str) -> Result<(), ObjectsError> {
         match self.store.delete(&Self::path(key)?).await {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => self.sync_after_delete(key).await,
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(error) => Err(self.error(error)),
         }
     }
 
-    /// Syncs the directory that held `key` (or, where the empty directory was removed with it,
-    /// the nearest one left), so the unlink is on disk before the caller records the delete:
-    /// object_store syncs puts but not deletes, and a power cut could otherwise bring back a
-    /// deleted movie's posters, served again and stored for ever.
-    async fn sync_after_delete(&self, key: &str) -> Result<(), ObjectsError> {
+    /// Syncs each directory that held one of `keys` (or, where the empty directory was removed
+    /// with it, the nearest one left), once, so the unlinks are on disk before the caller
+    /// records the delete: object_store syncs puts but not deletes, and a power cut could
+    /// otherwise bring back a deleted movie's posters. A key already gone is synced too: its
+    /// delete may be a retry of one whose sync failed.
+    async fn sync_deletes(&self, keys: &[impl AsRef<str>]) -> Result<(), ObjectsError> {
         let Some(root) = self.local_dir.clone() else { return Ok(()) };
-        let mut dir = root.join(key);
-        let root_path = root.to_path_buf();
-        tokio::task::spawn_blocking(move || {
-            dir.pop();
-            while !dir.is_dir() && dir.starts_with(&*root) && dir != *root {
-                dir.pop();
+        let mut dirs: Vec<std::path::PathBuf> =
+            keys.iter().filter_map(|k| root.join(k.as_ref()).parent().map(Into::into)).collect();
+        dirs.sort();
+        dirs.dedup();
+        let synced = tokio::task::spawn_blocking(move || {
+            for mut dir in dirs {
+                while !dir.is_dir() && dir.starts_with(&*root) && dir != *root {
+                    dir.pop();
+                }
+                std::fs::File::open(&dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(|source| ObjectsError::Sync { path: dir, source })?;
             }
-            std::fs::File::open(&dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|source| ObjectsError::Sync { path: dir, source })
+            Ok(())
         })
-        .await
-        .map_err(|e| ObjectsError::Sync { path: root_path, source: std::io::Error::other(e.to_string()) })?
+        .await;
+        synced
+            .unwrap_or_else(|e| Err(ObjectsError::Sync { path: Default::default(), source: std::io::Error::other(e) }))
     }
 
     /// Where the store is, for logs.

@@ -134,9 +134,7 @@ impl PosterSync {
 
     /// Deletes every object of a deleted movie (a retry comes back here through its lookup).
     async fn remove_all(&self, movie_id: &str) -> Result<(), HandlerError> {
-        for key in self.objects.list(&format!("posters/{movie_id}")).await.map_err(HandlerError::retryable)? {
-            self.objects.delete(&key).await.map_err(HandlerError::retryable)?;
-        }
+        self.objects.delete_prefix(&format!("posters/{movie_id}")).await.map_err(HandlerError::retryable)?;
         Ok(())
     }
 
