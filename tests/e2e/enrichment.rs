@@ -480,8 +480,6 @@ fn expected_figures(rows: &[Row], movies: &HashMap<(String, i32), v1::Movie>) ->
     s
 }
 
-/// Imports the 2024 diary, waits for every film's enrichment, asks for the wrap-up twice and
-/// checks the figures, the single WrapUpCompleted and the card served at `card_url`.
 /// The wrap-up `id` once it is completed.
 async fn completed(c: &Clients, id: &str, what: &str) -> v1::WrapUp {
     reelay_harness::eventually_some(what, LIMIT, || {
@@ -495,6 +493,8 @@ async fn completed(c: &Clients, id: &str, what: &str) -> v1::WrapUp {
     .await
 }
 
+/// Imports the 2024 diary, waits for every film's enrichment, asks for the wrap-up twice and
+/// checks the figures, the single WrapUpCompleted and the card served at `card_url`.
 async fn wrap_up_of_a_known_year(reelay: &Reelay) -> v1::WrapUp {
     let mut c = reelay.clients().await;
     let ana = c.user("ana").await;
@@ -704,8 +704,7 @@ async fn a_card_is_synced_to_disk_before_its_wrap_up_completes() {
     let ask = v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year: 2024, ..Default::default() };
     let id = c.wrap_ups.request_wrap_up(ask).await.unwrap().into_inner().wrap_up.unwrap().wrap_up_id;
     eventually("storing the card fails while fsyncs fail", || {
-        let failed =
-            handlers.log_text().lines().any(|l| l.contains("handler=\"wrap-up\"") && l.contains("handler failed"));
+        let failed = handlers.logged_handler_failure("wrap-up");
         async move { failed }
     })
     .await;

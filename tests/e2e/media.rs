@@ -674,8 +674,7 @@ async fn a_movie_s_images_are_deleted_on_disk_before_cleanup_is_done() {
     let strace = reelay_harness::Strace::inject(handlers.pid(), "fsync,fdatasync", "EIO", "1+1", dir.path()).await;
     delete_review(&mut c, &ana, &review).await;
     eventually("the cleanup fails while fsyncs fail", LIMIT, || {
-        let log = handlers.log_text();
-        let failed = log.lines().any(|l| l.contains("handler=\"image-cleanup\"") && l.contains("handler failed"));
+        let failed = handlers.logged_handler_failure("image-cleanup");
         async move { failed }
     })
     .await;

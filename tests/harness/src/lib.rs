@@ -432,6 +432,12 @@ impl Reelay {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Whether the process logged a failed run of `handler` (one to be retried or given up).
+    pub fn logged_handler_failure(&self, handler: &str) -> bool {
+        let span = format!("handler=\"{handler}\"");
+        self.log_text().lines().any(|l| l.contains(&span) && l.contains("handler failed"))
+    }
+
     /// GETs `path` from the process's admin HTTP port: the status code and the body.
     pub async fn admin_get(&self, path: &str) -> (u16, String) {
         http_get(self.metrics_addr, path).await
