@@ -100,9 +100,7 @@ impl RemoteKeys {
     }
 
     async fn fetch(&self, key_id: &str) -> Result<RemoteActor, KeyFetchError> {
-        if key_id.len() > MAX_URI_CHARS {
-            return Err(invalid(format!("the key id is longer than {MAX_URI_CHARS} characters")));
-        }
+        bounded("key id", key_id)?;
         let document_url = key_id.split('#').next().unwrap_or(key_id);
         let document = self.fetch_document(document_url).await?;
         let (actor, key) = if document.get("publicKeyPem").is_some() {
@@ -123,17 +121,14 @@ impl RemoteKeys {
             let key = published_key(&actor, key_id).ok_or_else(|| invalid("the actor does not publish that key"))?;
             (actor, key)
         };
-        let actor_uri = id_of(&actor).ok_or_else(|| invalid("the actor has no id"))?.to_owned();
+        let actor_uri = bounded("id", id_of(&actor).ok_or_else(|| invalid("the actor has no id"))?)?.to_owned();
         if key.get("owner").and_then(Value::as_str) != Some(actor_uri.as_str()) {
             return Err(invalid("the key's owner is not the actor that publishes it"));
         }
         let pem = key.get("publicKeyPem").and_then(Value::as_str).ok_or_else(|| invalid("the key has no PEM"))?;
         let key = PublicKey::from_pem(pem).map_err(|e| invalid(e.to_string()))?;
-        let text = |what: &str, v: Option<&Value>| match v.and_then(Value::as_str) {
-            Some(uri) if uri.len() > MAX_URI_CHARS => {
-                Err(invalid(format!("the actor's {what} is longer than {MAX_URI_CHARS} characters")))
-            }
-            uri => Ok(uri.map(str::to_owned)),
+        let text = |what, v: Option<&Value>| {
+            v.and_then(Value::as_str).map(|uri| bounded(what, uri).map(str::to_owned)).transpose()
         };
         Ok(RemoteActor {
             key,
@@ -150,6 +145,14 @@ fn published_key(actor: &Value, key_id: &str) -> Option<Value> {
         Value::Array(keys) => keys.iter().find(|key| id_of(key) == Some(key_id)).cloned(),
         key => (id_of(key) == Some(key_id)).then(|| key.clone()),
     }
+}
+
+/// `uri` (the signer's `what`) if it is no longer than [`MAX_URI_CHARS`].
+fn bounded<'a>(what: &str, uri: &'a str) -> Result<&'a str, KeyFetchError> {
+    if uri.len() > MAX_URI_CHARS {
+        return Err(invalid(format!("the signer's {what} is longer than {MAX_URI_CHARS} characters")));
+    }
+    Ok(uri)
 }
 
 fn invalid(reason: impl Into<String>) -> KeyFetchError {
