@@ -360,23 +360,38 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: thief.clone() }).await.unwrap().into_inner();
     assert_eq!(movie.poster_source_url, host.url("/poster.png?v=2"));
 
-    // An older enrichment's poster stored and never recorded (a crash between), delivered
-    // again after a newer enrichment named another poster: its object goes, so the newer
-    // poster's sync downloads its own instead of recording the older bytes as its own.
-    let heist = c.movie(&ana, "Heist", 2001).await;
-    let older = enrich(&mut c, &db, &heist, &host.url("/poster.jpg")).await;
-    media.objects.put(&format!("posters/{heist}/original"), posters.jpeg.clone().into()).await.unwrap();
-    let newer = enrich(&mut c, &db, &heist, &host.url("/poster.png")).await;
-    media.sync.handle(&older).await.unwrap();
-    media.sync.handle(&newer).await.unwrap();
-    let original = media.objects.get(&format!("posters/{heist}/original")).await.unwrap().unwrap();
-    assert_eq!(original.bytes.as_ref(), posters.png.as_slice(), "the newer poster is stored");
-    let synced = events(&db, "PosterSynced", &heist).await;
-    let Some(v1::event::Payload::PosterSynced(synced)) = &synced[0].payload else { panic!("{synced:?}") };
-    assert_eq!(
-        (synced.source_url.as_str(), synced.content_type.as_str()),
-        (host.url("/poster.png").as_str(), "image/png")
-    );
+    // An older enrichment's poster stored with its note and never recorded (a crash between),
+    // then a newer enrichment naming another poster, synced before or after the older event is
+    // delivered again: the newer poster's sync downloads its own instead of recording the
+    // older bytes as its own. So does it for an unrecorded object with no note (stored by an
+    // older build, or a crash between the object and its note).
+    for (title, note, older_first) in [("Heist", true, true), ("Spartan", true, false), ("Redbelt", false, false)] {
+        let movie = c.movie(&ana, title, 2001).await;
+        let older = enrich(&mut c, &db, &movie, &host.url("/poster.jpg")).await;
+        media.objects.put(&format!("posters/{movie}/original"), posters.jpeg.clone().into()).await.unwrap();
+        if note {
+            let from = host.url("/poster.jpg").into_bytes().into();
+            media.objects.put(&format!("posters/{movie}/original.from"), from).await.unwrap();
+        }
+        let newer = enrich(&mut c, &db, &movie, &host.url("/poster.png")).await;
+        if older_first {
+            media.sync.handle(&older).await.unwrap();
+        }
+        media.sync.handle(&newer).await.unwrap();
+        media.sync.handle(&older).await.unwrap();
+        let original = media.objects.get(&format!("posters/{movie}/original")).await.unwrap().unwrap();
+        assert_eq!(original.bytes.as_ref(), posters.png.as_slice(), "{title}: the newer poster is stored");
+        let synced = events(&db, "PosterSynced", &movie).await;
+        assert_eq!(synced.len(), 1, "{title}");
+        let Some(v1::event::Payload::PosterSynced(synced)) = &synced[0].payload else { panic!("{synced:?}") };
+        assert_eq!(
+            (synced.source_url.as_str(), synced.content_type.as_str()),
+            (host.url("/poster.png").as_str(), "image/png"),
+            "{title}"
+        );
+        let keys = media.objects.list(&format!("posters/{movie}")).await.unwrap();
+        assert_eq!(keys, [format!("posters/{movie}/original")], "{title}: the note is removed once recorded");
+    }
 
     // A missing original means done: nothing made, nothing recorded.
     let ronin = c.movie(&ana, "Ronin", 1998).await;
@@ -388,16 +403,21 @@ async fn posters_are_stored_and_converted_once(objects: ObjectsSettings, dir: &s
     assert!(media.objects.list(&format!("posters/{ronin}")).await.unwrap().is_empty());
     assert!(events(&db, "PosterConverted", &ronin).await.is_empty());
 
-    // The crash window of poster sync, in process: the object was written, RecordPoster never
-    // ran. The retry records what is stored (no download), once.
+    // The crash window of poster sync, in process: the object and its note were written,
+    // RecordPoster never ran. The retry records what is stored (no download), once, and the
+    // note goes.
     let collateral = c.movie(&ana, "Collateral", 2004).await;
     let enriched = enrich(&mut c, &db, &collateral, &host.url("/poster.jpg")).await;
     media.objects.put(&format!("posters/{collateral}/original"), posters.jpeg.clone().into()).await.unwrap();
+    let from = host.url("/poster.jpg").into_bytes().into();
+    media.objects.put(&format!("posters/{collateral}/original.from"), from).await.unwrap();
     let downloads = host.downloads.load(Ordering::SeqCst);
     thrice(&media.sync, &enriched).await;
     assert_eq!(host.downloads.load(Ordering::SeqCst), downloads, "the stored object was recorded, not downloaded");
     assert_eq!(events(&db, "PosterSynced", &collateral).await.len(), 1);
     assert_eq!(events(&db, "ImageStored", &collateral).await.len(), 1);
+    let keys = media.objects.list(&format!("posters/{collateral}")).await.unwrap();
+    assert_eq!(keys, [format!("posters/{collateral}/original")]);
 
     // The internal methods name the field they refuse.
     let refused = c
@@ -644,6 +664,7 @@ async fn crashes_between_the_object_writes_and_the_records_lose_and_repeat_nothi
         assert_eq!(events(&db, event_type, &heat).await.len(), 1, "one {event_type}");
     }
     assert_eq!(host.downloads.load(Ordering::SeqCst), 1, "the retry used the stored object");
+    assert!(!objects_dir.join(format!("posters/{heat}/original.from")).exists(), "its note went once recorded");
     third.stop().await;
     drop(second); // it aborted: nothing to stop
     cluster.handlers.clear();

@@ -6,7 +6,11 @@
 //! Exactly once, across redeliveries and crashes:
 //! - a poster already recorded from the same URL is skipped (no download, no write, no event);
 //! - a crash after the object write and before `RecordPoster` is retried: the retry finds the
-//!   object (no poster recorded yet), records it, and the events are raised once;
+//!   object (no poster recorded yet) and, beside it, `original.from` naming the URL it came
+//!   from, records it, and the events are raised once. The note is written after the object
+//!   and removed once it is recorded: an unrecorded object without a note naming this URL (an
+//!   older event's poster, stored by a try that crashed before recording it, or a write cut
+//!   short before its note) is downloaded again, never taken for this URL's;
 //! - a movie deleted while its poster downloads (`RecordPoster` answers not found, or a retry
 //!   finds no movie) has every object of it removed here: image cleanup may have run before
 //!   the write;
@@ -32,6 +36,11 @@ use reqwest::StatusCode;
 use tonic::Code;
 
 use crate::{check_image, original_key, sha256_hex};
+
+/// The key of the note naming the URL a movie's stored, not yet recorded original came from.
+fn source_key(movie_id: &str) -> String {
+    format!("posters/{movie_id}/original.from")
+}
 
 /// How often one download waits out a 429 before giving up for now, and for how long at most
 /// in all: the other events of its batch wait behind it, and the handler's timeout (a minute by
@@ -129,6 +138,20 @@ impl PosterSync {
                 tracing::warn!(key, %reason, "a stored poster is unusable; downloading again");
                 Ok(None)
             }
+        }
+    }
+
+    /// The unrecorded poster stored under the movie's original key, if the note beside it says
+    /// it came from `url`.
+    async fn stored_from(&self, movie_id: &str, url: &str) -> Result<Option<Poster>, HandlerError> {
+        let note = self.objects.get(&source_key(movie_id)).await.map_err(HandlerError::retryable)?;
+        match note {
+            Some(note) if note.bytes == url.as_bytes() => self.stored(&original_key(movie_id)).await,
+            Some(_) => {
+                tracing::info!(movie_id, url, "an unrecorded poster from another URL is stored; downloading this one");
+                Ok(None)
+            }
+            None => Ok(None),
         }
     }
 
@@ -292,16 +315,12 @@ impl Handler for PosterSync {
         };
         // The profile is written with its event, so one naming another poster (or none) is
         // newer than this event: a late delivery of an older enrichment must not bring its
-        // poster back over the current one.
+        // poster back over the current one. (An object an earlier try of this event stored and
+        // never recorded may stay: its note names this URL, so the newer poster's sync does not
+        // take it for its own.)
         let recorded = movie.poster_sizes.iter().any(|s| s == "original");
         if movie.profile.as_ref().map(|p| p.poster_url.as_str()) != Some(url) {
             tracing::info!(movie_id, url, "the movie's profile names another poster since; this event's is not stored");
-            if !recorded {
-                // An earlier try of this event may have stored its poster and not recorded it
-                // (a crash in between): the newer poster's sync would take that object for its
-                // own, so it goes.
-                self.objects.delete(&original_key(movie_id)).await.map_err(HandlerError::retryable)?;
-            }
             return Ok(());
         }
         if recorded && movie.poster_source_url == url {
@@ -309,9 +328,10 @@ impl Handler for PosterSync {
             return Ok(());
         }
         let key = original_key(movie_id);
-        // Nothing recorded yet but the object is there: a crash after the write and before
-        // RecordPoster. Record what was stored rather than downloading again.
-        let found = if recorded { None } else { self.stored(&key).await? };
+        // Nothing recorded yet but the object is there with a note naming this URL: a crash
+        // after the write and before RecordPoster. Record what was stored rather than
+        // downloading again.
+        let found = if recorded { None } else { self.stored_from(movie_id, url).await? };
         let poster = match found {
             Some(poster) => poster,
             None => {
@@ -332,6 +352,8 @@ impl Handler for PosterSync {
                     }
                 }
                 self.objects.put(&key, poster.bytes.clone()).await.map_err(HandlerError::retryable)?;
+                let note = Bytes::from(url.to_owned());
+                self.objects.put(&source_key(movie_id), note).await.map_err(HandlerError::retryable)?;
                 if reelay_kit::failpoint_armed("poster_sync_after_put") {
                     tracing::error!("failpoint poster_sync_after_put: aborting before RecordPoster");
                     std::process::abort();
@@ -369,6 +391,10 @@ impl PosterSync {
             Ok(recorded) => {
                 let recorded = recorded.into_inner();
                 tracing::info!(movie_id, %key, changed = recorded.changed, bytes = poster.bytes.len(), "poster stored");
+                // Recorded: the movie's source URL says where it came from now. A crash before
+                // this delete leaves a note that is read only while nothing is recorded, and
+                // the next new poster's clearing of stale keys removes it.
+                self.objects.delete(&source_key(movie_id)).await.map_err(HandlerError::retryable)?;
                 Ok(())
             }
             // Deleted while the poster was downloaded or written: image cleanup (on
