@@ -708,3 +708,28 @@ async fn a_movie_s_images_are_deleted_on_disk_before_cleanup_is_done() {
     assert_eq!(files_under(&dir.path().join("handlers-0/objects")), Vec::<String>::new());
     cluster.stop().await;
 }
+
+/// The temporary file of an object write a killed process left (`<key>#<n>`, which nothing
+/// lists or deletes) is removed by the handlers service when it starts, once old enough; a
+/// young one (a write in flight in another process sharing the directory) stays.
+#[tokio::test]
+async fn a_killed_write_s_temporary_file_is_swept_at_start() {
+    let dir = temp_dir();
+    let objects = dir.path().join("handlers-0/objects/posters/m1");
+    std::fs::create_dir_all(&objects).unwrap();
+    let (stale, young) = (objects.join("original#1"), objects.join("w92.webp#1"));
+    let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    std::fs::File::create(&stale).unwrap().set_modified(hour_ago).unwrap();
+    std::fs::File::create(&young).unwrap();
+    let cluster =
+        Cluster::builder(BIN, Backend::Db).handlers(&[("REELAY_HANDLERS", "image-cleanup")]).start(dir.path()).await;
+    eventually("the stale temporary file is removed", LIMIT, || {
+        let gone = !stale.exists();
+        async move { gone }
+    })
+    .await;
+    assert!(young.exists(), "a young one stays");
+    let log = cluster.handlers[0].log_text();
+    assert!(log.contains("removed the staging files of object writes that never finished"), "{log}");
+    cluster.stop().await;
+}

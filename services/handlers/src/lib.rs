@@ -63,7 +63,9 @@ pub async fn build(
     let mut store: Option<Objects> = None;
     let mut shared_objects = || -> anyhow::Result<Objects> {
         if store.is_none() {
-            store = Some(objects(settings, &context.data_dir)?);
+            let opened = objects(settings, &context.data_dir)?;
+            opened.spawn_staging_sweeper();
+            store = Some(opened);
         }
         Ok(store.clone().expect("opened above"))
     };

@@ -254,6 +254,96 @@ impl Objects {
     pub fn describe(&self) -> &str {
         &self.describe
     }
+
+    /// On the local filesystem, removes the staging files of puts that never finished, now and
+    /// every [`STAGING_SWEEP_EVERY`] while the runtime lives (see [`remove_stale_staging`]).
+    /// Does nothing for S3, which keeps no partial object.
+    pub fn spawn_staging_sweeper(&self) {
+        let Some(root) = self.local_dir.clone() else { return };
+        tokio::spawn(async move {
+            loop {
+                let swept = {
+                    let root = root.clone();
+                    tokio::task::spawn_blocking(move || remove_stale_staging(&root, STAGING_ORPHAN_AGE)).await
+                };
+                match swept {
+                    Ok(Ok(0)) => {}
+                    Ok(Ok(removed)) => tracing::info!(
+                        removed,
+                        dir = %root.display(),
+                        "removed the staging files of object writes that never finished"
+                    ),
+                    Ok(Err(error)) => tracing::warn!(%error, dir = %root.display(), "cannot sweep staging files"),
+                    Err(error) => tracing::warn!(%error, "the staging sweep stopped"),
+                }
+                tokio::time::sleep(STAGING_SWEEP_EVERY).await;
+            }
+        });
+    }
+}
+
+/// How old a staging file must be to count as left by a dead put: a put runs inside one
+/// handler call, which its timeout (a minute by default) ends long before this.
+pub const STAGING_ORPHAN_AGE: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// How often the staging sweep walks the store.
+pub const STAGING_SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
+
+/// Whether `name` is a staging file's: object_store writes a put to `<key>#<n>` and renames it
+/// into place, and never lists such names (a key's own `#` is followed by something else).
+fn is_staging_name(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    name.rsplit_once('#')
+        .is_some_and(|(key, n)| !key.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Removes the staging files under `root` last written more than `older_than` ago, and returns
+/// how many. A process killed in the middle of a put leaves one (`posters/<id>/original#1`);
+/// nothing lists or deletes it afterwards, not even the delete of its folder. Symbolic links
+/// are not followed; a file that vanishes meanwhile is skipped.
+pub fn remove_stale_staging(root: &FsPath, older_than: std::time::Duration) -> std::io::Result<usize> {
+    let mut removed = 0;
+    let mut dirs = vec![root.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound && dir != root => continue,
+            Err(error) => return Err(error),
+        };
+        let mut removed_here = false;
+        for entry in entries {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                dirs.push(entry.path());
+                continue;
+            }
+            if !kind.is_file() || !is_staging_name(&entry.file_name()) {
+                continue;
+            }
+            let age = match entry.metadata().and_then(|m| m.modified()) {
+                Ok(modified) => modified.elapsed().unwrap_or_default(),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) => return Err(error),
+            };
+            if age < older_than {
+                continue;
+            }
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => {
+                    tracing::debug!(path = %entry.path().display(), "removed a stale staging file");
+                    removed += 1;
+                    removed_here = true;
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(error),
+            }
+        }
+        if removed_here {
+            std::fs::File::open(&dir)?.sync_all()?;
+        }
+    }
+    Ok(removed)
 }
 
 /// rustls needs a crypto provider for HTTPS to S3; Reelay uses ring (already its crypto). A
@@ -284,6 +374,39 @@ mod tests {
         assert_eq!(objects.delete_prefix("posters/m1").await.unwrap(), 0, "deleting again is a no-op");
         assert!(objects.exists("posters/m2/original").await.unwrap());
         assert!(dir.path().join("objects/posters/m2/original").exists(), "under the data dir by default");
+    }
+
+    /// A put's staging file left by a killed process goes once it is old enough; a young one
+    /// (a put in flight, maybe in another process sharing the directory) stays, and so do keys
+    /// whose own name holds a `#`.
+    #[tokio::test]
+    async fn stale_staging_files_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let objects = Objects::open(&ObjectsSettings::default(), dir.path()).unwrap();
+        objects.put("posters/m1/original", Bytes::from_static(b"kept")).await.unwrap();
+        objects.put("cards/a#b", Bytes::from_static(b"a key with a hash")).await.unwrap();
+        let root = dir.path().join("objects");
+        let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        let stale = [root.join("posters/m1/original#1"), root.join("posters/m2/w92.webp#12")];
+        let young = root.join("posters/m1/w185.webp#1");
+        for (path, old) in stale.iter().map(|p| (p, true)).chain([(&young, false)]) {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let file = std::fs::File::create(path).unwrap();
+            if old {
+                file.set_modified(hour_ago).unwrap();
+            }
+        }
+        let old_key = root.join("cards/a#b");
+        std::fs::File::options().write(true).open(&old_key).unwrap().set_modified(hour_ago).unwrap();
+
+        assert_eq!(remove_stale_staging(&root, STAGING_ORPHAN_AGE).unwrap(), 2);
+        for path in &stale {
+            assert!(!path.exists(), "{} removed", path.display());
+        }
+        assert!(young.exists(), "a put in flight keeps its staging file");
+        assert_eq!(objects.get("cards/a#b").await.unwrap().unwrap().bytes, Bytes::from_static(b"a key with a hash"));
+        assert_eq!(objects.get("posters/m1/original").await.unwrap().unwrap().bytes, Bytes::from_static(b"kept"));
+        assert_eq!(remove_stale_staging(&root, STAGING_ORPHAN_AGE).unwrap(), 0, "nothing more");
     }
 
     #[test]
