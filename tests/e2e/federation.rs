@@ -422,7 +422,9 @@ async fn the_inbox_refuses_bad_input_before_writing() {
         let mut state = Vec::new();
         // The outbox by its events (handlers settle its rows meanwhile), the rest whole.
         state.push(query_strings(&a.database, "SELECT event_id, event_type FROM event_queue ORDER BY id").await);
-        for table in ["remote_reviews", "remote_followers", "federation_inbox", "movies", "follows"] {
+        for table in
+            ["remote_reviews", "remote_followers", "federation_inbox", "remote_review_tombstones", "movies", "follows"]
+        {
             state.push(query_strings(&a.database, &format!("SELECT * FROM {table}")).await);
         }
         state
@@ -469,6 +471,29 @@ async fn the_inbox_refuses_bad_input_before_writing() {
                 elsewhere
             })
             .await,
+        ),
+        // An activity whose own id is on another server: recorded, it would make that
+        // server's real activity of the same id (a Delete's predictable one) a repeat.
+        (
+            "an activity whose id is on another server",
+            400,
+            peer.send(
+                "alice",
+                &inbox,
+                &json!({
+                    "@context": "https://www.w3.org/ns/activitystreams",
+                    "id": "http://elsewhere.example/users/vera/statuses/9#delete",
+                    "type": "Delete",
+                    "actor": peer.actor("alice"),
+                    "object": format!("{}/statuses/9", peer.actor("alice")),
+                }),
+            )
+            .await,
+        ),
+        (
+            "an inbox of a user id of the right shape naming nobody",
+            404,
+            peer.send("alice", &format!("{}/users/{}/inbox", a.public_url(), "-".repeat(36)), &create).await,
         ),
         // An actor document holding a URI longer than any the write service takes (a signer
         // is cached before its signature is checked: such documents would pile up there).

@@ -5,10 +5,14 @@ use reelay_contracts::v1;
 use serde_json::Value;
 
 use crate::documents::id_of;
-use crate::time::parse_rfc3339;
+use crate::time::{now_ms, parse_rfc3339};
+use reelay_domain::validate::{MAX_YEAR, MIN_YEAR};
 
 /// The longest review body kept (the write service's limit).
 pub const MAX_BODY_CHARS: usize = 10_000;
+
+/// How far ahead of this clock a note's `published` may be (another server's clock runs ahead).
+const MAX_AHEAD_MS: i64 = 24 * 3600 * 1000;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RemoteReviewNote {
@@ -63,8 +67,12 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
     let film = object.get("film").ok_or_else(|| NoteError::NotAReview("it names no film".into()))?;
     let title = film.get("name").and_then(Value::as_str).map(str::trim).unwrap_or_default().to_owned();
     let year = film.get("year").and_then(Value::as_i64).unwrap_or_default();
-    if title.is_empty() || !(1870..=2200).contains(&year) {
-        return Err(NoteError::Invalid("the film needs a name and a year".into()));
+    if title.is_empty() {
+        return Err(NoteError::Invalid("film.name: the film needs a name".into()));
+    }
+    // The write service's range: a year it would refuse is refused here, naming this field.
+    if !(i64::from(MIN_YEAR)..=i64::from(MAX_YEAR)).contains(&year) {
+        return Err(NoteError::Invalid(format!("film.year: must be between {MIN_YEAR} and {MAX_YEAR}, got {year}")));
     }
     let external_id = film.get("externalId").and_then(Value::as_str).unwrap_or_default().to_owned();
     let rating = object
@@ -75,7 +83,8 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
         .find(|r| r.get("type").and_then(Value::as_str) == Some("Rating"))
         .and_then(|r| Some((r.get("value")?.as_f64()?, r.get("best").and_then(Value::as_f64).unwrap_or(5.0))))
         .filter(|(value, best)| *best > 0.0 && (0.0..=*best).contains(value))
-        .map_or(0, |(value, best)| ((value / best * 10.0).round() as u32).clamp(1, 10));
+        // Half stars; a rating that rounds to none (a 0 of 5) is no rating, not half a star.
+        .map_or(0, |(value, best)| ((value / best * 10.0).round() as u32).min(10));
     let plain = object
         .get("source")
         .filter(|s| s.get("mediaType").and_then(Value::as_str).is_some_and(|m| m.starts_with("text/plain")))
@@ -87,7 +96,19 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
         .chars()
         .take(MAX_BODY_CHARS)
         .collect();
-    let published_ms = object.get("published").and_then(Value::as_str).and_then(parse_rfc3339).unwrap_or(0).max(0);
+    // When it was written orders it among the film's reviews: a date that is there must be
+    // one, and not ahead of this clock by more than a day; a note without one (rare) is dated
+    // when it arrives.
+    let published_ms = match object.get("published") {
+        None | Some(Value::Null) => now_ms(),
+        Some(published) => published
+            .as_str()
+            .and_then(parse_rfc3339)
+            .filter(|ms| (0..=now_ms() + MAX_AHEAD_MS).contains(ms))
+            .ok_or_else(|| {
+                NoteError::Invalid(format!("published: not an RFC 3339 date up to a day from now: {published}"))
+            })?,
+    };
     Ok(RemoteReviewNote {
         object_uri,
         attributed_to,
@@ -135,6 +156,41 @@ mod tests {
     #[test]
     fn html_becomes_text() {
         assert_eq!(strip_html("<p>One &amp; two</p><p>three<br>four</p>"), "One & two\n\nthree\nfour");
+    }
+
+    fn note(published: Value, rating: Value, year: i64) -> Value {
+        json!({
+            "id": "https://m.example/users/u/statuses/1", "type": "Note", "attributedTo": "https://m.example/users/u",
+            "content": "<p>Slow.</p>", "published": published,
+            "film": { "name": "Stalker", "year": year },
+            "relatedWith": [{ "type": "Rating", "value": rating, "best": 5 }],
+        })
+    }
+
+    /// Each field keeps its meaning or is refused by name: a date that is not one (or far
+    /// ahead), a year the write service would refuse; a rating of nothing is unrated, and a
+    /// note without a date is dated on arrival.
+    #[test]
+    fn fields_are_read_or_refused_by_name() {
+        let read = |v: Value| read_review(&v);
+        let good = read(note(json!("2026-01-02T03:04:05Z"), json!(4.5), 1979)).unwrap();
+        assert_eq!((good.rating, good.published_ms, good.year), (9, 1_767_323_045_000, 1979));
+        assert_eq!(read(note(json!("2026-01-02T03:04:05Z"), json!(0), 1979)).unwrap().rating, 0, "a 0 is unrated");
+        assert_eq!(read(note(json!("2026-01-02T03:04:05Z"), json!("five"), 1979)).unwrap().rating, 0);
+        let before = now_ms();
+        assert!(read(note(Value::Null, json!(3), 1979)).unwrap().published_ms >= before, "dated on arrival");
+        for (bad, field) in [
+            (note(json!(12345), json!(3), 1979), "published"),
+            (note(json!("yesterday"), json!(3), 1979), "published"),
+            (note(json!("9999-01-01T00:00:00Z"), json!(3), 1979), "published"),
+            (note(json!("2026-01-02T03:04:05Z"), json!(3), 2150), "film.year"),
+            (note(json!("2026-01-02T03:04:05Z"), json!(3), 1500), "film.year"),
+        ] {
+            match read(bad) {
+                Err(NoteError::Invalid(reason)) => assert!(reason.starts_with(field), "{field}: {reason}"),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
     }
 
     #[test]

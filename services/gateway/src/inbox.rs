@@ -11,7 +11,8 @@
 //! 6. the signer's key (fetched and cached; fetched again once if the cached one fails) verifies
 //!    the signature (401; why a key could not be had is logged, not answered). The key must be
 //!    one its actor publishes, and the actor the one its document's own URL serves;
-//! 7. the body is a JSON activity (400) whose `actor` is the signer (401).
+//! 7. the body is a JSON activity (400) whose `actor` is the signer (401) and whose `id` is on
+//!    the signer's server (400).
 //!
 //! Then the activity goes to the write service (`Follow`, `Undo` of a Follow, `Accept` and
 //! `Reject` of our Follows, `Create`/`Update`/`Delete` of reviews), which records its id so a repeat changes
@@ -43,13 +44,9 @@ pub(crate) async fn user_inbox(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let valid = id.len() == 36 && id.chars().all(|c| c.is_ascii_hexdigit() || c == '-');
-    let request = v1::GetLocalActorRequest { by: Some(get_local_actor_request::By::UserId(id.clone())) };
-    if !valid {
-        return refuse(StatusCode::NOT_FOUND, "no such actor");
-    }
-    if let Err(status) = gw.federation.clone().get_local_actor(request).await {
-        return from_status(&status);
+    // The same answer as the actor's own document: 404 for an id that names nobody.
+    if let Err(answer) = gw.local_actor(get_local_actor_request::By::UserId(id.clone())).await {
+        return answer;
     }
     gw.take_in(Some(id), &method, &uri, &headers, body).await
 }
@@ -110,8 +107,9 @@ impl Gateway {
                 return unauthorized(format!("the request's date is outside the allowed window ({age} s old)"));
             }
         }
+        // Saturating: `created` is the caller's number, and any i64 parses.
         if let Some(created) = params.created
-            && (now_ms() / 1000 - created > MAX_AGE_SECS || created - now_ms() / 1000 > MAX_AHEAD_SECS)
+            && !(-MAX_AHEAD_SECS..=MAX_AGE_SECS).contains(&(now_ms() / 1000).saturating_sub(created))
         {
             return unauthorized("the signature's created time is outside the allowed window".into());
         }
@@ -177,6 +175,12 @@ impl Gateway {
         };
         if activity.get("actor").and_then(id_of) != Some(signer.actor_uri.as_str()) {
             return refuse(StatusCode::UNAUTHORIZED, "the activity's actor is not its signer");
+        }
+        // An activity's id is recorded so that a repeat changes nothing: one naming another
+        // server would let its signer take that server's id first (a Delete's predictable
+        // `<note>#delete`), and the real activity would then be ignored as a repeat.
+        if !same_origin(id, &signer.actor_uri) {
+            return refuse(StatusCode::BAD_REQUEST, "id: the activity's id is on another server than its actor");
         }
         let outcome = match kind {
             "Follow" => self.follow(&signer, user, id, &activity).await,

@@ -118,8 +118,43 @@ fn from_status(status: &tonic::Status) -> Response {
         }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
+    if http == StatusCode::SERVICE_UNAVAILABLE {
+        // What went wrong inside (a storage error, a recovery in progress) is for this log,
+        // not for whoever asked.
+        tracing::warn!(code = ?status.code(), message = status.message(), "write service call failed");
+        return refuse(http, "the service is unavailable for now; try again later");
+    }
     if http.is_server_error() {
         tracing::warn!(code = ?status.code(), message = status.message(), "write service call failed");
+        return refuse(http, "internal error");
     }
     refuse(http, status.message())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn answer(status: tonic::Status) -> (StatusCode, String) {
+        let response = from_status(&status);
+        let code = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1024).await.unwrap();
+        (code, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    /// A refusal keeps the write service's reason (it names the field); a failure inside does
+    /// not pass its detail (a storage error, a path) to whoever asked.
+    #[tokio::test]
+    async fn failures_inside_are_not_told_to_the_caller() {
+        let refused = answer(tonic::Status::invalid_argument("max_id: not a page token")).await;
+        assert_eq!(refused, (StatusCode::BAD_REQUEST, "max_id: not a page token".to_owned()));
+        for (status, code) in [
+            (tonic::Status::unavailable("database unavailable: /srv/reelay/reelay.db: disk I/O error"), 503),
+            (tonic::Status::internal("database storage error (SqliteError code 10)"), 500),
+        ] {
+            let (got, body) = answer(status).await;
+            assert_eq!(got.as_u16(), code);
+            assert!(!body.contains("database") && !body.contains("/srv"), "{body}");
+        }
+    }
 }

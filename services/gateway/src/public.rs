@@ -22,7 +22,7 @@ fn query_param(query: &Option<String>, name: &str) -> Option<String> {
 
 impl Gateway {
     /// The local actor `id` names (a user id), or the answer to give.
-    async fn local_actor(&self, by: get_local_actor_request::By) -> Result<v1::LocalActor, Response> {
+    pub(crate) async fn local_actor(&self, by: get_local_actor_request::By) -> Result<v1::LocalActor, Response> {
         if let get_local_actor_request::By::UserId(id) = &by
             && uuid_like(id).is_none()
         {
@@ -187,6 +187,10 @@ pub(crate) async fn outbox(State(gw): State<Gateway>, Path(id): Path<String>, Ra
         v1::ListOutboxRequest { user_id: actor.user_id.clone(), page_size: OUTBOX_PAGE, page_token: max_id.clone() };
     let page = match gw.federation.clone().list_outbox(request).await {
         Ok(page) => page.into_inner(),
+        // The page token is what this route calls `max_id`.
+        Err(status) if status.code() == tonic::Code::InvalidArgument => {
+            return refuse(StatusCode::BAD_REQUEST, format!("max_id {max_id:?}: not a page of this outbox"));
+        }
         Err(status) => return from_status(&status),
     };
     let items = page

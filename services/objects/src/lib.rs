@@ -19,6 +19,12 @@ mod media;
 
 pub use media::media_router;
 
+/// The longest key taken (Reelay's own are under 100 bytes).
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// The longest segment of a key taken: a file name's limit on Linux.
+pub const MAX_SEGMENT_BYTES: usize = 255;
+
 /// Where objects are stored.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ObjectsSettings {
@@ -150,13 +156,40 @@ impl Objects {
         ObjectsError::Store { store: self.describe.to_string(), source }
     }
 
-    /// The store's path of a key; keys never climb out of the store.
+    /// The store's path of a key; keys never climb out of the store, and are ones every store
+    /// can hold: at most [`MAX_KEY_BYTES`], segments of at most [`MAX_SEGMENT_BYTES`] (a file
+    /// name's limit), no name of a staging file (`<name>#<digits>`, which the local store
+    /// refuses). The media route takes keys from any URL, so these are a caller's mistakes
+    /// (400), not the store failing (503).
     fn path(key: &str) -> Result<Path, ObjectsError> {
         let bad = |reason: String| ObjectsError::BadKey { key: key.to_owned(), reason };
         if key.is_empty() {
             return Err(bad("empty".into()));
         }
-        Path::parse(key).map_err(|e| bad(e.to_string()))
+        if key.len() > MAX_KEY_BYTES {
+            return Err(bad(format!("longer than {MAX_KEY_BYTES} bytes")));
+        }
+        let path = Path::parse(key).map_err(|e| bad(e.to_string()))?;
+        if path.parts().any(|part| part.as_ref().len() > MAX_SEGMENT_BYTES) {
+            return Err(bad(format!("a segment is longer than {MAX_SEGMENT_BYTES} bytes")));
+        }
+        if path.filename().is_some_and(|name| is_staging_name(std::ffi::OsStr::new(name))) {
+            return Err(bad("a name ending in # and digits is a staging file's".into()));
+        }
+        Ok(path)
+    }
+
+    /// Whether `error` is the local store's answer to a key that runs through a file
+    /// (`cards/x/card.svg/more`): no such object, not a failing store.
+    fn through_a_file(&self, error: &object_store::Error) -> bool {
+        let mut source = std::error::Error::source(error);
+        while let Some(cause) = source {
+            if cause.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::NotADirectory) {
+                return self.local_dir.is_some();
+            }
+            source = cause.source();
+        }
+        false
     }
 
     /// Writes `bytes` under `key`, atomically (a reader sees the whole object or none).
@@ -176,6 +209,7 @@ impl Objects {
                 Ok(Some(Object { bytes, modified_unix: meta.last_modified.timestamp(), e_tag: meta.e_tag }))
             }
             Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(error) if self.through_a_file(&error) => Ok(None),
             Err(error) => Err(self.error(error)),
         }
     }
@@ -186,6 +220,7 @@ impl Objects {
         match self.store.head(&path).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(error) if self.through_a_file(&error) => Ok(false),
             Err(error) => Err(self.error(error)),
         }
     }
@@ -407,6 +442,24 @@ mod tests {
         assert_eq!(objects.get("cards/a#b").await.unwrap().unwrap().bytes, Bytes::from_static(b"a key with a hash"));
         assert_eq!(objects.get("posters/m1/original").await.unwrap().unwrap().bytes, Bytes::from_static(b"kept"));
         assert_eq!(remove_stale_staging(&root, STAGING_ORPHAN_AGE).unwrap(), 0, "nothing more");
+    }
+
+    /// Keys a URL can name that no store holds are a caller's mistake, and a key running
+    /// through a file names nothing; neither is the store failing (the media route answers
+    /// 400 and 404, not 503).
+    #[tokio::test]
+    async fn keys_no_store_holds_are_refused_and_paths_through_files_are_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let objects = Objects::open(&ObjectsSettings::default(), dir.path()).unwrap();
+        objects.put("wrapups/x/card.svg", Bytes::from_static(b"<svg/>")).await.unwrap();
+        let long_segment = format!("wrapups/{}", "x".repeat(MAX_SEGMENT_BYTES + 1));
+        let long_key = "x/".repeat(MAX_KEY_BYTES);
+        for key in ["a#1", "posters/m/original#12", long_segment.as_str(), long_key.as_str()] {
+            assert!(matches!(objects.get(key).await, Err(ObjectsError::BadKey { .. })), "{key}");
+        }
+        assert!(objects.get("wrapups/x/card.svg/more").await.unwrap().is_none());
+        assert!(!objects.exists("wrapups/x/card.svg/more").await.unwrap());
+        assert!(objects.get("a#b").await.unwrap().is_none(), "a # followed by letters is a name");
     }
 
     #[test]
