@@ -514,6 +514,32 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     }
     assert_eq!(state().await, before, "a refused request wrote something");
 
+    // Taken in (202), and nothing written: activities any server may send that find nothing to
+    // change (they were recorded, with a tombstone for the Delete, and nothing bounded them).
+    let nothing = |kind: &str, n: u32, object: serde_json::Value| {
+        json!({
+            "@context": "https://www.w3.org/ns/activitystreams",
+            "id": format!("{}/{kind}/{n}", peer.actor("mallory")),
+            "type": kind,
+            "actor": peer.actor("mallory"),
+            "object": object,
+        })
+    };
+    for (case, activity) in [
+        (
+            "a Delete from an actor nobody follows",
+            nothing("Delete", 1, json!(format!("{}/statuses/1", peer.actor("mallory")))),
+        ),
+        ("an Undo of a Follow never seen", nothing("Undo", 1, json!(format!("{}/follows/404", peer.actor("mallory"))))),
+        (
+            "a Reject of no Follow of ours",
+            nothing("Reject", 1, json!(format!("{}/activities/01a242db-0000-7000-8000-000000000000", a.public_url()))),
+        ),
+    ] {
+        assert_eq!(peer.send("mallory", &inbox, &activity).await, 202, "{case}");
+    }
+    assert_eq!(state().await, before, "an activity that changed nothing was recorded");
+
     assert_eq!(peer.send("alice", &inbox, &create).await, 202);
     wait_until!("the proper request is taken", count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await == 1);
     // A repeat of the same activity changes nothing.

@@ -3,7 +3,9 @@
 //!
 //! Inbound writes that name the activity that carried them record it in `federation_inbox` in
 //! the same transaction: a repeat delivery of one activity changes nothing, whatever happened
-//! in between (a Follow redelivered after its Undo does not follow again).
+//! in between (a Follow redelivered after its Undo does not follow again). An activity that
+//! finds nothing to change (an Undo of no follow in force, a Delete from an actor nobody here
+//! follows) is not recorded: any server can send those.
 
 use std::collections::HashSet;
 
@@ -30,6 +32,19 @@ async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<b
         .await?
         .rows_affected();
     Ok(inserted > 0)
+}
+
+/// Whether the inbox took in `activity` before. For activities that change something only
+/// when they find what they name (an Undo, an Accept, a Reject, a Delete of nothing kept): they
+/// look first and record themselves only once they changed something, so any signer cannot
+/// fill `federation_inbox` with ids that change nothing.
+async fn seen_before(tx: &mut WriteTx, activity: &Option<String>) -> Result<bool> {
+    let Some(activity) = activity else { return Ok(false) };
+    let seen: Option<i64> = sqlx::query_scalar("SELECT 1 FROM federation_inbox WHERE activity_id = ?")
+        .bind(activity.clone())
+        .fetch_optional(tx.conn())
+        .await?;
+    Ok(seen.is_some())
 }
 
 /// Deletes up to `batch` rows of each of the federation's dedup records (activities taken in,
@@ -208,7 +223,7 @@ impl Store {
         received: Option<String>,
     ) -> Result<bool> {
         write_job!(self, "delete_remote_review", |tx| {
-            if !first_delivery(tx, &received).await? {
+            if seen_before(tx, &received).await? {
                 return Ok(false);
             }
             let row = sqlx::query("SELECT id, actor_uri, movie_id FROM remote_reviews WHERE object_uri = ?")
@@ -221,6 +236,12 @@ impl Store {
                 ))
                 .into());
             }
+            // Nothing of the actor is kept, and nobody here follows it (so a Create of it would
+            // not be saved either): nothing to delete, and nothing to remember.
+            if row.is_none() && !followed_by_anyone(tx.conn(), &actor_uri).await? {
+                return Ok(false);
+            }
+            first_delivery(tx, &received).await?;
             // Found or not (its Create may still be on its way), it stays deleted.
             sqlx::query(
                 "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
@@ -314,7 +335,7 @@ impl Store {
             if let Some(user) = user {
                 ensure_user(tx.conn(), user).await?;
             }
-            if !first_delivery(tx, &received).await? {
+            if seen_before(tx, &received).await? {
                 return Ok(false);
             }
             let removed: Vec<String> = sqlx::query(
@@ -342,8 +363,12 @@ impl Store {
                     )
                 })
                 .collect::<Vec<_>>();
+            if removed.is_empty() {
+                return Ok(false);
+            }
+            first_delivery(tx, &received).await?;
             commit_events(tx, events).await?;
-            Ok(!removed.is_empty())
+            Ok(true)
         })
         .await
     }
@@ -357,7 +382,7 @@ impl Store {
         received: Option<String>,
     ) -> Result<bool> {
         write_job!(self, "receive_accept", |tx| {
-            if !first_delivery(tx, &received).await? {
+            if seen_before(tx, &received).await? {
                 return Ok(false);
             }
             let accepted: Option<String> = sqlx::query(
@@ -371,6 +396,7 @@ impl Store {
             .await?
             .map(|row| row.get(0));
             let Some(follower_id) = accepted else { return Ok(false) };
+            first_delivery(tx, &received).await?;
             let event = NewEvent::new(
                 &follower_id,
                 Payload::RemoteFollowAccepted(v1::RemoteFollowAccepted { follower_id: follower_id.clone(), actor_uri }),
@@ -390,7 +416,7 @@ impl Store {
         received: Option<String>,
     ) -> Result<bool> {
         write_job!(self, "receive_reject", |tx| {
-            if !first_delivery(tx, &received).await? {
+            if seen_before(tx, &received).await? {
                 return Ok(false);
             }
             let target = Target::Actor(actor_uri.clone());
@@ -402,6 +428,7 @@ impl Store {
                     .await?
                     .map(|row| row.get(0));
             let Some(follower_id) = removed else { return Ok(false) };
+            first_delivery(tx, &received).await?;
             tracing::info!(%follower_id, %actor_uri, "a remote actor rejected a follow; it is removed");
             let payload = v1::Unfollowed {
                 follower_id: follower_id.clone(),
