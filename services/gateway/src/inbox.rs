@@ -9,8 +9,9 @@
 //!    allows (401);
 //! 5. the `Digest` matches the body (401);
 //! 6. the signer's key (fetched and cached; fetched again once if the cached one fails) verifies
-//!    the signature (401; why a key could not be had is logged, not answered). The key must be
-//!    one its actor publishes, and the actor the one its document's own URL serves;
+//!    the signature (401; why a key could not be had is logged, not answered; 503 when a retry
+//!    may pass: its server unreachable, or fetched from too often, see `remote_keys`). The key
+//!    must be one its actor publishes, and the actor the one its document's own URL serves;
 //! 7. the body is a JSON activity (400) whose `actor` is the signer (401) and whose `id` is on
 //!    the signer's server (400).
 //!
@@ -78,8 +79,8 @@ impl Gateway {
         uri: &Uri,
         headers: &HeaderMap,
         body: &[u8],
-    ) -> Result<RemoteActor, String> {
-        let unauthorized = |reason: String| Err(reason);
+    ) -> Result<RemoteActor, (StatusCode, String)> {
+        let unauthorized = |reason: String| Err((StatusCode::UNAUTHORIZED, reason));
         let Some(header) = header_text(headers, "signature") else {
             return unauthorized("the request is not signed (no Signature header)".into());
         };
@@ -129,9 +130,12 @@ impl Gateway {
         // Why a key could not be had stays in this log: the key id is the caller's to choose,
         // and what fetching it met (a refused connection, a status, a body) is not the
         // caller's to learn.
+        // A failure that may pass (the signer's server unreachable or busy, or fetched from too
+        // often this minute) is a 503, which a sender retries; a 401 it may take as final.
         let no_key = |error: KeyFetchError| {
             tracing::warn!(key_id = %params.key_id, %error, "refused a signed request: no usable key for its keyId");
-            Err(format!("no usable key could be fetched for keyId {:?}", params.key_id))
+            let status = if error.is_transient() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::UNAUTHORIZED };
+            Err((status, format!("no usable key could be fetched for keyId {:?}", params.key_id)))
         };
         let was_cached = self.keys.is_cached(&params.key_id);
         let mut signer = match self.keys.get(&params.key_id, false).await {
@@ -163,7 +167,7 @@ impl Gateway {
     ) -> Response {
         let signer = match self.verify(method, uri, headers, &body).await {
             Ok(signer) => signer,
-            Err(reason) => return refuse(StatusCode::UNAUTHORIZED, reason),
+            Err((status, reason)) => return refuse(status, reason),
         };
         let activity: Value = match serde_json::from_slice(&body) {
             Ok(Value::Object(object)) => Value::Object(object),

@@ -6,6 +6,13 @@
 //! its document was fetched from, and the actor must publish the key (so a document on one
 //! server cannot claim to be an actor of another, nor a key claim an owner that does not list
 //! it). The actor's inboxes come along, for the follows it sends.
+//!
+//! A signature's key id is the caller's to choose, and its checks before the fetch (host, date,
+//! digest) take no key to pass, so fetching is bounded: a key id whose fetch failed is not
+//! fetched again for [`FAILED_FOR`], one fetched is not fetched again within [`MIN_REFETCH`]
+//! (a refresh after a failed signature included), and each host is fetched from at most
+//! [`FETCHES_PER_HOST`] times a minute. Else any client could have the gateway GET another
+//! server's pages as fast as it sends requests.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,6 +30,16 @@ const CACHED_KEYS: usize = 10_000;
 /// actor documents of a megabyte each held here.
 const MAX_URI_CHARS: usize = 2048;
 
+/// How long a key id whose fetch failed is answered from memory.
+pub const FAILED_FOR: Duration = Duration::from_secs(60);
+/// The least time between two fetches of one key id.
+pub const MIN_REFETCH: Duration = Duration::from_secs(30);
+/// The most fetches from one host in a minute (a server's first contact with many of its
+/// actors at once is answered 503 past it, which a sender retries).
+pub const FETCHES_PER_HOST: u32 = 60;
+/// Hosts (and failed key ids) remembered; past this the memory starts over.
+const REMEMBERED: usize = 10_000;
+
 /// A remote signer: its key and who it is.
 #[derive(Debug, Clone)]
 pub struct RemoteActor {
@@ -38,39 +55,102 @@ pub enum KeyFetchError {
     Fetch(FetchError),
     #[error("the signer's key document is unusable: {0}")]
     Invalid(String),
+    /// Its fetch failed less than [`FAILED_FOR`] ago (why, and whether a retry may pass): not
+    /// fetched again yet.
+    #[error("fetching the signer's key failed a moment ago: {0}")]
+    RecentlyFailed(String, bool),
+    /// Its host was fetched from [`FETCHES_PER_HOST`] times this minute.
+    #[error("too many key fetches from {0} this minute; try again later")]
+    Throttled(String),
+}
+
+impl KeyFetchError {
+    /// Whether a later try may pass (the sender is told 503, and retries).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Fetch(error) => error.is_transient(),
+            Self::RecentlyFailed(_, transient) => *transient,
+            Self::Throttled(_) => true,
+            Self::Invalid(_) => false,
+        }
+    }
 }
 
 /// Key id → when it was fetched, and its signer.
 type KeyCache = HashMap<String, (Instant, Arc<RemoteActor>)>;
+
+/// What bounds fetching: failed key ids (when, why), and each host's fetches this minute
+/// (since when, how many).
+#[derive(Default)]
+struct Fetches {
+    failed: HashMap<String, (Instant, String, bool)>,
+    per_host: HashMap<String, (Instant, u32)>,
+}
 
 #[derive(Clone)]
 pub struct RemoteKeys {
     http: FederationClient,
     ttl: Duration,
     cache: Arc<Mutex<KeyCache>>,
+    fetches: Arc<Mutex<Fetches>>,
 }
 
 impl RemoteKeys {
     pub fn new(http: FederationClient, ttl: Duration) -> Self {
-        Self { http, ttl, cache: Arc::default() }
+        Self { http, ttl, cache: Arc::default(), fetches: Arc::default() }
     }
 
     /// The signer of `key_id`, from the cache while fresh unless `refresh` (a signature that
-    /// failed with the cached key: the actor may have rotated it).
+    /// failed with the cached key: the actor may have rotated it; a key fetched less than
+    /// [`MIN_REFETCH`] ago is not fetched again).
     pub async fn get(&self, key_id: &str, refresh: bool) -> Result<Arc<RemoteActor>, KeyFetchError> {
-        if !refresh
-            && let Some((at, actor)) = self.cache.lock().expect("key cache lock").get(key_id)
-            && at.elapsed() < self.ttl
+        if let Some((at, actor)) = self.cache.lock().expect("key cache lock").get(key_id)
+            && at.elapsed() < if refresh { MIN_REFETCH } else { self.ttl }
         {
             return Ok(actor.clone());
         }
-        let actor = Arc::new(self.fetch(key_id).await?);
+        if let Some((at, reason, transient)) = self.fetches.lock().expect("fetches lock").failed.get(key_id)
+            && at.elapsed() < FAILED_FOR
+        {
+            return Err(KeyFetchError::RecentlyFailed(reason.clone(), *transient));
+        }
+        let actor = match self.fetch(key_id).await {
+            Ok(actor) => Arc::new(actor),
+            // Not remembered: a throttled fetch was never made.
+            Err(error @ KeyFetchError::Throttled(_)) => return Err(error),
+            Err(error) => {
+                let mut fetches = self.fetches.lock().expect("fetches lock");
+                if fetches.failed.len() >= REMEMBERED {
+                    fetches.failed.clear();
+                }
+                fetches.failed.insert(key_id.to_owned(), (Instant::now(), error.to_string(), error.is_transient()));
+                return Err(error);
+            }
+        };
         let mut cache = self.cache.lock().expect("key cache lock");
         if cache.len() >= CACHED_KEYS {
             cache.clear();
         }
         cache.insert(key_id.to_owned(), (Instant::now(), actor.clone()));
         Ok(actor)
+    }
+
+    /// Counts a fetch from `url`'s host, or refuses it when the host had its share this minute.
+    fn may_fetch(&self, url: &str) -> Result<(), KeyFetchError> {
+        let host = url::Url::parse(url).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
+        let mut fetches = self.fetches.lock().expect("fetches lock");
+        if fetches.per_host.len() >= REMEMBERED {
+            fetches.per_host.clear();
+        }
+        let (since, count) = fetches.per_host.entry(host.clone()).or_insert((Instant::now(), 0));
+        if since.elapsed() >= Duration::from_secs(60) {
+            (*since, *count) = (Instant::now(), 0);
+        }
+        if *count >= FETCHES_PER_HOST {
+            return Err(KeyFetchError::Throttled(host));
+        }
+        *count += 1;
+        Ok(())
     }
 
     /// True when a fresh cached key was used (worth a refetch if it fails; a stale one was
@@ -81,6 +161,7 @@ impl RemoteKeys {
 
     async fn fetch_document(&self, url: &str) -> Result<Value, KeyFetchError> {
         let request = Outgoing::get(url).map_err(KeyFetchError::Fetch)?;
+        self.may_fetch(url)?;
         self.http.fetch_json(request).await.map_err(KeyFetchError::Fetch)
     }
 
@@ -175,5 +256,51 @@ mod tests {
         assert!(!keys.is_cached(&key_id));
         let short = "http://127.0.0.1:1/users/alice#main-key";
         assert!(matches!(keys.get(short, false).await, Err(KeyFetchError::Fetch(_))), "a short one is fetched");
+    }
+
+    /// A loopback server answering every request 404, counting them; its base URL.
+    async fn answering_404() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    let mut buffer = [0; 4096];
+                    let _ = stream.read(&mut buffer).await;
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                        .await;
+                });
+            }
+        });
+        (base, count)
+    }
+
+    /// Fetching is bounded (the key id is the caller's to choose): a key id that failed is not
+    /// fetched again for a while, and past its share a host is not fetched from this minute,
+    /// which the inbox answers 503 (a retry may pass), unlike a 404 (401).
+    #[tokio::test]
+    async fn failed_key_ids_and_busy_hosts_are_not_fetched_again() {
+        use std::sync::atomic::Ordering;
+        let (base, requests) = answering_404().await;
+        let http = FederationClient::new(Duration::from_secs(5), 1024, true).unwrap();
+        let keys = RemoteKeys::new(http, Duration::from_secs(60));
+        let key_id = |n: u32| format!("{base}/users/u{n}#main-key");
+        let first = keys.get(&key_id(0), false).await.unwrap_err();
+        assert!(matches!(first, KeyFetchError::Fetch(_)) && !first.is_transient(), "{first}");
+        let again = keys.get(&key_id(0), true).await.unwrap_err();
+        assert!(matches!(again, KeyFetchError::RecentlyFailed(_, false)), "{again}");
+        assert_eq!(requests.load(Ordering::SeqCst), 1, "not fetched again");
+        for n in 1..FETCHES_PER_HOST {
+            assert!(matches!(keys.get(&key_id(n), false).await, Err(KeyFetchError::Fetch(_))), "{n}");
+        }
+        let throttled = keys.get(&key_id(FETCHES_PER_HOST), false).await.unwrap_err();
+        assert!(matches!(throttled, KeyFetchError::Throttled(_)) && throttled.is_transient(), "{throttled}");
+        assert_eq!(requests.load(Ordering::SeqCst), FETCHES_PER_HOST as usize);
     }
 }
