@@ -87,7 +87,7 @@ pub async fn serve(
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .with_state(gateway);
     tracing::info!(addr = ?listener.local_addr().ok(), public_url = config.urls.base(), "gateway serving");
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    reelay_kit::http::serve(listener, app, reelay_kit::http::HttpLimits::default(), shutdown).await
 }
 
 /// A JSON document with its media type.

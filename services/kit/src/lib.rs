@@ -3,7 +3,8 @@
 //! trace context, the one gRPC server builder (health, reflection, service-token auth, limits,
 //! deadlines, panic catching, trace context, graceful shutdown) and the client side, the
 //! shutdown signal, the one backoff, the clock and the test-only failpoints; the metrics
-//! registry and the admin HTTP port (`/metrics`, `/healthz`, `/readyz`).
+//! registry and the admin HTTP port (`/metrics`, `/healthz`, `/readyz`); and the serving of a
+//! public HTTP router with the limits a listener open to anyone needs.
 //!
 //! It must not know about storage or delivery: no sqlx, no outbox, no handlers. Crates map their
 //! own errors into [`ErrorCode`] instead of this crate knowing their error types.
@@ -14,6 +15,7 @@ pub mod client;
 pub mod error;
 mod failpoints;
 pub mod grpc;
+pub mod http;
 pub mod metrics;
 pub mod service;
 pub mod shutdown;

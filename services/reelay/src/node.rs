@@ -422,8 +422,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             tracing::info!(addr = %args.handlers.media_addr, objects = objects.describe(), "media route listening");
             let stop = shutdown.clone();
             tasks.spawn(async move {
-                axum::serve(listener, reelay_objects::media_router(objects))
-                    .with_graceful_shutdown(async move { stop.requested().await })
+                let media = reelay_objects::media_router(objects);
+                let limits = reelay_kit::http::HttpLimits::default();
+                reelay_kit::http::serve(listener, media, limits, async move { stop.requested().await })
                     .await
                     .context("the media route failed")
             });
