@@ -1,7 +1,8 @@
 //! The binary is all a newcomer needs: the README's first command (`run --dev`, from an empty
 //! directory, on the default addresses) and then its "Trying it" block, read from README.md
 //! and run as written; and the Letterboxd import of an export-shaped zip, whose re-import of a
-//! newer export adds only what is new. Bad input is refused with the file, line and field.
+//! newer export adds only what is new. Bad input is refused with the file, line and field;
+//! client flags no call could use are refused before any call, naming the flag.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -99,6 +100,44 @@ async fn a_newcomers_first_run_follows_the_readme() {
     signal_term(&server.0);
     let status = tokio::task::spawn_blocking(move || server.0.wait()).await.unwrap().unwrap();
     assert!(status.success(), "reelay run --dev stops cleanly on SIGTERM");
+}
+
+/// Client flags and settings no call could use are refused before any call (no service runs
+/// here), with exit 2 and the flag or variable named: a deadline of 0 (every call was
+/// cancelled), a --limit the help does not allow (0 meant 100, 5000 was the service's error), a
+/// --since before 1970 (it panicked, wrapped into the future, or reached the service as a
+/// negative since_ms), a URL without a scheme (every call failed with "transport error").
+#[test]
+fn client_settings_no_call_could_use_are_refused_at_once() {
+    let dead_letters = ["dead-letters", "list"];
+    // The command line, a variable set for it, and what its refusal must name.
+    type Case<'a> = (Vec<&'a str>, Option<(&'a str, &'a str)>, &'a [&'a str]);
+    let cases: [Case; 9] = [
+        (vec!["status", "--grpc-timeout-ms", "0"], None, &["--grpc-timeout-ms", "2000"]),
+        (vec!["status"], Some(("REELAY_GRPC_TIMEOUT_MS", "0")), &["--grpc-timeout-ms", "2000"]),
+        ([&dead_letters[..], &["--limit", "0"]].concat(), None, &["--limit", "1000"]),
+        ([&dead_letters[..], &["--limit", "5000"]].concat(), None, &["--limit", "1000"]),
+        ([&dead_letters[..], &["--since", "999999999999999d"]].concat(), None, &["--since", "too long"]),
+        ([&dead_letters[..], &["--since", "200000000000d"]].concat(), None, &["--since", "1970"]),
+        ([&dead_letters[..], &["--since", "30000d"]].concat(), None, &["--since", "1970"]),
+        (vec!["status", "--write-url", "127.0.0.1:1"], None, &["REELAY_WRITE_URL", "\"127.0.0.1:1\"", "no scheme"]),
+        (
+            vec!["search", "reviews", "heat"],
+            Some(("REELAY_HANDLERS_URL", "127.0.0.1:1")),
+            &["REELAY_HANDLERS_URL", "\"127.0.0.1:1\"", "no scheme"],
+        ),
+    ];
+    for (args, env, named) in cases {
+        let mut command = std::process::Command::new(BIN);
+        command.args(&args).env_remove("REELAY_GRPC_TIMEOUT_MS").env_remove("REELAY_HANDLERS_URL");
+        if let Some((name, value)) = env {
+            command.env(name, value);
+        }
+        let out = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {stderr}");
+        assert!(named.iter().all(|n| stderr.contains(n)), "{args:?} {env:?} names {named:?}: {stderr}");
+    }
 }
 
 fn signal_term(child: &std::process::Child) {
@@ -285,6 +324,10 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     )
     .await;
     assert_eq!(ran, vec![vec!["2".to_owned()]], "the imported entry and one logged");
+    // --wait-secs 0 asks and does not wait: the wrap-up is named, computed or not (it always
+    // failed, "still being generated after 0 s").
+    let asked = reelay.cli(&["wrap-ups", "request", "--user", &ana, "--year", "2021", "--wait-secs", "0"], &[]).await;
+    assert!(asked.ok().contains("wrap-up "), "{}", asked.stdout);
     let refused =
         run_cli(Path::new(BIN), &["status"], &[("REELAY_WRITE_URL".into(), format!("http://{}", reelay.addr))]).await;
     assert!(

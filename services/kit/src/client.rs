@@ -25,11 +25,32 @@ impl Interceptor for ServiceToken {
     }
 }
 
+/// Checks that `url` names a service this build can reach: `http://` and a host. Without the
+/// scheme the URL parses all the same and every call then fails with a bare transport error;
+/// `https://` would be spoken in plaintext, since this build has no TLS client.
+pub fn check_service_url(url: &str) -> Result<Endpoint, String> {
+    let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|e| format!("invalid service URL {url:?}: {e}"))?;
+    let uri = endpoint.uri();
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "service URL {url:?}: https is not supported (this build speaks plaintext gRPC); use http://"
+            ));
+        }
+        Some(other) => return Err(format!("service URL {url:?}: the scheme must be http, not {other}")),
+        None => return Err(format!("service URL {url:?} has no scheme: write http://{url}")),
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("service URL {url:?} names no host"));
+    }
+    Ok(endpoint)
+}
+
 /// A lazily connected channel to `url` (e.g. `http://127.0.0.1:50051`). `call_timeout` bounds
 /// every call that does not set a shorter deadline.
 pub fn connect_lazy(url: &str, token: Option<&str>, call_timeout: Duration) -> Result<ServiceChannel, String> {
-    let endpoint = Endpoint::from_shared(url.to_owned())
-        .map_err(|e| format!("invalid service URL {url:?}: {e}"))?
+    let endpoint = check_service_url(url)?
         .connect_timeout(Duration::from_secs(5))
         .timeout(call_timeout)
         .tcp_nodelay(true)
@@ -54,4 +75,30 @@ pub fn is_transport_failure(status: &Status) -> bool {
             | Code::Aborted
             | Code::ResourceExhausted
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A URL without a scheme or host, or with one this build cannot speak, is refused before
+    /// any call (it used to be taken, and every call failed with "transport error").
+    #[test]
+    fn a_service_url_needs_http_and_a_host() {
+        assert!(check_service_url("http://127.0.0.1:50051").is_ok());
+        assert!(check_service_url("http://write.reelay.svc:50051/").is_ok());
+        assert!(check_service_url("http://[::1]:50051").is_ok());
+        for (url, says) in [
+            ("127.0.0.1:50051", "has no scheme: write http://127.0.0.1:50051"),
+            ("write:50051", "has no scheme"),
+            ("localhost", "has no scheme"),
+            ("https://127.0.0.1:50051", "https is not supported"),
+            ("grpc://127.0.0.1:50051", "the scheme must be http"),
+            ("http://", "invalid service URL"),
+            ("", "invalid service URL"),
+        ] {
+            let error = check_service_url(url).map(drop).unwrap_err();
+            assert!(error.contains(says), "{url:?}: {error}");
+        }
+    }
 }

@@ -128,8 +128,9 @@ pub struct RunArgs {
     /// The largest event a write may raise (encoded, in bytes). A write whose event would be
     /// larger is refused, since it could never be delivered: every event must fit a claim
     /// answer (REELAY_GRPC_MAX_MESSAGE_BYTES) and, on the nats backend, the broker's
-    /// `max_payload` (1 MiB by default; the relay refuses to start on a smaller one).
-    #[arg(long, env = "REELAY_MAX_EVENT_BYTES", default_value_t = 1_000_000)]
+    /// `max_payload` (1 MiB by default; the relay refuses to start on a smaller one). 1 byte to
+    /// 1 GiB (the room for a claim and headers is added to it).
+    #[arg(long, env = "REELAY_MAX_EVENT_BYTES", default_value_t = 1_000_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024 * 1024 * 1024))]
     pub max_event_bytes: usize,
 
     /// Deadline for a call that brings no shorter `grpc-timeout`, in milliseconds; also the
@@ -272,7 +273,8 @@ pub struct NatsArgs {
     pub ack_wait_ms: u64,
 
     /// Unacked messages one handler consumer may have out, including those waiting out a nak.
-    #[arg(long, env = "REELAY_MAX_ACK_PENDING", default_value_t = 10_000)]
+    /// 1 to 1000000 (JetStream reads 0 as its default and -1 as no limit).
+    #[arg(long, env = "REELAY_MAX_ACK_PENDING", default_value_t = 10_000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub max_ack_pending: i64,
 
     /// The NATS monitoring endpoint, to check that the server fsyncs every write.
@@ -350,8 +352,9 @@ pub struct GatewayArgs {
     #[arg(long, env = "REELAY_GATEWAY_ADDR", default_value = "127.0.0.1:8080")]
     pub gateway_addr: SocketAddr,
 
-    /// Largest inbox request body accepted, in bytes (413 above it).
-    #[arg(long, env = "REELAY_GATEWAY_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    /// Largest inbox request body accepted, in bytes (413 above it): 1 KiB (less refuses every
+    /// activity) to 64 MiB.
+    #[arg(long, env = "REELAY_GATEWAY_MAX_BODY_BYTES", default_value_t = 1024 * 1024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=64 * 1024 * 1024))]
     pub gateway_max_body_bytes: usize,
 
     /// How long a remote signer's fetched key is trusted before it is fetched again, in seconds.
@@ -407,6 +410,54 @@ mod tests {
             assert!(error.contains("--limit"), "{limit}: {error}");
         }
         assert!(Cli::try_parse_from(["reelay", "search", "reviews", "heat", "--limit", "100"]).is_ok());
+    }
+
+    /// Settings that broke a run at 0, below 0 or near the integer's top (an overflow panic at
+    /// start, every poster download timing out, every inbox body refused) are refused when
+    /// parsed, naming the flag and what it accepts; their defaults parse.
+    #[test]
+    fn run_settings_out_of_range_are_refused() {
+        use clap::Parser;
+        for (flag, value, accepted) in [
+            ("--max-event-bytes", "18446744073709551615", "1073741824"),
+            ("--max-event-bytes", "0", "1073741824"),
+            ("--max-ack-pending", "-1", "1000000"),
+            ("--max-ack-pending", "0", "1000000"),
+            ("--gateway-max-body-bytes", "0", "67108864"),
+            ("--media-timeout-ms", "0", "600000"),
+            ("--federation-backfill-pages", "0", "1000"),
+        ] {
+            let parsed = Cli::try_parse_from(["reelay", "run", &format!("{flag}={value}")]);
+            let error = parsed.map(drop).unwrap_err().to_string();
+            assert!(error.contains(flag) && error.contains(accepted), "{flag} {value}: {error}");
+        }
+        assert!(Cli::try_parse_from(["reelay", "run"]).is_ok(), "the defaults are in range");
+    }
+
+    /// The clients' limits and deadlines are refused out of range before any call: a 0 deadline
+    /// cancelled every call, a 0 limit meant 100 and one over 1000 was refused by the service.
+    #[test]
+    fn client_limits_and_deadlines_are_checked() {
+        use clap::Parser;
+        for args in [
+            &["dead-letters", "list", "--limit", "0"][..],
+            &["dead-letters", "list", "--limit", "1001"],
+            &["status", "--grpc-timeout-ms", "0"],
+            &["search", "reviews", "heat", "--grpc-timeout-ms", "3600001"],
+            &["dead-letters", "list", "--since", "30000d"],
+            &["dead-letters", "list", "--since", "999999999999999d"],
+        ] {
+            let parsed = Cli::try_parse_from(std::iter::once("reelay").chain(args.iter().copied()));
+            let error = parsed.map(drop).unwrap_err().to_string();
+            let flag = args.iter().rev().nth(1).unwrap();
+            assert!(error.contains(flag), "{args:?}: {error}");
+        }
+        for args in [
+            &["dead-letters", "list", "--limit", "1000", "--since", "7d"][..],
+            &["wrap-ups", "request", "--user", "u", "--year", "2024", "--wait-secs", "0"],
+        ] {
+            assert!(Cli::try_parse_from(std::iter::once("reelay").chain(args.iter().copied())).is_ok(), "{args:?}");
+        }
     }
 
     #[test]

@@ -190,6 +190,11 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             args.grpc_max_message_bytes
         );
     }
+    // A URL no call could use (no scheme: it parses all the same) is refused before anything
+    // starts, not found out by every call failing with a transport error.
+    if let Some(url) = &args.handlers.write_url {
+        reelay_kit::client::check_service_url(url).map_err(|e| anyhow::anyhow!("REELAY_WRITE_URL: {e}"))?;
+    }
     if services.contains(&Service::Relay) && !nats {
         bail!("the relay publishes the outbox to NATS; set EVENT_BUS_BACKEND=nats (and NATS_URL) to run it");
     }

@@ -67,12 +67,13 @@ pub struct FederationSettings {
     )]
     pub allow_private: Option<bool>,
 
-    /// The most outbox pages a backfill reads.
+    /// The most outbox pages a backfill reads (1 to 1000; the first page is always read).
     #[arg(
         id = "federation_backfill_pages",
         long = "federation-backfill-pages",
         env = "REELAY_FEDERATION_BACKFILL_PAGES",
-        default_value_t = 10
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u32).range(1..=1000)
     )]
     pub backfill_pages: u32,
 }

@@ -27,12 +27,13 @@ pub use sync::PosterSync;
 /// The media handlers' settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct MediaSettings {
-    /// How long one poster download may take, in milliseconds.
+    /// How long one poster download may take, in milliseconds (100 ms to 10 minutes).
     #[arg(
         id = "media_timeout_ms",
         long = "media-timeout-ms",
         env = "REELAY_MEDIA_TIMEOUT_MS",
-        default_value_t = 10_000
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(100..=600_000)
     )]
     pub timeout_ms: u64,
     /// The largest poster downloaded, in bytes (a larger one is a permanent failure).

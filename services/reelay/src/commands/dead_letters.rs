@@ -5,7 +5,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 
-use super::{ClientArgs, call_failed, operator_name, parse_duration, utc};
+use super::{ClientArgs, call_failed, operator_name, parse_since, since_ms, utc};
 
 #[derive(Debug, Subcommand)]
 pub enum DeadLettersCommand {
@@ -28,11 +28,11 @@ pub struct ListArgs {
     pub event_type: Option<String>,
 
     /// Only those given up within this long (90s, 15m, 2h, 7d).
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = parse_since)]
     pub since: Option<std::time::Duration>,
 
     /// At most this many (1..=1000).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub limit: u32,
 
     #[command(flatten)]
@@ -67,7 +67,12 @@ pub async fn run(command: DeadLettersCommand) -> anyhow::Result<()> {
 
 async fn list(args: ListArgs) -> anyhow::Result<()> {
     let mut admin = AdminClient::new(args.client.write()?);
-    let since_ms = args.since.map_or(0, |since| reelay_kit::now_ms() - since.as_millis() as i64);
+    let since_ms = match args.since {
+        Some(since) => {
+            since_ms(reelay_kit::now_ms(), since).map_err(|e| anyhow::anyhow!("--since {}s {e}", since.as_secs()))?
+        }
+        None => 0,
+    };
     let listed = admin
         .list_dead_letters(v1::ListDeadLettersRequest {
             handler: args.handler.unwrap_or_default(),

@@ -6,6 +6,8 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 
+use reelay_delivery::jetstream::JetStreamConfig;
+
 use super::{ClientArgs, call_failed, operator_name};
 
 #[derive(Debug, Subcommand)]
@@ -19,6 +21,11 @@ pub enum HandlersCommand {
 pub struct RetireArgs {
     /// The handler's name.
     pub handler: String,
+
+    /// The event stream on the nats backend, whose consumer of the handler is named in the
+    /// note printed after (the command leaves it).
+    #[arg(long, env = "REELAY_STREAM", default_value = "REELAY_EVENTS")]
+    pub stream: String,
 
     #[command(flatten)]
     pub client: ClientArgs,
@@ -41,6 +48,35 @@ async fn retire(args: RetireArgs) -> anyhow::Result<()> {
         "retired {}: {} dead letter(s) and {} open deliveries discarded, its cursor dropped",
         args.handler, retired.dead_letters_discarded, retired.open_discarded
     );
-    println!("(on nats its JetStream consumer is left: nats consumer rm REELAY_EVENTS handler-{})", args.handler);
+    println!("{}", consumer_left(&args.stream, &args.handler));
     Ok(())
+}
+
+/// The note on the handler's JetStream consumer, which retiring leaves, with the command that
+/// removes it from the configured stream.
+fn consumer_left(stream: &str, handler: &str) -> String {
+    format!(
+        "(on nats its JetStream consumer is left: nats consumer rm {stream} {})",
+        JetStreamConfig::consumer_name(handler)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_consumer_note_names_the_configured_stream() {
+        use clap::Parser;
+        let parsed = crate::config::Cli::try_parse_from(["reelay", "handlers", "retire", "search", "--stream", "EV2"]);
+        let Ok(crate::config::Cli { command: crate::config::Command::Handlers(HandlersCommand::Retire(args)), .. }) =
+            parsed
+        else {
+            panic!("parsed: {parsed:?}");
+        };
+        assert_eq!(
+            consumer_left(&args.stream, &args.handler),
+            "(on nats its JetStream consumer is left: nats consumer rm EV2 handler-search)"
+        );
+    }
 }

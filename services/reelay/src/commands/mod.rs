@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use reelay_kit::client::{ServiceChannel, connect_lazy};
+use reelay_kit::client::{ServiceChannel, check_service_url, connect_lazy};
 
 use crate::config::{Command, read_service_token};
 
@@ -45,20 +45,23 @@ pub struct ClientArgs {
     #[arg(long, env = "REELAY_SERVICE_TOKEN_FILE")]
     pub service_token_file: Option<PathBuf>,
 
-    /// Deadline of each call, in milliseconds.
-    #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000)]
+    /// Deadline of each call, in milliseconds: 2 s to an hour, as for the services (a shorter
+    /// one cancelled calls the services answer in time).
+    #[arg(long, env = "REELAY_GRPC_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(2_000..=3_600_000))]
     pub grpc_timeout_ms: u64,
 }
 
 impl ClientArgs {
-    /// A channel to `url` carrying the service token.
-    pub fn channel_to(&self, url: &str) -> anyhow::Result<ServiceChannel> {
+    /// A channel to `url` carrying the service token. `setting` names where the URL came from,
+    /// for the error when it is not one a call could use.
+    pub fn channel_to(&self, url: &str, setting: &str) -> anyhow::Result<ServiceChannel> {
+        check_service_url(url).map_err(|e| anyhow::anyhow!("{setting}: {e}"))?;
         let token = read_service_token(self.service_token.as_deref(), self.service_token_file.as_deref())?;
         connect_lazy(url, token.as_deref(), Duration::from_millis(self.grpc_timeout_ms)).map_err(anyhow::Error::msg)
     }
 
     pub fn write(&self) -> anyhow::Result<ServiceChannel> {
-        self.channel_to(&self.write_url())
+        self.channel_to(&self.write_url(), "--write-url (REELAY_WRITE_URL)")
     }
 
     /// The write service's URL: `--write-url`, else the one `REELAY_WRITE_ADDR` implies.
@@ -222,14 +225,33 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 90s, 15m, 2h or 7d"))?;
-    let secs = match unit {
-        "s" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        "d" => n * 86400,
+    let per_unit = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
         _ => return Err(format!("{text:?} is not a duration like 90s, 15m, 2h or 7d")),
     };
+    let secs = n.checked_mul(per_unit).ok_or_else(|| format!("{text:?} is too long a duration"))?;
     Ok(Duration::from_secs(secs))
+}
+
+/// `--since`: a duration (as [`parse_duration`] reads it) back from now that stays after the
+/// Unix epoch, before which nothing was recorded.
+pub fn parse_since(text: &str) -> Result<Duration, String> {
+    let span = parse_duration(text)?;
+    since_ms(reelay_kit::now_ms(), span).map_err(|e| format!("{text:?} {e}"))?;
+    Ok(span)
+}
+
+/// The moment `span` before `now_ms`, in milliseconds since the Unix epoch; an error for a span
+/// reaching before the epoch (a negative moment the services refuse, or one that wraps).
+pub fn since_ms(now_ms: i64, span: Duration) -> Result<i64, String> {
+    i64::try_from(span.as_millis())
+        .ok()
+        .and_then(|span_ms| now_ms.checked_sub(span_ms))
+        .filter(|since| *since >= 0)
+        .ok_or_else(|| "reaches back before 1970-01-01 (the Unix epoch)".to_owned())
 }
 
 /// Reads a whole file, saying which one failed.
@@ -316,5 +338,41 @@ mod tests {
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
         assert!(parse_duration("2 weeks").is_err());
         assert!(parse_duration("h").is_err());
+        // Spans that overflowed (a panic in debug builds, a wrap in release) are refused.
+        assert!(parse_duration("999999999999999d").unwrap_err().contains("too long"));
+        assert!(parse_duration("18446744073709551615m").unwrap_err().contains("too long"));
+        assert_eq!(parse_duration("213503982334601d"), Ok(Duration::from_secs(213_503_982_334_601 * 86400)));
+    }
+
+    /// `--since` reaches back from now, never before the epoch: a span that did came out as a
+    /// negative moment (refused by the service, naming its `since_ms`) or, wrapped, one in the
+    /// future (no dead letters listed).
+    #[test]
+    fn a_since_span_stays_after_the_epoch() {
+        let now = 1_709_251_200_000;
+        assert_eq!(since_ms(now, Duration::from_secs(86400)), Ok(now - 86_400_000));
+        assert_eq!(since_ms(now, Duration::from_millis(now as u64)), Ok(0));
+        assert!(since_ms(now, Duration::from_millis(now as u64 + 1)).is_err());
+        for span in ["30000d", "200000000000d", "999999999999999d"] {
+            let error = parse_since(span).unwrap_err();
+            assert!(error.contains("1970") || error.contains("too long"), "{span}: {error}");
+        }
+        assert_eq!(parse_since("7d"), Ok(Duration::from_secs(7 * 86400)));
+    }
+
+    /// A URL a call could not use is refused before any call, naming the setting it came from.
+    #[test]
+    fn a_client_url_without_a_scheme_is_refused_naming_its_setting() {
+        let args = ClientArgs {
+            write_url: Some("127.0.0.1:50051".into()),
+            write_addr: None,
+            service_token: None,
+            service_token_file: None,
+            grpc_timeout_ms: 30_000,
+        };
+        let error = args.write().map(drop).unwrap_err().to_string();
+        assert!(error.contains("REELAY_WRITE_URL") && error.contains("\"127.0.0.1:50051\""), "{error}");
+        let error = args.channel_to("localhost:50052", "REELAY_HANDLERS_URL").map(drop).unwrap_err().to_string();
+        assert!(error.contains("REELAY_HANDLERS_URL") && error.contains("no scheme"), "{error}");
     }
 }

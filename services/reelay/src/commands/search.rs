@@ -32,7 +32,8 @@ pub struct ReviewsArgs {
 
 pub async fn run(command: SearchCommand) -> anyhow::Result<()> {
     let SearchCommand::Reviews(args) = command;
-    let mut search = SearchClient::new(args.client.channel_to(&args.handlers_url)?);
+    let mut search =
+        SearchClient::new(args.client.channel_to(&args.handlers_url, "--handlers-url (REELAY_HANDLERS_URL)")?);
     let found = search
         .search_reviews(v1::SearchReviewsRequest {
             query: args.query,

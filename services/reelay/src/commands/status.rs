@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
 use clap::Args;
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 use reelay_delivery::jetstream::{self, JetStreamConfig};
@@ -30,6 +31,26 @@ struct ConsumerBacklog {
     oldest_age_ms: i64,
 }
 
+/// What the broker said of one handler's consumer.
+enum Consumer {
+    Found(ConsumerBacklog),
+    /// The broker has no such consumer (the handler never ran on nats, or it was removed).
+    Missing,
+    /// It could not be read (a timeout, an offline consumer): the error, with the consumer's name.
+    Unreadable(String),
+}
+
+impl Consumer {
+    /// A consumer whose info could not be read: missing only when the broker says so.
+    fn unread(name: &str, error: &ConsumerInfoError) -> Self {
+        if error.kind() == ConsumerInfoErrorKind::NotFound {
+            Consumer::Missing
+        } else {
+            Consumer::Unreadable(format!("consumer {name}: {error}"))
+        }
+    }
+}
+
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     let mut admin = AdminClient::new(args.client.write()?);
     let status = admin.status(v1::StatusRequest {}).await.map_err(|s| call_failed("status", s))?.into_inner();
@@ -52,11 +73,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         let (pending, oldest) = match &nats {
             None => (h.pending.to_string(), if h.pending == 0 { "-".to_owned() } else { age(h.oldest_age_ms) }),
             Some(Ok(backlogs)) => match &backlogs[i] {
-                Some(b) => (
+                Consumer::Found(b) => (
                     (b.pending + h.retrying).to_string(),
                     if b.pending == 0 { "-".to_owned() } else { age(b.oldest_age_ms) },
                 ),
-                None => ("no consumer".to_owned(), "-".to_owned()),
+                Consumer::Missing => ("no consumer".to_owned(), "-".to_owned()),
+                Consumer::Unreadable(_) => ("unknown".to_owned(), "-".to_owned()),
             },
             Some(Err(_)) => ("unknown".to_owned(), "-".to_owned()),
         };
@@ -94,17 +116,24 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             retired.join(", ")
         );
     }
-    if let Some(Err(error)) = nats {
-        println!("(pending on nats is each handler's JetStream consumer backlog; cannot read it: {error})");
+    match nats {
+        Some(Err(error)) => {
+            println!("(pending on nats is each handler's JetStream consumer backlog; cannot read it: {error})");
+        }
+        Some(Ok(backlogs)) => {
+            for (h, backlog) in status.handlers.iter().zip(&backlogs) {
+                if let Consumer::Unreadable(error) = backlog {
+                    println!("({}: pending unknown, cannot read its JetStream consumer: {error})", h.handler);
+                }
+            }
+        }
+        None => {}
     }
     Ok(())
 }
 
-/// Each handler's consumer backlog, in the order of `handlers` (`None`: no consumer yet).
-async fn nats_backlogs(
-    args: &StatusArgs,
-    handlers: &[v1::HandlerStatus],
-) -> Result<Vec<Option<ConsumerBacklog>>, String> {
+/// Each handler's consumer backlog, in the order of `handlers`.
+async fn nats_backlogs(args: &StatusArgs, handlers: &[v1::HandlerStatus]) -> Result<Vec<Consumer>, String> {
     let client = tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&args.nats_url))
         .await
         .map_err(|_| format!("{}: timed out", jetstream::redacted(&args.nats_url)))?
@@ -114,11 +143,13 @@ async fn nats_backlogs(
     let mut backlogs = Vec::with_capacity(handlers.len());
     for h in handlers {
         let name = JetStreamConfig::consumer_name(&h.handler);
-        let Ok(mut consumer) = stream.get_consumer::<async_nats::jetstream::consumer::pull::Config>(&name).await else {
-            backlogs.push(None);
-            continue;
+        let info = match stream.consumer_info(&name).await {
+            Ok(info) => info,
+            Err(error) => {
+                backlogs.push(Consumer::unread(&name, &error));
+                continue;
+            }
         };
-        let info = consumer.info().await.map_err(|e| format!("consumer {name}: {e}"))?.clone();
         let pending = info.num_pending + info.num_ack_pending as u64;
         // The oldest message the consumer has not acked: the first of its subjects after its
         // ack floor.
@@ -144,7 +175,31 @@ async fn nats_backlogs(
                 oldest_age_ms = (reelay_kit::now_ms() - (at / 1_000_000) as i64).max(0);
             }
         }
-        backlogs.push(Some(ConsumerBacklog { pending, oldest_age_ms }));
+        backlogs.push(Consumer::Found(ConsumerBacklog { pending, oldest_age_ms }));
     }
     Ok(backlogs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the broker's "consumer not found" is shown as no consumer; any other failure to
+    /// read one (it was shown as no consumer too) is unknown, with the error.
+    #[test]
+    fn only_a_consumer_the_broker_does_not_have_is_missing() {
+        let missing = ConsumerInfoError::new(ConsumerInfoErrorKind::NotFound);
+        assert!(matches!(Consumer::unread("handler-search", &missing), Consumer::Missing));
+        for kind in
+            [ConsumerInfoErrorKind::TimedOut, ConsumerInfoErrorKind::Offline, ConsumerInfoErrorKind::NoResponders]
+        {
+            let error = ConsumerInfoError::new(kind.clone());
+            match Consumer::unread("handler-search", &error) {
+                Consumer::Unreadable(text) => {
+                    assert!(text.contains("handler-search") && text.contains(&kind.to_string()), "{text}")
+                }
+                _ => panic!("{kind:?} was taken for a missing consumer"),
+            }
+        }
+    }
 }

@@ -25,7 +25,8 @@ pub struct RequestArgs {
     #[arg(long)]
     pub year: i32,
 
-    /// How long to wait for the wrap-up handler, in seconds (at most a day).
+    /// How long to wait for the wrap-up handler, in seconds (at most a day); 0 does not wait:
+    /// a wrap-up not computed yet is named with its state, and asking again shows it.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub wait_secs: u64,
 
@@ -52,6 +53,10 @@ pub async fn run(command: WrapUpsCommand) -> anyhow::Result<()> {
             .into_inner();
         if current.status() == v1::WrapUpStatus::Completed {
             break current;
+        }
+        if args.wait_secs == 0 {
+            println!("wrap-up {} of {}: still being generated (not waited for)", current.wrap_up_id, current.year);
+            return Ok(());
         }
         anyhow::ensure!(
             Instant::now() < deadline,
