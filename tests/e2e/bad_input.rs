@@ -130,6 +130,10 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         case!("malformed user id", InvalidArgument, "user_id", |c, x| c
             .users
             .get_user(v1::GetUserRequest { user_id: "42".into() })),
+        // Its refusal quotes it: cut short, else the answer's header is too large to read.
+        case!("malformed user id of 20 KB", InvalidArgument, "user_id", |c, x| c
+            .users
+            .get_user(v1::GetUserRequest { user_id: "4".repeat(20_000) })),
         case!("unknown user", NotFound, "user", |c, x| c
             .users
             .get_user(v1::GetUserRequest { user_id: x.nobody.clone() })),
@@ -402,6 +406,26 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 owner: "test#1".into(),
                 ..Default::default()
             })),
+        // An answer too small for the largest event: its rows would be given up as too
+        // large for any answer (dead letters of good events, for a claimer's setting).
+        case!("a delivery claim whose answers cannot hold an event", InvalidArgument, "max_bytes", |c, x| c
+            .outbox
+            .claim_deliveries(v1::ClaimDeliveriesRequest {
+                handler: "search".into(),
+                event_types: vec!["ReviewLogged".into()],
+                owner: "test#1".into(),
+                max_rows: 10,
+                max_bytes: 1,
+                ..Default::default()
+            })),
+        case!("an outbox claim whose answers cannot hold an event", InvalidArgument, "max_bytes", |c, x| c
+            .outbox
+            .claim(v1::ClaimRequest {
+                consumer: "test#1".into(),
+                max_rows: 10,
+                max_bytes: 1000,
+                ..Default::default()
+            })),
         case!("an outbox claim naming 65 unanswered calls", InvalidArgument, "unanswered", |c, x| c.outbox.claim(
             v1::ClaimRequest {
                 consumer: "test#1".into(),
@@ -419,6 +443,12 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                     ..Default::default()
                 }],
             })),
+        case!("a ledger claim without an owner", InvalidArgument, "owner", |c, x| c.ledger.claim(
+            v1::LedgerClaimRequest {
+                keys: vec![v1::LedgerKey { event_id: x.nobody.clone(), handler: "search".into() }],
+                ..Default::default()
+            }
+        )),
         case!(
             "a ledger claim with an event id not written as events carry it",
             InvalidArgument,

@@ -109,9 +109,24 @@ impl ServiceErrorCode for ServiceError {
     }
 }
 
-/// The gRPC answer for `error`: its code, and the message the caller is told.
+/// The longest message a caller is told, in bytes. A message may quote what the caller sent
+/// (a malformed id, a date), and the message travels in a header: a 20 KB quote made the
+/// answer a protocol error the client could not read, instead of the refusal.
+pub const MAX_CLIENT_MESSAGE_BYTES: usize = 2048;
+
+/// The gRPC answer for `error`: its code, and the message the caller is told (cut to
+/// [`MAX_CLIENT_MESSAGE_BYTES`]).
 pub fn grpc_status<E: ServiceErrorCode>(error: &E) -> Status {
-    Status::new(error.error_code().grpc(), error.client_message())
+    let mut message = error.client_message();
+    if message.len() > MAX_CLIENT_MESSAGE_BYTES {
+        let mut end = MAX_CLIENT_MESSAGE_BYTES - "… (cut)".len();
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("… (cut)");
+    }
+    Status::new(error.error_code().grpc(), message)
 }
 
 impl From<ValidationError> for ServiceError {

@@ -414,6 +414,8 @@ pub struct Writer {
     /// Synced jobs made and not yet taken by the writer.
     synced_queued: Arc<AtomicUsize>,
     leases: Arc<LeaseClock>,
+    /// The largest encoded event it takes ([`WriterConfig::max_event_bytes`]).
+    max_event_bytes: usize,
 }
 
 /// How the writer task is set up.
@@ -445,8 +447,15 @@ impl Writer {
             }
         });
         let shared = Shared { rider: rider.clone(), synced_queued: synced_queued.clone(), leases: leases.clone() };
+        let max_event_bytes = config.max_event_bytes;
         let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, shared));
-        Self { jobs, commits, stop, task: Arc::new(Mutex::new(Some(task))), rider, synced_queued, leases }
+        let task = Arc::new(Mutex::new(Some(task)));
+        Self { jobs, commits, stop, task, rider, synced_queued, leases, max_event_bytes }
+    }
+
+    /// The largest encoded event this writer takes: what a claim answer must be able to hold.
+    pub fn max_event_bytes(&self) -> usize {
+        self.max_event_bytes
     }
 
     /// Since when claims' leases count (ms): when this writer started, last reopened its

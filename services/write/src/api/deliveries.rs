@@ -168,8 +168,23 @@ fn check_wait_and_owner(wait_ms: u32, owner: &str) -> Result<(), ServiceError> {
     if wait_ms > MAX_CLAIM_WAIT_MS {
         return Err(ServiceError::invalid("wait_ms", format!("must be at most {MAX_CLAIM_WAIT_MS}, got {wait_ms}")));
     }
-    if owner.is_empty() {
-        return Err(ServiceError::invalid("owner", "is required (<instance>#<incarnation>)"));
+    check_owner(owner)
+}
+
+/// The longest claimer name taken.
+const MAX_OWNER_BYTES: usize = 200;
+
+/// A claimer's name: required (claims without one would be everyone's, so a resuming caller
+/// would take another's live claims) and short.
+pub(super) fn check_owner(owner: &str) -> Result<(), ServiceError> {
+    if owner.is_empty() || owner.len() > MAX_OWNER_BYTES {
+        return Err(ServiceError::invalid(
+            "owner",
+            format!(
+                "is required, at most {MAX_OWNER_BYTES} bytes (<instance>#<incarnation>), got {} bytes",
+                owner.len()
+            ),
+        ));
     }
     Ok(())
 }
@@ -196,7 +211,7 @@ impl OutboxApi {
         let event_types = event_types("event_types", r.event_types, &handler)?;
         check_wait_and_owner(r.wait_ms, &r.owner)?;
         let wants = v1::HandlerWants { handler, event_types, max_rows };
-        let group = self.group(vec![wants], &r.owner, 0, r.max_bytes);
+        let group = self.group(vec![wants], &r.owner, 0, r.max_bytes)?;
         let mut answered = self.claim_group(group, r.wait_ms, self.shutdown.requested()).await?;
         let deliveries = match answered.pop() {
             None => Vec::new(),
@@ -254,7 +269,7 @@ impl OutboxApi {
                 standing_by: String::new(),
             })
             .collect();
-        let group = self.group(checked, &r.owner, r.call_id, r.max_bytes);
+        let group = self.group(checked, &r.owner, r.call_id, r.max_bytes)?;
         // Ends after this call's claims are written: a call naming this one waits for that.
         let _running = self.running_deliveries.running(&r.owner, r.call_id);
         let mut answers = Vec::new();
@@ -290,9 +305,15 @@ impl OutboxApi {
 
     /// The claims of one call for `wants` (their names checked; never none), by `owner`'s call
     /// `call`, answered together within `max_bytes` (0: this server's limit).
-    fn group(&self, wants: Vec<v1::HandlerWants>, owner: &str, call: u64, max_bytes: u32) -> ClaimGroup {
-        let max_bytes = self.answer_bytes(max_bytes);
-        wants
+    fn group(
+        &self,
+        wants: Vec<v1::HandlerWants>,
+        owner: &str,
+        call: u64,
+        max_bytes: u32,
+    ) -> Result<ClaimGroup, ServiceError> {
+        let max_bytes = self.answer_bytes(max_bytes)?;
+        Ok(wants
             .into_iter()
             .map(|w| HandlerClaim {
                 handler: w.handler,
@@ -303,7 +324,7 @@ impl OutboxApi {
                 call,
                 shared: None,
             })
-            .collect()
+            .collect())
     }
 
     /// Hands the owner of `group` back what its `unanswered` calls claimed for the group's

@@ -109,13 +109,26 @@ fn settle_response(settled: Settled) -> v1::SettleResponse {
 
 impl OutboxApi {
     /// The most bytes an answer may carry: what the claimer can read (0: no preference) and
-    /// this server's limit, less room for the answer's own framing.
-    pub(super) fn answer_bytes(&self, asked: u32) -> usize {
+    /// this server's limit, less room for the answer's own framing. A claimer that cannot read
+    /// an answer holding the largest event this server takes is refused: the rows too large
+    /// for its answers would be dead-lettered as too large for any (good events, given up for
+    /// a caller's setting).
+    pub(super) fn answer_bytes(&self, asked: u32) -> Result<usize, ServiceError> {
+        const FRAMING: usize = 1024;
+        let least = self.db.writer.max_event_bytes() + queue::CLAIM_ROW_OVERHEAD + FRAMING;
         let max = match asked as usize {
             0 => self.max_message_bytes,
+            asked if asked < least => {
+                return Err(ServiceError::invalid(
+                    "max_bytes",
+                    format!(
+                        "must be 0 (this server's limit) or at least {least}: an answer must hold the largest                          event this server takes (REELAY_MAX_EVENT_BYTES) and its framing; got {asked}                          (the claimer's REELAY_GRPC_MAX_MESSAGE_BYTES is too small)"
+                    ),
+                ));
+            }
             asked => asked.min(self.max_message_bytes),
         };
-        max.saturating_sub(1024)
+        Ok(max.saturating_sub(FRAMING))
     }
 
     async fn claim_now(&self, limits: ClaimLimits) -> Result<Vec<queue::ClaimedRow>, WriteError> {
@@ -167,7 +180,7 @@ impl OutboxApi {
         let limits = ClaimLimits {
             owner: r.consumer.clone(),
             max_rows: r.max_rows,
-            max_bytes: self.answer_bytes(r.max_bytes),
+            max_bytes: self.answer_bytes(r.max_bytes)?,
             call,
         };
         // Ends after this call's claims are written: a call naming this one waits for that.
