@@ -72,7 +72,20 @@ async fn movie_hits(search: &mut SearchClient<AuthedChannel>, query: &str) -> Ve
 
 #[tokio::test]
 async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() {
-    let tmdb = TmdbServer::start(vec![films::heat(), films::collateral()], films::people()).await;
+    // A days-long art film whose credits hold a name with a tab and an isolate, and a blank one:
+    // the write service refuses each, so enrichment brings them within its limits.
+    let forever = reelay_harness::TmdbFilm {
+        id: 77_001,
+        imdb_id: "tt2091380",
+        title: "Modern Times Forever",
+        release_date: "2011-06-10",
+        runtime: 14_400,
+        genres: &["Documentary"],
+        poster_path: None,
+        crew: &[(77_002, "Jakob\tFenger\u{2066}", "Director"), (77_003, "  ", "Director")],
+        cast: &[],
+    };
+    let tmdb = TmdbServer::start(vec![films::heat(), films::collateral(), forever], films::people()).await;
     tmdb.throttle("/3/movie/949", 1);
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
@@ -168,6 +181,13 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
     })
     .await;
     assert_eq!(events_for(&db, "MovieEnriched", &heat).await.len(), 1);
+
+    let forever = c.movie(&ana, "Modern Times Forever", 2011).await;
+    let forever = settled_movie(&c, &forever).await;
+    assert_eq!(forever.enrichment(), v1::EnrichmentStatus::Enriched);
+    let profile = forever.profile.unwrap();
+    assert_eq!(profile.runtime_minutes, 0, "no runtime rather than one refused");
+    assert_eq!(names(&profile.directors), ["Jakob Fenger"]);
     reelay.stop().await;
 }
 

@@ -8,6 +8,7 @@ pub mod ids;
 pub mod letterboxd;
 pub mod net;
 pub mod posters;
+pub mod profiles;
 pub mod validate;
 
 pub use events::{EVENT_TYPES, NewEvent, RetryPolicy, retry_backoff, retry_horizon};

@@ -82,6 +82,17 @@ pub fn required_text(field: &str, value: &str, max: usize) -> Result<String, Val
     Ok(composed)
 }
 
+/// `value` brought within what [`required_text`] takes where dropping characters can do it:
+/// control characters become spaces, bidirectional embeddings, overrides and isolates go, and
+/// it is cut to `max` characters. `None` when nothing visible is left. For text from outside
+/// (a metadata provider's names), where one odd character must not cost the whole record.
+pub fn fitted_text(value: &str, max: usize) -> Option<String> {
+    let cleaned: String =
+        value.chars().filter(|c| !is_bidi_control(*c)).map(|c| if c.is_control() { ' ' } else { c }).collect();
+    let cut: String = required_text("", &cleaned, usize::MAX).ok()?.chars().take(max).collect();
+    required_text("", &cut, max).ok()
+}
+
 /// 1-30 characters of `a-z`, `0-9` and `_`.
 pub fn handle(value: &str) -> Result<String, ValidationError> {
     const FIELD: &str = "handle";

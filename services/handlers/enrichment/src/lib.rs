@@ -14,6 +14,7 @@
 //! Handlers reach the write service only through its gRPC API; they own no storage.
 
 mod catalog;
+mod fit;
 mod provider;
 mod tmdb;
 
@@ -187,6 +188,7 @@ impl Handler for MovieEnrichment {
         let Some((movie_id, query)) = self.query(event).await? else { return Ok(()) };
         let outcome = match self.provider.movie(&query).await.map_err(from_provider)? {
             Some(profile) => {
+                let profile = fit::profile(profile);
                 // People first: the profile, written last, is what marks the film enriched.
                 let people: Vec<v1::Person> = profile
                     .directors
@@ -253,7 +255,9 @@ impl Handler for PersonEnrichment {
             if people.iter().any(|p: &v1::Person| p.person_id == credit.person_id) {
                 continue;
             }
-            if let Some(person) = self.provider.person(&credit.person_id).await.map_err(from_provider)? {
+            if let Some(person) = self.provider.person(&credit.person_id).await.map_err(from_provider)?
+                && let Some(person) = fit::person(person)
+            {
                 people.push(person);
             }
         }

@@ -16,9 +16,13 @@ use crate::provider::{MetadataProvider, MovieQuery, ProviderError};
 
 /// Cast members kept per film (TMDB lists hundreds for some).
 const CAST_KEPT: usize = 30;
-/// How often one request waits out a 429 before giving up for now.
+/// How often one request waits out a 429 before giving up for now, and how long it waits in
+/// all: a film takes several requests inside one handler call (a minute by default), so a
+/// longer wait is left to the runtime's retry.
 const RATE_LIMIT_RETRIES: u32 = 3;
-const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
+const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(20);
+/// The largest answer read (a film with its credits is well under 1 MB).
+const MAX_ANSWER_BYTES: usize = 8 * 1024 * 1024;
 
 pub struct Tmdb {
     http: reqwest::Client,
@@ -42,17 +46,17 @@ struct MovieDetails {
     #[serde(default)]
     imdb_id: Option<String>,
     title: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     release_date: String,
     #[serde(default)]
     runtime: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     genres: Vec<Named>,
     #[serde(default)]
     poster_path: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     overview: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     credits: Credits,
 }
 
@@ -63,9 +67,9 @@ struct Named {
 
 #[derive(Deserialize, Default)]
 struct Credits {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     cast: Vec<CastMember>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     crew: Vec<CrewMember>,
 }
 
@@ -73,7 +77,7 @@ struct Credits {
 struct CastMember {
     id: u64,
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     character: String,
     #[serde(default)]
     order: u32,
@@ -83,13 +87,13 @@ struct CastMember {
 struct CrewMember {
     id: u64,
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     job: String,
 }
 
 #[derive(Deserialize)]
 struct SearchResults {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     results: Vec<SearchHit>,
 }
 
@@ -98,15 +102,15 @@ struct SearchHit {
     id: u64,
     title: String,
     /// The title in the film's own language, when the search answers in another.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     original_title: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     release_date: String,
 }
 
 #[derive(Deserialize)]
 struct FindResults {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     movie_results: Vec<SearchHit>,
 }
 
@@ -114,21 +118,21 @@ struct FindResults {
 struct PersonDetails {
     id: u64,
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     biography: String,
     #[serde(default)]
     birthday: Option<String>,
     #[serde(default)]
     place_of_birth: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     movie_credits: PersonCredits,
 }
 
 #[derive(Deserialize, Default)]
 struct PersonCredits {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     cast: Vec<SearchHit>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     crew: Vec<SearchHit>,
 }
 
@@ -140,8 +144,24 @@ struct Configuration {
 #[derive(Deserialize)]
 struct Images {
     secure_base_url: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     poster_sizes: Vec<String>,
+}
+
+/// A field's default when it is missing or `null`: TMDB sends `"overview": null`, `"character":
+/// null` and the like, which `#[serde(default)]` alone refuses (it covers a missing field only).
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// Whether `id` is an IMDb title id (`tt` and digits): anything else would be put in a TMDB
+/// path as it is (`imdb:../account` reaches another endpoint with the API key).
+fn imdb_title_id(id: &str) -> bool {
+    id.len() > 2 && id.starts_with("tt") && id[2..].bytes().all(|b| b.is_ascii_digit())
 }
 
 fn year_of(date: &str) -> Option<i32> {
@@ -178,16 +198,17 @@ impl Tmdb {
     }
 
     /// GETs `path` (with `query`), decoding a 2xx body; `None` on 404. A 429 is retried after
-    /// the wait its `Retry-After` asks for (a few times, up to a minute each); past that the
-    /// error is retryable and the delivery comes back later.
+    /// the wait its `Retry-After` asks for (a few times, [`MAX_RATE_LIMIT_WAIT`] in all); past
+    /// that the error is retryable and the delivery comes back later.
     async fn get<T: DeserializeOwned>(&self, path: &str, query: &[(&str, &str)]) -> Result<Option<T>, ProviderError> {
-        let mut tries = 0;
+        let (mut tries, mut waited) = (0, Duration::ZERO);
         loop {
             match self.get_once(path, query).await {
                 Err(ProviderError::Retryable { after: Some(after), .. })
-                    if tries < RATE_LIMIT_RETRIES && after <= MAX_RATE_LIMIT_WAIT =>
+                    if tries < RATE_LIMIT_RETRIES && waited + after <= MAX_RATE_LIMIT_WAIT =>
                 {
                     tries += 1;
+                    waited += after;
                     tracing::info!(path, wait_ms = after.as_millis() as u64, "TMDB asked to slow down (429); waiting");
                     tokio::time::sleep(after).await;
                 }
@@ -220,7 +241,10 @@ impl Tmdb {
                     .map(Duration::from_secs);
                 return Err(ProviderError::Retryable { message: format!("TMDB {path}: rate limited (429)"), after });
             }
-            s if s.is_server_error() => return Err(ProviderError::retryable(format!("TMDB {path}: {s}"))),
+            // 408 and 425 (too early) say to try again, as a 5xx does.
+            s if s.is_server_error() || matches!(s.as_u16(), 408 | 425) => {
+                return Err(ProviderError::retryable(format!("TMDB {path}: {s}")));
+            }
             StatusCode::UNAUTHORIZED => {
                 return Err(ProviderError::Permanent(format!(
                     "TMDB {path}: 401: the API key or token was refused (REELAY_ENRICHMENT_TMDB_API_KEY / _TOKEN)"
@@ -228,7 +252,18 @@ impl Tmdb {
             }
             s => return Err(ProviderError::Permanent(format!("TMDB {path}: {s}"))),
         }
-        let body = response.bytes().await.map_err(|e| ProviderError::retryable(format!("TMDB {path}: {e}")))?;
+        let mut response = response;
+        let mut body = Vec::new();
+        while let Some(chunk) =
+            response.chunk().await.map_err(|e| ProviderError::retryable(format!("TMDB {path}: {e}")))?
+        {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(ProviderError::Permanent(format!(
+                    "TMDB {path}: an answer over {MAX_ANSWER_BYTES} bytes (REELAY_ENRICHMENT_TMDB_URL is not TMDB?)"
+                )));
+            }
+            body.extend_from_slice(&chunk);
+        }
         serde_json::from_slice(&body)
             .map(Some)
             .map_err(|e| ProviderError::Permanent(format!("TMDB {path}: an answer that does not decode: {e}")))
@@ -254,7 +289,7 @@ impl Tmdb {
             Some(("tmdb", id)) => {
                 return id.parse().map(Some).map_err(|_| ProviderError::Permanent(format!("bad TMDB id {id:?}")));
             }
-            Some(("imdb", imdb)) => {
+            Some(("imdb", imdb)) if imdb_title_id(imdb) => {
                 let found: Option<FindResults> =
                     self.get(&format!("/find/{imdb}"), &[("external_source", "imdb_id")]).await?;
                 if let Some(hit) = found.and_then(|f| f.movie_results.into_iter().next()) {
@@ -355,6 +390,23 @@ mod tests {
 
     /// A search's hits are the film only under its own title (or original title), in its year
     /// or the next to it: never the best-ranked other film of that year.
+    /// TMDB's nulls read as missing fields, and an external id that is not an IMDb title id is
+    /// never put in a path.
+    #[test]
+    fn nulls_are_defaults_and_imdb_ids_have_their_shape() {
+        let details: MovieDetails = serde_json::from_str(
+            r#"{"id": 1, "title": "Heat", "release_date": null, "overview": null, "genres": null,
+                "credits": {"cast": [{"id": 2, "name": "Al Pacino", "character": null}], "crew": null}}"#,
+        )
+        .unwrap();
+        assert_eq!((details.overview.as_str(), details.release_date.as_str()), ("", ""));
+        assert_eq!(details.credits.cast[0].character, "");
+        assert!(imdb_title_id("tt0113277"));
+        for bad in ["../../account", "tt", "tt12/x", "nm0000001", ""] {
+            assert!(!imdb_title_id(bad), "{bad}");
+        }
+    }
+
     #[test]
     fn a_hit_is_the_film_only_by_its_title() {
         let hits = [hit(1, "Heat", "Heat", "1995-12-15"), hit(2, "Heat Wave", "Heat Wave", "1996-03-01")];

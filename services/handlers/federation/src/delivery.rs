@@ -49,7 +49,7 @@ impl Handler for DeliveryHandler {
                     "inbox gone (410): its followers are removed");
                 Ok(())
             }
-            429 | 500..=599 => Err(HandlerError::retryable(format!("{} answered {status}", queued.inbox))),
+            408 | 429 | 500..=599 => Err(HandlerError::retryable(format!("{} answered {status}", queued.inbox))),
             _ => Err(HandlerError::permanent(format!(
                 "{} refused {} with {status}: {}",
                 queued.inbox,

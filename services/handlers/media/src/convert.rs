@@ -246,9 +246,13 @@ impl ImageConversion {
         let widest = widths.iter().copied().max().unwrap_or(0);
         // Unreadable: the decoder says why, within the whole budget.
         let cost = dimensions(&original).map_or(DECODE_BUDGET_MIB, |(w, h)| decode_cost_mib(w, h, widest));
-        let _converting = CONVERTING.acquire().await.expect("the semaphore is never closed");
-        let _memory = DECODE_MEMORY.acquire_many(cost).await.expect("the semaphore is never closed");
+        let converting = CONVERTING.acquire().await.expect("the semaphore is never closed");
+        let memory = DECODE_MEMORY.acquire_many(cost).await.expect("the semaphore is never closed");
         tokio::task::spawn_blocking(move || {
+            // Held by the conversion itself: should the handler's timeout drop this call, the
+            // decode goes on (a blocking task cannot be cancelled), and its memory stays
+            // counted until it ends, not handed to the next conversion at once.
+            let _permits = (converting, memory);
             let failed = |reason: String| HandlerError::Permanent(format!("{key}: {reason}"));
             let image = decode(&original).map_err(failed)?;
             resized(image, &widths)

@@ -2,6 +2,7 @@
 
 use reelay_contracts::v1::{self, save_enrichment_request};
 use reelay_domain::posters::{self, MAX_BYTES, MAX_VARIANT_WIDTH, MAX_VARIANTS};
+use reelay_domain::profiles::{self, MAX_PEOPLE};
 use reelay_domain::{MovieId, validate};
 use reelay_kit::ServiceError;
 use tonic::Request;
@@ -64,9 +65,12 @@ impl v1::movies_server::Movies for WriteApi {
             )
             .into());
         }
-        for person in &people {
-            person_id("people.person_id", &person.person_id)?;
-            validate::required_text("people.name", &person.name, 300).map_err(ServiceError::from)?;
+        let mut people = people;
+        for (n, person) in people.iter_mut().enumerate() {
+            person_id(&format!("people[{n}].person_id"), &person.person_id)?;
+            // Stored as checked: trimmed and composed, as every other name is.
+            person.name = validate::required_text(&format!("people[{n}].name"), &person.name, profiles::MAX_NAME_CHARS)
+                .map_err(ServiceError::from)?;
         }
         ok(self.store.save_people(people).await?)
     }
@@ -174,9 +178,6 @@ pub(super) fn sha256(field: &str, digest: &str) -> Result<(), ServiceError> {
     Ok(())
 }
 
-/// Most people one SavePeople call takes.
-const MAX_PEOPLE: usize = 1000;
-
 fn person_id(field: &str, id: &str) -> Result<(), ServiceError> {
     if id.is_empty() || id.len() > 200 || !id.contains(':') {
         return Err(ServiceError::invalid(field, format!("must be <provider>:<id> (at most 200 bytes), got {id:?}")));
@@ -189,28 +190,34 @@ fn checked_profile(profile: v1::MovieProfile) -> Result<v1::MovieProfile, Servic
     if profile.provider.is_empty() || profile.provider_id.is_empty() {
         return Err(ServiceError::invalid("profile.provider", "provider and provider_id are required"));
     }
-    if profile.runtime_minutes > 2_000 {
+    if profile.runtime_minutes > profiles::MAX_RUNTIME_MINUTES {
         return Err(ServiceError::invalid(
             "profile.runtime_minutes",
             format!("{} is not a film's runtime", profile.runtime_minutes),
         ));
     }
     for (field, list) in [("profile.directors", &profile.directors), ("profile.cast", &profile.cast)] {
-        if list.len() > 500 {
-            return Err(ServiceError::invalid(field, format!("at most 500 people, got {}", list.len())));
+        if list.len() > profiles::MAX_CREDITS {
+            return Err(ServiceError::invalid(
+                field,
+                format!("at most {} people, got {}", profiles::MAX_CREDITS, list.len()),
+            ));
         }
         for credit in list {
             person_id(&format!("{field}.person_id"), &credit.person_id)?;
         }
     }
-    if profile.genres.len() > 50 {
-        return Err(ServiceError::invalid("profile.genres", "at most 50 genres"));
+    if profile.genres.len() > profiles::MAX_GENRES {
+        return Err(ServiceError::invalid("profile.genres", format!("at most {} genres", profiles::MAX_GENRES)));
     }
     if !profile.poster_url.is_empty() {
         validate::uri("profile.poster_url", &profile.poster_url).map_err(ServiceError::from)?;
     }
-    if profile.overview.chars().count() > 10_000 {
-        return Err(ServiceError::invalid("profile.overview", "at most 10000 characters"));
+    if profile.overview.chars().count() > profiles::MAX_OVERVIEW_CHARS {
+        return Err(ServiceError::invalid(
+            "profile.overview",
+            format!("at most {} characters", profiles::MAX_OVERVIEW_CHARS),
+        ));
     }
     Ok(profile)
 }

@@ -1,0 +1,122 @@
+//! A provider's answer brought within what the write service takes (`reelay_domain::profiles`),
+//! instead of refused there: the write service refuses a profile or a batch of people outside
+//! its limits for good, so one odd value from the provider (a days-long art film, a name with a
+//! tab or a bidirectional isolate in it, a poster path with a space) would leave the film
+//! unenriched for ever, however often enrichment is asked for again. What cannot be kept is
+//! dropped (a credit with no usable name, a poster URL that is not one), what is too long is
+//! cut, and each is logged.
+
+use reelay_contracts::v1;
+use reelay_domain::profiles::{MAX_CREDITS, MAX_GENRES, MAX_NAME_CHARS, MAX_OVERVIEW_CHARS, MAX_RUNTIME_MINUTES};
+use reelay_domain::validate;
+
+/// `profile`, within the write service's limits.
+pub(crate) fn profile(mut profile: v1::MovieProfile) -> v1::MovieProfile {
+    let id = profile.provider_id.clone();
+    if profile.runtime_minutes > MAX_RUNTIME_MINUTES {
+        tracing::info!(provider_id = %id, runtime = profile.runtime_minutes, "a runtime over {MAX_RUNTIME_MINUTES} minutes is not kept");
+        profile.runtime_minutes = 0;
+    }
+    profile.directors = credits(&id, std::mem::take(&mut profile.directors));
+    profile.cast = credits(&id, std::mem::take(&mut profile.cast));
+    if profile.genres.len() > MAX_GENRES {
+        tracing::info!(provider_id = %id, genres = profile.genres.len(), "only the first {MAX_GENRES} genres are kept");
+        profile.genres.truncate(MAX_GENRES);
+    }
+    if !profile.poster_url.is_empty() && validate::uri("poster_url", &profile.poster_url).is_err() {
+        tracing::info!(provider_id = %id, poster_url = %profile.poster_url, "the poster URL is not a URI; not kept");
+        profile.poster_url.clear();
+    }
+    if profile.overview.chars().count() > MAX_OVERVIEW_CHARS {
+        profile.overview = profile.overview.chars().take(MAX_OVERVIEW_CHARS).collect();
+    }
+    profile
+}
+
+/// The credits with a usable person id and name (the name cleaned and cut), at most
+/// [`MAX_CREDITS`].
+fn credits(provider_id: &str, list: Vec<v1::PersonCredit>) -> Vec<v1::PersonCredit> {
+    let listed = list.len();
+    let kept: Vec<v1::PersonCredit> = list
+        .into_iter()
+        .filter(|credit| usable_person_id(&credit.person_id))
+        .filter_map(|mut credit| {
+            credit.name = validate::fitted_text(&credit.name, MAX_NAME_CHARS)?;
+            Some(credit)
+        })
+        .take(MAX_CREDITS)
+        .collect();
+    if kept.len() < listed {
+        tracing::info!(
+            provider_id,
+            listed,
+            kept = kept.len(),
+            "credits without a usable id or name (or past {MAX_CREDITS}) are not kept"
+        );
+    }
+    kept
+}
+
+/// `person`, its name cleaned and cut; `None` when it has no usable id or name.
+pub(crate) fn person(mut person: v1::Person) -> Option<v1::Person> {
+    if !usable_person_id(&person.person_id) {
+        return None;
+    }
+    person.name = validate::fitted_text(&person.name, MAX_NAME_CHARS)?;
+    Some(person)
+}
+
+/// A person id the write service takes: `<provider>:<id>`, at most 200 bytes.
+fn usable_person_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 200 && id.contains(':')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn credit(id: &str, name: &str) -> v1::PersonCredit {
+        v1::PersonCredit { person_id: id.into(), name: name.into(), role: String::new() }
+    }
+
+    /// What the write service would refuse is cut, cleaned or dropped; the rest is as it was.
+    #[test]
+    fn a_profile_is_brought_within_the_write_service_s_limits() {
+        let fitted = profile(v1::MovieProfile {
+            provider: "tmdb".into(),
+            provider_id: "tmdb:1".into(),
+            runtime_minutes: 14_400,
+            genres: (0..60).map(|n| format!("g{n}")).collect(),
+            directors: vec![
+                credit("tmdb:2", "Jakob\tFenger\u{2066}"),
+                credit("tmdb:3", " \u{200b} "),
+                credit("nocolon", "Rasmus Nielsen"),
+            ],
+            cast: (0..600).map(|n| credit(&format!("tmdb:{n}"), &"x".repeat(400))).collect(),
+            poster_url: "https://image.example/p/a poster.jpg".into(),
+            overview: "ø".repeat(12_000),
+            ..Default::default()
+        });
+        assert_eq!(fitted.runtime_minutes, 0);
+        assert_eq!(fitted.genres.len(), MAX_GENRES);
+        assert_eq!(fitted.directors, [credit("tmdb:2", "Jakob Fenger")]);
+        assert_eq!(fitted.cast.len(), MAX_CREDITS);
+        assert_eq!(fitted.cast[0].name.chars().count(), MAX_NAME_CHARS);
+        assert_eq!(fitted.poster_url, "");
+        assert_eq!(fitted.overview.chars().count(), MAX_OVERVIEW_CHARS);
+
+        let kept = v1::MovieProfile {
+            provider_id: "tmdb:949".into(),
+            runtime_minutes: 170,
+            directors: vec![credit("tmdb:638", "Michael Mann")],
+            poster_url: "https://image.tmdb.org/t/p/original/heat.jpg".into(),
+            overview: "A heist.".into(),
+            ..Default::default()
+        };
+        assert_eq!(profile(kept.clone()), kept);
+        assert_eq!(
+            person(v1::Person { person_id: "tmdb:5".into(), name: "\u{202e}".into(), ..Default::default() }),
+            None
+        );
+    }
+}
