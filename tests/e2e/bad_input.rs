@@ -23,6 +23,19 @@ struct Ids {
     nobody: String,
 }
 
+/// A well-formed completion of a wrap-up that does not exist, changed by `spoil`.
+fn completion(x: &Ids, spoil: impl FnOnce(&mut v1::CompleteWrapUpRequest)) -> v1::CompleteWrapUpRequest {
+    let mut request = v1::CompleteWrapUpRequest {
+        wrap_up_id: x.nobody.clone(),
+        summary: Some(v1::WrapUpSummary { per_month: vec![0; 12], rating_counts: vec![0; 11], ..Default::default() }),
+        card_key: format!("wrapups/{}/card.svg", x.nobody),
+        card_content_type: "image/svg+xml".into(),
+        inputs_digest: String::new(),
+    };
+    spoil(&mut request);
+    request
+}
+
 fn log(actor: &str, movie: Option<v1::MovieRef>, rating: u32, body: String, watched_on: &str) -> v1::LogReviewRequest {
     v1::LogReviewRequest {
         actor_user_id: actor.into(),
@@ -370,13 +383,27 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         )),
         case!("a wrap-up completed with a malformed inputs digest", InvalidArgument, "inputs_digest", |c, x| c
             .wrap_ups
-            .complete_wrap_up(v1::CompleteWrapUpRequest {
-                wrap_up_id: x.nobody.clone(),
-                summary: Some(v1::WrapUpSummary { per_month: vec![0; 12], ..Default::default() }),
-                card_key: "wrapups/x/card.svg".into(),
-                card_content_type: "image/svg+xml".into(),
-                inputs_digest: "AB".repeat(32),
-            })),
+            .complete_wrap_up(completion(&x, |r| r.inputs_digest = "AB".repeat(32)))),
+        // A summary outside its documented shape would be stored, and every read of the
+        // wrap-up fail or show nonsense; a card key or type is the handler's to get right.
+        case!(
+            "a wrap-up summary naming a genre of 400 characters",
+            InvalidArgument,
+            "summary.top_genres[0].name",
+            |c, x| c.wrap_ups.complete_wrap_up(completion(&x, |r| {
+                let summary = r.summary.as_mut().unwrap();
+                summary.top_genres = vec![v1::NameCount { name: "g".repeat(400), count: 1 }];
+            }))
+        ),
+        case!("a wrap-up summary with 3 rating counts", InvalidArgument, "summary.rating_counts", |c, x| c
+            .wrap_ups
+            .complete_wrap_up(completion(&x, |r| r.summary.as_mut().unwrap().rating_counts = vec![0; 3]))),
+        case!("a wrap-up card stored under another wrap-up's key", InvalidArgument, "card_key", |c, x| c
+            .wrap_ups
+            .complete_wrap_up(completion(&x, |r| r.card_key = "posters/x/original".into()))),
+        case!("a card content type with a line break", InvalidArgument, "card_content_type", |c, x| c
+            .wrap_ups
+            .complete_wrap_up(completion(&x, |r| r.card_content_type = "image/svg+xml\r\nx: y".into()))),
         case!("request_id with spaces", InvalidArgument, "request_id", |c, x| c.reviews.log_review(
             v1::LogReviewRequest {
                 request_id: "my key".into(),

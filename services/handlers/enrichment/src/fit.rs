@@ -19,6 +19,13 @@ pub(crate) fn profile(mut profile: v1::MovieProfile) -> v1::MovieProfile {
     }
     profile.directors = credits(&id, std::mem::take(&mut profile.directors));
     profile.cast = credits(&id, std::mem::take(&mut profile.cast));
+    profile.genres.retain_mut(|genre| match validate::fitted_text(genre, MAX_NAME_CHARS) {
+        Some(fitted) => {
+            *genre = fitted;
+            true
+        }
+        None => false,
+    });
     if profile.genres.len() > MAX_GENRES {
         tracing::info!(provider_id = %id, genres = profile.genres.len(), "only the first {MAX_GENRES} genres are kept");
         profile.genres.truncate(MAX_GENRES);

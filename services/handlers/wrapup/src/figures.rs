@@ -84,8 +84,14 @@ fn top(counts: HashMap<&str, HashSet<&str>>) -> Vec<v1::NameCount> {
     let mut list: Vec<(&str, usize)> = ordered.into_iter().collect();
     list.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     list.into_iter()
+        .filter(|(name, _)| !name.trim().is_empty())
         .take(TOP)
-        .map(|(name, count)| v1::NameCount { name: name.to_owned(), count: count as u32 })
+        // Cut to what CompleteWrapUp takes: a name from a profile stored before enrichment
+        // fitted names to the write service's limits may be longer.
+        .map(|(name, count)| v1::NameCount {
+            name: name.chars().take(reelay_domain::profiles::MAX_NAME_CHARS).collect(),
+            count: count as u32,
+        })
         .collect()
 }
 

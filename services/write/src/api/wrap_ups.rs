@@ -1,7 +1,7 @@
 //! The WrapUps service: requesting and reading yearly wrap-ups.
 
 use reelay_contracts::v1;
-use reelay_domain::{WrapUpId, validate};
+use reelay_domain::{WrapUpId, profiles, validate};
 use reelay_kit::ServiceError;
 use tonic::Request;
 
@@ -63,16 +63,18 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         let r = request.into_inner();
         let id = WrapUpId::parse("wrap_up_id", &r.wrap_up_id).map_err(ServiceError::from)?;
         let summary = r.summary.ok_or_else(|| ServiceError::invalid("summary", "is required"))?;
-        if summary.per_month.len() != 12 {
+        checked_summary(&summary)?;
+        let card_key = validate::object_key("card_key", &r.card_key).map_err(ServiceError::from)?;
+        let own = format!("wrapups/{id}/");
+        if !card_key.starts_with(&own) {
+            return Err(ServiceError::invalid("card_key", format!("must be under {own}, got {card_key:?}")).into());
+        }
+        if !media_type(&r.card_content_type) {
             return Err(ServiceError::invalid(
-                "summary.per_month",
-                format!("must hold 12 months, got {}", summary.per_month.len()),
+                "card_content_type",
+                format!("must be a media type such as image/svg+xml, got {:?}", r.card_content_type),
             )
             .into());
-        }
-        let card_key = validate::object_key("card_key", &r.card_key).map_err(ServiceError::from)?;
-        if r.card_content_type.is_empty() || r.card_content_type.len() > 100 {
-            return Err(ServiceError::invalid("card_content_type", "must be a media type such as image/svg+xml").into());
         }
         if !r.inputs_digest.is_empty() {
             super::movies::sha256("inputs_digest", &r.inputs_digest)?;
@@ -82,6 +84,64 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
         let (wrap_up, changed) = self.store.complete_wrap_up(id, completion).await?;
         ok(v1::CompleteWrapUpResponse { changed, wrap_up: Some(self.wrap_up(wrap_up)) })
     }
+}
+
+/// The most names, and films, a summary ranks.
+const SUMMARY_TOP: usize = 5;
+
+/// A summary as `WrapUpSummary` documents it; a summary outside its shape would be stored,
+/// and every later read of the wrap-up fail (a 2.5 MB name), or show nonsense.
+fn checked_summary(summary: &v1::WrapUpSummary) -> Result<(), ServiceError> {
+    let count = |field: &str, len: usize, wanted: std::ops::RangeInclusive<usize>| {
+        if wanted.contains(&len) {
+            Ok(())
+        } else {
+            Err(ServiceError::invalid(field, format!("must hold {wanted:?} values, got {len}")))
+        }
+    };
+    count("summary.per_month", summary.per_month.len(), 12..=12)?;
+    count("summary.rating_counts", summary.rating_counts.len(), 11..=11)?;
+    if !(0.0..=f64::from(validate::MAX_RATING)).contains(&summary.mean_rating) {
+        return Err(ServiceError::invalid(
+            "summary.mean_rating",
+            format!("must be 0-{} half stars, got {}", validate::MAX_RATING, summary.mean_rating),
+        ));
+    }
+    for (field, names) in
+        [("summary.top_genres", &summary.top_genres), ("summary.top_directors", &summary.top_directors)]
+    {
+        count(field, names.len(), 0..=SUMMARY_TOP)?;
+        for (n, named) in names.iter().enumerate() {
+            if named.name.is_empty() || named.name.chars().count() > profiles::MAX_NAME_CHARS {
+                return Err(ServiceError::invalid(
+                    &format!("{field}[{n}].name"),
+                    format!("must be 1-{} characters", profiles::MAX_NAME_CHARS),
+                ));
+            }
+        }
+    }
+    count("summary.highest_rated", summary.highest_rated.len(), 0..=SUMMARY_TOP)?;
+    for (n, film) in summary.highest_rated.iter().enumerate() {
+        let field = |name: &str| format!("summary.highest_rated[{n}].{name}");
+        reelay_domain::MovieId::parse(&field("movie_id"), &film.movie_id).map_err(ServiceError::from)?;
+        if film.title.is_empty() || film.title.chars().count() > validate::MAX_TITLE_CHARS {
+            return Err(ServiceError::invalid(
+                &field("title"),
+                format!("must be 1-{} characters", validate::MAX_TITLE_CHARS),
+            ));
+        }
+        if !(1..=validate::MAX_RATING).contains(&film.rating) {
+            return Err(ServiceError::invalid(&field("rating"), format!("must be 1-{}", validate::MAX_RATING)));
+        }
+    }
+    Ok(())
+}
+
+/// `type/subtype`, each a token (RFC 9110), at most 100 bytes: it is served as a header.
+fn media_type(value: &str) -> bool {
+    let token =
+        |part: &str| !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$&^_.+-".contains(&b));
+    value.len() <= 100 && value.split_once('/').is_some_and(|(kind, sub)| token(kind) && token(sub))
 }
 
 impl WriteApi {
