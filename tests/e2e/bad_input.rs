@@ -333,6 +333,16 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 ..Default::default()
             }
         )),
+        case!("remote review published far ahead", InvalidArgument, "published_at_ms", |c, x| c
+            .federation
+            .save_remote_review(v1::SaveRemoteReviewRequest {
+                object_uri: "https://films.example/r/1".into(),
+                actor_uri: "https://films.example/u/c".into(),
+                movie: movie_ref("Ran", 1985),
+                rating: 8,
+                published_at_ms: i64::MAX,
+                ..Default::default()
+            })),
         case!("remote follow activity", InvalidArgument, "activity_uri", |c, x| c.federation.receive_follow(
             v1::ReceiveFollowRequest {
                 actor_uri: "https://films.example/u/c".into(),
@@ -453,6 +463,13 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 max_bytes: 1000,
                 ..Default::default()
             })),
+        // Parked for ever, a row would never show as waiting nor as a dead letter.
+        case!("an outbox row deferred to the end of time", InvalidArgument, "until_ms", |c, x| c.outbox.defer(
+            v1::DeferRequest {
+                rows: vec![v1::RowClaim { id: 1, claimed_at_ms: 1, ..Default::default() }],
+                until_ms: i64::MAX
+            }
+        )),
         case!("an outbox claim naming 65 unanswered calls", InvalidArgument, "unanswered", |c, x| c.outbox.claim(
             v1::ClaimRequest {
                 consumer: "test#1".into(),

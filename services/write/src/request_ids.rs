@@ -62,6 +62,10 @@ impl RequestKey {
             ));
         }
         let fingerprint = sha256_of_parts(method.as_bytes(), parts.iter().copied());
+        // A user id in whichever spelling the parser takes (upper case, no hyphens, braces) is
+        // one user: keyed under one spelling, a retry spelling it otherwise is the same key
+        // (then refused as another request under it) and never a second write.
+        let actor = uuid::Uuid::try_parse(actor).map_or_else(|_| actor.to_owned(), |id| id.hyphenated().to_string());
         let stored = if actor.is_empty() { request_id.to_owned() } else { format!("{actor}/{request_id}") };
         Ok(Some(Self { method, request_id: request_id.to_owned(), stored, fingerprint }))
     }
@@ -141,4 +145,21 @@ pub async fn purge(tx: &mut WriteTx, cutoff_ms: i64, batch: u32) -> Result<u64, 
     .execute(tx.conn())
     .await?
     .rows_affected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One user's key, however its id is spelled.
+    #[test]
+    fn a_user_id_keys_alike_in_every_spelling() {
+        let request = reelay_contracts::v1::GetUserRequest::default();
+        let key = |actor: &str| RequestKey::of("LogReview", actor, "k1", &request).unwrap().unwrap().stored;
+        let id = "01a242f5-6b87-7089-b22a-188c0639a9c6";
+        for spelling in [id.to_uppercase(), id.replace('-', ""), format!("{{{id}}}"), format!("urn:uuid:{id}")] {
+            assert_eq!(key(&spelling), key(id), "{spelling}");
+        }
+        assert_eq!(key(""), "k1");
+    }
 }

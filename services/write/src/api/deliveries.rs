@@ -426,12 +426,9 @@ impl OutboxApi {
                     Some(Outcome::Failed(failure)) => {
                         DeliveryOutcome::Failed { error: failure.error, terminal: failure.terminal }
                     }
-                    Some(Outcome::DeferredUntilMs(until_ms)) if until_ms > 0 => DeliveryOutcome::Deferred { until_ms },
-                    Some(Outcome::DeferredUntilMs(_)) => {
-                        return Err(ServiceError::invalid(
-                            "settlements.deferred_until_ms",
-                            "must be a time in milliseconds since the epoch",
-                        ));
+                    Some(Outcome::DeferredUntilMs(until_ms)) => {
+                        super::outbox::check_defer("settlements.deferred_until_ms", until_ms)?;
+                        DeliveryOutcome::Deferred { until_ms }
                     }
                     None => return Err(ServiceError::invalid("settlements.outcome", "is required")),
                 };

@@ -45,6 +45,7 @@ impl v1::federation_server::Federation for WriteApi {
         &self,
         request: Request<v1::SaveRemoteReviewRequest>,
     ) -> Reply<v1::SaveRemoteReviewResponse> {
+        const DAY_MS: i64 = 24 * 3600 * 1000;
         let r = request.into_inner();
         let review = RemoteReview {
             object_uri: uri("object_uri", &r.object_uri)?,
@@ -52,8 +53,14 @@ impl v1::federation_server::Federation for WriteApi {
             movie: convert::movie_spec("movie", r.movie).map_err(ServiceError::from)?,
             rating: validate::rating("rating", r.rating).map_err(ServiceError::from)?,
             body: validate::body("body", &r.body).map_err(ServiceError::from)?,
-            published_at_ms: if r.published_at_ms < 0 {
-                return Err(ServiceError::invalid("published_at_ms", "must not be negative").into());
+            // Another server's clock may run ahead, by a day at most (the gateway's bound too):
+            // a date further on would sort first among the film's reviews for ever.
+            published_at_ms: if !(0..=reelay_kit::now_ms() + DAY_MS).contains(&r.published_at_ms) {
+                return Err(ServiceError::invalid(
+                    "published_at_ms",
+                    format!("must be from 0 to a day from now, got {}", r.published_at_ms),
+                )
+                .into());
             } else {
                 r.published_at_ms
             },

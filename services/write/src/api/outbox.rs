@@ -107,6 +107,21 @@ fn settle_response(settled: Settled) -> v1::SettleResponse {
     v1::SettleResponse { settled: settled.settled as u32, lost: settled.lost, dead_lettered: settled.dead_lettered }
 }
 
+/// The furthest a row or a delivery may be deferred: far beyond any backoff, and short of for
+/// ever (a row parked at `i64::MAX` would never show as waiting or dead-lettered).
+const MAX_DEFER_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// A defer time: in milliseconds since the epoch, at most [`MAX_DEFER_MS`] from now.
+pub(super) fn check_defer(field: &str, until_ms: i64) -> Result<(), ServiceError> {
+    if until_ms <= 0 || until_ms > reelay_kit::now_ms() + MAX_DEFER_MS {
+        return Err(ServiceError::invalid(
+            field,
+            format!("must be a time in milliseconds since the epoch, at most 7 days from now, got {until_ms}"),
+        ));
+    }
+    Ok(())
+}
+
 impl OutboxApi {
     /// The most bytes an answer may carry: what the claimer can read (0: no preference) and
     /// this server's limit, less room for the answer's own framing. A claimer that cannot read
@@ -299,9 +314,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
     async fn defer(&self, request: Request<v1::DeferRequest>) -> Result<Response<v1::SettleResponse>, Status> {
         let r = request.into_inner();
         let rows = row_claims(r.rows)?;
-        if r.until_ms <= 0 {
-            return Err(ServiceError::invalid("until_ms", "must be a time in milliseconds since the epoch").into());
-        }
+        check_defer("until_ms", r.until_ms)?;
         let settled = self
             .db
             .writer
