@@ -691,6 +691,39 @@ async fn following_again_sends_a_follow_whose_delivery_was_given_up() {
     assert_eq!(peer.received_of("Follow").len(), 2, "an accepted follow is not asked again");
 }
 
+/// A followed actor's outbox is read page by page once it accepts; a later page that is gone
+/// (404) ends the backfill with what the pages before it gave, not a dead letter.
+#[tokio::test]
+async fn a_backfill_ends_with_what_it_saved_at_a_page_that_is_gone() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let bob = peer.actor("bob");
+    let page = json!({
+        "id": format!("{bob}/outbox/0"),
+        "type": "OrderedCollectionPage",
+        "orderedItems": [review_note(&peer, "bob", 1, "Stalker", 1979, "The zone.")],
+        "next": format!("{bob}/outbox/1"),
+    });
+    peer.set_outbox("bob", vec![page]);
+    follow(&mut c, &ana, &bob).await;
+    wait_until!("bob gets ana's Follow", peer.received_of("Follow").len() == 1);
+    let accept = json!({
+        "@context": "https://www.w3.org/ns/activitystreams",
+        "id": format!("{bob}/accepts/1"),
+        "type": "Accept",
+        "actor": bob,
+        "object": peer.received_of("Follow")[0].activity,
+    });
+    assert_eq!(peer.send("bob", &format!("{}/inbox", a.actor_url(&ana)), &accept).await, 202);
+    let settled = "SELECT status FROM processed_events WHERE handler = 'federation-backfill'";
+    wait_until!(
+        "the backfill is settled",
+        query_strings(&a.database, settled).await.iter().any(|row| row[0] != "in_progress")
+    );
+    assert_eq!(query_strings(&a.database, settled).await, [["done"]]);
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 1, "the first page's review");
+}
+
 /// Outside development, federation reaches public addresses only: a request signed with a key
 /// on loopback (a keyId pointing into this network) is refused, and the key is not fetched.
 #[tokio::test]

@@ -70,6 +70,8 @@ struct Inner {
     wrong_key: KeyPair,
     received: Mutex<Vec<Received>>,
     inbox_status: Mutex<u16>,
+    /// Each actor's outbox pages, served at `/users/<name>/outbox/<n>` (none: no outbox).
+    outboxes: Mutex<HashMap<String, Vec<Value>>>,
 }
 
 /// The peer. Its actors are `http://<addr>/users/<name>`, each with an inbox, all sharing one
@@ -115,6 +117,7 @@ impl MastodonPeer {
             wrong_key: KeyPair::generate(),
             received: Mutex::default(),
             inbox_status: Mutex::new(202),
+            outboxes: Mutex::default(),
         });
         let peer = Self { inner };
         let app = Router::new()
@@ -122,6 +125,8 @@ impl MastodonPeer {
             .route("/forged/{name}", get(forged_actor))
             .route("/keys/{name}", get(forged_key))
             .route("/users/{name}/inbox", post(inbox))
+            .route("/users/{name}/outbox", get(outbox))
+            .route("/users/{name}/outbox/{page}", get(outbox_page))
             .route("/inbox", post(inbox_shared))
             .with_state(peer.clone());
         tokio::spawn(async move { axum::serve(listener, app).await });
@@ -141,6 +146,11 @@ impl MastodonPeer {
     }
 
     /// What the inboxes answer from now on (202 by default).
+    /// Gives `name` an outbox of `pages` (`OrderedCollectionPage`s; a `next` past them is 404).
+    pub fn set_outbox(&self, name: &str, pages: Vec<Value>) {
+        self.inner.outboxes.lock().unwrap().insert(name.to_owned(), pages);
+    }
+
     pub fn set_inbox_status(&self, status: u16) {
         *self.inner.inbox_status.lock().unwrap() = status;
     }
@@ -304,6 +314,22 @@ async fn forged_key(State(peer): State<MastodonPeer>, Path(name): Path<String>) 
 
 async fn inbox(State(peer): State<MastodonPeer>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     receive(peer, uri, headers, body).await
+}
+
+async fn outbox(State(peer): State<MastodonPeer>, Path(name): Path<String>) -> Response {
+    if !peer.inner.outboxes.lock().unwrap().contains_key(&name) {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let id = format!("{}/outbox", peer.actor(&name));
+    let collection = json!({ "id": id, "type": "OrderedCollection", "first": format!("{id}/0") });
+    ([("content-type", "application/activity+json")], collection.to_string()).into_response()
+}
+
+async fn outbox_page(State(peer): State<MastodonPeer>, Path((name, page)): Path<(String, usize)>) -> Response {
+    match peer.inner.outboxes.lock().unwrap().get(&name).and_then(|pages| pages.get(page)) {
+        Some(page) => ([("content-type", "application/activity+json")], page.to_string()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 async fn inbox_shared(State(peer): State<MastodonPeer>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {

@@ -1,5 +1,12 @@
 //! `federation-backfill`: once a remote actor accepts a local user's follow, its reviews so far
 //! are read from its outbox (signed GETs, newest page first) and saved, keyed by object id.
+//!
+//! The walk is bounded, since the outbox is another server's: at most `max_pages` pages, the
+//! first [`ITEMS_PER_PAGE`] items of each, and [`TIME_BUDGET`] in all (inside the handler's
+//! timeout, a minute by default: a walk cut by the timeout would start again at the first page
+//! on every retry, and end a dead letter). A later page that cannot be had for good (gone, not
+//! JSON, too large) ends the walk with what it saved; one that may come later (unreachable, busy)
+//! is retried, and the retry's saves of the pages before repeat nothing.
 
 use reelay_activitypub::documents::{id_of, same_origin};
 use reelay_activitypub::note::{NoteError, read_review};
@@ -9,6 +16,11 @@ use serde_json::Value;
 
 use crate::Remote;
 use crate::remote::write_error;
+
+/// The items of one page looked at (Mastodon's pages hold 20).
+const ITEMS_PER_PAGE: usize = 100;
+/// How long one backfill walks before it stops with what it saved.
+const TIME_BUDGET: std::time::Duration = std::time::Duration::from_secs(40);
 
 pub struct BackfillHandler {
     remote: Remote,
@@ -70,20 +82,28 @@ impl Handler for BackfillHandler {
             Some(embedded @ Value::Object(_)) => embedded.clone(),
             _ => collection,
         };
+        let started = std::time::Instant::now();
         let (mut pages, mut saved) = (1, 0);
         loop {
             let items = page.get("orderedItems").or_else(|| page.get("items")).and_then(Value::as_array);
-            for item in items.into_iter().flatten() {
+            for item in items.into_iter().flatten().take(ITEMS_PER_PAGE) {
                 saved += usize::from(self.save(actor_uri, item).await?);
             }
             let next = page.get("next").and_then(id_of).map(str::to_owned);
-            match next {
-                Some(next) if pages < self.max_pages => {
-                    page = self.remote.fetch(user, &next).await?;
-                    pages += 1;
-                }
-                _ => break,
+            let Some(next) = next.filter(|_| pages < self.max_pages) else { break };
+            if started.elapsed() >= TIME_BUDGET {
+                tracing::info!(actor = %actor_uri, pages, "the backfill's time is up; later pages are not read");
+                break;
             }
+            page = match self.remote.fetch(user, &next).await {
+                Ok(page) => page,
+                Err(HandlerError::Permanent(error)) => {
+                    tracing::warn!(actor = %actor_uri, page = %next, %error, "an outbox page cannot be read; the backfill ends there");
+                    break;
+                }
+                Err(error) => return Err(error),
+            };
+            pages += 1;
         }
         tracing::info!(actor = %actor_uri, pages, saved, "backfilled a followed actor's reviews");
         Ok(())
