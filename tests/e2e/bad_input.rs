@@ -378,6 +378,33 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         case!("the follows of an unknown user", NotFound, "user", |c, x| c
             .social
             .list_following(v1::ListFollowingRequest { user_id: x.nobody.clone(), ..Default::default() })),
+        case!("a followers page token of 5,000 characters", InvalidArgument, "page_token", |c, x| c
+            .social
+            .list_followers(v1::ListFollowersRequest {
+                user_id: x.a.clone(),
+                page_token: format!("user:{}", "x".repeat(5_000)),
+                ..Default::default()
+            })),
+        case!("a person's biography of 30,000 characters", InvalidArgument, "people[0].biography", |c, x| c
+            .movies
+            .save_people(v1::SavePeopleRequest {
+                people: vec![v1::Person {
+                    person_id: "tmdb:1".into(),
+                    name: "Chantal Akerman".into(),
+                    biography: "b".repeat(30_000),
+                    ..Default::default()
+                }],
+            })),
+        case!("a person's birthday not a date", InvalidArgument, "people[0].birthday", |c, x| c.movies.save_people(
+            v1::SavePeopleRequest {
+                people: vec![v1::Person {
+                    person_id: "tmdb:1".into(),
+                    name: "Chantal Akerman".into(),
+                    birthday: "June 1950".into(),
+                    ..Default::default()
+                }],
+            }
+        )),
         case!("a watch date in the future", InvalidArgument, "watched_on", |c, x| c.reviews.log_review(log(
             &x.a,
             movie_ref("Heat", 1995),

@@ -16,3 +16,19 @@ pub const MAX_OVERVIEW_CHARS: usize = 10_000;
 pub const MAX_NAME_CHARS: usize = 300;
 /// Most people one `SavePeople` call takes.
 pub const MAX_PEOPLE: usize = 1_000;
+/// The longest biography, in characters.
+pub const MAX_BIOGRAPHY_CHARS: usize = 20_000;
+/// The longest place of birth, in characters.
+pub const MAX_PLACE_CHARS: usize = 300;
+/// Most films a person is listed as known for, and the longest entry ("Title (year)").
+pub const MAX_KNOWN_FOR: usize = 50;
+pub const MAX_KNOWN_FOR_CHARS: usize = 400;
+
+/// Whether `value` is a birthday as profiles carry it: empty, or `YYYY-MM-DD` in digits (any
+/// year: people credited in old films were born before the years reviews may name).
+pub fn birthday_shaped(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    value.is_empty()
+        || (bytes.len() == 10
+            && bytes.iter().enumerate().all(|(n, b)| if n == 4 || n == 7 { *b == b'-' } else { b.is_ascii_digit() }))
+}

@@ -7,7 +7,10 @@
 //! cut, and each is logged.
 
 use reelay_contracts::v1;
-use reelay_domain::profiles::{MAX_CREDITS, MAX_GENRES, MAX_NAME_CHARS, MAX_OVERVIEW_CHARS, MAX_RUNTIME_MINUTES};
+use reelay_domain::profiles::{
+    self, MAX_BIOGRAPHY_CHARS, MAX_CREDITS, MAX_GENRES, MAX_KNOWN_FOR, MAX_KNOWN_FOR_CHARS, MAX_NAME_CHARS,
+    MAX_OVERVIEW_CHARS, MAX_PLACE_CHARS, MAX_RUNTIME_MINUTES,
+};
 use reelay_domain::validate;
 
 /// `profile`, within the write service's limits.
@@ -64,12 +67,25 @@ fn credits(provider_id: &str, list: Vec<v1::PersonCredit>) -> Vec<v1::PersonCred
     kept
 }
 
-/// `person`, its name cleaned and cut; `None` when it has no usable id or name.
+/// `person`, its name cleaned and cut and the rest within bounds (a birthday not shaped as a
+/// date is unknown); `None` when it has no usable id or name.
 pub(crate) fn person(mut person: v1::Person) -> Option<v1::Person> {
     if !usable_person_id(&person.person_id) {
         return None;
     }
     person.name = validate::fitted_text(&person.name, MAX_NAME_CHARS)?;
+    let cut = |text: &mut String, max: usize| {
+        if text.chars().count() > max {
+            *text = text.chars().take(max).collect();
+        }
+    };
+    cut(&mut person.biography, MAX_BIOGRAPHY_CHARS);
+    cut(&mut person.place_of_birth, MAX_PLACE_CHARS);
+    if !profiles::birthday_shaped(&person.birthday) {
+        person.birthday.clear();
+    }
+    person.known_for.truncate(MAX_KNOWN_FOR);
+    person.known_for.iter_mut().for_each(|film| cut(film, MAX_KNOWN_FOR_CHARS));
     Some(person)
 }
 
@@ -125,5 +141,16 @@ mod tests {
             person(v1::Person { person_id: "tmdb:5".into(), name: "\u{202e}".into(), ..Default::default() }),
             None
         );
+        let fitted = person(v1::Person {
+            person_id: "tmdb:6".into(),
+            name: "Chantal Akerman".into(),
+            biography: "b".repeat(30_000),
+            birthday: "June 1950".into(),
+            known_for: vec!["t".repeat(500); 60],
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!((fitted.biography.len(), fitted.birthday.as_str()), (MAX_BIOGRAPHY_CHARS, ""));
+        assert_eq!((fitted.known_for.len(), fitted.known_for[0].len()), (MAX_KNOWN_FOR, MAX_KNOWN_FOR_CHARS));
     }
 }

@@ -71,6 +71,7 @@ impl v1::movies_server::Movies for WriteApi {
             // Stored as checked: trimmed and composed, as every other name is.
             person.name = validate::required_text(&format!("people[{n}].name"), &person.name, profiles::MAX_NAME_CHARS)
                 .map_err(ServiceError::from)?;
+            checked_person_details(n, person)?;
         }
         ok(self.store.save_people(people).await?)
     }
@@ -174,6 +175,35 @@ fn checked_variants(r: v1::RecordPosterVariantsRequest) -> Result<PosterVariants
 pub(super) fn sha256(field: &str, digest: &str) -> Result<(), ServiceError> {
     if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
         return Err(ServiceError::invalid(field, format!("must be 64 lower-case hex digits, got {digest:?}")));
+    }
+    Ok(())
+}
+
+/// A person's profile beyond the name: bounded, and the birthday a date's shape.
+fn checked_person_details(n: usize, person: &v1::Person) -> Result<(), ServiceError> {
+    let field = |name: &str| format!("people[{n}].{name}");
+    let longer =
+        |name: &str, max: usize| ServiceError::invalid(&field(name), format!("is longer than {max} characters"));
+    if person.biography.chars().count() > profiles::MAX_BIOGRAPHY_CHARS {
+        return Err(longer("biography", profiles::MAX_BIOGRAPHY_CHARS));
+    }
+    if person.place_of_birth.chars().count() > profiles::MAX_PLACE_CHARS {
+        return Err(longer("place_of_birth", profiles::MAX_PLACE_CHARS));
+    }
+    if !profiles::birthday_shaped(&person.birthday) {
+        return Err(ServiceError::invalid(
+            &field("birthday"),
+            format!("must be empty or YYYY-MM-DD, got {:?}", person.birthday),
+        ));
+    }
+    if person.known_for.len() > profiles::MAX_KNOWN_FOR {
+        return Err(ServiceError::invalid(
+            &field("known_for"),
+            format!("at most {} films, got {}", profiles::MAX_KNOWN_FOR, person.known_for.len()),
+        ));
+    }
+    if person.known_for.iter().any(|film| film.chars().count() > profiles::MAX_KNOWN_FOR_CHARS) {
+        return Err(longer("known_for", profiles::MAX_KNOWN_FOR_CHARS));
     }
     Ok(())
 }

@@ -19,7 +19,9 @@ fn accounts_page(keys: Vec<String>, size: u32) -> v1::ListAccountsResponse {
 }
 
 fn account_page_token(token: &str) -> Result<String, ServiceError> {
-    if token.is_empty() || token.starts_with("user:") || token.starts_with("actor:") {
+    // An account key: `user:<id>` or `actor:<URI>` (a URI is at most 2,048 characters).
+    let issued = token.starts_with("user:") || token.starts_with("actor:");
+    if token.is_empty() || (issued && token.len() <= 2_100) {
         Ok(token.to_owned())
     } else {
         Err(ServiceError::invalid("page_token", "is not a token this service issued"))
