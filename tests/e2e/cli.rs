@@ -112,7 +112,7 @@ fn client_settings_no_call_could_use_are_refused_at_once() {
     let dead_letters = ["dead-letters", "list"];
     // The command line, a variable set for it, and what its refusal must name.
     type Case<'a> = (Vec<&'a str>, Option<(&'a str, &'a str)>, &'a [&'a str]);
-    let cases: [Case; 9] = [
+    let cases: [Case; 10] = [
         (vec!["status", "--grpc-timeout-ms", "0"], None, &["--grpc-timeout-ms", "2000"]),
         (vec!["status"], Some(("REELAY_GRPC_TIMEOUT_MS", "0")), &["--grpc-timeout-ms", "2000"]),
         ([&dead_letters[..], &["--limit", "0"]].concat(), None, &["--limit", "1000"]),
@@ -121,6 +121,13 @@ fn client_settings_no_call_could_use_are_refused_at_once() {
         ([&dead_letters[..], &["--since", "200000000000d"]].concat(), None, &["--since", "1970"]),
         ([&dead_letters[..], &["--since", "30000d"]].concat(), None, &["--since", "1970"]),
         (vec!["status", "--write-url", "127.0.0.1:1"], None, &["REELAY_WRITE_URL", "\"127.0.0.1:1\"", "no scheme"]),
+        // Nothing listens there: every try was refused, so nothing was sent, let alone written
+        // (not "whether it was written cannot be told").
+        (
+            vec!["users", "create", "zed", "--write-url", "http://127.0.0.1:1"],
+            None,
+            &["refused every connection", "nothing was written"],
+        ),
         (
             vec!["search", "reviews", "heat"],
             Some(("REELAY_HANDLERS_URL", "127.0.0.1:1")),

@@ -77,6 +77,19 @@ pub fn is_transport_failure(status: &Status) -> bool {
     )
 }
 
+/// Whether a failed call never reached the server: its connection was refused, so nothing of
+/// the call was sent (unlike a connection lost mid-call, whose outcome is unknown).
+pub fn never_connected(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        if cause.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused) {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

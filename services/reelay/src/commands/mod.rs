@@ -159,6 +159,8 @@ where
     Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
     let mut backoff = reelay_kit::Backoff::bounded(FIRST_RETRY_WAIT, FIRST_RETRY_WAIT * 4, WRITE_RETRIES);
+    // Whether any try may have reached the service: only then can its outcome be unknown.
+    let mut maybe_sent = false;
     loop {
         let status = match call().await {
             Ok(answer) => return Ok(answer.into_inner()),
@@ -167,8 +169,15 @@ where
         if !outcome_unknown(&status) {
             return Err(call_failed(what, status));
         }
+        maybe_sent |= !reelay_kit::client::never_connected(&status);
         let why = format!("{:?}: {} (sending it again with the same request id)", status.code(), status.message());
         if !backoff.wait(what, why).await {
+            if !maybe_sent {
+                return Err(call_failed(what, status).context(format!(
+                    "the service refused every connection ({} tries): nothing was written",
+                    WRITE_RETRIES + 1
+                )));
+            }
             return Err(call_failed(what, status).context(format!(
                 "whether it was written cannot be told: run the same command with --request-id {request_id} once \
                  the service answers, which writes it at most once"
