@@ -118,17 +118,16 @@ fn from_status(status: &tonic::Status) -> Response {
         }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    if http == StatusCode::SERVICE_UNAVAILABLE {
-        // What went wrong inside (a storage error, a recovery in progress) is for this log,
-        // not for whoever asked.
-        tracing::warn!(code = ?status.code(), message = status.message(), "write service call failed");
-        return refuse(http, "the service is unavailable for now; try again later");
+    if !http.is_server_error() {
+        return refuse(http, status.message());
     }
-    if http.is_server_error() {
-        tracing::warn!(code = ?status.code(), message = status.message(), "write service call failed");
-        return refuse(http, "internal error");
+    // What went wrong inside (a storage error, a recovery in progress) is for this log, not
+    // for whoever asked.
+    tracing::warn!(code = ?status.code(), message = status.message(), "write service call failed");
+    match http {
+        StatusCode::SERVICE_UNAVAILABLE => refuse(http, "the service is unavailable for now; try again later"),
+        _ => refuse(http, "internal error"),
     }
-    refuse(http, status.message())
 }
 
 #[cfg(test)]

@@ -94,10 +94,14 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    /// What the server sends on `stream` until it closes it (or 5 s pass).
+    /// What the server sends on `stream` before it closes it, which it must do within 5 s
+    /// (a connection left open fails the test, whatever was sent on it).
     async fn answer(stream: &mut TcpStream) -> String {
         let mut text = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut text)).await;
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut text))
+            .await
+            .expect("the server closes the connection")
+            .expect("read the answer");
         String::from_utf8_lossy(&text).into_owned()
     }
 
