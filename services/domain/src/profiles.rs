@@ -24,6 +24,15 @@ pub const MAX_PLACE_CHARS: usize = 300;
 pub const MAX_KNOWN_FOR: usize = 50;
 pub const MAX_KNOWN_FOR_CHARS: usize = 400;
 
+/// The longest person id, in bytes.
+pub const MAX_PERSON_ID_BYTES: usize = 200;
+
+/// Whether `id` is a person id as profiles carry it: `<provider>:<id>`, at most
+/// [`MAX_PERSON_ID_BYTES`].
+pub fn person_id_shaped(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_PERSON_ID_BYTES && id.contains(':')
+}
+
 /// Whether `value` is a birthday as profiles carry it: empty, or `YYYY-MM-DD` in digits (any
 /// year: people credited in old films were born before the years reviews may name).
 pub fn birthday_shaped(value: &str) -> bool {

@@ -33,6 +33,8 @@ pub const MIN_YEAR: i32 = 1870;
 pub const MAX_YEAR: i32 = 2100;
 /// Ratings are half stars: 1 = ½★ … 10 = ★★★★★; 0 = unrated.
 pub const MAX_RATING: u32 = 10;
+/// The genres, directors and films a wrap-up's summary ranks, each (`WrapUpSummary`).
+pub const WRAP_UP_TOP: usize = 5;
 pub const DEFAULT_PAGE_SIZE: u32 = 50;
 pub const MAX_PAGE_SIZE: u32 = 200;
 

@@ -85,7 +85,7 @@ pub fn port_taken(log: &str) -> bool {
 /// them free, where a port of that range may have become an outgoing connection's source port
 /// meanwhile (a restart failed so: "Address already in use" 50 ms after the process exited).
 pub fn free_port() -> u16 {
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    use std::hash::{BuildHasher, RandomState};
     const LOWEST: u16 = 10_000;
     let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
@@ -93,18 +93,11 @@ pub fn free_port() -> u16 {
         .unwrap_or(32_768);
     let free = |port: u16| !DEFAULT_PORTS.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok();
     if ephemeral_from > LOWEST + 1_000 {
-        let span = u64::from(ephemeral_from - LOWEST);
         for _ in 0..1_000 {
-            // A different port per call (and per process: tests run in several), spread over
-            // the range so concurrent tests seldom try the same one.
-            let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-            let mut mixed =
-                (nanos as u64) ^ (u64::from(std::process::id()) << 32) ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            mixed ^= mixed >> 31;
-            mixed = mixed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            mixed ^= mixed >> 29;
-            let port = LOWEST + (mixed % span) as u16;
+            // Random keys per RandomState (and per process: tests run in several), so
+            // concurrent tests seldom try the same port.
+            let random = RandomState::new().hash_one(std::process::id());
+            let port = LOWEST + (random % u64::from(ephemeral_from - LOWEST)) as u16;
             if free(port) {
                 return port;
             }

@@ -49,7 +49,7 @@ fn credits(provider_id: &str, list: Vec<v1::PersonCredit>) -> Vec<v1::PersonCred
     let listed = list.len();
     let kept: Vec<v1::PersonCredit> = list
         .into_iter()
-        .filter(|credit| usable_person_id(&credit.person_id))
+        .filter(|credit| profiles::person_id_shaped(&credit.person_id))
         .filter_map(|mut credit| {
             credit.name = validate::fitted_text(&credit.name, MAX_NAME_CHARS)?;
             Some(credit)
@@ -70,7 +70,7 @@ fn credits(provider_id: &str, list: Vec<v1::PersonCredit>) -> Vec<v1::PersonCred
 /// `person`, its name cleaned and cut and the rest within bounds (a birthday not shaped as a
 /// date is unknown); `None` when it has no usable id or name.
 pub(crate) fn person(mut person: v1::Person) -> Option<v1::Person> {
-    if !usable_person_id(&person.person_id) {
+    if !profiles::person_id_shaped(&person.person_id) {
         return None;
     }
     person.name = validate::fitted_text(&person.name, MAX_NAME_CHARS)?;
@@ -87,11 +87,6 @@ pub(crate) fn person(mut person: v1::Person) -> Option<v1::Person> {
     person.known_for.truncate(MAX_KNOWN_FOR);
     person.known_for.iter_mut().for_each(|film| cut(film, MAX_KNOWN_FOR_CHARS));
     Some(person)
-}
-
-/// A person id the write service takes: `<provider>:<id>`, at most 200 bytes.
-fn usable_person_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 200 && id.contains(':')
 }
 
 #[cfg(test)]

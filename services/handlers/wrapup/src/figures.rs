@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use reelay_contracts::v1;
 
-/// How many genres, directors and films the top lists keep.
-const TOP: usize = 5;
+/// How many genres, directors and films the summary ranks (the write service takes no more).
+const TOP: usize = reelay_domain::validate::WRAP_UP_TOP;
 
 /// The figures of `entries` (one year's diary).
 pub fn summarize(entries: &[v1::WrapUpEntry]) -> v1::WrapUpSummary {

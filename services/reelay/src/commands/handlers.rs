@@ -5,7 +5,6 @@
 
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, admin_client::AdminClient};
-
 use reelay_delivery::jetstream::JetStreamConfig;
 
 use super::{ClientArgs, call_failed, operator_name};

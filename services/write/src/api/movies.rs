@@ -209,8 +209,11 @@ fn checked_person_details(n: usize, person: &v1::Person) -> Result<(), ServiceEr
 }
 
 fn person_id(field: &str, id: &str) -> Result<(), ServiceError> {
-    if id.is_empty() || id.len() > 200 || !id.contains(':') {
-        return Err(ServiceError::invalid(field, format!("must be <provider>:<id> (at most 200 bytes), got {id:?}")));
+    if !profiles::person_id_shaped(id) {
+        return Err(ServiceError::invalid(
+            field,
+            format!("must be <provider>:<id> (at most {} bytes), got {id:?}", profiles::MAX_PERSON_ID_BYTES),
+        ));
     }
     Ok(())
 }

@@ -86,9 +86,6 @@ impl v1::wrap_ups_server::WrapUps for WriteApi {
     }
 }
 
-/// The most names, and films, a summary ranks.
-const SUMMARY_TOP: usize = 5;
-
 /// A summary as `WrapUpSummary` documents it; a summary outside its shape would be stored,
 /// and every later read of the wrap-up fail (a 2.5 MB name), or show nonsense.
 fn checked_summary(summary: &v1::WrapUpSummary) -> Result<(), ServiceError> {
@@ -110,7 +107,7 @@ fn checked_summary(summary: &v1::WrapUpSummary) -> Result<(), ServiceError> {
     for (field, names) in
         [("summary.top_genres", &summary.top_genres), ("summary.top_directors", &summary.top_directors)]
     {
-        count(field, names.len(), 0..=SUMMARY_TOP)?;
+        count(field, names.len(), 0..=validate::WRAP_UP_TOP)?;
         for (n, named) in names.iter().enumerate() {
             if named.name.is_empty() || named.name.chars().count() > profiles::MAX_NAME_CHARS {
                 return Err(ServiceError::invalid(
@@ -120,7 +117,7 @@ fn checked_summary(summary: &v1::WrapUpSummary) -> Result<(), ServiceError> {
             }
         }
     }
-    count("summary.highest_rated", summary.highest_rated.len(), 0..=SUMMARY_TOP)?;
+    count("summary.highest_rated", summary.highest_rated.len(), 0..=validate::WRAP_UP_TOP)?;
     for (n, film) in summary.highest_rated.iter().enumerate() {
         let field = |name: &str| format!("summary.highest_rated[{n}].{name}");
         reelay_domain::MovieId::parse(&field("movie_id"), &film.movie_id).map_err(ServiceError::from)?;
