@@ -361,7 +361,12 @@ impl Handler for PosterSync {
                 poster
             }
         };
-        self.record(event, movie_id, &key, url, &poster).await
+        self.record(event, movie_id, &key, url, &poster).await?;
+        // Recorded: the movie's source URL says where it came from now. A crash before this
+        // delete leaves a note that is read only while nothing is recorded, and the next new
+        // poster's clearing of stale keys removes it. (The same poster from a new URL, recorded
+        // above, wrote no note.)
+        self.objects.delete(&source_key(movie_id)).await.map_err(HandlerError::retryable)
     }
 }
 
@@ -391,10 +396,6 @@ impl PosterSync {
             Ok(recorded) => {
                 let recorded = recorded.into_inner();
                 tracing::info!(movie_id, %key, changed = recorded.changed, bytes = poster.bytes.len(), "poster stored");
-                // Recorded: the movie's source URL says where it came from now. A crash before
-                // this delete leaves a note that is read only while nothing is recorded, and
-                // the next new poster's clearing of stale keys removes it.
-                self.objects.delete(&source_key(movie_id)).await.map_err(HandlerError::retryable)?;
                 Ok(())
             }
             // Deleted while the poster was downloaded or written: image cleanup (on
