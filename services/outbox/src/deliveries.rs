@@ -241,14 +241,16 @@ pub async fn check_retirable(
 /// What retiring a handler did besides dropping its cursor.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Retired {
-    /// Its claimed, retrying and dead-lettered deliveries, now discarded.
+    /// Its dead letters, now discarded and recorded in `dead_letter_actions`.
+    pub dead_letters: u64,
+    /// Its claimed and retrying deliveries, now discarded.
     pub open: u64,
 }
 
 /// Forgets a handler the write service no longer delivers to: its cursor (on db it holds
 /// outbox retention back for ever), its builds, and its open and dead-lettered deliveries,
-/// which are marked discarded (the caller discards the dead letters first, in batches and
-/// recorded, with [`crate::dead_letters::act`]; any left are swept here). Refused for a
+/// which are marked discarded (each dead letter recorded as discarded by `operator`). All in
+/// the caller's one job, after the check: a refused retire changes nothing. Refused for a
 /// handler the write service delivers to: it would then be handed nothing, and events written
 /// meanwhile would reach it only from a new cursor at its next start.
 pub async fn retire(
@@ -260,9 +262,21 @@ pub async fn retire(
 ) -> Result<Retired, RetireError> {
     let counted_from = tx.lease_counted_from();
     check_retirable(tx.conn(), handler, now, counted_from, lease).await?;
-    let open = sqlx::query(
+    let dead_letters = sqlx::query(
+        "INSERT INTO dead_letter_actions (at, action, event_id, handler, operator, attempts, last_error) \
+         SELECT ?, 'discard', event_id, handler, ?, attempts, last_error FROM processed_events \
+         WHERE handler = ? AND status = 'dead_lettered' ORDER BY event_id",
+    )
+    .bind(now)
+    .bind(operator)
+    .bind(handler)
+    .execute(tx.conn())
+    .await?
+    .rows_affected();
+    let discarded = sqlx::query(
         "UPDATE processed_events SET status = 'discarded', owner = NULL, processed_at = ?, \
-         last_error = 'handler retired by ' || ? WHERE handler = ? AND status IN ('in_progress', 'retry', 'dead_lettered')",
+         last_error = CASE WHEN status = 'dead_lettered' THEN last_error ELSE 'handler retired by ' || ? END \
+         WHERE handler = ? AND status IN ('in_progress', 'retry', 'dead_lettered')",
     )
     .bind(now)
     .bind(operator)
@@ -272,8 +286,15 @@ pub async fn retire(
     .rows_affected();
     sqlx::query("DELETE FROM handler_cursors WHERE handler = ?").bind(handler).execute(tx.conn()).await?;
     sqlx::query("DELETE FROM handler_builds WHERE handler = ?").bind(handler).execute(tx.conn()).await?;
-    tracing::warn!(%handler, operator, open_discarded = open, "handler retired: its cursor and open deliveries are gone");
-    Ok(Retired { open })
+    let open = discarded - dead_letters;
+    tracing::warn!(
+        %handler,
+        operator,
+        dead_letters_discarded = dead_letters,
+        open_discarded = open,
+        "handler retired: its cursor, open deliveries and dead letters are gone"
+    );
+    Ok(Retired { dead_letters, open })
 }
 
 /// An outbox row a handler is to be handed.
@@ -1422,5 +1443,98 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(rows, held);
+    }
+
+    /// A retire is one job: refused while a process is heard from, it discards nothing; done,
+    /// it discards the dead letters (each recorded with its attempts and error, as an
+    /// operator's discard is) and the open deliveries, and drops the cursor and builds.
+    #[tokio::test]
+    async fn a_refused_retire_changes_nothing_and_a_done_one_records_each_dead_letter() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let lease = Duration::from_secs(1);
+        // Retires `gone` at a time its builds were last heard from `ago` ms before.
+        let retire_heard = |ago: i64| {
+            db.writer.transact::<_, TestError, _>("retire", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    let now = tx.lease_counted_from() + 100 * build_live_span(lease);
+                    sqlx::query("UPDATE handler_builds SET last_seen = ?").bind(now - ago).execute(tx.conn()).await?;
+                    Ok(retire(tx, "gone", "ops", now, lease).await.map_err(|e| e.to_string()))
+                })
+            })
+        };
+        db.writer
+            .transact::<_, TestError, _>("seed", |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query(
+                        "INSERT INTO handler_cursors (handler, position, created_at, updated_at, delivered) \
+                         VALUES ('gone', 0, 1, 1, 0)",
+                    )
+                    .execute(tx.conn())
+                    .await?;
+                    sqlx::query(
+                        "INSERT INTO handler_builds (handler, event_types, first_seen, last_seen) \
+                         VALUES ('gone', '[]', 1, 1)",
+                    )
+                    .execute(tx.conn())
+                    .await?;
+                    for (event_id, status) in [("e1", "dead_lettered"), ("e2", "dead_lettered"), ("e3", "retry")] {
+                        sqlx::query(
+                            "INSERT INTO processed_events (event_id, handler, status, attempts, last_error, \
+                             started_at, available_at) VALUES (?, 'gone', ?, 5, 'boom', 1, 1)",
+                        )
+                        .bind(event_id)
+                        .bind(status)
+                        .execute(tx.conn())
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let statuses = || async {
+            let rows: Vec<(String, String, Option<String>)> =
+                sqlx::query_as("SELECT event_id, status, last_error FROM processed_events ORDER BY event_id")
+                    .fetch_all(&db.reads)
+                    .await
+                    .unwrap();
+            rows
+        };
+        let actions = || async {
+            let rows: Vec<(String, String, i64, Option<String>)> = sqlx::query_as(
+                "SELECT action, event_id, attempts, last_error FROM dead_letter_actions ORDER BY event_id",
+            )
+            .fetch_all(&db.reads)
+            .await
+            .unwrap();
+            rows
+        };
+        let before = statuses().await;
+
+        // Heard from a moment ago: refused, and nothing changed.
+        let refused = retire_heard(1).await.unwrap();
+        assert!(refused.as_ref().is_err_and(|e| e.contains("still run by a process")), "{refused:?}");
+        assert_eq!(statuses().await, before);
+        assert!(actions().await.is_empty());
+
+        // Not heard from for longer than a build stays live: retired.
+        let retired = retire_heard(2 * build_live_span(lease)).await;
+        assert_eq!(retired.unwrap(), Ok(Retired { dead_letters: 2, open: 1 }));
+        let discarded = |id: &str, error: &str| (id.to_owned(), "discarded".to_owned(), Some(error.to_owned()));
+        assert_eq!(
+            statuses().await,
+            [discarded("e1", "boom"), discarded("e2", "boom"), discarded("e3", "handler retired by ops")]
+        );
+        let recorded = |id: &str| ("discard".to_owned(), id.to_owned(), 5, Some("boom".to_owned()));
+        assert_eq!(actions().await, [recorded("e1"), recorded("e2")]);
+        let left: i64 = sqlx::query_scalar(
+            "SELECT (SELECT COUNT(*) FROM handler_cursors WHERE handler = 'gone') + \
+             (SELECT COUNT(*) FROM handler_builds WHERE handler = 'gone')",
+        )
+        .fetch_one(&db.reads)
+        .await
+        .unwrap();
+        assert_eq!(left, 0, "its cursor and builds are gone");
     }
 }

@@ -255,19 +255,9 @@ impl v1::admin_server::Admin for AdminApi {
         let r = request.into_inner();
         let handler = handler_name("handler", &r.handler)?;
         let operator = operator(&r.operator)?;
-        // Refused before any dead letter is discarded (the job checks again).
-        let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
-        deliveries::check_retirable(&mut conn, &handler, now_ms(), self.db.writer.lease_counted_from(), self.lease)
-            .await
-            .map_err(retire_error)?;
-        drop(conn);
-        let discard = v1::DeadLetterActionRequest {
-            event_ids: Vec::new(),
-            handler: handler.clone(),
-            all: true,
-            operator: operator.clone(),
-        };
-        let discarded = self.act(discard, Action::Discard).await?.changed_total;
+        // The check, the dead letters' discard and the rest are one job: a refused retire (a
+        // process heard from, say) changes nothing. It holds the writer about 5 µs per dead
+        // letter (a second for 200,000), once per retired handler.
         let lease = self.lease;
         let retired = self
             .db
@@ -278,7 +268,10 @@ impl v1::admin_server::Admin for AdminApi {
                 })
             })
             .await?;
-        Ok(Response::new(v1::RetireHandlerResponse { dead_letters_discarded: discarded, open_discarded: retired.open }))
+        Ok(Response::new(v1::RetireHandlerResponse {
+            dead_letters_discarded: retired.dead_letters,
+            open_discarded: retired.open,
+        }))
     }
 
     async fn explain_event(
