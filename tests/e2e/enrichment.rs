@@ -361,6 +361,16 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
 
     let people_before = query_strings(&db, "SELECT person_id, profiled || '' FROM people ORDER BY person_id").await;
     let person_enrichment = handler_here("person-enrichment", &write, settings.clone()).await;
+    // The four people are fetched at once, and one failing loses only itself: the others are
+    // saved, and the retry is answered after them.
+    tmdb.fail("/3/person/1158", 1, 503);
+    tmdb.delay_people(Duration::from_millis(300));
+    let error = person_enrichment.handle(&enriched[0]).await.unwrap_err();
+    assert!(matches!(&error, reelay_delivery::HandlerError::Retryable(m) if m.contains("503")), "{error:?}");
+    let profiled = "SELECT person_id FROM people WHERE profiled = 1 ORDER BY person_id";
+    let saved = ["tmdb:380", "tmdb:5576", "tmdb:638"].map(|id| vec![id.to_owned()]);
+    assert_eq!(query_strings(&db, profiled).await, saved);
+    assert!(tmdb.people_at_once() > 1, "fetched one at a time");
     twice_and_again(person_enrichment.as_ref(), &enriched[0]).await;
     let people =
         query_strings(&db, "SELECT person_id, profiled || '', updated_at || '' FROM people ORDER BY person_id").await;

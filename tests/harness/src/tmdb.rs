@@ -114,6 +114,11 @@ struct Counters {
     /// Other failures still to answer, per path: (how many, status).
     failures: HashMap<String, (usize, u16)>,
     unauthorized: usize,
+    /// How long each person request is held before it is answered.
+    person_delay: std::time::Duration,
+    /// Person requests being answered now, and the most there were at once.
+    people_in_flight: usize,
+    people_at_once: usize,
 }
 
 struct Data {
@@ -190,6 +195,16 @@ impl TmdbServer {
     /// Requests refused for a missing or wrong key.
     pub fn unauthorized(&self) -> usize {
         self.data.counters.lock().unwrap().unauthorized
+    }
+
+    /// Every person request from now on is answered `delay` after it came.
+    pub fn delay_people(&self, delay: std::time::Duration) {
+        self.data.counters.lock().unwrap().person_delay = delay;
+    }
+
+    /// The most person requests that were being answered at once.
+    pub fn people_at_once(&self) -> usize {
+        self.data.counters.lock().unwrap().people_at_once
     }
 }
 
@@ -357,6 +372,14 @@ async fn person(
     if let Some(refused) = gate(&data, &format!("/3/person/{id}"), &q, &headers) {
         return refused;
     }
+    let delay = {
+        let mut counters = data.counters.lock().unwrap();
+        counters.people_in_flight += 1;
+        counters.people_at_once = counters.people_at_once.max(counters.people_in_flight);
+        counters.person_delay
+    };
+    tokio::time::sleep(delay).await;
+    data.counters.lock().unwrap().people_in_flight -= 1;
     let Some(person) = data.people.iter().find(|p| p.id.to_string() == id) else { return not_found() };
     let credit = |f: &TmdbFilm| json!({"id": f.id, "title": f.title, "release_date": f.release_date});
     let cast: Vec<Value> = data.films.iter().filter(|f| f.cast.iter().any(|c| c.0 == person.id)).map(credit).collect();
