@@ -357,8 +357,10 @@ pub struct GatewayArgs {
     #[arg(long, env = "REELAY_GATEWAY_MAX_BODY_BYTES", default_value_t = 1024 * 1024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=64 * 1024 * 1024))]
     pub gateway_max_body_bytes: usize,
 
-    /// How long a remote signer's fetched key is trusted before it is fetched again, in seconds.
-    #[arg(long, env = "REELAY_GATEWAY_KEY_TTL_SECS", default_value_t = 24 * 3600)]
+    /// How long a remote signer's fetched key is trusted before it is fetched again, in seconds:
+    /// a minute (less would fetch a key for nearly every activity, and a busy peer would meet the
+    /// per-host fetch limit) to 30 days.
+    #[arg(long, env = "REELAY_GATEWAY_KEY_TTL_SECS", default_value_t = 24 * 3600, value_parser = clap::value_parser!(u64).range(60..=30 * 24 * 3600))]
     pub gateway_key_ttl_secs: u64,
 }
 
@@ -426,6 +428,7 @@ mod tests {
             ("--gateway-max-body-bytes", "0", "67108864"),
             ("--media-timeout-ms", "0", "600000"),
             ("--federation-backfill-pages", "0", "1000"),
+            ("--gateway-key-ttl-secs", "0", "2592000"),
         ] {
             let parsed = Cli::try_parse_from(["reelay", "run", &format!("{flag}={value}")]);
             let error = parsed.map(drop).unwrap_err().to_string();

@@ -33,9 +33,9 @@ pub struct ClientArgs {
     pub write_url: Option<String>,
 
     /// Where the write service listens, when it was started with REELAY_WRITE_ADDR (read for
-    /// the default of --write-url only).
+    /// the default of --write-url only, so a value that is no address matters only then).
     #[arg(long, env = "REELAY_WRITE_ADDR", hide = true)]
-    pub write_addr: Option<std::net::SocketAddr>,
+    pub write_addr: Option<String>,
 
     /// The service token; none for a service started with --dev.
     #[arg(long, env = "REELAY_SERVICE_TOKEN", hide_env_values = true)]
@@ -61,15 +61,23 @@ impl ClientArgs {
     }
 
     pub fn write(&self) -> anyhow::Result<ServiceChannel> {
-        self.channel_to(&self.write_url(), "--write-url (REELAY_WRITE_URL)")
+        self.channel_to(&self.write_url()?, "--write-url (REELAY_WRITE_URL)")
     }
 
     /// The write service's URL: `--write-url`, else the one `REELAY_WRITE_ADDR` implies.
-    pub fn write_url(&self) -> String {
+    pub fn write_url(&self) -> anyhow::Result<String> {
         if let Some(url) = &self.write_url {
-            return url.clone();
+            return Ok(url.clone());
         }
-        let mut addr = self.write_addr.unwrap_or(std::net::SocketAddr::from(([127, 0, 0, 1], 50051)));
+        let mut addr = match &self.write_addr {
+            None => std::net::SocketAddr::from(([127, 0, 0, 1], 50051)),
+            Some(addr) => addr.trim().parse::<std::net::SocketAddr>().map_err(|_| {
+                anyhow::anyhow!(
+                    "REELAY_WRITE_ADDR: {addr:?} is not an IP address and port (as 127.0.0.1:50051); set \
+                     --write-url (REELAY_WRITE_URL) to reach the write service by name"
+                )
+            })?,
+        };
         if addr.ip().is_unspecified() {
             addr.set_ip(if addr.is_ipv4() {
                 std::net::Ipv4Addr::LOCALHOST.into()
@@ -77,7 +85,7 @@ impl ClientArgs {
                 std::net::Ipv6Addr::LOCALHOST.into()
             });
         }
-        format!("http://{addr}")
+        Ok(format!("http://{addr}"))
     }
 }
 
@@ -329,16 +337,21 @@ mod tests {
     fn the_write_url_defaults_to_the_write_address() {
         let args = |url: Option<&str>, addr: Option<&str>| ClientArgs {
             write_url: url.map(str::to_owned),
-            write_addr: addr.map(|a| a.parse().unwrap()),
+            write_addr: addr.map(str::to_owned),
             service_token: None,
             service_token_file: None,
             grpc_timeout_ms: 1000,
         };
-        assert_eq!(args(None, None).write_url(), "http://127.0.0.1:50051");
-        assert_eq!(args(None, Some("127.0.0.1:6000")).write_url(), "http://127.0.0.1:6000");
-        assert_eq!(args(None, Some("0.0.0.0:6000")).write_url(), "http://127.0.0.1:6000");
-        assert_eq!(args(None, Some("[::]:6000")).write_url(), "http://[::1]:6000");
-        assert_eq!(args(Some("http://w:1"), Some("0.0.0.0:6000")).write_url(), "http://w:1");
+        let url = |url: Option<&str>, addr: Option<&str>| args(url, addr).write_url().unwrap();
+        assert_eq!(url(None, None), "http://127.0.0.1:50051");
+        assert_eq!(url(None, Some("127.0.0.1:6000")), "http://127.0.0.1:6000");
+        assert_eq!(url(None, Some("0.0.0.0:6000")), "http://127.0.0.1:6000");
+        assert_eq!(url(None, Some("[::]:6000")), "http://[::1]:6000");
+        assert_eq!(url(Some("http://w:1"), Some("0.0.0.0:6000")), "http://w:1");
+        // An address that is none is an error only when it is read.
+        assert_eq!(url(Some("http://w:1"), Some("write:50051")), "http://w:1");
+        let error = args(None, Some("write:50051")).write_url().unwrap_err().to_string();
+        assert!(error.contains("REELAY_WRITE_ADDR") && error.contains("--write-url"), "{error}");
     }
 
     #[test]
