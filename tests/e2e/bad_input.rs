@@ -366,6 +366,17 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 ..Default::default()
             }
         )),
+        case!("the outbox of an unknown user", NotFound, "user", |c, x| c
+            .federation
+            .list_outbox(v1::ListOutboxRequest { user_id: x.nobody.clone(), ..Default::default() })),
+        case!("an activity to the followers of an unknown user", NotFound, "user", |c, x| c
+            .federation
+            .queue_deliveries(v1::QueueDeliveriesRequest {
+                activity_id: "https://reelay.example/activities/1".into(),
+                sender_user_id: x.nobody.clone(),
+                activity_json: "{}".into(),
+                audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+            })),
         case!("the diary of an unknown user", NotFound, "user", |c, x| c
             .reviews
             .list_diary(v1::ListDiaryRequest { user_id: x.nobody.clone(), ..Default::default() })),

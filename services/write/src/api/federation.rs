@@ -156,6 +156,10 @@ impl v1::federation_server::Federation for WriteApi {
         let after =
             convert::page_token(&r.page_token, |t| ReviewId::parse("page_token", t)).map_err(ServiceError::from)?;
         let rows = self.store.list_outbox(user, size, after).await?;
+        if rows.is_empty() {
+            // No reviews, or no such user: the latter is NOT_FOUND, as GetUser answers.
+            self.store.get_user(user).await?;
+        }
         let next_page_token = if rows.len() == size as usize {
             rows.last().map(|row| row.review.id.clone()).unwrap_or_default()
         } else {

@@ -476,7 +476,12 @@ impl Store {
                 .fetch_optional(&self.db.reads)
                 .await?;
             if any.is_none() {
-                return Ok(Some(0));
+                // No follower, or no such user: the latter is NOT_FOUND, as with an inbox.
+                return if self.user_exists(sender).await? {
+                    Ok(Some(0))
+                } else {
+                    Err(ServiceError::not_found(format_args!("user {sender}")).into())
+                };
             }
         }
         write_job!(self, "queue_deliveries", |tx| {
