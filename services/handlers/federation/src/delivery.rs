@@ -49,13 +49,18 @@ impl Handler for DeliveryHandler {
                     "inbox gone (410): its followers are removed");
                 Ok(())
             }
-            408 | 429 | 500..=599 => Err(HandlerError::retryable(format!("{} answered {status}", queued.inbox))),
-            _ => Err(HandlerError::permanent(format!(
+            // Refused for good: any other 4xx. Not 401, which a server answers when it could not
+            // fetch the signer's key just then (this gateway briefly down, say), nor 408 or 429.
+            400..=499 if !matches!(status, 401 | 408 | 429) => Err(HandlerError::permanent(format!(
                 "{} refused {} with {status}: {}",
                 queued.inbox,
                 queued.activity_id,
                 String::from_utf8_lossy(&answer.body).chars().take(200).collect::<String>()
             ))),
+            // 5xx, those three, and what an inbox should not answer a POST with (a redirect: a
+            // domain moving, a proxy misconfigured) are retried on the usual schedule, as
+            // Mastodon's deliveries do.
+            _ => Err(HandlerError::retryable(format!("{} answered {status}", queued.inbox))),
         }
     }
 }

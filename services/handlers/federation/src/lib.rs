@@ -11,7 +11,8 @@
 //! - `federation-delivery` delivers one queued activity to one inbox, signed by its actor (the
 //!   write service signs; the private key never leaves it). Each inbox is its own event with
 //!   its own attempts: a dead inbox holds back no other. 2xx is done; 410 Gone removes the
-//!   followers at that inbox; another 4xx fails for good; 5xx, 429 and timeouts are retried.
+//!   followers at that inbox; another 4xx but 401, 408 and 429 fails for good; those three,
+//!   3xx, 5xx and timeouts are retried.
 //! - `federation-backfill`, once a remote actor accepts a local user's follow, reads the actor's
 //!   outbox (signed GETs, page after page) and saves its reviews (upserts by object id).
 //!
