@@ -186,6 +186,7 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
             max_deliver: 3,
             ack_wait: Duration::from_secs(10),
             max_waiting: 77,
+            max_ack_pending: 5,
             ..Default::default()
         })
         .await
@@ -222,6 +223,7 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
     let mut consumer: consumer::PullConsumer = stream.get_consumer("handler-probe-a").await.unwrap();
     let config = consumer.info().await.unwrap().config.clone();
     assert_eq!((config.max_deliver, config.ack_wait), (5, Duration::from_secs(20)));
+    assert_eq!(config.max_ack_pending, 10_000, "REELAY_MAX_ACK_PENDING's default");
     assert_eq!((config.max_waiting, config.description.as_deref()), (77, Some("ops consumer")), "operator fields kept");
     // The operator's subject is kept, and what this build's handler takes is added: the event
     // types the old filter lacked (they would never reach it) and its replay subject.
@@ -236,7 +238,10 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
         log.contains("updated the existing stream's duplicate_window, replicas and discard policy in place"),
         "{log}"
     );
-    assert!(log.contains("updated the existing consumer's max_deliver, ack_wait and subjects in place"), "{log}");
+    assert!(
+        log.contains("updated the existing consumer's max_deliver, ack_wait, max_ack_pending and subjects in place"),
+        "{log}"
+    );
     handlers.stop().await;
     write.stop().await;
 }

@@ -343,10 +343,15 @@ pub async fn ensure_consumer(
             // replays existed lack the replay subject): what it lacks is added, or those
             // events would never reach it; subjects an operator added are kept.
             let filters = filters_with(&current, config.consumer_subjects(handler, event_types));
-            if current.max_deliver != max_deliver || current.ack_wait != config.ack_wait || filters.is_some() {
+            if current.max_deliver != max_deliver
+                || current.ack_wait != config.ack_wait
+                || current.max_ack_pending != config.max_ack_pending
+                || filters.is_some()
+            {
                 let mut wanted = current.clone();
                 wanted.max_deliver = max_deliver;
                 wanted.ack_wait = config.ack_wait;
+                wanted.max_ack_pending = config.max_ack_pending;
                 if let Some(filters) = filters {
                     wanted.filter_subject = String::new();
                     wanted.filter_subjects = filters;
@@ -355,11 +360,13 @@ pub async fn ensure_consumer(
                     Ok(_) => {
                         tracing::warn!(consumer = %name, from_max_deliver = current.max_deliver, to_max_deliver = max_deliver,
                         from_ack_wait = ?current.ack_wait, to_ack_wait = ?config.ack_wait,
-                        "updated the existing consumer's max_deliver, ack_wait and subjects in place")
+                        from_max_ack_pending = current.max_ack_pending, to_max_ack_pending = config.max_ack_pending,
+                        "updated the existing consumer's max_deliver, ack_wait, max_ack_pending and subjects in place")
                     }
                     Err(error) => tracing::warn!(consumer = %name, %error,
-                        "could not update the consumer; apply it by hand: nats consumer edit {} {} --max-deliver {} --wait {}s",
-                        config.stream, name, max_deliver, config.ack_wait.as_secs().max(1)),
+                        "could not update the consumer; apply it by hand: nats consumer edit {} {} --max-deliver {} --wait {}s \
+                         --max-pending {}",
+                        config.stream, name, max_deliver, config.ack_wait.as_secs().max(1), config.max_ack_pending),
                 }
             }
         }
