@@ -191,6 +191,13 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
             assert_eq!(label == "true", calls_out, "{name}: {args:?} calls out: {calls_out}, labelled {label}");
             let annotations = &workload["spec"]["template"]["metadata"]["annotations"];
             assert_eq!(annotations["prometheus.io/port"], "9464", "{name}: {args:?} is scraped");
+            // And the scrape is let in: the base denies every ingress but what a policy admits.
+            let scrapes = named(&objects, "NetworkPolicy", "metrics-scrapes");
+            let labels = &workload["spec"]["template"]["metadata"]["labels"];
+            assert!(
+                labels_match(&scrapes["spec"]["podSelector"]["matchLabels"], labels),
+                "{name}: {args:?} pods ({labels}) are not let in to port 9464 by metrics-scrapes"
+            );
         }
         assert!(!kind(&objects, "PodDisruptionBudget").is_empty());
         assert!(kind(&objects, "NetworkPolicy").iter().any(|p| p["metadata"]["name"] == "default-deny"));
