@@ -51,11 +51,13 @@ pub enum FetchError {
 }
 
 impl FetchError {
-    /// Worth trying again later: the peer was unreachable, slow, or failing on its side.
+    /// Worth trying again later: the peer was unreachable, slow, or failing on its side; or it
+    /// answered 401, as a server does when it could not fetch this side's signing key just then
+    /// (as Mastodon's own retries count it).
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Timeout(_) | Self::Connect { .. } => true,
-            Self::Status { status, .. } => *status >= 500 || *status == 429,
+            Self::Status { status, .. } => *status >= 500 || matches!(status, 401 | 408 | 429),
             _ => false,
         }
     }
@@ -294,5 +296,17 @@ mod tests {
             assert_eq!(allowed.fetch_json(Outgoing::get(&url).unwrap()).await.unwrap(), serde_json::json!({}), "{url}");
         }
         assert!(connections.load(Ordering::SeqCst) >= 1);
+    }
+
+    /// Which answers a later try may pass: the peer's own trouble, not a refusal of the request.
+    #[test]
+    fn statuses_worth_trying_again() {
+        let transient = |status| FetchError::Status { url: "https://peer.example/a".into(), status }.is_transient();
+        for status in [401, 408, 429, 500, 502, 503] {
+            assert!(transient(status), "{status}");
+        }
+        for status in [400, 403, 404, 410, 422] {
+            assert!(!transient(status), "{status}");
+        }
     }
 }
