@@ -35,7 +35,8 @@ impl Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run Reelay services (all of them when no --service is given).
+    /// Run Reelay services (all of the backend's when no --service is given: the relay only with
+    /// EVENT_BUS_BACKEND=nats).
     Run(Box<RunArgs>),
     /// Apply database migrations and exit.
     Migrate(MigrateArgs),
@@ -94,7 +95,8 @@ impl DatabaseArgs {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// A service to run; repeat for several. None means all of them, in one process.
+    /// A service to run; repeat for several. None means all the backend's services (the relay
+    /// only on nats), in one process.
     #[arg(long = "service", value_name = "SERVICE")]
     pub services: Vec<Service>,
 

@@ -68,7 +68,8 @@ pub struct FederationSettings {
     )]
     pub allow_private: Option<bool>,
 
-    /// The most outbox pages a backfill reads (1 to 1000; the first page is always read).
+    /// The most outbox pages a backfill reads (1 to 1000; the first page is always read). A
+    /// backfill also stops after 40 s, and reads the first 100 items of each page.
     #[arg(
         id = "federation_backfill_pages",
         long = "federation-backfill-pages",

@@ -36,7 +36,8 @@ pub struct MediaSettings {
         value_parser = clap::value_parser!(u64).range(100..=600_000)
     )]
     pub timeout_ms: u64,
-    /// The largest poster downloaded, in bytes (a larger one is a permanent failure).
+    /// The largest poster downloaded, in bytes (a larger one is a permanent failure): 1 to
+    /// 20971520, the default, which is the most RecordPoster takes.
     #[arg(
         id = "media_max_bytes",
         long = "media-max-bytes",
