@@ -259,12 +259,20 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     let loose = dir.path().join("watchlist.csv");
     std::fs::write(
         &loose,
-        format!("{WATCHLIST_HEADER}2021-03-20,Ran,1985,https://boxd.it/w2\n2021-03-21,Ida,2013,https://boxd.it/w4\n"),
+        format!(
+            "{WATCHLIST_HEADER}2021-03-20,Ran,1985,https://boxd.it/w2\n2021-03-21,Ida,2013,https://boxd.it/w4\n\
+             2021-03-22,Untitled Project,,https://boxd.it/w5\n"
+        ),
     )
     .unwrap();
     let imported = reelay.cli(&["import", "letterboxd", loose.to_str().unwrap(), "--user", &ana], &[]).await;
     let out = imported.ok();
-    assert!(out.contains("watchlist: 1 films added, 1 already on it") && !out.contains("diary"), "{out}");
+    let said = "watchlist: 1 films added, 1 already on it, 1 left out for naming no year";
+    assert!(out.contains(said) && !out.contains("diary"), "{out}");
+    // A film Letterboxd has no year for is named and left out; the rest is imported.
+    let named = "watchlist.csv: 1 row(s) name no year and are left out, as no film can be found without one \
+                 (line 4: Untitled Project)";
+    assert!(imported.stderr.contains(named), "{}", imported.stderr);
     let reviews = query_strings(db, "SELECT COUNT(*) || '' FROM reviews").await;
     assert_eq!(reviews, vec![vec!["4".to_owned()]], "neither list became viewings");
     // The diary.csv alone first, its reviews.csv after: the entry gets its text, once.
@@ -273,12 +281,14 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
         &alone,
         format!(
             "{DIARY_HEADER}2021-04-01,Ran,1985,https://boxd.it/d5,4,,,2021-03-31
+2021-04-02,Untitled Project,,https://boxd.it/d6,,,,2021-04-02
 "
         ),
     )
     .unwrap();
     let out = reelay.cli(&["import", "letterboxd", alone.to_str().unwrap(), "--user", &ana], &[]).await;
-    assert!(out.ok().contains("diary: 1 entries added"), "{}", out.stdout);
+    let said = out.ok();
+    assert!(said.contains("diary: 1 entries added") && said.contains(", 1 left out for naming no year"), "{said}");
     let later = dir.path().join("reviews.csv");
     std::fs::write(
         &later,

@@ -73,6 +73,23 @@ async fn a_letterboxd_export_imports_every_row_once() {
     assert_eq!((second.imported, second.skipped_duplicates as usize, second.movies_discovered), (0, rows, 0));
     assert_eq!(reelay_harness::table_snapshot(&db).await, snapshot, "a re-import writes nothing");
 
+    // An entry its user deleted stays deleted: the export imported again skips it too.
+    let first_entry = format!("SELECT id FROM reviews WHERE user_id = '{ana}' ORDER BY id LIMIT 1");
+    let gone = query_strings(&db, &first_entry).await[0][0].clone();
+    let deleted = v1::DeleteReviewRequest { actor_user_id: ana.clone(), review_id: gone, ..Default::default() };
+    c.reviews.delete_review(deleted).await.unwrap();
+    let snapshot = reelay_harness::table_snapshot(&db).await;
+    let third = c.import(&ana, DIARY).await.unwrap();
+    assert_eq!((third.imported, third.skipped_duplicates as usize), (0, rows));
+    assert_eq!(reelay_harness::table_snapshot(&db).await, snapshot, "nothing deleted comes back");
+
+    // A row with no year is left out and counted; the rest of the file is imported.
+    let undated = b"Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n\
+        2021-03-01,Untitled Project,,https://boxd.it/u1,,,,2021-03-01\n\
+        2021-03-02,Heat,1995,https://boxd.it/u2,4,,,2021-03-02\n";
+    let some = c.import(&ana, undated).await.unwrap();
+    assert_eq!((some.rows, some.imported, some.skipped_without_year), (1, 1, 1));
+
     // Another user importing the same export gets their own diary, sharing the movies.
     let ben = c.user("ben").await;
     let other = c.import(&ben, DIARY).await.unwrap();

@@ -525,7 +525,8 @@ async fn a_failure_before_commit_leaves_neither_rows_nor_events() {
     // The same database with every write job failing after its statements, before commit.
     let mut faulty = Reelay::start_write(BIN, &db, &[("REELAY_FAILPOINTS", "*")]).await;
     let mut c = faulty.clients().await;
-    let csv = b"Name,Year,Letterboxd URI,Rating\nAlien,1979,https://boxd.it/a1,4\nPaprika,2006,https://boxd.it/a2,5\n";
+    let csv = b"Name,Year,Letterboxd URI,Rating,Watched Date\nAlien,1979,https://boxd.it/a1,4,2021-01-02\n\
+        Paprika,2006,https://boxd.it/a2,5,2021-01-03\n";
     let results: Vec<(&str, Result<(), tonic::Status>)> = vec![
         (
             "CreateUser",

@@ -1,10 +1,12 @@
 //! Parsing of Letterboxd CSV exports (`diary.csv`, `reviews.csv`, `watched.csv`/`ratings.csv`),
 //! and joining an export's diary with its reviews ([`attach_reviews`]).
 //!
-//! Columns are found by header name, so any of those files works: `Name` and `Year` are
-//! required; `Letterboxd URI`, `Rating` (0.5–5 stars), `Rewatch`, `Review` and `Watched Date`
-//! are used when present. Every row is validated before anything is imported; an error names the
-//! line and column.
+//! Columns are found by header name: `Name` and `Year` are required; `Letterboxd URI`, `Rating`
+//! (0.5–5 stars), `Rewatch`, `Review` and `Watched Date` are used when present. Every row is
+//! validated before anything is imported; an error names the line and column. A row with an
+//! empty `Year` (Letterboxd lists films not yet dated) is left out and named, not an error: no
+//! film can be found or made without its year. [`parse_diary`] takes only a diary (or its
+//! reviews): the export's other lists name films, not viewings.
 
 use crate::validate::{self, ValidationError};
 
@@ -41,6 +43,21 @@ impl DiaryRow {
     }
 }
 
+/// A row [`parse`] left out because it names no year.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WithoutYear {
+    /// 1-based line of the row in the file.
+    pub line: u64,
+    pub title: String,
+}
+
+/// What an export holds: its entries, and the rows left out for want of a year.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Parsed {
+    pub rows: Vec<DiaryRow>,
+    pub without_year: Vec<WithoutYear>,
+}
+
 struct Columns {
     name: usize,
     year: usize,
@@ -56,9 +73,33 @@ fn error(line: u64, reason: impl std::fmt::Display) -> ValidationError {
     ValidationError::new(FIELD, format!("line {line}: {reason}"))
 }
 
+/// [`parse`] for a diary: refused, before any row is read, unless the header has a `Watched
+/// Date` or a `Review` column. The export's watchlist, ratings, watched and likes lists share
+/// the diary's first columns; read as a diary, each film on them would become a viewing (and a
+/// film rated and in the diary, two).
+pub fn parse_diary(data: &[u8], now_ms: i64) -> Result<Parsed, ValidationError> {
+    if !is_diary(data) {
+        return Err(error(
+            1,
+            "the header has no Watched Date or Review column, so this is not a diary (the export's watchlist, \
+             ratings and watched lists name films, not viewings): send its diary.csv or reviews.csv",
+        ));
+    }
+    parse(data, now_ms)
+}
+
+/// Whether the CSV's header has a `Watched Date` or a `Review` column: a diary or its reviews,
+/// not one of the export's lists of films (see [`parse_diary`]).
+pub fn is_diary(data: &[u8]) -> bool {
+    let mut reader = csv::ReaderBuilder::new().has_headers(true).from_reader(data);
+    reader.headers().is_ok_and(|headers| {
+        headers.iter().any(|h| ["Watched Date", "Review"].iter().any(|c| h.trim().eq_ignore_ascii_case(c)))
+    })
+}
+
 /// Parses and validates a whole export, as of `now_ms` (a watch date may not be after today
 /// anywhere).
-pub fn parse(data: &[u8], now_ms: i64) -> Result<Vec<DiaryRow>, ValidationError> {
+pub fn parse(data: &[u8], now_ms: i64) -> Result<Parsed, ValidationError> {
     let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(false).from_reader(data);
     let headers = reader.headers().map_err(|e| error(1, format!("unreadable header: {e}")))?.clone();
     let find = |name: &str| headers.iter().position(|h| h.trim().eq_ignore_ascii_case(name));
@@ -74,6 +115,7 @@ pub fn parse(data: &[u8], now_ms: i64) -> Result<Vec<DiaryRow>, ValidationError>
     };
 
     let mut rows = Vec::new();
+    let mut without_year = Vec::new();
     for record in reader.records() {
         let record = record.map_err(|e| {
             let line = e.position().map_or(0, |p| p.line());
@@ -83,7 +125,7 @@ pub fn parse(data: &[u8], now_ms: i64) -> Result<Vec<DiaryRow>, ValidationError>
         if record.iter().all(|f| f.trim().is_empty()) {
             continue;
         }
-        if rows.len() == MAX_ROWS {
+        if rows.len() + without_year.len() == MAX_ROWS {
             return Err(error(line, format!("an import holds at most {MAX_ROWS} rows")));
         }
         let get = |i: Option<usize>| i.and_then(|i| record.get(i)).unwrap_or("").trim();
@@ -91,6 +133,10 @@ pub fn parse(data: &[u8], now_ms: i64) -> Result<Vec<DiaryRow>, ValidationError>
 
         let title = validate::title("Name", get(Some(columns.name))).map_err(|e| column_error("Name", e))?;
         let year_text = get(Some(columns.year));
+        if year_text.is_empty() {
+            without_year.push(WithoutYear { line, title });
+            continue;
+        }
         let year = year_text
             .parse::<i32>()
             .map_err(|_| error(line, format!("Year must be a number, got {year_text:?}")))
@@ -126,7 +172,7 @@ pub fn parse(data: &[u8], now_ms: i64) -> Result<Vec<DiaryRow>, ValidationError>
             watched_on,
         });
     }
-    Ok(rows)
+    Ok(Parsed { rows, without_year })
 }
 
 /// The columns [`attach_reviews`] writes: those [`parse`] reads.
@@ -223,7 +269,7 @@ mod tests {
 
     #[test]
     fn parses_a_diary_export() {
-        let rows = parse(DIARY.as_bytes(), NOW).unwrap();
+        let rows = parse(DIARY.as_bytes(), NOW).unwrap().rows;
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].title, "Alien");
         assert_eq!(rows[0].rating, 9);
@@ -252,13 +298,45 @@ mod tests {
         assert!(parse(ragged.as_bytes(), NOW).unwrap_err().reason.starts_with("line 3"));
     }
 
+    /// A film Letterboxd has no year for is left out and named; the rest is read. A year that
+    /// is there but wrong is still an error.
+    #[test]
+    fn a_row_without_a_year_is_left_out_and_named() {
+        let diary = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n\
+            2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,,2024-01-02\n\
+            2024-01-04,Untitled Project,,https://boxd.it/aaa3,3,,,2024-01-04\n";
+        let parsed = parse_diary(diary.as_bytes(), NOW).unwrap();
+        assert_eq!(parsed.rows.iter().map(|r| r.title.as_str()).collect::<Vec<_>>(), ["Alien"]);
+        assert_eq!(parsed.without_year, [WithoutYear { line: 3, title: "Untitled Project".into() }]);
+        let wrong = diary.replace("Project,,", "Project,soon,");
+        assert!(parse(wrong.as_bytes(), NOW).unwrap_err().reason.starts_with("line 3: Year"));
+    }
+
+    /// Only a diary or its reviews are taken as viewings: the watchlist, ratings and watched
+    /// lists are refused by their header, before any row.
+    #[test]
+    fn a_list_that_is_not_a_diary_is_refused_as_one() {
+        let watchlist = "Date,Name,Year,Letterboxd URI\n2024-01-03,Alien,1979,https://boxd.it/29bA\n";
+        let ratings = "Date,Name,Year,Letterboxd URI,Rating\n2024-01-03,Alien,1979,https://boxd.it/29bA,4\n";
+        for list in [watchlist, ratings] {
+            let error = parse_diary(list.as_bytes(), NOW).unwrap_err();
+            assert!(
+                error.field == "data" && error.reason.starts_with("line 1:") && error.reason.contains("not a diary")
+            );
+            assert_eq!(parse(list.as_bytes(), NOW).unwrap().rows.len(), 1, "read as a list, it is one");
+        }
+        assert_eq!(parse_diary(DIARY.as_bytes(), NOW).unwrap().rows.len(), 2);
+        let reviews = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Review\n2024-01-03,Alien,1979,,4,,Good.\n";
+        assert_eq!(parse_diary(reviews.as_bytes(), NOW).unwrap().rows.len(), 1);
+    }
+
     #[test]
     fn reviews_join_their_diary_entries() {
         let reviews = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Review,Tags,Watched Date\n\
             2024-01-03,Alien,1979,https://boxd.it/aaa1,4.5,,\"In space, no one can hear you scream.\",,2024-01-02\n\
             2024-02-01,Heat,1995,https://boxd.it/bbb1,5,,The diner scene.,,2024-01-31\n";
         let joined = attach_reviews(DIARY.as_bytes(), reviews.as_bytes()).unwrap();
-        let rows = parse(&joined, NOW).unwrap();
+        let rows = parse(&joined, NOW).unwrap().rows;
         assert_eq!(rows.len(), 3, "two diary entries and one review without an entry");
         assert_eq!(rows[0].title, "Alien");
         assert_eq!(rows[0].body, "In space, no one can hear you scream.");

@@ -4,9 +4,11 @@
 //! CSV is imported as a diary when it has a diary's columns (`Watched Date` or `Review`), as the
 //! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked before anything is sent (errors name the
 //! file, line and column); re-importing a newer export adds only what is new (diary entries are
-//! keyed by their Letterboxd URI, a film already on the watchlist stays as it is), and an
-//! entry imported before without its review text or rating gets them from a later file (the
-//! diary.csv first, its reviews.csv after); what an entry has is never overwritten.
+//! keyed by their Letterboxd URI, a film already on the watchlist stays as it is, and an entry
+//! deleted in Reelay stays deleted), and an entry imported before without its review text or
+//! rating gets them from a later file (the diary.csv first, its reviews.csv after); what an
+//! entry has is never overwritten. A row with no year (Letterboxd has some films without one)
+//! is named and left out.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
@@ -81,8 +83,7 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
         }
         // The export's other lists (watchlist, ratings, watched, likes) share the diary's first
         // columns; imported as a diary, each film on them would become a viewing.
-        let columns = header_columns(&data);
-        if !columns.iter().any(|c| c == "Watched Date" || c == "Review") {
+        if !letterboxd::is_diary(&data) {
             bail!(
                 "{}: no Watched Date or Review column, so not a diary (the export's watchlist, ratings and watched lists name films, not viewings): import the export's zip, its diary.csv or reviews.csv, or its watchlist.csv under that name",
                 path.display()
@@ -133,17 +134,30 @@ fn read_capped(reader: impl Read, cap: u64, name: &str) -> anyhow::Result<Vec<u8
     Ok(bytes)
 }
 
-/// The column names of a CSV's header line (a byte-order mark and quotes taken off).
-fn header_columns(data: &[u8]) -> Vec<String> {
-    let text = String::from_utf8_lossy(data);
-    let header = text.trim_start_matches('\u{feff}').lines().next().unwrap_or_default();
-    header.split(',').map(|c| c.trim().trim_matches('"').trim().to_owned()).collect()
+/// Parses a file as the server will, so a bad row is reported with its file before anything
+/// is sent; the rows left out for want of a year are named on stderr.
+fn checked(name: &str, data: &[u8]) -> anyhow::Result<letterboxd::Parsed> {
+    let parsed = letterboxd::parse(data, reelay_kit::now_ms())
+        .map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))?;
+    if !parsed.without_year.is_empty() {
+        const NAMED: usize = 5;
+        let mut named: Vec<String> =
+            parsed.without_year.iter().take(NAMED).map(|r| format!("line {}: {}", r.line, r.title)).collect();
+        if parsed.without_year.len() > NAMED {
+            named.push(format!("{} more", parsed.without_year.len() - NAMED));
+        }
+        eprintln!(
+            "{name}: {} row(s) name no year and are left out, as no film can be found without one ({})",
+            parsed.without_year.len(),
+            named.join("; ")
+        );
+    }
+    Ok(parsed)
 }
 
-/// Parses a file as the server will, so a bad row is reported with its file before anything
-/// is sent.
-fn checked(name: &str, data: &[u8]) -> anyhow::Result<Vec<letterboxd::DiaryRow>> {
-    letterboxd::parse(data, reelay_kit::now_ms()).map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))
+/// The closing words on rows left out for want of a year, if any were.
+fn left_out(without_year: usize) -> String {
+    if without_year == 0 { String::new() } else { format!(", {without_year} left out for naming no year") }
 }
 
 async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyhow::Result<String> {
@@ -153,7 +167,7 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
     let records: Vec<csv::ByteRecord> =
         reader.byte_records().collect::<Result<_, _>>().context("diary rows (checked above)")?;
     let mut progress = Progress::new("diary", records.len());
-    let (mut imported, mut skipped, mut discovered, mut completed) = (0, 0, 0, 0);
+    let (mut imported, mut skipped, mut discovered, mut completed, mut without_year) = (0, 0, 0, 0, 0);
     for batch in records.chunks(ROWS_PER_CALL) {
         let mut writer = csv::Writer::from_writer(Vec::new());
         writer.write_byte_record(&header)?;
@@ -196,6 +210,7 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
         skipped += answer.skipped_duplicates;
         discovered += answer.movies_discovered;
         completed += answer.completed;
+        without_year += answer.skipped_without_year;
         progress.advance(batch.len());
     }
     progress.finish();
@@ -205,12 +220,14 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
         String::new()
     };
     Ok(format!(
-        "diary: {imported} entries added, {skipped} already imported{completed}, {discovered} films new to Reelay"
+        "diary: {imported} entries added, {skipped} already imported{completed}, {discovered} films new to Reelay{}",
+        left_out(without_year as usize)
     ))
 }
 
 async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8]) -> anyhow::Result<String> {
-    let rows = checked("watchlist.csv", watchlist)?;
+    let parsed = checked("watchlist.csv", watchlist)?;
+    let (rows, without_year) = (parsed.rows, parsed.without_year.len());
     let mut client = WatchlistClient::new(channel);
     // What is on the watchlist already, to tell new entries from ones that stay as they were.
     let mut before = std::collections::HashSet::new();
@@ -253,7 +270,7 @@ async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8])
         progress.advance(1);
     }
     progress.finish();
-    Ok(format!("watchlist: {added} films added, {already} already on it"))
+    Ok(format!("watchlist: {added} films added, {already} already on it{}", left_out(without_year)))
 }
 
 /// A progress bar on stderr when it is a terminal; a closing line either way.

@@ -45,7 +45,7 @@ impl v1::integrations_server::Integrations for WriteApi {
             return Err(ServiceError::invalid("data", "is required (the export was empty)").into());
         }
         // Validate the whole file before writing anything.
-        let rows = tokio::task::spawn_blocking(move || letterboxd::parse(&data, reelay_kit::now_ms()))
+        let parsed = tokio::task::spawn_blocking(move || letterboxd::parse_diary(&data, reelay_kit::now_ms()))
             .await
             .map_err(|_| ServiceError::internal("the CSV parser failed unexpectedly"))?
             .map_err(ServiceError::from)?;
@@ -53,9 +53,10 @@ impl v1::integrations_server::Integrations for WriteApi {
             return Err(ServiceError::not_found(format_args!("user {actor}")).into());
         }
         let import_id = uuid::Uuid::now_v7().to_string();
-        let answer = self.store.import_diary(actor, import_id, rows, key).await?;
+        let without_year = parsed.without_year.len() as u32;
+        let answer = self.store.import_diary(actor, import_id, parsed.rows, without_year, key).await?;
         tracing::info!(import_id = %answer.import_id, user = %actor, rows = answer.rows, imported = answer.imported,
-            skipped = answer.skipped_duplicates, "diary imported");
+            skipped = answer.skipped_duplicates, without_year, "diary imported");
         ok(answer)
     }
 }

@@ -36,9 +36,10 @@ impl Store {
         actor: UserId,
         import_id: String,
         rows: Vec<DiaryRow>,
+        without_year: u32,
         key: Option<RequestKey>,
     ) -> Result<v1::ImportDiaryResponse> {
-        let mut summary = ImportSummary { rows: rows.len() as u32, ..Default::default() };
+        let mut summary = ImportSummary { rows: rows.len() as u32, without_year, ..Default::default() };
         let chunks = rows.chunks(IMPORT_CHUNK_ROWS).count();
         for (chunk_index, chunk) in rows.chunks(IMPORT_CHUNK_ROWS).enumerate() {
             let chunk = chunk.to_vec();
@@ -65,6 +66,15 @@ impl Store {
                             events.push(event);
                             completed += 1;
                         }
+                        continue;
+                    }
+                    let deleted = sqlx::query("SELECT 1 FROM deleted_imports WHERE import_key = ?")
+                        .bind(import_key.clone())
+                        .fetch_optional(tx.conn())
+                        .await?;
+                    if deleted.is_some() {
+                        // Imported before, and deleted since by its user.
+                        skipped += 1;
                         continue;
                     }
                     let spec = MovieSpec::TitleYear { title: row.title.clone(), year: row.year, external_id: None };
@@ -156,6 +166,7 @@ impl ImportSummary {
             skipped_duplicates: self.skipped_duplicates,
             movies_discovered: self.movies_discovered,
             completed: self.completed,
+            skipped_without_year: self.without_year,
         }
     }
 }

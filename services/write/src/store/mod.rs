@@ -183,6 +183,8 @@ pub struct ImportSummary {
     pub movies_discovered: u32,
     /// Entries imported before whose missing text or rating this import filled in.
     pub completed: u32,
+    /// Rows left out for naming no year.
+    pub without_year: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

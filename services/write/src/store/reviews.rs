@@ -272,7 +272,19 @@ impl Store {
     ) -> Result<v1::DeleteReviewResponse> {
         keyed_job!(self, "delete_review", key, |tx| {
             let review = owned_review(tx.conn(), actor, id).await?;
-            sqlx::query("DELETE FROM reviews WHERE id = ?").bind(review.id.clone()).execute(tx.conn()).await?;
+            let import_key: Option<String> =
+                sqlx::query_scalar("DELETE FROM reviews WHERE id = ? RETURNING import_key")
+                    .bind(review.id.clone())
+                    .fetch_one(tx.conn())
+                    .await?;
+            // An imported entry deleted stays deleted: a later import of the export skips it.
+            if let Some(import_key) = import_key {
+                sqlx::query("INSERT OR IGNORE INTO deleted_imports (import_key, deleted_at) VALUES (?, ?)")
+                    .bind(import_key)
+                    .bind(tx.now_ms())
+                    .execute(tx.conn())
+                    .await?;
+            }
             let mut events = vec![NewEvent::new(
                 &review.id,
                 Payload::ReviewDeleted(v1::ReviewDeleted {
