@@ -142,13 +142,15 @@ pub fn rating(field: &str, value: u32) -> Result<u32, ValidationError> {
     Ok(value)
 }
 
-/// Review text: optional, multi-line, at most 10,000 characters.
+/// Review text: optional, multi-line, at most 10,000 characters; stored composed (NFC).
 pub fn body(field: &str, value: &str) -> Result<String, ValidationError> {
     if chars(value) > MAX_BODY_CHARS {
         return Err(ValidationError::new(field, format!("is longer than {MAX_BODY_CHARS} characters")));
     }
     no_control_chars(field, value, true)?;
-    Ok(value.to_owned())
+    // Composed (NFC), as names are: the same text has one form, and search finds its words.
+    use unicode_normalization::UnicodeNormalization;
+    Ok(value.nfc().collect())
 }
 
 /// An optional calendar date, `YYYY-MM-DD`.

@@ -969,9 +969,11 @@ mod tests {
             let index = Index::create_in_dir(&path, schema()).unwrap();
             let f = Fields::of(&index.schema()).unwrap();
             let mut writer: IndexWriter = index.writer(WRITER_MEMORY_BYTES).unwrap();
-            for (key, kind, title, body) in
-                [("movie:m1", KIND_MOVIE, "七人の侍", ""), ("review:r1", KIND_REVIEW, "기생충", "BTS의 노래")]
-            {
+            for (key, kind, title, body) in [
+                ("movie:m1", KIND_MOVIE, "七人の侍", ""),
+                ("review:r1", KIND_REVIEW, "기생충", "BTS의 노래"),
+                ("review:r2", KIND_REVIEW, "Amélie", "Un café à Montmartre"),
+            ] {
                 let mut doc = TantivyDocument::new();
                 doc.add_text(f.key, key);
                 doc.add_i64(f.version, 100);
@@ -989,10 +991,26 @@ mod tests {
         assert_eq!(movie_ids(&index, "七人の侍").await, ["m1"]);
         assert_eq!(review_ids(&index, "기생충").await, ["r1"]);
         assert_eq!(review_ids(&index, "bts의 기생충").await, ["r1"]);
+        // Words with accents were held as written, and a query asks for them so too.
+        assert_eq!(review_ids(&index, "Amélie café").await, ["r2"]);
         // Found by a word inside it once indexed again; the old document's words stay found.
         apply_ok(&index, &[&movie_discovered("m1", 200, "七人の侍", 1954)]).await;
         assert_eq!(movie_ids(&index, "侍").await, ["m1"]);
         assert_eq!(movie_ids(&index, "七人の侍").await, ["m1"]);
+    }
+
+    /// Accents are not needed to find a word, nor typed in one form: "amelie" finds "Amélie",
+    /// and a body with a decomposed accent (`e` and U+0301, as pasted text often has it) is
+    /// found by the composed word.
+    #[tokio::test]
+    async fn words_are_found_with_or_without_their_accents() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = open(&dir);
+        apply_ok(&index, &[&review_logged("r1", 100, "Amélie", "Ame\u{0301}lie, a cafe\u{0301} in Montmartre")]).await;
+        for asked in ["amelie", "AMÉLIE", "Amélie", "ame\u{0301}lie", "café montmartre", "cafe"] {
+            assert_eq!(review_ids(&index, asked).await, ["r1"], "{asked:?}");
+        }
+        assert!(review_ids(&index, "lie").await.is_empty(), "the accent splits no word");
     }
 
     #[tokio::test]

@@ -2,7 +2,11 @@
 //!
 //! Text written with spaces between words (Latin, Cyrillic, Greek, Arabic, ...) is split as
 //! tantivy's default analyzer splits it: a word is a run of letters and digits, lowercased, and a
-//! word of 40 bytes or more is left out. Chinese, Japanese, Thai, Lao, Burmese and Khmer are
+//! word of 40 bytes or more is left out. Its letters are then folded to the ASCII letters they
+//! are written with where they have one (`é` as `e`, `ß` as `ss`), so "amelie" finds "Amélie";
+//! a query also asks for the word as typed, which documents indexed before folding hold. Text is
+//! taken composed (NFC): `e` followed by a combining acute accent is the one letter `é`, not a
+//! word split at the accent. Chinese, Japanese, Thai, Lao, Burmese and Khmer are
 //! written without spaces between words (Korean with particles joined to the word), so there a
 //! run is one "word" of a whole sentence, which nobody searches for and which is mostly over 40
 //! bytes. Those scripts are split into characters instead (a character with the marks that
@@ -22,9 +26,12 @@
 
 use std::borrow::Cow;
 
-use tantivy::tokenizer::{BoxTokenStream, TextAnalyzer, Token, TokenStream, Tokenizer, TokenizerManager};
+use tantivy::tokenizer::{
+    AsciiFoldingFilter, BoxTokenStream, LowerCaser, RawTokenizer, RemoveLongFilter, SimpleTokenizer, TextAnalyzer,
+    Token, TokenStream, Tokenizer,
+};
 use unicode_normalization::char::is_combining_mark;
-use unicode_normalization::{IsNormalized, UnicodeNormalization, is_nfkc_quick};
+use unicode_normalization::{IsNormalized, UnicodeNormalization, is_nfc_quick, is_nfkc_quick};
 
 /// The name the schema's text fields refer to their analyzer by.
 pub const ANALYZER: &str = "default";
@@ -88,9 +95,31 @@ fn runs(text: &str) -> Vec<Run> {
     runs
 }
 
-/// The word of a run of a space-separated script, if it is short enough to keep.
+/// The word of a run of a space-separated script, if it is short enough to keep, lowercased
+/// (not folded: see [`fold`]).
 fn spaced_word(text: &str) -> Option<String> {
     (text.len() < LONGEST).then(|| text.chars().flat_map(char::to_lowercase).collect())
+}
+
+/// `word` with its letters folded to ASCII where they have an ASCII form (`é` as `e`, `æ` as
+/// `ae`), as the index holds a word of a space-separated script.
+fn fold(word: String) -> String {
+    if word.is_ascii() {
+        return word;
+    }
+    let mut folder = TextAnalyzer::builder(RawTokenizer::default()).filter(AsciiFoldingFilter).build();
+    let mut stream = folder.token_stream(&word);
+    let folded = stream.advance().then(|| stream.token().text.clone());
+    drop(stream);
+    folded.unwrap_or(word)
+}
+
+/// `text` composed (NFC), borrowed when it is already.
+fn composed(text: &str) -> Cow<'_, str> {
+    if is_nfc_quick(text.chars()) == IsNormalized::Yes {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(text.nfc().collect())
 }
 
 /// Whether `c` only selects a glyph of the character before it.
@@ -130,7 +159,7 @@ fn index_tokens(text: &str) -> Vec<Token> {
         let part = &text[run.from..run.to];
         if !run.joined {
             if let Some(word) = spaced_word(part) {
-                push(&run, word);
+                push(&run, fold(word));
             }
             continue;
         }
@@ -152,12 +181,14 @@ pub struct Wanted {
 }
 
 /// What a query for `text` asks for: each [`Wanted`] must be in a hit. A word of a
-/// space-separated script is wanted as itself. A stretch of text with a joined script in it
+/// space-separated script is wanted folded, or as typed (lowercased), as documents indexed
+/// before folding hold it. A stretch of text with a joined script in it
 /// (letters, digits and marks with no space) is wanted by its own words: those of its spaced
 /// runs, each pair of neighbouring characters of its joined runs (the character, for a run of
 /// one); or, as the alternative, by the words the analyzer before this one made of it (a whole
 /// run of letters and digits, lowercased, under 40 bytes), which documents indexed before hold.
 pub fn query(text: &str) -> Vec<Wanted> {
+    let text = &*composed(text);
     let mut wanted: Vec<Wanted> = Vec::new();
     let mut want = |alternatives: Vec<Vec<String>>| {
         let w = Wanted { alternatives };
@@ -168,7 +199,9 @@ pub fn query(text: &str) -> Vec<Wanted> {
     // A stretch: runs that touch.
     for stretch in runs(text).chunk_by(|a, b| a.to == b.from) {
         if !stretch.iter().any(|run| run.joined) {
-            want(spaced_word(&text[stretch[0].from..stretch[0].to]).map(|word| vec![word]).into_iter().collect());
+            let Some(word) = spaced_word(&text[stretch[0].from..stretch[0].to]) else { continue };
+            let folded = fold(word.clone());
+            want(if folded == word { vec![vec![word]] } else { vec![vec![folded], vec![word]] });
             continue;
         }
         let mut own: Vec<String> = Vec::new();
@@ -182,7 +215,7 @@ pub fn query(text: &str) -> Vec<Wanted> {
                     chars => own.extend(chars.iter().filter_map(|(_, pair)| pair.map(str::to_owned))),
                 }
             } else {
-                own.extend(spaced_word(part));
+                own.extend(spaced_word(part).map(fold));
             }
         }
         own.dedup();
@@ -195,9 +228,9 @@ pub fn query(text: &str) -> Vec<Wanted> {
     wanted
 }
 
-/// The index's analyzer (see the module's documentation). Text with no character of a joined
-/// script (most of it) goes through tantivy's default analyzer itself, at its speed (building
-/// each token as below took six times as long for an English review).
+/// The index's analyzer (see the module's documentation). Composed text with no character of a
+/// joined script (most of it) goes through tantivy's own filters, at their speed (building each
+/// token as below took six times as long for an English review).
 #[derive(Clone)]
 pub struct Words {
     spaced: TextAnalyzer,
@@ -205,7 +238,12 @@ pub struct Words {
 
 impl Default for Words {
     fn default() -> Self {
-        let spaced = TokenizerManager::default().get("default").expect("tantivy registers its default analyzer");
+        // tantivy's default analyzer, then the folding.
+        let spaced = TextAnalyzer::builder(SimpleTokenizer::default())
+            .filter(RemoveLongFilter::limit(LONGEST))
+            .filter(LowerCaser)
+            .filter(AsciiFoldingFilter)
+            .build();
         Self { spaced }
     }
 }
@@ -213,17 +251,22 @@ impl Default for Words {
 /// The words of one text.
 pub enum WordStream<'a> {
     Spaced(BoxTokenStream<'a>),
-    Joined { tokens: Vec<Token>, next: usize },
+    Made { tokens: Vec<Token>, next: usize },
 }
 
 impl Tokenizer for Words {
     type TokenStream<'a> = WordStream<'a>;
 
     fn token_stream<'a>(&'a mut self, text: &'a str) -> WordStream<'a> {
-        if text.is_ascii() || !text.chars().any(joined_script) {
-            return WordStream::Spaced(self.spaced.token_stream(text));
+        let composed = match composed(text) {
+            Cow::Borrowed(_) => text,
+            // Rare: its words are made here, their offsets into the composed text.
+            Cow::Owned(composed) => return WordStream::Made { tokens: index_tokens(&composed), next: 0 },
+        };
+        if composed.is_ascii() || !composed.chars().any(joined_script) {
+            return WordStream::Spaced(self.spaced.token_stream(composed));
         }
-        WordStream::Joined { tokens: index_tokens(text), next: 0 }
+        WordStream::Made { tokens: index_tokens(composed), next: 0 }
     }
 }
 
@@ -231,7 +274,7 @@ impl TokenStream for WordStream<'_> {
     fn advance(&mut self) -> bool {
         match self {
             WordStream::Spaced(stream) => stream.advance(),
-            WordStream::Joined { tokens, next } => {
+            WordStream::Made { tokens, next } => {
                 *next += 1;
                 *next <= tokens.len()
             }
@@ -241,14 +284,14 @@ impl TokenStream for WordStream<'_> {
     fn token(&self) -> &Token {
         match self {
             WordStream::Spaced(stream) => stream.token(),
-            WordStream::Joined { tokens, next } => &tokens[*next - 1],
+            WordStream::Made { tokens, next } => &tokens[*next - 1],
         }
     }
 
     fn token_mut(&mut self) -> &mut Token {
         match self {
             WordStream::Spaced(stream) => stream.token_mut(),
-            WordStream::Joined { tokens, next } => &mut tokens[*next - 1],
+            WordStream::Made { tokens, next } => &mut tokens[*next - 1],
         }
     }
 }
@@ -288,9 +331,9 @@ mod tests {
         query(text).into_iter().map(|w| w.alternatives).collect()
     }
 
-    /// Text of the space-separated scripts gets exactly the words tantivy's default analyzer
-    /// gave it, at the same offsets, so documents indexed before keep matching; a query wants
-    /// each of those words.
+    /// Text of the space-separated scripts gets the words tantivy's default analyzer gave it, at
+    /// the same offsets, folded; a query wants each of those words folded, or as the analyzer
+    /// before made it (what documents indexed before hold).
     #[test]
     fn spaced_scripts_are_split_as_tantivys_default_analyzer_splits_them() {
         let samples = [
@@ -303,17 +346,33 @@ mod tests {
             "   \t\n",
         ];
         for sample in samples {
-            let expected = before(sample);
+            let expected: Vec<_> = before(sample).into_iter().map(|(word, from, to)| (fold(word), from, to)).collect();
             let ours: Vec<_> = index_tokens(sample).into_iter().map(|t| (t.text, t.offset_from, t.offset_to)).collect();
             assert_eq!(ours, expected, "{sample:?}");
+            assert_eq!(indexed(sample), expected.iter().map(|(word, ..)| word.clone()).collect::<Vec<_>>());
             let mut each: Vec<Vec<Vec<String>>> = Vec::new();
-            for (word, _, _) in expected {
-                if !each.contains(&vec![vec![word.clone()]]) {
-                    each.push(vec![vec![word]]);
+            for (word, _, _) in before(sample) {
+                let folded = fold(word.clone());
+                let wanted = if folded == word { vec![vec![word]] } else { vec![vec![folded], vec![word]] };
+                if !each.contains(&wanted) {
+                    each.push(wanted);
                 }
             }
             assert_eq!(asked(sample), each, "{sample:?}");
         }
+    }
+
+    /// Letters with marks are held as their ASCII letters, however they were typed: composed,
+    /// decomposed (`e` and a combining accent), upper or lower case.
+    #[test]
+    fn accents_are_folded_and_decomposed_text_is_composed() {
+        assert_eq!(indexed("Amélie"), ["amelie"]);
+        assert_eq!(indexed("AME\u{0301}LIE"), ["amelie"], "one word, not two split at the accent");
+        assert_eq!(indexed("Straße Ærø"), ["strasse", "aero"]);
+        assert_eq!(asked("ame\u{0301}lie"), [vec![words(&["amelie"]), words(&["amélie"])]]);
+        assert_eq!(asked("Amelie"), [vec![words(&["amelie"])]]);
+        // The joined scripts' neighbours are folded too, and decomposed text composed.
+        assert_eq!(indexed("Cafe\u{0301}見た"), ["cafe", "見", "見た", "た"]);
     }
 
     #[test]
