@@ -262,28 +262,22 @@ pub async fn retire(
 ) -> Result<Retired, RetireError> {
     let counted_from = tx.lease_counted_from();
     check_retirable(tx.conn(), handler, now, counted_from, lease).await?;
-    let dead_letters = sqlx::query(
+    // Each dead letter recorded as an operator's discard is, then every open delivery and dead
+    // letter discarded (a dead letter keeps its last error).
+    let statements = [
         "INSERT INTO dead_letter_actions (at, action, event_id, handler, operator, attempts, last_error) \
          SELECT ?, 'discard', event_id, handler, ?, attempts, last_error FROM processed_events \
          WHERE handler = ? AND status = 'dead_lettered' ORDER BY event_id",
-    )
-    .bind(now)
-    .bind(operator)
-    .bind(handler)
-    .execute(tx.conn())
-    .await?
-    .rows_affected();
-    let discarded = sqlx::query(
         "UPDATE processed_events SET status = 'discarded', owner = NULL, processed_at = ?, \
          last_error = CASE WHEN status = 'dead_lettered' THEN last_error ELSE 'handler retired by ' || ? END \
          WHERE handler = ? AND status IN ('in_progress', 'retry', 'dead_lettered')",
-    )
-    .bind(now)
-    .bind(operator)
-    .bind(handler)
-    .execute(tx.conn())
-    .await?
-    .rows_affected();
+    ];
+    let mut changed = [0; 2];
+    for (rows, statement) in changed.iter_mut().zip(statements) {
+        let done = sqlx::query(statement).bind(now).bind(operator).bind(handler).execute(tx.conn()).await?;
+        *rows = done.rows_affected();
+    }
+    let [dead_letters, discarded] = changed;
     sqlx::query("DELETE FROM handler_cursors WHERE handler = ?").bind(handler).execute(tx.conn()).await?;
     sqlx::query("DELETE FROM handler_builds WHERE handler = ?").bind(handler).execute(tx.conn()).await?;
     let open = discarded - dead_letters;
