@@ -314,8 +314,8 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
             .import(&x.a, b"Name,Year,Rating,Watched Date\nAlien,1979,9,2021-01-02\n")),
         case!("a ratings list as a diary", InvalidArgument, "data: line 1", |c, x| c
             .import(&x.a, b"Date,Name,Year,Letterboxd URI,Rating\n2021-01-02,Alien,1979,https://boxd.it/29bA,4\n")),
-        case!("CSV without a Year column", InvalidArgument, "data: line 1", |c, x| c
-            .import(&x.a, b"Name,Rating\nAlien,4\n")),
+        case!("CSV without a Year column", InvalidArgument, "no Year column", |c, x| c
+            .import(&x.a, b"Name,Rating,Watched Date\nAlien,4,2021-01-02\n")),
         case!("import for an unknown user", NotFound, "user", |c, x| c
             .import(&x.nobody, b"Name,Year,Watched Date\nAlien,1979,2021-01-02\n")),
         case!("empty import", InvalidArgument, "actor_user_id", |c, x| c.import(&x.a, b"")),

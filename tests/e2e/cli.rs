@@ -190,11 +190,13 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     let diary = format!(
         "{DIARY_HEADER}2021-01-04,Heat,1995,https://boxd.it/d1,5,,,2021-01-03\n\
          2021-01-05,Ida,2013,https://boxd.it/d2,4.5,,35mm,2021-01-05\n\
-         2021-02-01,Heat,1995,https://boxd.it/d3,4.5,Yes,,2021-02-01\n"
+         2021-02-01,Heat,1995,https://boxd.it/d3,4.5,Yes,,2021-02-01\n\
+         2021-02-02,Untitled Project,,https://boxd.it/d7,3,,,2021-02-02\n"
     );
     let reviews = format!(
         "{REVIEWS_HEADER}2021-01-04,Heat,1995,https://boxd.it/d1,5,,\"The diner scene, again.\",,2021-01-03\n\
-         2021-01-05,Ida,2013,https://boxd.it/d2,4.5,,Quiet and exact.,,2021-01-05\n"
+         2021-01-05,Ida,2013,https://boxd.it/d2,4.5,,Quiet and exact.,,2021-01-05\n\
+         2021-02-02,Untitled Project,,https://boxd.it/d7,3,,Not out yet.,,2021-02-02\n"
     );
     let watchlist =
         format!("{WATCHLIST_HEADER}2021-03-01,Alien,1979,https://boxd.it/w1\n2021-03-02,Ran,1985,https://boxd.it/w2\n");
@@ -202,9 +204,14 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     export_zip(&first, &diary, &reviews, &watchlist);
     let imported = reelay.cli(&["import", "letterboxd", first.to_str().unwrap(), "--user", &ana], &[]).await;
     let out = imported.ok();
-    assert!(out.contains("diary: 3 entries added, 0 already imported, 2 films new to Reelay"), "{out}");
+    let said = "diary: 3 entries added, 0 already imported, 2 films new to Reelay, 1 left out for naming no year";
+    assert!(out.contains(said), "{out}");
     assert!(out.contains("watchlist: 2 films added, 0 already on it"), "{out}");
-    assert!(imported.stderr.contains("diary: 3/3 rows"), "progress is reported: {}", imported.stderr);
+    assert!(imported.stderr.contains("diary: 4/4 rows"), "progress is reported: {}", imported.stderr);
+    // The entry with no year is in both files, and named once, by its title.
+    let named = "diary.csv with reviews.csv: 1 row(s) name no year and are left out, as no film can be found \
+                 without one (Untitled Project)";
+    assert_eq!(imported.stderr.matches(named).count(), 1, "{}", imported.stderr);
 
     let db = &reelay.database;
     let entries = query_strings(
@@ -272,7 +279,7 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     // A film Letterboxd has no year for is named and left out; the rest is imported.
     let named = "watchlist.csv: 1 row(s) name no year and are left out, as no film can be found without one \
                  (line 4: Untitled Project)";
-    assert!(imported.stderr.contains(named), "{}", imported.stderr);
+    assert_eq!(imported.stderr.matches(named).count(), 1, "named once: {}", imported.stderr);
     let reviews = query_strings(db, "SELECT COUNT(*) || '' FROM reviews").await;
     assert_eq!(reviews, vec![vec!["4".to_owned()]], "neither list became viewings");
     // The diary.csv alone first, its reviews.csv after: the entry gets its text, once.
@@ -312,7 +319,7 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
     let refused = reelay.cli(&["import", "letterboxd", first.to_str().unwrap(), "--user", nobody], &[]).await;
     assert!(!refused.success, "{}", refused.stderr);
     assert!(
-        refused.stderr.contains("0 of 3 diary rows were written before it") && refused.stderr.contains("check --user"),
+        refused.stderr.contains("0 of 4 diary rows were written before it") && refused.stderr.contains("check --user"),
         "{}",
         refused.stderr
     );

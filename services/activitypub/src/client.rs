@@ -51,15 +51,21 @@ pub enum FetchError {
 }
 
 impl FetchError {
-    /// Worth trying again later: the peer was unreachable, slow, or failing on its side; or it
-    /// answered 401, as a server does when it could not fetch this side's signing key just then
-    /// (as Mastodon's own retries count it).
+    /// Worth trying again later: the peer was unreachable, slow, or failing on its side. (A 401
+    /// to a signed request may pass too, see [`Self::is_transient_when_signed`]; to an unsigned
+    /// one it says the peer wants requests signed, and will go on saying so.)
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Timeout(_) | Self::Connect { .. } => true,
-            Self::Status { status, .. } => *status >= 500 || matches!(status, 401 | 408 | 429),
+            Self::Status { status, .. } => *status >= 500 || matches!(status, 408 | 429),
             _ => false,
         }
+    }
+
+    /// [`Self::is_transient`] for a signed request: a 401 too, as a server answers when it
+    /// could not fetch the signer's key just then (Mastodon's own retries count it so).
+    pub fn is_transient_when_signed(&self) -> bool {
+        self.is_transient() || matches!(self, Self::Status { status: 401, .. })
     }
 }
 
@@ -301,12 +307,14 @@ mod tests {
     /// Which answers a later try may pass: the peer's own trouble, not a refusal of the request.
     #[test]
     fn statuses_worth_trying_again() {
-        let transient = |status| FetchError::Status { url: "https://peer.example/a".into(), status }.is_transient();
-        for status in [401, 408, 429, 500, 502, 503] {
-            assert!(transient(status), "{status}");
+        let answered = |status| FetchError::Status { url: "https://peer.example/a".into(), status };
+        for status in [408, 429, 500, 502, 503] {
+            assert!(answered(status).is_transient() && answered(status).is_transient_when_signed(), "{status}");
         }
+        // An unsigned request answered 401 is to be signed; a signed one may pass later.
+        assert!(!answered(401).is_transient() && answered(401).is_transient_when_signed());
         for status in [400, 403, 404, 410, 422] {
-            assert!(!transient(status), "{status}");
+            assert!(!answered(status).is_transient() && !answered(status).is_transient_when_signed(), "{status}");
         }
     }
 }

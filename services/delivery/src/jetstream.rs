@@ -324,8 +324,9 @@ async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) 
     }
 }
 
-/// Creates a handler's durable pull consumer, or brings an existing one's `max_deliver` and
-/// `ack_wait` to this build's values. Returns the consumer to pull from.
+/// Creates a handler's durable pull consumer, or brings an existing one's `max_deliver`,
+/// `ack_wait` and `max_ack_pending` to this build's values and adds the subjects it lacks.
+/// Returns the consumer to pull from.
 pub async fn ensure_consumer(
     js: &jetstream::Context,
     config: &JetStreamConfig,

@@ -144,13 +144,15 @@ pub fn rating(field: &str, value: u32) -> Result<u32, ValidationError> {
 
 /// Review text: optional, multi-line, at most 10,000 characters; stored composed (NFC).
 pub fn body(field: &str, value: &str) -> Result<String, ValidationError> {
-    if chars(value) > MAX_BODY_CHARS {
+    use unicode_normalization::UnicodeNormalization;
+    // Composed (NFC), as names are: the same text has one form, and search finds its words.
+    // Counted composed too: what is stored is what an edit sends back.
+    let composed: String = value.nfc().collect();
+    if chars(&composed) > MAX_BODY_CHARS {
         return Err(ValidationError::new(field, format!("is longer than {MAX_BODY_CHARS} characters")));
     }
-    no_control_chars(field, value, true)?;
-    // Composed (NFC), as names are: the same text has one form, and search finds its words.
-    use unicode_normalization::UnicodeNormalization;
-    Ok(value.nfc().collect())
+    no_control_chars(field, &composed, true)?;
+    Ok(composed)
 }
 
 /// An optional calendar date, `YYYY-MM-DD`.

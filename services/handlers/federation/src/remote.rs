@@ -30,10 +30,10 @@ pub fn write_error(status: tonic::Status) -> HandlerError {
     }
 }
 
-/// A failed exchange with a remote server: retried when it may pass (unreachable, slow, 5xx,
-/// 429), given up otherwise.
+/// A failed signed exchange with a remote server: retried when it may pass (unreachable, slow,
+/// 5xx, 401, 408, 429), given up otherwise.
 pub fn fetch_error(error: FetchError) -> HandlerError {
-    if error.is_transient() { HandlerError::retryable(error) } else { HandlerError::permanent(error) }
+    if error.is_transient_when_signed() { HandlerError::retryable(error) } else { HandlerError::permanent(error) }
 }
 
 impl Remote {

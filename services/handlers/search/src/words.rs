@@ -18,11 +18,11 @@
 //! a decomposed voicing mark composed, variation selectors dropped), in the index and in queries.
 //!
 //! The analyzer is registered under tantivy's name `default`, the name the schema's text fields
-//! were created with, so an index written before still opens. Its documents' words are the same
-//! for the space-separated scripts; for text with a joined script in it, a query also accepts
-//! the words the analyzer before this one made of it (a whole run under 40 bytes), so what was
-//! found before still is, and the rest is found once the document is indexed again (its next
-//! change).
+//! were created with, so an index written before still opens. Documents indexed before are
+//! found as they were: a query also accepts a word as typed (before folding), and for text with
+//! a joined script in it the words the first analyzer made of it (a whole run under 40 bytes);
+//! the rest is found once the document is indexed again (its next change). Decomposed text
+//! indexed before folding was split at its marks, and is found by its words once indexed again.
 
 use std::borrow::Cow;
 
@@ -204,26 +204,37 @@ pub fn query(text: &str) -> Vec<Wanted> {
             want(if folded == word { vec![vec![word]] } else { vec![vec![folded], vec![word]] });
             continue;
         }
-        let mut own: Vec<String> = Vec::new();
+        // Its words as indexed now (spaced words folded), as the build before folding indexed
+        // them (spaced words as typed), and as the analyzer before that (one word per run).
+        let (mut own, mut typed): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
         for run in stretch {
             let part = &text[run.from..run.to];
             if run.joined {
                 let part = one_form(part);
-                match &characters(&part)[..] {
-                    [] => {}
-                    [(c, None)] => own.push(c.to_string()),
-                    chars => own.extend(chars.iter().filter_map(|(_, pair)| pair.map(str::to_owned))),
-                }
-            } else {
-                own.extend(spaced_word(part).map(fold));
+                let words: Vec<String> = match &characters(&part)[..] {
+                    [] => Vec::new(),
+                    [(c, None)] => vec![c.to_string()],
+                    chars => chars.iter().filter_map(|(_, pair)| pair.map(str::to_owned)).collect(),
+                };
+                own.extend(words.iter().cloned());
+                typed.extend(words);
+            } else if let Some(word) = spaced_word(part) {
+                own.push(fold(word.clone()));
+                typed.push(word);
             }
         }
         own.dedup();
+        typed.dedup();
         let text = &text[stretch[0].from..stretch[stretch.len() - 1].to];
         let before: Vec<String> =
             text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).filter_map(spaced_word).collect();
-        let before = if before == own { Vec::new() } else { before };
-        want([own, before].into_iter().filter(|words| !words.is_empty()).collect());
+        let mut alternatives: Vec<Vec<String>> = Vec::new();
+        for words in [own, typed, before] {
+            if !words.is_empty() && !alternatives.contains(&words) {
+                alternatives.push(words);
+            }
+        }
+        want(alternatives);
     }
     wanted
 }
@@ -373,6 +384,12 @@ mod tests {
         assert_eq!(asked("Amelie"), [vec![words(&["amelie"])]]);
         // The joined scripts' neighbours are folded too, and decomposed text composed.
         assert_eq!(indexed("Cafe\u{0301}見た"), ["cafe", "見", "見た", "た"]);
+        // A stretch of accented letters and a joined script: its words folded, as typed (what
+        // the build before folding indexed), or its runs whole (the analyzer before that).
+        assert_eq!(
+            asked("Amélieを見た"),
+            [vec![words(&["amelie", "を見", "見た"]), words(&["amélie", "を見", "見た"]), words(&["amélieを見た"])]]
+        );
     }
 
     #[test]

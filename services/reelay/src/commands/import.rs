@@ -5,7 +5,7 @@
 //! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked before anything is sent (errors name the
 //! file, line and column); re-importing a newer export adds only what is new (diary entries are
 //! keyed by their Letterboxd URI, a film already on the watchlist stays as it is, and an entry
-//! deleted in Reelay stays deleted), and an entry imported before without its review text or
+//! deleted in Reelay stays deleted, from migration 0133 on), and an entry imported before without its review text or
 //! rating gets them from a later file (the diary.csv first, its reviews.csv after); what an
 //! entry has is never overwritten. A row with no year (Letterboxd has some films without one)
 //! is named and left out.
@@ -76,7 +76,8 @@ pub async fn run(command: ImportCommand) -> anyhow::Result<()> {
 fn read_export(path: &Path) -> anyhow::Result<Export> {
     let data = read_file(path)?;
     if !data.starts_with(b"PK\x03\x04") {
-        checked(&path.display().to_string(), &data)?;
+        let name = path.display().to_string();
+        say_left_out(&name, &checked(&name, &data)?, true);
         let named = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_lowercase();
         if named == "watchlist.csv" {
             return Ok(Export { diary: None, watchlist: Some(data) });
@@ -94,7 +95,7 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
     let mut archive = zip::ZipArchive::new(std::io::Cursor::new(data))
         .with_context(|| format!("{} is not a readable zip", path.display()))?;
     // At the root (or under one folder, for a re-zipped export); never deleted/ or orphaned/.
-    let mut file = |name: &str| -> anyhow::Result<Option<Vec<u8>>> {
+    let mut file = |name: &str| -> anyhow::Result<Option<(Vec<u8>, letterboxd::Parsed)>> {
         let wanted = |path: &str| {
             let parts: Vec<&str> = path.split('/').collect();
             parts.last() == Some(&name)
@@ -106,17 +107,31 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
         let Some(index) = index else { return Ok(None) };
         let entry = archive.by_index(index).with_context(|| format!("cannot read {name} in the zip"))?;
         let bytes = read_capped(entry, MAX_INPUT_FILE_BYTES, name)?;
-        checked(name, &bytes)?;
-        Ok(Some(bytes))
+        let parsed = checked(name, &bytes)?;
+        Ok(Some((bytes, parsed)))
     };
     let (diary, reviews, watchlist) = (file("diary.csv")?, file("reviews.csv")?, file("watchlist.csv")?);
+    // Rows left out are named once each: those of the diary joined with its reviews by title
+    // (its lines are neither file's), those of one file alone by line.
     let diary = match (diary, reviews) {
-        (Some(diary), Some(reviews)) => Some(
-            letterboxd::attach_reviews(&diary, &reviews)
-                .map_err(|e| anyhow::anyhow!("diary.csv with reviews.csv: {e}"))?,
-        ),
-        (diary, reviews) => diary.or(reviews),
+        (Some((diary, _)), Some((reviews, _))) => {
+            let joined = letterboxd::attach_reviews(&diary, &reviews)
+                .map_err(|e| anyhow::anyhow!("diary.csv with reviews.csv: {e}"))?;
+            say_left_out("diary.csv with reviews.csv", &checked("diary.csv with reviews.csv", &joined)?, false);
+            Some(joined)
+        }
+        (one, other) => {
+            let name = if one.is_some() { "diary.csv" } else { "reviews.csv" };
+            one.or(other).map(|(bytes, parsed)| {
+                say_left_out(name, &parsed, true);
+                bytes
+            })
+        }
     };
+    let watchlist = watchlist.map(|(bytes, parsed)| {
+        say_left_out("watchlist.csv", &parsed, true);
+        bytes
+    });
     if diary.is_none() && watchlist.is_none() {
         bail!("{} has no diary.csv, reviews.csv or watchlist.csv: is it a Letterboxd export?", path.display());
     }
@@ -135,24 +150,32 @@ fn read_capped(reader: impl Read, cap: u64, name: &str) -> anyhow::Result<Vec<u8
 }
 
 /// Parses a file as the server will, so a bad row is reported with its file before anything
-/// is sent; the rows left out for want of a year are named on stderr.
+/// is sent.
 fn checked(name: &str, data: &[u8]) -> anyhow::Result<letterboxd::Parsed> {
-    let parsed = letterboxd::parse(data, reelay_kit::now_ms())
-        .map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))?;
-    if !parsed.without_year.is_empty() {
-        const NAMED: usize = 5;
-        let mut named: Vec<String> =
-            parsed.without_year.iter().take(NAMED).map(|r| format!("line {}: {}", r.line, r.title)).collect();
-        if parsed.without_year.len() > NAMED {
-            named.push(format!("{} more", parsed.without_year.len() - NAMED));
-        }
-        eprintln!(
-            "{name}: {} row(s) name no year and are left out, as no film can be found without one ({})",
-            parsed.without_year.len(),
-            named.join("; ")
-        );
+    letterboxd::parse(data, reelay_kit::now_ms()).map_err(|e| anyhow::anyhow!("{name}: {}: {}", e.field, e.reason))
+}
+
+/// Names on stderr the rows of `name` left out for want of a year (the first few), by `line`
+/// when its lines are the file's.
+fn say_left_out(name: &str, parsed: &letterboxd::Parsed, line: bool) {
+    const NAMED: usize = 5;
+    let left_out = &parsed.without_year;
+    if left_out.is_empty() {
+        return;
     }
-    Ok(parsed)
+    let mut named: Vec<String> = left_out
+        .iter()
+        .take(NAMED)
+        .map(|r| if line { format!("line {}: {}", r.line, r.title) } else { r.title.clone() })
+        .collect();
+    if left_out.len() > NAMED {
+        named.push(format!("{} more", left_out.len() - NAMED));
+    }
+    eprintln!(
+        "{name}: {} row(s) name no year and are left out, as no film can be found without one ({})",
+        left_out.len(),
+        named.join("; ")
+    );
 }
 
 /// The closing words on rows left out for want of a year, if any were.
