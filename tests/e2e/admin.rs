@@ -206,6 +206,8 @@ async fn what_the_relay_gives_up_is_a_dead_letter_too() {
     assert!(listed.contains("max_payload"), "the broker's refusal is shown: {listed}");
     let all = cluster.cli(&["dead-letters", "list"]).await.ok().to_owned();
     assert!(all.contains(&event_id), "listed among every dead letter: {all}");
+    let metrics = cluster.write.metrics().await;
+    assert_eq!(metrics.value(r#"reelay_dead_letters{handler="relay"}"#), Some(1.0), "alerted on: {}", metrics.0);
 
     // Replayed while the broker still refuses it: given up again, still listed.
     let replayed = cluster.cli(&["dead-letters", "replay", &event_id, "--handler", "relay"]).await.ok().to_owned();
@@ -231,6 +233,8 @@ async fn what_the_relay_gives_up_is_a_dead_letter_too() {
     assert_eq!(outbox_state(&cluster.db, &event_id).await.0, "done");
     let listed = cluster.cli(&["dead-letters", "list", "--handler", "relay"]).await.ok().to_owned();
     assert!(listed.contains("no dead letters"), "{listed}");
+    let metrics = cluster.write.metrics().await;
+    assert_eq!(metrics.value(r#"reelay_dead_letters{handler="relay"}"#), Some(0.0), "{}", metrics.0);
 
     // probe-b's replay, copied while the broker refuses it again: probe-b's dead letter again.
     restart_broker(&mut cluster, dir.path(), 2048);

@@ -182,6 +182,11 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
                 other => panic!("{name}: unexpected service {other:?}"),
             }
             assert!(container["resources"]["limits"]["memory"].is_string(), "{name}: {args:?} has a memory limit");
+            if args.get(2) == Some(&"gateway") {
+                // It lets open requests run for up to 60 s after SIGTERM: not cut at 30.
+                let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+                assert!(grace > 60, "{name}: the gateway's grace period {grace} s is under its 60 s drain");
+            }
             // What reaches remote servers may leave the cluster (the base denies all egress but
             // to pods with this label): the gateway fetches signers' keys, and these handlers
             // call out from their events.

@@ -193,7 +193,11 @@ impl GrpcServer {
         let serving = tonic::transport::Server::builder()
             .timeout(config.call_timeout)
             .concurrency_limit_per_connection(config.max_concurrent_calls_per_connection)
-            .layer(CallContextLayer { token: config.service_token.map(Arc::from), known })
+            .layer(CallContextLayer {
+                token: config.service_token.map(Arc::from),
+                known,
+                call_timeout: config.call_timeout,
+            })
             .add_routes(routes.routes())
             .serve_with_incoming_shutdown(incoming, signal);
         let drain_deadline = async move {
@@ -218,13 +222,15 @@ struct CallContextLayer {
     token: Option<Arc<str>>,
     /// The services mounted on this server: the only method labels metrics may carry.
     known: Arc<HashSet<String>>,
+    /// The server's deadline for a call (tonic's, applied outside this layer).
+    call_timeout: Duration,
 }
 
 impl<S> Layer<S> for CallContextLayer {
     type Service = CallContext<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        CallContext { inner, token: self.token.clone(), known: self.known.clone() }
+        CallContext { inner, token: self.token.clone(), known: self.known.clone(), call_timeout: self.call_timeout }
     }
 }
 
@@ -233,6 +239,51 @@ struct CallContext<S> {
     inner: S,
     token: Option<Arc<str>>,
     known: Arc<HashSet<String>>,
+    call_timeout: Duration,
+}
+
+/// A call's deadline as its caller sent it (`grpc-timeout: 250m`), if it did.
+fn caller_deadline(request: &http::Request<Body>) -> Option<Duration> {
+    let value = request.headers().get("grpc-timeout")?.to_str().ok()?;
+    let (amount, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = amount.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.checked_mul(3600)?),
+        "M" => Duration::from_secs(amount.checked_mul(60)?),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// Counts a call that was dropped before it answered: cut off at its deadline (tonic's timeout
+/// runs outside this layer, and answers DEADLINE_EXCEEDED itself) or left by its caller
+/// (CANCELLED). Without it the calls a hung write service never answers were in no metric.
+struct Unanswered {
+    /// Disarmed (`None`) once the call answered.
+    label: Option<String>,
+    started: Instant,
+    deadline: Duration,
+}
+
+impl Unanswered {
+    fn answered(&mut self) {
+        self.label = None;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(label) = self.label.take() else { return };
+        let elapsed = self.started.elapsed();
+        // The timer fires at the deadline; a little early is still the deadline's doing.
+        let code = if elapsed + Duration::from_millis(20) >= self.deadline { "4" } else { "1" };
+        tracing::debug!(code, ?elapsed, "call dropped before it answered");
+        GRPC_REQUESTS.inc(&[&label, code]);
+        GRPC_DURATION.observe_duration(&[&label], elapsed);
+    }
 }
 
 /// The method label of a call: its path when it is a method of a mounted service, else
@@ -307,6 +358,8 @@ where
             .filter(|v| is_valid_traceparent(v))
             .map_or_else(new_traceparent, str::to_owned);
         let span = tracing::info_span!("grpc", %method, trace_id = %&traceparent[3..35]);
+        let deadline = caller_deadline(&request).map_or(self.call_timeout, |d| d.min(self.call_timeout));
+        let mut unanswered = Unanswered { label: Some(label.clone()), started, deadline };
         // Take the service that was driven to readiness; leave a fresh clone for the next call.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -314,7 +367,9 @@ where
         Box::pin(
             TRACEPARENT
                 .scope(traceparent, async move {
-                    match AssertUnwindSafe(call).catch_unwind().await {
+                    let answered = AssertUnwindSafe(call).catch_unwind().await;
+                    unanswered.answered();
+                    match answered {
                         Ok(Ok(mut response)) => {
                             blame_the_request(&mut response);
                             // The status of a call that streams its answer is only in its
@@ -428,5 +483,56 @@ mod tests {
         assert!(constant_time_eq(b"secret", b"secret"));
         assert!(!constant_time_eq(b"secret", b"secreT"));
         assert!(!constant_time_eq(b"secret", b"secret2"));
+    }
+
+    /// A service that never answers (a write service whose writer hangs).
+    #[derive(Clone)]
+    struct Hung;
+
+    impl Service<http::Request<Body>> for Hung {
+        type Response = http::Response<Body>;
+        type Error = Infallible;
+        type Future = std::future::Pending<Result<Self::Response, Infallible>>;
+
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _request: http::Request<Body>) -> Self::Future {
+            std::future::pending()
+        }
+    }
+
+    /// A call cut off at its deadline (tonic's timeout drops it from outside) is counted as
+    /// DEADLINE_EXCEEDED, with its time; one its caller left early as CANCELLED.
+    #[tokio::test]
+    async fn calls_dropped_before_they_answer_are_counted() {
+        let method = "/reelay.v1.Reviews/LogReview";
+        let known = Arc::new(method_paths(&["reelay.v1.Reviews"]));
+        let layer = CallContextLayer { token: None, known, call_timeout: Duration::from_millis(100) };
+        let mut service = layer.layer(Hung);
+        let request = |timeout: Option<&str>| {
+            let mut request = http::Request::builder().uri(format!("http://x{method}"));
+            if let Some(timeout) = timeout {
+                request = request.header("grpc-timeout", timeout);
+            }
+            request.body(Body::empty()).unwrap()
+        };
+        let count = |code| GRPC_REQUESTS.get(&[method, code]);
+        let (deadline, cancelled) = (count("4"), count("1"));
+        // Cut off at the server's deadline, and at the caller's shorter one.
+        for (timeout, after) in [(None, 100), (Some("50m"), 50)] {
+            let call = service.call(request(timeout));
+            let cut = tokio::time::timeout(Duration::from_millis(after), call).await;
+            assert!(cut.is_err(), "a hung call does not answer");
+        }
+        assert_eq!((count("4"), count("1")), (deadline + 2, cancelled));
+        // Left by its caller long before either deadline.
+        let call = service.call(request(Some("10S")));
+        assert!(tokio::time::timeout(Duration::from_millis(10), call).await.is_err());
+        assert_eq!((count("4"), count("1")), (deadline + 2, cancelled + 1));
+        assert_eq!(caller_deadline(&request(Some("2M"))), Some(Duration::from_secs(120)));
+        assert_eq!(caller_deadline(&request(Some("x"))), None);
+        assert_eq!(caller_deadline(&request(None)), None);
     }
 }

@@ -445,6 +445,10 @@ pub fn sample_status(db: Database, bus: Bus) {
             for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
                 gauge.clear();
             }
+            if bus == Bus::Nats {
+                // Events no handler got: the relay's dead letters, under its name.
+                DEAD_LETTERS.set(&[dead_letters::RELAY], s.outbox.dead_lettered as f64);
+            }
             for h in s.handlers {
                 HANDLER_PENDING.set(&[&h.handler], h.pending as f64);
                 HANDLER_OLDEST.set(&[&h.handler], h.oldest_age_ms as f64 / 1000.0);
