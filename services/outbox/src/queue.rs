@@ -397,9 +397,11 @@ pub(crate) const OLDEST_DUE_DB: &str = "SELECT MIN(t) FROM ( \
 /// The outbox by status, and the age of what has waited longest. `cursors`: the db backend,
 /// where rows stay `pending` and handlers progress by cursor: the oldest is what some handler
 /// has not been handed yet, or a due retry ([`OLDEST_DUE_DB`], which reads from the lowest
-/// cursor on). On nats it is the oldest due pending row (not yet published): the pending rows
-/// there are only the unpublished ones, while on db the same read would go through every
-/// retained row.
+/// cursor on). On nats it is the oldest row not yet published, pending or being published, by
+/// when it was written: a row the relay deferred (the broker down) is due again later, and
+/// counting from when it is due would make an hour's outage look a minute old. The pending and
+/// processing rows there are only the unpublished ones, while on db the same read would go
+/// through every retained row.
 pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64, cursors: bool) -> Result<QueueStats, sqlx::Error> {
     let mut stats = QueueStats::default();
     for row in sqlx::query("SELECT status, COUNT(*) FROM event_queue GROUP BY status").fetch_all(&mut *conn).await? {
@@ -415,7 +417,7 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64, cursors: bool) -
     let oldest = if cursors {
         OLDEST_DUE_DB
     } else {
-        "SELECT MIN(available_at) FROM event_queue WHERE status = 'pending' AND available_at <= ?1"
+        "SELECT MIN(created_at) FROM event_queue WHERE status IN ('pending', 'processing') AND created_at <= ?1"
     };
     let oldest: Option<i64> = sqlx::query_scalar(oldest).bind(now).fetch_one(&mut *conn).await?;
     stats.oldest_due_age_ms = oldest.map_or(0, |t| (now - t).max(0));

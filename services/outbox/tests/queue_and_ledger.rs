@@ -538,6 +538,30 @@ async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
 
 /// On the db backend outbox rows stay `pending`, so what has waited longest is the oldest row a
 /// handler has not been handed yet, not the oldest row kept; on nats it is the oldest pending row.
+/// On nats the oldest waiting row counts from when it was written, while the relay publishes
+/// it and however often the relay deferred it (the broker down): not from when it is next due,
+/// which made an hour's outage look younger than a minute.
+#[tokio::test]
+async fn a_deferred_row_waits_since_it_was_written() {
+    let (_dir, db) = open().await;
+    enqueue(&db, 1).await;
+    let created: i64 = sqlx::query_scalar("SELECT created_at FROM event_queue").fetch_one(&db.reads).await.unwrap();
+    let now = created + 3_600_000;
+    let age = || {
+        let db = db.clone();
+        async move {
+            let mut conn = db.reads.acquire().await.unwrap();
+            queue::stats(&mut conn, now, false).await.unwrap().oldest_due_age_ms
+        }
+    };
+    assert_eq!(age().await, 3_600_000);
+    let claimed = claim(&db, now, QueuePolicy::default()).await;
+    assert_eq!(age().await, 3_600_000, "being published");
+    let row = RowClaim { id: claimed[0].id, claimed_at: claimed[0].claimed_at };
+    job(&db, move |tx| Box::pin(async move { queue::defer(tx, &[row], now + 30_000).await })).await;
+    assert_eq!(age().await, 3_600_000, "deferred, not due again yet");
+}
+
 #[tokio::test]
 async fn the_oldest_waiting_row_follows_the_handlers_cursors_on_db() {
     use reelay_outbox::deliveries::{self, ClaimError, HandlerClaim, HandlerPolicy};

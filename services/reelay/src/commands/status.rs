@@ -72,11 +72,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     for (i, h) in status.handlers.iter().enumerate() {
         let (pending, oldest) = match &nats {
             None => (h.pending.to_string(), if h.pending == 0 { "-".to_owned() } else { age(h.oldest_age_ms) }),
+            // The consumer's backlog: a replay is in it once the relay published its copy (its
+            // ledger row, `retry` until claimed, shows under RETRYING, not counted twice here).
             Some(Ok(backlogs)) => match &backlogs[i] {
-                Consumer::Found(b) => (
-                    (b.pending + h.retrying).to_string(),
-                    if b.pending == 0 { "-".to_owned() } else { age(b.oldest_age_ms) },
-                ),
+                Consumer::Found(b) => {
+                    (b.pending.to_string(), if b.pending == 0 { "-".to_owned() } else { age(b.oldest_age_ms) })
+                }
                 Consumer::Missing => ("no consumer".to_owned(), "-".to_owned()),
                 Consumer::Unreadable(_) => ("unknown".to_owned(), "-".to_owned()),
             },
