@@ -86,8 +86,18 @@ async fn a_relay_killed_between_puback_and_mark_done_republishes_into_one_messag
     assert_eq!(messages.len(), ids.len(), "the broker dropped every duplicate");
     assert_eq!(distinct, ids, "one message per event id");
     assert!(relay.log_text().contains("duplicate PubAck"), "{}", relay.log_text());
-    relay.stop().await;
+
+    // The write service goes away: the relay's pauses grow (0.2 s, doubling). Stopped during
+    // a 25.6 s one (its 8th), it stops at once, not when the pause ends.
     write.stop().await;
+    eventually("the relay's pauses have grown", Duration::from_secs(60), || {
+        let log = relay.log_text();
+        async move { log.matches("cannot claim outbox rows; pausing").count() >= 8 }
+    })
+    .await;
+    let stopping = std::time::Instant::now();
+    relay.stop().await;
+    assert!(stopping.elapsed() < Duration::from_secs(10), "stopped after {:?}", stopping.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -104,6 +104,9 @@ struct Published {
     duplicates: usize,
 }
 
+/// How long a stopping relay waits for its batches' settles (Kubernetes gives it 45 s).
+const SETTLE_AT_STOP: Duration = Duration::from_secs(15);
+
 impl Relay {
     pub fn new(outbox: ServiceChannel, nats: async_nats::Client, config: RelayConfig) -> Self {
         let jetstream = async_nats::jetstream::new(nats.clone());
@@ -146,7 +149,10 @@ impl Relay {
                     unanswered.push(call_id);
                     let transport = is_transport_failure(&status);
                     tracing::warn!(code = ?status.code(), error = status.message(), transport, "cannot claim outbox rows; pausing");
-                    claim_backoff.sleep().await;
+                    tokio::select! {
+                        _ = claim_backoff.sleep() => {}
+                        () = shutdown.requested() => {}
+                    }
                     continue;
                 }
             };
@@ -182,12 +188,23 @@ impl Relay {
             }
             if paused {
                 tracing::warn!(delay = ?backoff.delay(), "the broker is unreachable; deferring rows without spending attempts and pausing");
-                backoff.sleep().await;
+                tokio::select! {
+                    _ = backoff.sleep() => {}
+                    () = shutdown.requested() => {}
+                }
             } else {
                 backoff.reset();
             }
         }
-        while settling.join_next().await.is_some() {}
+        // Settles keep trying while the write service is unreachable; stopping, they have a
+        // while. A row left unsettled stays claimed and comes back after its lease: one already
+        // published is published again, and the broker drops the copy (its duplicate window).
+        let settled = tokio::time::timeout(SETTLE_AT_STOP, async { while settling.join_next().await.is_some() {} });
+        if settled.await.is_err() {
+            tracing::warn!(batches = settling.len(), timeout = ?SETTLE_AT_STOP,
+                "stopping with batches not settled: the write service did not answer; their rows come back after the lease");
+            settling.abort_all();
+        }
         tracing::info!("relay stopped");
     }
 
