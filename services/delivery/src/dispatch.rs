@@ -407,6 +407,11 @@ impl Dispatcher {
         config: DispatchConfig,
         shutdown: Shutdown,
     ) -> Self {
+        for handler in &handlers {
+            for outcome in Self::OUTCOMES {
+                DELIVERIES.declare(&[handler.name(), outcome]);
+            }
+        }
         Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default() }
     }
 
@@ -512,6 +517,9 @@ impl Dispatcher {
         }
         Ok(Some(Dispatched { verdicts, ledger }))
     }
+
+    /// Every outcome [`Self::count_outcomes`] counts.
+    const OUTCOMES: [&str; 5] = ["done", "skipped", "deferred", "failed", "dead_lettered"];
 
     /// Counts each (delivery, handler) pair by what became of it.
     fn count_outcomes<T>(&self, deliveries: &[Delivery<T>], pairs: &[Vec<(usize, PairState)>]) {

@@ -158,6 +158,11 @@ impl Counter {
         self.0.with(labels, |s| s.value += by as f64);
     }
 
+    /// Makes the series of `labels` scraped, at 0 until it is counted.
+    pub fn declare(&self, labels: &[&str]) {
+        self.inc_by(labels, 0);
+    }
+
     /// The current value of one series (tests and status output).
     pub fn get(&self, labels: &[&str]) -> u64 {
         self.0.with(labels, |s| s.value as u64)
@@ -199,8 +204,14 @@ impl Histogram {
     }
 }
 
+/// A counter; one without labels is scraped at 0 from the start (`rate()` then sees its first
+/// increment). A labelled one's series appear as they are counted, or at 0 by [`Counter::declare`].
 pub fn counter(name: &'static str, help: &'static str, labels: &'static [&'static str]) -> Counter {
-    Counter(register(name, help, Kind::Counter, labels, &[]))
+    let counter = Counter(register(name, help, Kind::Counter, labels, &[]));
+    if labels.is_empty() {
+        counter.declare(&[]);
+    }
+    counter
 }
 
 pub fn gauge(name: &'static str, help: &'static str, labels: &'static [&'static str]) -> Gauge {
@@ -286,6 +297,13 @@ mod tests {
         assert!(text.contains("test_latency_seconds_bucket{le=\"+Inf\"} 3\n"), "{text}");
         assert!(text.contains("test_latency_seconds_count 3\n"), "{text}");
         assert!(text.contains("test_latency_seconds_sum 4.75\n"), "{text}");
+        // A counter without labels is there at 0 before it first counts; a labelled one's
+        // series once declared.
+        counter("test_resumed_total", "Resumed.", &[]);
+        c.declare(&["skipped"]);
+        let text = render().await;
+        assert!(text.contains("\ntest_resumed_total 0\n"), "{text}");
+        assert!(text.contains("test_things_total{outcome=\"skipped\"} 0\n"), "{text}");
         assert!(text.contains("test_rows{status=\"done\"} 3\n"), "{text}");
         assert_eq!(c.get(&["ok"]), 1);
     }

@@ -587,8 +587,8 @@ fn delivery_policy(args: &RunArgs) -> DeliveryPolicy {
     }
 }
 
-/// Declares the metrics of the services this process runs, so a scrape shows them (at zero)
-/// before they first move.
+/// Declares the metrics of the services this process runs, so a scrape shows them before they
+/// first move: counters without labels, each handler's outcomes and the ledger's at zero.
 fn register_metrics(services: &BTreeSet<Service>) {
     if services.contains(&Service::Write) {
         reelay_outbox::register_metrics();

@@ -33,7 +33,9 @@ static LEDGER_DEAD_LETTERS: LazyLock<Counter> = LazyLock::new(|| {
 
 /// Declares the ledger's metrics, so they are scraped before the first claim.
 pub(crate) fn register_metrics() {
-    LazyLock::force(&LEDGER_CLAIMS);
+    for outcome in ["acquired", "resumed", "done", "held", "standing_by"] {
+        LEDGER_CLAIMS.declare(&[outcome]);
+    }
     LazyLock::force(&LEDGER_DEAD_LETTERS);
 }
 
