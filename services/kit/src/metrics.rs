@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -228,9 +228,24 @@ pub fn histogram(
     Histogram(register(name, help, Kind::Histogram, labels, buckets))
 }
 
+static SAMPLES_FAILED: LazyLock<Counter> = LazyLock::new(|| {
+    counter(
+        "reelay_metrics_samples_failed_total",
+        "Scrapes whose sampled gauges could not be read (left out of the scrape) or took over 5 s (their last values served).",
+        &[],
+    )
+});
+
 /// Adds a sampler run before every scrape.
 pub fn add_sampler(sampler: Sampler) {
+    LazyLock::force(&SAMPLES_FAILED);
     registry().samplers.lock().expect("registry lock").push(sampler);
+}
+
+/// Says a sampler could not read what it samples (it clears its gauges rather than serve
+/// values that are no longer true).
+pub fn sample_failed() {
+    SAMPLES_FAILED.inc(&[]);
 }
 
 /// Runs the samplers (each bounded in time) and renders every registered metric. Scrapes
@@ -244,6 +259,7 @@ pub async fn render() -> String {
         for sampler in samplers {
             if tokio::time::timeout(Duration::from_secs(5), sampler()).await.is_err() {
                 tracing::warn!("a metrics sampler took over 5 s; serving its last values");
+                sample_failed();
             }
         }
     }

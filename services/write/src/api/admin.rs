@@ -429,7 +429,11 @@ pub fn sample_status(db: Database, bus: Bus) {
             let s = match status.await {
                 Ok(s) => s,
                 Err(error) => {
-                    tracing::warn!(%error, "cannot sample the outbox for metrics");
+                    tracing::warn!(%error, "cannot sample the outbox for metrics; its gauges are left out of this scrape");
+                    for gauge in [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
+                        gauge.clear();
+                    }
+                    metrics::sample_failed();
                     return;
                 }
             };
