@@ -313,12 +313,24 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
 
     if let Some(listener) = handlers_listener {
         let context = HandlerContext { data_dir: args.database.data_dir.clone(), write: write_channel.clone() };
-        let built = reelay_handlers::build(&args.handlers.handlers, &args.handlers.settings, &context).await?;
+        let mut built = reelay_handlers::build(&args.handlers.handlers, &args.handlers.settings, &context).await?;
         let names: Vec<&str> = built.iter().map(|b| b.handler.name()).collect();
         tracing::info!(backend = ?args.handlers.backend, %write_url, handlers = ?names, owner = %identity.owner(),
             "handlers service starting");
         let mut server =
             GrpcServer::new(grpc.clone()).readiness(Service::Handlers.as_str(), &ready[&Service::Handlers]);
+        for mount in built.iter_mut().filter_map(|b| b.grpc.take()) {
+            server = mount(server);
+        }
+        // Served from the start (not ready until set up): a start-up probe is answered while
+        // the write service is still awaited below, which may take a while.
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            server
+                .serve(listener, async move { stop.requested().await })
+                .await
+                .context("the handlers gRPC server failed")
+        });
         let record_dead_letters = nats_client.is_some() && args.nats.nats_mode == NatsMode::Jetstream;
         // On db the handlers of this process claim together (one call for all that ask at once).
         let mut claimer: Option<DeliveryClaimer> = None;
@@ -335,10 +347,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             let handlers: Vec<Arc<dyn Handler>> = built.iter().map(|b| b.handler.clone()).collect();
             tell_builds_before_consuming(&ledger_claims, &handlers, &shutdown).await;
         }
-        for BuiltHandler { handler, grpc } in built {
-            if let Some(mount) = grpc {
-                server = mount(server);
-            }
+        for BuiltHandler { handler, .. } in built {
             let dispatcher = Dispatcher::new(
                 vec![handler.clone()],
                 write_channel.clone(),
@@ -415,13 +424,6 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                 }
             }
         }
-        let stop = shutdown.clone();
-        tasks.spawn(async move {
-            server
-                .serve(listener, async move { stop.requested().await })
-                .await
-                .context("the handlers gRPC server failed")
-        });
         if let Some(listener) = media_listener {
             let objects = reelay_handlers::objects(&args.handlers.settings, &args.database.data_dir)?;
             tracing::info!(addr = %args.handlers.media_addr, objects = objects.describe(), "media route listening");
