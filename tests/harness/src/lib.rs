@@ -328,8 +328,8 @@ impl Reelay {
         self.child.as_ref().map(Child::id).expect("process is running")
     }
 
-    /// Waits until `service` at `addr` reports itself serving: grpc.health.v1, or the gateway's
-    /// `/healthz`.
+    /// Waits until `service` at `addr` reports itself ready: grpc.health.v1 for the service's
+    /// name, or the gateway's `/healthz`.
     async fn wait_serving(&mut self, service: &str, addr: SocketAddr, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -365,7 +365,9 @@ impl Reelay {
         let Ok(channel) = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await else {
             return false;
         };
-        let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
+        // The service's own name: SERVING once it is ready (the process's, "", as soon as it
+        // listens, which the handlers service does before its consumers are set up).
+        let reply = HealthClient::new(channel).check(HealthCheckRequest { service: service.to_owned() }).await;
         reply.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
     }
 
