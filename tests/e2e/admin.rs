@@ -258,6 +258,9 @@ async fn what_the_relay_gives_up_is_a_dead_letter_too() {
     .await;
     assert_eq!(probe_counts(&cluster, &event_id, "probe-a").await, (1, 1), "probe-a saw none of the replays");
     assert_eq!(probe_counts(&cluster, &event_id, "probe-b").await.1, 1, "probe-b's effect once");
+    // The copy the relay gave up was probe-b's dead letter, not the relay's: none is counted.
+    let metrics = cluster.write.metrics().await;
+    assert_eq!(metrics.value(r#"reelay_dead_letters{handler="relay"}"#), Some(0.0), "{}", metrics.0);
     cluster.stop().await;
 }
 

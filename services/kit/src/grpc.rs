@@ -191,7 +191,8 @@ impl GrpcServer {
             tracing::info!(?addr, "grpc server draining");
         };
         let serving = tonic::transport::Server::builder()
-            .timeout(config.call_timeout)
+            // The deadline is kept by `CallContext`; this is its backstop.
+            .timeout(config.call_timeout + Duration::from_secs(1))
             .concurrency_limit_per_connection(config.max_concurrent_calls_per_connection)
             .layer(CallContextLayer {
                 token: config.service_token.map(Arc::from),
@@ -246,6 +247,10 @@ struct CallContext<S> {
 fn caller_deadline(request: &http::Request<Body>) -> Option<Duration> {
     let value = request.headers().get("grpc-timeout")?.to_str().ok()?;
     let (amount, unit) = value.split_at(value.len().checked_sub(1)?);
+    // At most 8 digits, as gRPC says (and tonic reads it).
+    if amount.is_empty() || amount.len() > 8 {
+        return None;
+    }
     let amount: u64 = amount.parse().ok()?;
     Some(match unit {
         "H" => Duration::from_secs(amount.checked_mul(3600)?),
@@ -258,14 +263,13 @@ fn caller_deadline(request: &http::Request<Body>) -> Option<Duration> {
     })
 }
 
-/// Counts a call that was dropped before it answered: cut off at its deadline (tonic's timeout
-/// runs outside this layer, and answers DEADLINE_EXCEEDED itself) or left by its caller
-/// (CANCELLED). Without it the calls a hung write service never answers were in no metric.
+/// Counts a call dropped before it answered: left by its caller, or cut off by tonic's own
+/// timer at a deadline the caller sent (CANCELLED, as tonic answers it). Without it such calls
+/// were in no metric.
 struct Unanswered {
     /// Disarmed (`None`) once the call answered.
     label: Option<String>,
     started: Instant,
-    deadline: Duration,
 }
 
 impl Unanswered {
@@ -278,10 +282,8 @@ impl Drop for Unanswered {
     fn drop(&mut self) {
         let Some(label) = self.label.take() else { return };
         let elapsed = self.started.elapsed();
-        // The timer fires at the deadline; a little early is still the deadline's doing.
-        let code = if elapsed + Duration::from_millis(20) >= self.deadline { "4" } else { "1" };
-        tracing::debug!(code, ?elapsed, "call dropped before it answered");
-        GRPC_REQUESTS.inc(&[&label, code]);
+        tracing::debug!(?elapsed, "call dropped before it answered");
+        GRPC_REQUESTS.inc(&[&label, "1"]);
         GRPC_DURATION.observe_duration(&[&label], elapsed);
     }
 }
@@ -359,16 +361,26 @@ where
             .map_or_else(new_traceparent, str::to_owned);
         let span = tracing::info_span!("grpc", %method, trace_id = %&traceparent[3..35]);
         let deadline = caller_deadline(&request).map_or(self.call_timeout, |d| d.min(self.call_timeout));
-        let mut unanswered = Unanswered { label: Some(label.clone()), started, deadline };
         // Take the service that was driven to readiness; leave a fresh clone for the next call.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let call = inner.call(request);
+        let mut unanswered = Unanswered { label: Some(label.clone()), started };
         Box::pin(
             TRACEPARENT
                 .scope(traceparent, async move {
-                    let answered = AssertUnwindSafe(call).catch_unwind().await;
+                    // The call's deadline is kept here, so that a call cut off by it is answered
+                    // DEADLINE_EXCEEDED and counted (tonic's own timer, set a second later, is
+                    // the backstop; it answers CANCELLED from outside this layer).
+                    let answered = tokio::time::timeout(deadline, AssertUnwindSafe(call).catch_unwind()).await;
                     unanswered.answered();
+                    let Ok(answered) = answered else {
+                        tracing::warn!(?deadline, "call not answered within its deadline");
+                        GRPC_REQUESTS.inc(&[&label, "4"]);
+                        GRPC_DURATION.observe_duration(&[&label], started.elapsed());
+                        let status = Status::deadline_exceeded(format!("not answered within {deadline:?}"));
+                        return Ok(status.into_http());
+                    };
                     match answered {
                         Ok(Ok(mut response)) => {
                             blame_the_request(&mut response);
@@ -503,14 +515,14 @@ mod tests {
         }
     }
 
-    /// A call cut off at its deadline (tonic's timeout drops it from outside) is counted as
-    /// DEADLINE_EXCEEDED, with its time; one its caller left early as CANCELLED.
+    /// A call not answered within its deadline (the server's, or a shorter one its caller sent)
+    /// is answered DEADLINE_EXCEEDED and counted so, with its time; one its caller left early
+    /// is counted CANCELLED.
     #[tokio::test]
-    async fn calls_dropped_before_they_answer_are_counted() {
+    async fn calls_not_answered_in_time_are_answered_and_counted() {
         let method = "/reelay.v1.Reviews/LogReview";
         let known = Arc::new(method_paths(&["reelay.v1.Reviews"]));
-        let layer = CallContextLayer { token: None, known, call_timeout: Duration::from_millis(100) };
-        let mut service = layer.layer(Hung);
+        let layer = |call_timeout| CallContextLayer { token: None, known: known.clone(), call_timeout };
         let request = |timeout: Option<&str>| {
             let mut request = http::Request::builder().uri(format!("http://x{method}"));
             if let Some(timeout) = timeout {
@@ -521,18 +533,20 @@ mod tests {
         let count = |code| GRPC_REQUESTS.get(&[method, code]);
         let (deadline, cancelled) = (count("4"), count("1"));
         // Cut off at the server's deadline, and at the caller's shorter one.
-        for (timeout, after) in [(None, 100), (Some("50m"), 50)] {
-            let call = service.call(request(timeout));
-            let cut = tokio::time::timeout(Duration::from_millis(after), call).await;
-            assert!(cut.is_err(), "a hung call does not answer");
+        let mut service = layer(Duration::from_millis(100)).layer(Hung);
+        for timeout in [None, Some("50m")] {
+            let answer = tokio::time::timeout(Duration::from_secs(30), service.call(request(timeout))).await;
+            let answer = answer.expect("answered at the deadline").unwrap();
+            assert_eq!(answer.headers()["grpc-status"], "4", "{timeout:?}");
         }
         assert_eq!((count("4"), count("1")), (deadline + 2, cancelled));
-        // Left by its caller long before either deadline.
-        let call = service.call(request(Some("10S")));
-        assert!(tokio::time::timeout(Duration::from_millis(10), call).await.is_err());
+        // Left by its caller long before its deadline.
+        let mut service = layer(Duration::from_secs(60)).layer(Hung);
+        assert!(tokio::time::timeout(Duration::from_millis(10), service.call(request(None))).await.is_err());
         assert_eq!((count("4"), count("1")), (deadline + 2, cancelled + 1));
         assert_eq!(caller_deadline(&request(Some("2M"))), Some(Duration::from_secs(120)));
         assert_eq!(caller_deadline(&request(Some("x"))), None);
+        assert_eq!(caller_deadline(&request(Some("123456789S"))), None, "over 8 digits");
         assert_eq!(caller_deadline(&request(None)), None);
     }
 }

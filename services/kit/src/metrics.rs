@@ -231,7 +231,7 @@ pub fn histogram(
 static SAMPLES_FAILED: LazyLock<Counter> = LazyLock::new(|| {
     counter(
         "reelay_metrics_samples_failed_total",
-        "Scrapes whose sampled gauges could not be read (left out of the scrape) or took over 5 s (their last values served).",
+        "Scrapes whose sampled gauges could not be read, or took over 5 s: their last values were served.",
         &[],
     )
 });
@@ -242,8 +242,8 @@ pub fn add_sampler(sampler: Sampler) {
     registry().samplers.lock().expect("registry lock").push(sampler);
 }
 
-/// Says a sampler could not read what it samples (it clears its gauges rather than serve
-/// values that are no longer true).
+/// Says a sampler could not read what it samples: its gauges keep their last values, which
+/// this counter marks as stale.
 pub fn sample_failed() {
     SAMPLES_FAILED.inc(&[]);
 }
@@ -262,13 +262,15 @@ pub async fn render() -> String {
                 sample_failed();
             }
         }
+        // Rendered before the next scrape's samplers run: one's reset of a gauge must not land
+        // between another's sampling and rendering.
+        let families: Vec<Arc<Family>> = registry().families.lock().expect("registry lock").clone();
+        let mut out = String::new();
+        for family in families {
+            family.render(&mut out);
+        }
+        out
     }
-    let families: Vec<Arc<Family>> = registry().families.lock().expect("registry lock").clone();
-    let mut out = String::new();
-    for family in families {
-        family.render(&mut out);
-    }
-    out
 }
 
 #[cfg(test)]

@@ -379,6 +379,9 @@ pub struct QueueStats {
     pub processing: u64,
     pub done: u64,
     pub dead_lettered: u64,
+    /// Of those, the relay's own dead letters (nats): not the copies replayed to one handler
+    /// that it gave up, which are that handler's dead letters again.
+    pub relay_dead_letters: u64,
     pub oldest_due_age_ms: i64,
 }
 
@@ -414,10 +417,20 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64, cursors: bool) -
             _ => {}
         }
     }
+    if !cursors && stats.dead_lettered > 0 {
+        stats.relay_dead_letters = sqlx::query_scalar::<_, i64>(
+            "SELECT COUNT(*) FROM event_queue WHERE status = 'dead_lettered' AND replay_of IS NULL",
+        )
+        .fetch_one(&mut *conn)
+        .await? as u64;
+    }
     let oldest = if cursors {
         OLDEST_DUE_DB
     } else {
-        "SELECT MIN(created_at) FROM event_queue WHERE status IN ('pending', 'processing') AND created_at <= ?1"
+        // By status: walking the `created_at` index from the oldest would go through every
+        // published row kept (SQLite may pick that plan once it has statistics).
+        "SELECT MIN(created_at) FROM event_queue INDEXED BY event_queue_status_id \
+         WHERE status IN ('pending', 'processing') AND created_at <= ?1"
     };
     let oldest: Option<i64> = sqlx::query_scalar(oldest).bind(now).fetch_one(&mut *conn).await?;
     stats.oldest_due_age_ms = oldest.map_or(0, |t| (now - t).max(0));

@@ -536,8 +536,6 @@ async fn claims_are_bounded_by_bytes_and_oversized_rows_are_dead_lettered() {
     assert!(reason.contains("300000 bytes"), "the reason names the size: {reason}");
 }
 
-/// On the db backend outbox rows stay `pending`, so what has waited longest is the oldest row a
-/// handler has not been handed yet, not the oldest row kept; on nats it is the oldest pending row.
 /// On nats the oldest waiting row counts from when it was written, while the relay publishes
 /// it and however often the relay deferred it (the broker down): not from when it is next due,
 /// which made an hour's outage look younger than a minute.
@@ -562,6 +560,9 @@ async fn a_deferred_row_waits_since_it_was_written() {
     assert_eq!(age().await, 3_600_000, "deferred, not due again yet");
 }
 
+/// On the db backend outbox rows stay `pending`, so what has waited longest is the oldest row a
+/// handler has not been handed yet, not the oldest row kept; on nats it is the oldest row not
+/// yet published.
 #[tokio::test]
 async fn the_oldest_waiting_row_follows_the_handlers_cursors_on_db() {
     use reelay_outbox::deliveries::{self, ClaimError, HandlerClaim, HandlerPolicy};

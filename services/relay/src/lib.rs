@@ -136,7 +136,12 @@ impl Relay {
                 unanswered: unanswered.clone(),
             });
             request.set_timeout(self.config.long_poll + Duration::from_secs(10));
-            let rows = match self.outbox.claim(request).await {
+            // A claim answered after the relay stopped waiting is held until its lease runs out.
+            let claimed = tokio::select! {
+                claimed = self.outbox.claim(request) => claimed,
+                () = shutdown.requested() => break,
+            };
+            let rows = match claimed {
                 Ok(reply) => {
                     unanswered.clear();
                     claim_backoff.reset();
@@ -167,7 +172,11 @@ impl Relay {
             };
             let mut paused = false;
             while settling.len() >= MAX_SETTLING {
-                paused |= matches!(settling.join_next().await, Some(Ok(true)));
+                tokio::select! {
+                    finished = settling.join_next() => paused |= matches!(finished, Some(Ok(true))),
+                    // Stopping: this batch is settled with the others, within their deadline.
+                    () = shutdown.requested() => break,
+                }
             }
             let (outbox, crash, delay) = (self.outbox.clone(), self.crash_after_puback, backoff.delay());
             settling.spawn(async move {

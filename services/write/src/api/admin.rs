@@ -429,10 +429,9 @@ pub fn sample_status(db: Database, bus: Bus) {
             let s = match status.await {
                 Ok(s) => s,
                 Err(error) => {
-                    tracing::warn!(%error, "cannot sample the outbox for metrics; its gauges are left out of this scrape");
-                    for gauge in [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
-                        gauge.clear();
-                    }
+                    // Their last values are served (left out, a firing alert on them would
+                    // resolve); reelay_metrics_samples_failed_total says they are stale.
+                    tracing::warn!(%error, "cannot sample the outbox for metrics; serving its last values");
                     metrics::sample_failed();
                     return;
                 }
@@ -451,7 +450,7 @@ pub fn sample_status(db: Database, bus: Bus) {
             }
             if bus == Bus::Nats {
                 // Events no handler got: the relay's dead letters, under its name.
-                DEAD_LETTERS.set(&[dead_letters::RELAY], s.outbox.dead_lettered as f64);
+                DEAD_LETTERS.set(&[dead_letters::RELAY], s.outbox.relay_dead_letters as f64);
             }
             for h in s.handlers {
                 HANDLER_PENDING.set(&[&h.handler], h.pending as f64);
