@@ -273,19 +273,24 @@ struct Unanswered {
 }
 
 impl Unanswered {
-    fn answered(&mut self) {
-        self.label = None;
+    /// Disarms the guard, handing back the call's label.
+    fn answered(&mut self) -> String {
+        self.label.take().unwrap_or_default()
     }
 }
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
         let Some(label) = self.label.take() else { return };
-        let elapsed = self.started.elapsed();
-        tracing::debug!(?elapsed, "call dropped before it answered");
-        GRPC_REQUESTS.inc(&[&label, "1"]);
-        GRPC_DURATION.observe_duration(&[&label], elapsed);
+        tracing::debug!(elapsed = ?self.started.elapsed(), "call dropped before it answered");
+        count_call(&label, "1", self.started);
     }
+}
+
+/// Counts a call by its method label and code, with its time.
+fn count_call(label: &str, code: &str, started: Instant) {
+    GRPC_REQUESTS.inc(&[label, code]);
+    GRPC_DURATION.observe_duration(&[label], started.elapsed());
 }
 
 /// The method label of a call: its path when it is a method of a mounted service, else
@@ -365,7 +370,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let call = inner.call(request);
-        let mut unanswered = Unanswered { label: Some(label.clone()), started };
+        let mut unanswered = Unanswered { label: Some(label), started };
         Box::pin(
             TRACEPARENT
                 .scope(traceparent, async move {
@@ -373,11 +378,10 @@ where
                     // DEADLINE_EXCEEDED and counted (tonic's own timer, set a second later, is
                     // the backstop; it answers CANCELLED from outside this layer).
                     let answered = tokio::time::timeout(deadline, AssertUnwindSafe(call).catch_unwind()).await;
-                    unanswered.answered();
+                    let label = unanswered.answered();
                     let Ok(answered) = answered else {
                         tracing::warn!(?deadline, "call not answered within its deadline");
-                        GRPC_REQUESTS.inc(&[&label, "4"]);
-                        GRPC_DURATION.observe_duration(&[&label], started.elapsed());
+                        count_call(&label, "4", started);
                         let status = Status::deadline_exceeded(format!("not answered within {deadline:?}"));
                         return Ok(status.into_http());
                     };
@@ -389,9 +393,8 @@ where
                             let code =
                                 response.headers().get("grpc-status").and_then(|v| v.to_str().ok()).unwrap_or("0");
                             tracing::debug!(code, "call answered");
-                            let label = if code == "12" { "unknown".to_owned() } else { label };
-                            GRPC_REQUESTS.inc(&[&label, code]);
-                            GRPC_DURATION.observe_duration(&[&label], started.elapsed());
+                            let label = if code == "12" { "unknown" } else { &label };
+                            count_call(label, code, started);
                             Ok(response)
                         }
                         Ok(Err(error)) => Err(error),
