@@ -95,10 +95,7 @@ async fn stand_by(standing_by: &mut bool, why: &str, shutdown: &Shutdown) {
     if !std::mem::replace(standing_by, true) {
         tracing::warn!(%why, "standing by: another build of this handler claims its deliveries");
     }
-    tokio::select! {
-        () = tokio::time::sleep(STAND_BY_POLL) => {}
-        () = shutdown.requested() => {}
-    }
+    shutdown.unless_requested(tokio::time::sleep(STAND_BY_POLL)).await;
 }
 
 /// Dispatches one batch, fetched by a call sent at `asked`, through the ledger and settles it.

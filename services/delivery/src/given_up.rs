@@ -101,10 +101,7 @@ struct Pending {
 impl GivenUpWatch {
     pub async fn run(mut self) {
         let shutdown = self.shutdown.clone();
-        tokio::select! {
-            () = shutdown.requested() => {}
-            () = self.watch() => {}
-        }
+        shutdown.unless_requested(self.watch()).await;
     }
 
     async fn watch(&mut self) {

@@ -18,6 +18,14 @@ impl Shutdown {
         self.token.cancelled().await
     }
 
+    /// Runs `work` to its end, or until shutdown is requested (`None`: `work` is dropped).
+    pub async fn unless_requested<T>(&self, work: impl Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            done = work => Some(done),
+            () = self.requested() => None,
+        }
+    }
+
     pub fn is_requested(&self) -> bool {
         self.token.is_cancelled()
     }

@@ -137,10 +137,7 @@ impl Relay {
             });
             request.set_timeout(self.config.long_poll + Duration::from_secs(10));
             // A claim answered after the relay stopped waiting is held until its lease runs out.
-            let claimed = tokio::select! {
-                claimed = self.outbox.claim(request) => claimed,
-                () = shutdown.requested() => break,
-            };
+            let Some(claimed) = shutdown.unless_requested(self.outbox.claim(request)).await else { break };
             let rows = match claimed {
                 Ok(reply) => {
                     unanswered.clear();
@@ -154,10 +151,7 @@ impl Relay {
                     unanswered.push(call_id);
                     let transport = is_transport_failure(&status);
                     tracing::warn!(code = ?status.code(), error = status.message(), transport, "cannot claim outbox rows; pausing");
-                    tokio::select! {
-                        _ = claim_backoff.sleep() => {}
-                        () = shutdown.requested() => {}
-                    }
+                    shutdown.unless_requested(claim_backoff.sleep()).await;
                     continue;
                 }
             };
@@ -172,11 +166,9 @@ impl Relay {
             };
             let mut paused = false;
             while settling.len() >= MAX_SETTLING {
-                tokio::select! {
-                    finished = settling.join_next() => paused |= matches!(finished, Some(Ok(true))),
-                    // Stopping: this batch is settled with the others, within their deadline.
-                    () = shutdown.requested() => break,
-                }
+                // Stopping: this batch is settled with the others, within their deadline.
+                let Some(finished) = shutdown.unless_requested(settling.join_next()).await else { break };
+                paused |= matches!(finished, Some(Ok(true)));
             }
             let (outbox, crash, delay) = (self.outbox.clone(), self.crash_after_puback, backoff.delay());
             settling.spawn(async move {
@@ -197,10 +189,7 @@ impl Relay {
             }
             if paused {
                 tracing::warn!(delay = ?backoff.delay(), "the broker is unreachable; deferring rows without spending attempts and pausing");
-                tokio::select! {
-                    _ = backoff.sleep() => {}
-                    () = shutdown.requested() => {}
-                }
+                shutdown.unless_requested(backoff.sleep()).await;
             } else {
                 backoff.reset();
             }
