@@ -107,10 +107,15 @@ fn fold(word: String) -> String {
     if word.is_ascii() {
         return word;
     }
-    let mut folder = TextAnalyzer::builder(RawTokenizer::default()).filter(AsciiFoldingFilter).build();
-    let mut stream = folder.token_stream(&word);
-    let folded = stream.advance().then(|| stream.token().text.clone());
-    drop(stream);
+    thread_local! {
+        // Built once per thread, not once per word.
+        static FOLDER: std::cell::RefCell<TextAnalyzer> =
+            std::cell::RefCell::new(TextAnalyzer::builder(RawTokenizer::default()).filter(AsciiFoldingFilter).build());
+    }
+    let folded = FOLDER.with_borrow_mut(|folder| {
+        let mut stream = folder.token_stream(&word);
+        stream.advance().then(|| stream.token().text.clone())
+    });
     folded.unwrap_or(word)
 }
 
@@ -197,13 +202,9 @@ pub fn query(text: &str) -> Vec<Wanted> {
         }
     };
     // A stretch: runs that touch.
+    // (A word of a space-separated script alone is a stretch of one run: its alternatives are
+    // its folded and typed forms, the analyzer before's being the typed one.)
     for stretch in runs(text).chunk_by(|a, b| a.to == b.from) {
-        if !stretch.iter().any(|run| run.joined) {
-            let Some(word) = spaced_word(&text[stretch[0].from..stretch[0].to]) else { continue };
-            let folded = fold(word.clone());
-            want(if folded == word { vec![vec![word]] } else { vec![vec![folded], vec![word]] });
-            continue;
-        }
         // Its words as indexed now (spaced words folded), as the build before folding indexed
         // them (spaced words as typed), and as the analyzer before that (one word per run).
         let (mut own, mut typed): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
