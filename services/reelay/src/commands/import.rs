@@ -5,9 +5,9 @@
 //! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked before anything is sent (errors name the
 //! file, line and column); re-importing a newer export adds only what is new (diary entries are
 //! keyed by their Letterboxd URI, a film already on the watchlist stays as it is, and an entry
-//! deleted in Reelay stays deleted, from migration 0133 on), and an entry imported before without its review text or
-//! rating gets them from a later file (the diary.csv first, its reviews.csv after); what an
-//! entry has is never overwritten. A row with no year (Letterboxd has some films without one)
+//! deleted in Reelay stays deleted, from migration 0133 on), and an entry imported before
+//! without its review text or rating gets them from a later file (the diary.csv first, its
+//! reviews.csv after); what an entry has is never overwritten. A row with no year (Letterboxd has some films without one)
 //! is named and left out.
 
 use std::io::{IsTerminal, Read, Write};
@@ -49,7 +49,8 @@ pub struct LetterboxdArgs {
 struct Export {
     /// The diary with the reviews attached, as one CSV.
     diary: Option<Vec<u8>>,
-    watchlist: Option<Vec<u8>>,
+    /// The watchlist as checked (parsed once).
+    watchlist: Option<letterboxd::Parsed>,
 }
 
 pub async fn run(command: ImportCommand) -> anyhow::Result<()> {
@@ -77,10 +78,11 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
     let data = read_file(path)?;
     if !data.starts_with(b"PK\x03\x04") {
         let name = path.display().to_string();
-        say_left_out(&name, &checked(&name, &data)?, true);
+        let parsed = checked(&name, &data)?;
+        say_left_out(&name, &parsed, true);
         let named = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_lowercase();
         if named == "watchlist.csv" {
-            return Ok(Export { diary: None, watchlist: Some(data) });
+            return Ok(Export { diary: None, watchlist: Some(parsed) });
         }
         // The export's other lists (watchlist, ratings, watched, likes) share the diary's first
         // columns; imported as a diary, each film on them would become a viewing.
@@ -128,9 +130,9 @@ fn read_export(path: &Path) -> anyhow::Result<Export> {
             })
         }
     };
-    let watchlist = watchlist.map(|(bytes, parsed)| {
+    let watchlist = watchlist.map(|(_, parsed)| {
         say_left_out("watchlist.csv", &parsed, true);
-        bytes
+        parsed
     });
     if diary.is_none() && watchlist.is_none() {
         bail!("{} has no diary.csv, reviews.csv or watchlist.csv: is it a Letterboxd export?", path.display());
@@ -248,9 +250,12 @@ async fn import_diary(channel: ServiceChannel, user: &str, diary: &[u8]) -> anyh
     ))
 }
 
-async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8]) -> anyhow::Result<String> {
-    let parsed = checked("watchlist.csv", watchlist)?;
-    let (rows, without_year) = (parsed.rows, parsed.without_year.len());
+async fn import_watchlist(
+    channel: ServiceChannel,
+    user: &str,
+    watchlist: &letterboxd::Parsed,
+) -> anyhow::Result<String> {
+    let (rows, without_year) = (&watchlist.rows, watchlist.without_year.len());
     let mut client = WatchlistClient::new(channel);
     // What is on the watchlist already, to tell new entries from ones that stay as they were.
     let mut before = std::collections::HashSet::new();
@@ -269,7 +274,7 @@ async fn import_watchlist(channel: ServiceChannel, user: &str, watchlist: &[u8])
     }
     let mut progress = Progress::new("watchlist", rows.len());
     let (mut added, mut already) = (0, 0);
-    for row in &rows {
+    for row in rows {
         let movie = movie_by_title(&row.title, row.year);
         let entry = client
             .add_to_watchlist(v1::AddToWatchlistRequest {
