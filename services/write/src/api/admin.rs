@@ -256,8 +256,9 @@ impl v1::admin_server::Admin for AdminApi {
         let handler = handler_name("handler", &r.handler)?;
         let operator = operator(&r.operator)?;
         // The check, the dead letters' discard and the rest are one job: a refused retire (a
-        // process heard from, say) changes nothing. It holds the writer about 5 µs per dead
-        // letter (a second for 200,000), once per retired handler.
+        // process heard from, say) changes nothing. Its two statements took about 5 µs per dead
+        // letter (0.95 s for 200,000, run by Python's sqlite3 on the migrated schema, not
+        // through the writer), once per retired handler.
         let lease = self.lease;
         let retired = self
             .db
