@@ -777,6 +777,75 @@ async fn a_done_handler_is_skipped_while_its_sibling_still_runs() {
     cluster.stop().await;
 }
 
+/// A handler that takes events one at a time (as most do), stopped with SIGTERM while it works
+/// through a fetched batch of twelve half-second events: it finishes the event it is in, hands
+/// the others back and exits, instead of running the whole batch (which may outlast a pod's
+/// grace period and be lost with it). What it finished stays done; a new process runs each of
+/// the others once. On db the hand-back spends no attempt (JetStream counts a delivery for it).
+pub(crate) async fn a_handler_stopped_mid_batch_keeps_what_it_finished_and_hands_back_the_rest(backend: Backend) {
+    let dir = temp_dir();
+    // The events are all written before the handlers process starts, so one fetch takes them.
+    let mut cluster = Cluster::builder(BIN, backend).probes("probe-a").start(dir.path()).await;
+    let mut c = cluster.write.clients().await;
+    for i in 0..12 {
+        c.user(&format!("user{i}")).await;
+    }
+    let ids = event_ids(&cluster.db).await;
+    assert_eq!(ids.len(), 12);
+    let one_by_one = [("REELAY_PROBE_ONE_BY_ONE", "1"), ("REELAY_PROBE_DELAY_MS", "500")];
+    cluster.add_handlers(&dir.path().join("handlers"), &one_by_one).await;
+    eventually("probe-a has started its second event", Duration::from_secs(30), || async {
+        probe_records(&cluster.effects, "attempts").await.0.len() >= 2
+    })
+    .await;
+    cluster.handlers[0].stop().await;
+
+    let started = probe_records(&cluster.effects, "attempts").await.0;
+    let finished = effects(&cluster.effects).await;
+    assert_eq!(started, finished, "every event started before the stop finished");
+    assert!(
+        finished.len() < ids.len(),
+        "the stop did not wait for the whole batch: {} of {} ran",
+        finished.len(),
+        ids.len()
+    );
+    assert!(cluster.handlers[0].log_text().contains("handed back the events not yet started"));
+    if backend == Backend::Db {
+        let now = now_ms();
+        for id in ids.iter().filter(|id| !finished.contains_key(&((*id).clone(), "probe-a".to_owned()))) {
+            let (status, attempts, available_at) = delivery(&cluster.db, id, "probe-a").await.unwrap();
+            assert_eq!((status.as_str(), attempts), ("retry", 0), "{id} is handed back with no attempt spent");
+            assert!(available_at <= now, "{id} is due at once, not after a lease");
+        }
+    }
+
+    cluster.handlers[0].restart().await;
+    eventually("every event is handled", Duration::from_secs(60), || async {
+        effects(&cluster.effects).await.len() == ids.len()
+    })
+    .await;
+    let (started, finished) = (probe_records(&cluster.effects, "attempts").await.0, effects(&cluster.effects).await);
+    for id in &ids {
+        let key = (id.clone(), "probe-a".to_owned());
+        assert_eq!((started.get(&key), finished.get(&key)), (Some(&1), Some(&1)), "{id} ran once");
+    }
+    if backend == Backend::Db {
+        eventually("every delivery is settled", Duration::from_secs(10), || {
+            let mut c = c.clone();
+            async move { settled(&mut c).await }
+        })
+        .await;
+        let spent = query_strings(&cluster.db, "SELECT CAST(SUM(attempts) AS TEXT) FROM processed_events").await;
+        assert_eq!(spent[0][0], "0", "the stop spent no attempt");
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_handler_stopped_mid_batch_on_db_keeps_what_it_finished_and_hands_back_the_rest() {
+    a_handler_stopped_mid_batch_keeps_what_it_finished_and_hands_back_the_rest(Backend::Db).await;
+}
+
 /// A database at the previous schema (migration 0102), its outbox holding rows in every
 /// status and a ledger with some work done: after the upgrade, pending and processing work is
 /// delivered to every handler once, done work is not redone, dead letters stay dead.

@@ -1118,3 +1118,11 @@ async fn outbox_rows_claimed_for_a_call_that_went_away_are_handed_back() {
 async fn an_older_build_of_a_handler_stands_by_while_a_newer_one_claims_on_nats() {
     crate::delivery_db::older_build_stands_by(reelay_harness::Backend::Nats).await;
 }
+
+#[tokio::test]
+async fn a_handler_stopped_mid_batch_on_nats_keeps_what_it_finished_and_hands_back_the_rest() {
+    crate::delivery_db::a_handler_stopped_mid_batch_keeps_what_it_finished_and_hands_back_the_rest(
+        reelay_harness::Backend::Nats,
+    )
+    .await;
+}

@@ -1,6 +1,8 @@
 //! The consumer loop every handler service runs: fetch a batch, dispatch it through the
 //! ledger, settle it, repeat. An unreachable event source or ledger pauses the loop (nothing
-//! is settled, so no attempt is spent); shutdown lets the batch in hand finish first.
+//! is settled, so no attempt is spent). Shutdown fetches nothing more and settles the batches in
+//! hand: what their handlers finished, and the events a handler taking one at a time had not
+//! started, handed back (see [`crate::dispatch`]).
 
 use std::sync::Arc;
 

@@ -25,6 +25,13 @@
 //! ends with no outcome here (deferred, dropped, or its dead letter refused) is recorded from the
 //! server's advisory instead ([`crate::given_up`]).
 //!
+//! Shutdown stops a handler that takes its events one at a time between two events: the events
+//! of the batch it has not started are handed back (their claims released, their deliveries
+//! deferred to now, no attempt spent where the source can spare one), so a stop within the
+//! grace period keeps what finished instead of losing it with the batch. A source that cannot
+//! deliver again (core NATS) runs the whole batch, as does an event's last delivery (handing
+//! it back on JetStream would spend it).
+//!
 //! Each event's handling is logged in a span carrying the trace id the write stamped on the
 //! event, so a handler's lines join the write's trace.
 
@@ -56,8 +63,8 @@ const LEDGER_BATCH: usize = 1000;
 static DELIVERIES: LazyLock<Counter> = LazyLock::new(|| {
     metrics::counter(
         "reelay_handler_deliveries_total",
-        "Deliveries of an event to a handler, by outcome: done, skipped (already done), deferred (held elsewhere), \
-         failed (retried later) or dead_lettered (given up).",
+        "Deliveries of an event to a handler, by outcome: done, skipped (already done), deferred (held elsewhere, \
+         or handed back unstarted at shutdown), failed (retried later) or dead_lettered (given up).",
         &["handler", "outcome"],
     )
 });
@@ -117,8 +124,17 @@ pub struct LedgerUnavailable(pub String);
 enum PairState {
     Skip,
     HeldUntil(i64),
-    Run { token: Option<i64> },
-    Ran { token: Option<i64>, result: Result<(), HandlerError> },
+    Run {
+        token: Option<i64>,
+    },
+    Ran {
+        token: Option<i64>,
+        result: Result<(), HandlerError>,
+    },
+    /// Not started before shutdown: handed back, its claim released.
+    HandedBack {
+        token: Option<i64>,
+    },
     LedgerError(String),
 }
 
@@ -377,16 +393,22 @@ pub struct DispatchConfig {
     /// The source keeps no dead letters (JetStream): record the last failed delivery of a
     /// claim this dispatcher holds as a dead letter in the ledger.
     pub record_dead_letters: bool,
-    /// Tell the ledger this process's builds of its handlers, and stand by while another build
-    /// of them claims (db and JetStream; not core NATS, which has no redelivery: a message
-    /// handed back there is gone).
-    pub tell_builds: bool,
+    /// The source delivers again what is handed back (db and JetStream; not core NATS, which
+    /// has no redelivery: a message handed back there is gone). Only then does the dispatcher
+    /// tell the ledger this process's builds of its handlers and stand by while another build
+    /// of them claims, and hand back at shutdown the events a handler has not started.
+    pub redelivers: bool,
 }
 
 impl DispatchConfig {
     /// Whether a failed run of this delivery is its last.
     fn is_last(&self, attempt: u32, error: &HandlerError) -> bool {
         matches!(error, HandlerError::Permanent(_)) || attempt >= self.max_attempts
+    }
+
+    /// Whether a delivery on its `attempt` may be handed back unstarted at shutdown.
+    fn may_hand_back(&self, attempt: u32) -> bool {
+        self.redelivers && attempt < self.max_attempts
     }
 }
 
@@ -431,13 +453,13 @@ impl Dispatcher {
     /// every quarter lease. Never, for a source that does not tell builds.
     pub fn due_to_tell(&self) -> bool {
         let every = self.claims.lease.bound(self.config.ledger_lease) / 4;
-        self.config.tell_builds && self.told().at.is_none_or(|at| at.elapsed() >= every)
+        self.config.redelivers && self.told().at.is_none_or(|at| at.elapsed() >= every)
     }
 
     /// Asks the ledger whether this dispatcher's handlers still stand by (telling it of their
     /// builds).
     pub async fn ask_standing_by(&self) -> Result<Option<String>, LedgerUnavailable> {
-        if !self.config.tell_builds {
+        if !self.config.redelivers {
             return Ok(None);
         }
         match self.claims.standing_by(self.builds()).await {
@@ -450,7 +472,7 @@ impl Dispatcher {
 
     /// This dispatcher's builds of its handlers: the event types each takes.
     fn builds(&self) -> Vec<v1::HandlerBuild> {
-        if !self.config.tell_builds {
+        if !self.config.redelivers {
             return Vec::new();
         }
         self.handlers.iter().map(|h| build_of(h.as_ref())).collect()
@@ -518,7 +540,8 @@ impl Dispatcher {
         Ok(Some(Dispatched { verdicts, ledger }))
     }
 
-    /// Every outcome [`Self::count_outcomes`] counts.
+    /// Every outcome [`Self::count_outcomes`] counts (`deferred` includes events handed back
+    /// unstarted at shutdown).
     const OUTCOMES: [&str; 5] = ["done", "skipped", "deferred", "failed", "dead_lettered"];
 
     /// Counts each (delivery, handler) pair by what became of it.
@@ -527,7 +550,7 @@ impl Dispatcher {
             for (h, state) in ps {
                 let outcome = match state {
                     PairState::Skip => "skipped",
-                    PairState::HeldUntil(_) => "deferred",
+                    PairState::HeldUntil(_) | PairState::HandedBack { .. } => "deferred",
                     PairState::Ran { result: Ok(()), .. } => "done",
                     PairState::Ran { result: Err(error), .. } if self.config.is_last(delivery.attempt, error) => {
                         "dead_lettered"
@@ -627,25 +650,46 @@ impl Dispatcher {
                     return (work, Vec::new());
                 }
                 let events: Vec<&v1::Event> = work.iter().map(|&(d, _)| &deliveries[d].event).collect();
+                let stop = Stop {
+                    shutdown: &self.shutdown,
+                    may_hand_back: work
+                        .iter()
+                        .map(|&(d, _)| self.config.may_hand_back(deliveries[d].attempt))
+                        .collect(),
+                };
                 let started = Instant::now();
-                let results = run_handler(&*handler, &events, timeout).await;
+                let results = run_handler(&*handler, &events, timeout, &stop).await;
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 HANDLER_BATCH.observe(&[handler.name()], events.len() as f64);
                 (work, results)
             }
         });
         for (work, results) in futures_util::future::join_all(runs).await {
+            let Some(&(first, p)) = work.first() else { continue };
+            let name = self.handlers[pairs[first][p].0].name();
+            let mut handed_back = 0;
             for ((d, p), result) in work.into_iter().zip(results) {
-                let handler = self.handlers[pairs[d][p].0].name();
+                let PairState::Run { token } = pairs[d][p].1 else { unreachable!("only runnable pairs were run") };
+                let Some(result) = result else {
+                    handed_back += 1;
+                    pairs[d][p].1 = PairState::HandedBack { token };
+                    continue;
+                };
                 let delivery = &deliveries[d];
-                let span = event_span(&delivery.event, handler);
+                let span = event_span(&delivery.event, name);
                 let _entered = span.enter();
                 match &result {
                     Ok(()) => tracing::debug!(attempt = delivery.attempt, "event handled"),
                     Err(error) => tracing::warn!(attempt = delivery.attempt, %error, "handler failed"),
                 }
-                let PairState::Run { token } = pairs[d][p].1 else { unreachable!("only runnable pairs were run") };
                 pairs[d][p].1 = PairState::Ran { token, result };
+            }
+            if handed_back > 0 {
+                tracing::info!(
+                    handler = name,
+                    events = handed_back,
+                    "stopping: handed back the events not yet started (their claims released); they are delivered again"
+                );
             }
         }
     }
@@ -715,6 +759,13 @@ impl Dispatcher {
                         }
                         Err(_) => release.push(owned),
                     }
+                }
+                if let PairState::HandedBack { token: Some(token) } = state {
+                    let key = v1::LedgerKey {
+                        event_id: deliveries[d].event_id.clone().unwrap_or_default(),
+                        handler: self.handlers[*h].name().to_owned(),
+                    };
+                    release.push(v1::OwnedKey { key: Some(key), token: *token });
                 }
             }
         }
@@ -813,29 +864,47 @@ impl From<Unfinished> for HandlerError {
     }
 }
 
-/// Runs `handler` over `events`, one result per event in order. A handler that batches gets
-/// them in one call within `timeout`; should that call panic or time out, which event it was is
-/// not known, so each runs again alone (handlers are idempotent), and only the one at fault
-/// spends an attempt: its batch-mates are neither failed with it nor brought back with it as
-/// the same batch, again and again, until all are dead letters. Any other handler gets one
-/// event at a time, each within `timeout`.
-async fn run_handler(handler: &dyn Handler, events: &[&v1::Event], timeout: Duration) -> Vec<Result<(), HandlerError>> {
+/// When a handler taking events one at a time stops between two of them.
+struct Stop<'a> {
+    shutdown: &'a Shutdown,
+    /// For each event, whether it may be handed back unstarted once shutdown is asked.
+    may_hand_back: Vec<bool>,
+}
+
+/// Runs `handler` over `events`, one result per event in order (`None`: not started, handed
+/// back). A handler that batches gets them in one call within `timeout`; should that call
+/// panic or time out, which event it was is not known, so each runs again alone (handlers are
+/// idempotent), and only the one at fault spends an attempt: its batch-mates are neither failed
+/// with it nor brought back with it as the same batch, again and again, until all are dead
+/// letters. Any other handler gets one event at a time, each within `timeout`; once shutdown
+/// is asked, the events left that `stop` lets go are handed back instead of run.
+async fn run_handler(
+    handler: &dyn Handler,
+    events: &[&v1::Event],
+    timeout: Duration,
+    stop: &Stop<'_>,
+) -> Vec<Option<Result<(), HandlerError>>> {
+    let all = |results: Vec<Result<(), HandlerError>>| results.into_iter().map(Some).collect();
     if handler.batches() {
         let unfinished = match guarded(timeout, handler.handle_batch(events)).await {
-            Ok(results) if results.len() == events.len() => return results,
+            Ok(results) if results.len() == events.len() => return all(results),
             Ok(results) => {
                 let error = format!("handler returned {} results for {} events", results.len(), events.len());
-                return vec![Err(HandlerError::Retryable(error)); events.len()];
+                return all(vec![Err(HandlerError::Retryable(error)); events.len()]);
             }
-            Err(unfinished) if events.len() == 1 => return vec![Err(unfinished.into())],
+            Err(unfinished) if events.len() == 1 => return vec![Some(Err(unfinished.into()))],
             Err(unfinished) => unfinished,
         };
         tracing::error!(handler = handler.name(), events = events.len(), %unfinished,
             "a handler's batch did not finish; running its events one by one");
     }
     let mut results = Vec::with_capacity(events.len());
-    for event in events {
-        results.push(guarded(timeout, handle_in_span(handler, event)).await.unwrap_or_else(|u| Err(u.into())));
+    for (event, may_hand_back) in events.iter().zip(&stop.may_hand_back) {
+        if *may_hand_back && stop.shutdown.is_requested() {
+            results.push(None);
+            continue;
+        }
+        results.push(Some(guarded(timeout, handle_in_span(handler, event)).await.unwrap_or_else(|u| Err(u.into()))));
     }
     results
 }
@@ -924,6 +993,8 @@ fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: Retr
             PairState::Ran { result: Err(HandlerError::Retryable(error)), .. } => retry = Some(error.clone()),
             PairState::LedgerError(error) => retry = Some(format!("ledger error: {error}")),
             PairState::HeldUntil(until) => held = Some(held.map_or(*until, |h| h.min(*until))),
+            // Due again at once, for whoever claims it next.
+            PairState::HandedBack { .. } => held = Some(reelay_kit::now_ms()),
             PairState::Skip | PairState::Ran { result: Ok(()), .. } => {}
             PairState::Run { .. } => unreachable!("every runnable pair ran"),
         }
@@ -999,16 +1070,24 @@ mod tests {
             .collect()
     }
 
-    fn outcomes(results: &[Result<(), HandlerError>]) -> Vec<&str> {
+    fn outcomes(results: &[Option<Result<(), HandlerError>>]) -> Vec<&str> {
         results
             .iter()
             .map(|r| match r {
-                Ok(()) => "ok",
-                Err(HandlerError::Retryable(m)) if m.contains("timed out") => "timed out",
-                Err(HandlerError::Retryable(m)) if m.contains("panicked") => "panicked",
-                Err(_) => "failed",
+                None => "handed back",
+                Some(Ok(())) => "ok",
+                Some(Err(HandlerError::Retryable(m))) if m.contains("timed out") => "timed out",
+                Some(Err(HandlerError::Retryable(m))) if m.contains("panicked") => "panicked",
+                Some(Err(_)) => "failed",
             })
             .collect()
+    }
+
+    /// Runs `handler` over `events` with no shutdown asked.
+    async fn run(handler: &Timed, events: &[&v1::Event], timeout: Duration) -> Vec<Option<Result<(), HandlerError>>> {
+        let shutdown = Shutdown::new();
+        run_handler(handler, events, timeout, &Stop { shutdown: &shutdown, may_hand_back: vec![true; events.len()] })
+            .await
     }
 
     /// A batch longer than the timeout (40 events of 20 ms against 500 ms) with one event that
@@ -1022,7 +1101,7 @@ mod tests {
         let events: Vec<&v1::Event> = events.iter().collect();
         for batches in [false, true] {
             let handler = Timed::new(batches);
-            let results = run_handler(&handler, &events, Duration::from_millis(500)).await;
+            let results = run(&handler, &events, Duration::from_millis(500)).await;
             let mut expected = vec!["ok"; 40];
             expected[3] = "timed out";
             expected[30] = "panicked";
@@ -1042,15 +1121,42 @@ mod tests {
         let events: Vec<&v1::Event> = events.iter().collect();
         let handler = Timed::new(true);
         let started = tokio::time::Instant::now();
-        let results = run_handler(&handler, &events, Duration::from_millis(500)).await;
+        let results = run(&handler, &events, Duration::from_millis(500)).await;
         assert_eq!(outcomes(&results), ["ok", "ok", "ok"]);
         assert_eq!(started.elapsed(), Duration::from_millis(30), "each event ran once");
         // One event alone that times out fails, without a second run.
         let one = events[..1].to_vec();
         let slow = v1::Event { event_id: "slow".into(), event_type: "900".into(), ..Default::default() };
         let started = tokio::time::Instant::now();
-        assert_eq!(outcomes(&run_handler(&handler, &[&slow], Duration::from_millis(500)).await), ["timed out"]);
+        assert_eq!(outcomes(&run(&handler, &[&slow], Duration::from_millis(500)).await), ["timed out"]);
         assert_eq!(started.elapsed(), Duration::from_millis(500));
-        assert_eq!(outcomes(&run_handler(&handler, &one, Duration::from_millis(500)).await), ["ok"]);
+        assert_eq!(outcomes(&run(&handler, &one, Duration::from_millis(500)).await), ["ok"]);
+    }
+
+    /// Shutdown asked while the third of six 100 ms events runs: it finishes, and the events
+    /// after it are handed back unstarted, except one that may not be (its last delivery). A
+    /// handler that batches finishes its one call.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_hands_back_the_events_not_started() {
+        let events = events(&["100"; 6]);
+        let events: Vec<&v1::Event> = events.iter().collect();
+        for batches in [false, true] {
+            let handler = Timed::new(batches);
+            let shutdown = Shutdown::new();
+            let asking = shutdown.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                asking.request();
+            });
+            let mut may_hand_back = vec![true; 6];
+            may_hand_back[4] = false;
+            let stop = Stop { shutdown: &shutdown, may_hand_back };
+            let results = run_handler(&handler, &events, Duration::from_secs(1), &stop).await;
+            let expected: &[&str] =
+                if batches { &["ok"; 6] } else { &["ok", "ok", "ok", "handed back", "ok", "handed back"] };
+            assert_eq!(outcomes(&results), expected, "batches: {batches}");
+            let finished = handler.finished.lock().unwrap().len();
+            assert_eq!(finished, expected.iter().filter(|o| **o == "ok").count(), "batches: {batches}");
+        }
     }
 }

@@ -336,14 +336,15 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let mut claimer: Option<DeliveryClaimer> = None;
         // On nats their ledger claims go together the same way.
         let ledger_claims = LedgerClaims::start(write_channel.clone(), identity.owner());
-        // Core NATS has no redelivery: a message handed back while standing by would be gone.
-        let tell_builds = !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core);
+        // Core NATS has no redelivery: a message handed back (while standing by, or unstarted at
+        // shutdown) would be gone.
+        let redelivers = !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core);
         // On JetStream this build of each handler is told before the consumers gain the
         // subjects of the types it takes: from then on an older build's replicas stand by
         // instead of acking those messages as none of theirs. (On db each consumer tells it as
         // it starts. A write service in this process does not serve yet, and no other build
         // shares it.)
-        if tell_builds && nats_client.is_some() && write_listener.is_none() {
+        if redelivers && nats_client.is_some() && write_listener.is_none() {
             let handlers: Vec<Arc<dyn Handler>> = built.iter().map(|b| b.handler.clone()).collect();
             tell_builds_before_consuming(&ledger_claims, &handlers, &shutdown).await;
         }
@@ -358,7 +359,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                     max_attempts: args.delivery.max_attempts,
                     record_dead_letters,
-                    tell_builds,
+                    redelivers,
                 },
                 shutdown.clone(),
             );

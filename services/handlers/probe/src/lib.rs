@@ -17,6 +17,8 @@
 //!   succeeds), comma-separated.
 //! - `REELAY_PROBE_DELAY_MS` — `500`: every probe sleeps that long before its effect (to be
 //!   killed there); or per probe, `probe-c=2000`.
+//! - `REELAY_PROBE_ONE_BY_ONE` — `1`: the probes do not batch, so the runtime gives them one
+//!   event at a time (as most handlers); or per probe, `probe-a=1`.
 //! - `REELAY_PROBE_TYPES` — per probe, the event types it takes instead of all of them,
 //!   separated by `+`: `probe-a=UserRegistered+MovieDeleted` (an older build of a handler that
 //!   took fewer types).
@@ -48,6 +50,14 @@ pub struct ProbeSettings {
         default_value = ""
     )]
     pub delay_ms: String,
+    #[arg(
+        id = "probe_one_by_one",
+        long = "probe-one-by-one",
+        env = "REELAY_PROBE_ONE_BY_ONE",
+        hide = true,
+        default_value = ""
+    )]
+    pub one_by_one: String,
     #[arg(id = "probe_types", long = "probe-types", env = "REELAY_PROBE_TYPES", hide = true, default_value = "")]
     pub types: String,
 }
@@ -128,6 +138,8 @@ mod enabled {
         effects: Effects,
         failure: Failure,
         delay: Duration,
+        /// Whether the runtime gives it a fetched batch's events in one call.
+        batches: bool,
         types: &'static [&'static str],
     }
 
@@ -240,6 +252,11 @@ mod enabled {
             None => Duration::ZERO,
             Some(ms) => Duration::from_millis(ms.parse().with_context(|| format!("REELAY_PROBE_DELAY_MS: {ms:?}"))?),
         };
+        let batches = match ProbeSettings::for_probe(&settings.one_by_one, name) {
+            None | Some("") | Some("0") => true,
+            Some("1") => false,
+            Some(other) => bail!("REELAY_PROBE_ONE_BY_ONE: {other:?} is not 0 or 1"),
+        };
         let types: &'static [&'static str] = match ProbeSettings::for_probe(&settings.types, name) {
             None | Some("") => EVENT_TYPES,
             Some(types) => {
@@ -255,8 +272,8 @@ mod enabled {
             }
         };
         let effects = effects(settings).await?;
-        tracing::warn!(probe = name, ?failure, ?delay, ?types, "test probe handler enabled");
-        Ok(BuiltHandler { handler: Arc::new(Probe { name, effects, failure, delay, types }), grpc: None })
+        tracing::warn!(probe = name, ?failure, ?delay, batches, ?types, "test probe handler enabled");
+        Ok(BuiltHandler { handler: Arc::new(Probe { name, effects, failure, delay, batches, types }), grpc: None })
     }
 
     impl Probe {
@@ -336,7 +353,7 @@ mod enabled {
         }
 
         fn batches(&self) -> bool {
-            true
+            self.batches
         }
 
         async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
