@@ -211,3 +211,33 @@ async fn reflection_lists_what_each_port_serves() {
     }
     reelay.stop().await;
 }
+
+/// A write batch that hangs (strace holds the write service's fsyncs 4 s each) shows in
+/// `reelay_writer_busy_seconds` while it hangs, and the gauge is back to 0 once it commits.
+#[tokio::test]
+async fn a_hung_write_batch_shows_in_the_writer_busy_gauge() {
+    const BUSY: &str = "reelay_writer_busy_seconds";
+    let dir = temp_dir();
+    let mut write = Reelay::start_write(BIN, &dir.path().join("reelay.db"), &[]).await;
+    async fn busy(write: &Reelay) -> f64 {
+        write.metrics().await.value(BUSY).expect("the gauge is served")
+    }
+    assert!(busy(&write).await < 1.0, "an idle writer");
+    let slow = reelay_harness::Strace::delay(write.pid(), "fsync,fdatasync", Duration::from_secs(4), dir.path()).await;
+    let mut c = write.clients().await;
+    // Its answer waits for the commit; whether it comes within the call's deadline is not the
+    // point here.
+    let call = tokio::spawn(async move { c.user("ana").await });
+    eventually("the gauge shows the writer on one batch for seconds", Duration::from_secs(30), || async {
+        busy(&write).await >= 2.0
+    })
+    .await;
+    let _ = call.await;
+    // Detached after the call's commit, so strace has logged the fsyncs it held.
+    assert!(slow.stop().await > 0, "the fsyncs waited");
+    eventually("the gauge is back to 0 once the batch committed", Duration::from_secs(30), || async {
+        busy(&write).await == 0.0
+    })
+    .await;
+    write.stop().await;
+}

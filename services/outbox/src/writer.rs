@@ -74,6 +74,35 @@ pub fn register_metrics() {
     }
 }
 
+/// Since when the writer has been on the batch in hand: from taking its jobs until every one of
+/// them is answered (reopening the database, running, committing). Read by the metrics, so a
+/// writer stuck in one batch (a stalled disk) shows even when no call is waiting on it.
+#[derive(Debug, Default)]
+struct BusySince(AtomicU64);
+
+impl BusySince {
+    /// Milliseconds of a process-wide monotonic clock, from 1 (0 means idle).
+    fn now() -> u64 {
+        static START: LazyLock<std::time::Instant> = LazyLock::new(std::time::Instant::now);
+        START.elapsed().as_millis() as u64 + 1
+    }
+
+    fn start(&self) {
+        self.0.store(Self::now(), Ordering::Relaxed);
+    }
+
+    fn end(&self) {
+        self.0.store(0, Ordering::Relaxed);
+    }
+
+    fn elapsed(&self) -> Duration {
+        match self.0.load(Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            since => Duration::from_millis(Self::now().saturating_sub(since)),
+        }
+    }
+}
+
 /// Most jobs committed together. Bounds the time a batch holds the write lock.
 const MAX_BATCH: usize = 256;
 /// The rider's name in the writer's job metrics.
@@ -414,6 +443,7 @@ pub struct Writer {
     /// Synced jobs made and not yet taken by the writer.
     synced_queued: Arc<AtomicUsize>,
     leases: Arc<LeaseClock>,
+    busy: Arc<BusySince>,
     /// The largest encoded event it takes ([`WriterConfig::max_event_bytes`]).
     max_event_bytes: usize,
 }
@@ -446,11 +476,22 @@ impl Writer {
                 leases.tick();
             }
         });
-        let shared = Shared { rider: rider.clone(), synced_queued: synced_queued.clone(), leases: leases.clone() };
+        let busy = Arc::new(BusySince::default());
+        let shared = Shared {
+            rider: rider.clone(),
+            synced_queued: synced_queued.clone(),
+            leases: leases.clone(),
+            busy: busy.clone(),
+        };
         let max_event_bytes = config.max_event_bytes;
         let task = tokio::spawn(run(conn, config, rx, commits_tx, stop_rx, shared));
         let task = Arc::new(Mutex::new(Some(task)));
-        Self { jobs, commits, stop, task, rider, synced_queued, leases, max_event_bytes }
+        Self { jobs, commits, stop, task, rider, synced_queued, leases, busy, max_event_bytes }
+    }
+
+    /// How long the writer has been on the batch in hand; zero while it waits for jobs.
+    pub fn busy_for(&self) -> Duration {
+        self.busy.elapsed()
     }
 
     /// The largest encoded event this writer takes: what a claim answer must be able to hold.
@@ -536,6 +577,7 @@ struct Shared {
     /// Synced jobs made and not yet taken by the writer.
     synced_queued: Arc<AtomicUsize>,
     leases: Arc<LeaseClock>,
+    busy: Arc<BusySince>,
 }
 
 /// The write connection and what the writer knows about it.
@@ -656,7 +698,7 @@ async fn run(
     mut stop: watch::Receiver<bool>,
     shared: Shared,
 ) {
-    let Shared { rider, synced_queued, leases } = shared;
+    let Shared { rider, synced_queued, leases, busy } = shared;
     let mut session = Session {
         config,
         leases,
@@ -677,6 +719,7 @@ async fn run(
                 if received == 0 {
                     break;
                 }
+                busy.start();
                 for job in &mut batch {
                     job.taken();
                 }
@@ -692,6 +735,7 @@ async fn run(
                 job.abort(error.clone());
                 job.finish(Err(error.clone()));
             }
+            busy.end();
             continue;
         };
         match commit_batch(connection, &mut batch, rider.get(), &synced_queued).await {
@@ -700,6 +744,7 @@ async fn run(
             Err(error) if error.distrusts_connection() => session.distrust(&error).await,
             Err(_) => {}
         }
+        busy.end();
     }
     if let Some(current) = session.current.take() {
         let _ = current.tx.conn.close().await;

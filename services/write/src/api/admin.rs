@@ -414,15 +414,27 @@ static DEAD_LETTERS: LazyLock<Gauge> = LazyLock::new(|| {
     )
 });
 
+static WRITER_BUSY: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_writer_busy_seconds",
+        "How long the database writer has been on its batch in hand (0 while it waits for work): it grows only while \
+         one batch hangs.",
+        &[],
+    )
+});
+
 /// Samples the outbox and every handler's standing into gauges whenever Prometheus scrapes, by
-/// the same query `Admin.Status` answers with (so the two always agree).
+/// the same query `Admin.Status` answers with (so the two always agree), and how long the writer
+/// has been on its batch in hand.
 pub fn sample_status(db: Database, bus: Bus) {
-    for gauge in [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
+    for gauge in [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS, &WRITER_BUSY] {
         LazyLock::force(gauge);
     }
     metrics::add_sampler(Arc::new(move || -> BoxFuture<'static, ()> {
         let db = db.clone();
         Box::pin(async move {
+            // First, and read from memory: it must show even when the database cannot be read.
+            WRITER_BUSY.set(&[], db.writer.busy_for().as_secs_f64());
             let status = async {
                 let mut conn = db.reads.acquire().await?;
                 inspect::status(&mut conn, now_ms(), bus == Bus::Db).await
