@@ -141,9 +141,9 @@ async fn process_batch<T, X>(
     };
     // The ledger and the deliveries are settled at the same time, so the write service can
     // commit both in one transaction; either order is safe (a redelivery meets a done ledger
-    // row, or an idempotent handler). Dead letters go first: once their deliveries are settled
-    // the source never brings them back, and the ledger is their only record.
-    if ledger.has_dead_letters() {
+    // row, or an idempotent handler). Dead letters and the releases of handed-back claims go
+    // first (see `LedgerSettlement::goes_first`).
+    if ledger.goes_first() {
         dispatcher.settle_ledger(ledger).await;
         settle(&mut settler, &settlements, &shutdown).await;
     } else {

@@ -26,11 +26,12 @@
 //! server's advisory instead ([`crate::given_up`]).
 //!
 //! Shutdown stops a handler that takes its events one at a time between two events: the events
-//! of the batch it has not started are handed back (their claims released, their deliveries
-//! deferred to now, no attempt spent where the source can spare one), so a stop within the
-//! grace period keeps what finished instead of losing it with the batch. A source that cannot
-//! deliver again (core NATS) runs the whole batch, as does an event's last delivery (handing
-//! it back on JetStream would spend it).
+//! of the batch it has not started are handed back (their ledger claims released before their
+//! deliveries are deferred), so a stop within the grace period keeps what finished instead of
+//! losing it with the batch. How depends on the source ([`HandBack`]): on db at once, no
+//! attempt spent; on JetStream, where a deferral spends a delivery, only while two are left,
+//! and a few seconds later, past the stopping process's last pull; on core NATS, which cannot
+//! deliver again, never (the whole batch runs).
 //!
 //! Each event's handling is logged in a span carrying the trace id the write stamped on the
 //! event, so a handler's lines join the write's trace.
@@ -104,13 +105,17 @@ pub struct LedgerSettlement {
     dead: Vec<v1::LedgerDeadLetter>,
     /// The batch's pairs stay in the process's hand until they are settled.
     in_hand: Vec<Taken>,
+    /// Some of the batch's deliveries are handed back unstarted.
+    handed_back: bool,
 }
 
 impl LedgerSettlement {
-    /// Dead letters must be recorded before their deliveries are settled: once the source
-    /// stops delivering them, the ledger is the only record.
-    pub fn has_dead_letters(&self) -> bool {
-        !self.dead.is_empty()
+    /// Whether the ledger must be settled before the deliveries. Dead letters must be recorded
+    /// first: once the source stops delivering them, the ledger is the only record. The claims
+    /// of handed-back deliveries must be released first: a delivery back before its claim is
+    /// would find it held, and be deferred again (on JetStream, a delivery more spent).
+    pub fn goes_first(&self) -> bool {
+        !self.dead.is_empty() || self.handed_back
     }
 }
 
@@ -131,9 +136,10 @@ enum PairState {
         token: Option<i64>,
         result: Result<(), HandlerError>,
     },
-    /// Not started before shutdown: handed back, its claim released.
+    /// Not started before shutdown: handed back (due again at `until_ms`), its claim released.
     HandedBack {
         token: Option<i64>,
+        until_ms: i64,
     },
     LedgerError(String),
 }
@@ -393,11 +399,23 @@ pub struct DispatchConfig {
     /// The source keeps no dead letters (JetStream): record the last failed delivery of a
     /// claim this dispatcher holds as a dead letter in the ledger.
     pub record_dead_letters: bool,
-    /// The source delivers again what is handed back (db and JetStream; not core NATS, which
-    /// has no redelivery: a message handed back there is gone). Only then does the dispatcher
-    /// tell the ledger this process's builds of its handlers and stand by while another build
-    /// of them claims, and hand back at shutdown the events a handler has not started.
-    pub redelivers: bool,
+    /// What handing a delivery back costs on the source.
+    pub hand_back: HandBack,
+}
+
+/// What handing a delivery back (deferring it) costs on a source, and so whether the
+/// dispatcher does it: at shutdown for the events a handler has not started, and while another
+/// build of its handlers claims (it then stands by instead of fetching).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandBack {
+    /// The source cannot deliver again what is handed back (core NATS): never.
+    Never,
+    /// A deferral spends no attempt (db): at once.
+    Free,
+    /// A deferral spends a delivery (JetStream): at shutdown only while at least two are left
+    /// (one more deferral, should the claim still be held then, cannot use up the last), and
+    /// due `after` from then, past the stopping process's last pull.
+    SpendsDelivery { after: Duration },
 }
 
 impl DispatchConfig {
@@ -406,9 +424,22 @@ impl DispatchConfig {
         matches!(error, HandlerError::Permanent(_)) || attempt >= self.max_attempts
     }
 
-    /// Whether a delivery on its `attempt` may be handed back unstarted at shutdown.
-    fn may_hand_back(&self, attempt: u32) -> bool {
-        self.redelivers && attempt < self.max_attempts
+    /// Whether the source delivers again what is handed back: only then does the dispatcher
+    /// tell the ledger this process's builds of its handlers and stand by while another build
+    /// of them claims.
+    fn redelivers(&self) -> bool {
+        self.hand_back != HandBack::Never
+    }
+
+    /// When a delivery on its `attempt`, handed back unstarted at shutdown, is due again (ms);
+    /// `None` when it may not be handed back.
+    fn handed_back_until(&self, attempt: u32) -> Option<i64> {
+        match self.hand_back {
+            HandBack::Never => None,
+            HandBack::Free => Some(reelay_kit::now_ms()),
+            HandBack::SpendsDelivery { after } => (attempt.saturating_add(2) <= self.max_attempts)
+                .then(|| reelay_kit::now_ms() + after.as_millis() as i64),
+        }
     }
 }
 
@@ -453,13 +484,13 @@ impl Dispatcher {
     /// every quarter lease. Never, for a source that does not tell builds.
     pub fn due_to_tell(&self) -> bool {
         let every = self.claims.lease.bound(self.config.ledger_lease) / 4;
-        self.config.redelivers && self.told().at.is_none_or(|at| at.elapsed() >= every)
+        self.config.redelivers() && self.told().at.is_none_or(|at| at.elapsed() >= every)
     }
 
     /// Asks the ledger whether this dispatcher's handlers still stand by (telling it of their
     /// builds).
     pub async fn ask_standing_by(&self) -> Result<Option<String>, LedgerUnavailable> {
-        if !self.config.redelivers {
+        if !self.config.redelivers() {
             return Ok(None);
         }
         match self.claims.standing_by(self.builds()).await {
@@ -472,7 +503,7 @@ impl Dispatcher {
 
     /// This dispatcher's builds of its handlers: the event types each takes.
     fn builds(&self) -> Vec<v1::HandlerBuild> {
-        if !self.config.redelivers {
+        if !self.config.redelivers() {
             return Vec::new();
         }
         self.handlers.iter().map(|h| build_of(h.as_ref())).collect()
@@ -654,13 +685,14 @@ impl Dispatcher {
                     shutdown: &self.shutdown,
                     may_hand_back: work
                         .iter()
-                        .map(|&(d, _)| self.config.may_hand_back(deliveries[d].attempt))
+                        .map(|&(d, _)| self.config.handed_back_until(deliveries[d].attempt).is_some())
                         .collect(),
                 };
                 let started = Instant::now();
                 let results = run_handler(&*handler, &events, timeout, &stop).await;
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
-                HANDLER_BATCH.observe(&[handler.name()], events.len() as f64);
+                let ran = results.iter().filter(|result| result.is_some()).count();
+                HANDLER_BATCH.observe(&[handler.name()], ran as f64);
                 (work, results)
             }
         });
@@ -670,12 +702,13 @@ impl Dispatcher {
             let mut handed_back = 0;
             for ((d, p), result) in work.into_iter().zip(results) {
                 let PairState::Run { token } = pairs[d][p].1 else { unreachable!("only runnable pairs were run") };
+                let delivery = &deliveries[d];
                 let Some(result) = result else {
                     handed_back += 1;
-                    pairs[d][p].1 = PairState::HandedBack { token };
+                    let until_ms = self.config.handed_back_until(delivery.attempt).expect("only those it may were");
+                    pairs[d][p].1 = PairState::HandedBack { token, until_ms };
                     continue;
                 };
-                let delivery = &deliveries[d];
                 let span = event_span(&delivery.event, name);
                 let _entered = span.enter();
                 match &result {
@@ -760,7 +793,7 @@ impl Dispatcher {
                         Err(_) => release.push(owned),
                     }
                 }
-                if let PairState::HandedBack { token: Some(token) } = state {
+                if let PairState::HandedBack { token: Some(token), .. } = state {
                     let key = v1::LedgerKey {
                         event_id: deliveries[d].event_id.clone().unwrap_or_default(),
                         handler: self.handlers[*h].name().to_owned(),
@@ -769,14 +802,15 @@ impl Dispatcher {
                 }
             }
         }
-        LedgerSettlement { complete, release, dead, in_hand: Vec::new() }
+        let handed_back = pairs.iter().flatten().any(|(_, state)| matches!(state, PairState::HandedBack { .. }));
+        LedgerSettlement { complete, release, dead, in_hand: Vec::new(), handed_back }
     }
 
     /// Completes the claims of handlers that succeeded, records the dead letters and releases
     /// the others. The effects happened, so this is retried until the ledger answers (or the
     /// process stops; the claims then expire and the idempotent handlers run again).
     pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
-        let LedgerSettlement { complete, release, dead, in_hand } = settlement;
+        let LedgerSettlement { complete, release, dead, in_hand, .. } = settlement;
         let mut given_up = false;
         for chunk in dead.chunks(LEDGER_BATCH) {
             let owned = self
@@ -982,6 +1016,9 @@ fn deduplicable<T>(delivery: &Delivery<T>) -> Option<&str> {
     Some(id)
 }
 
+/// A delivery's verdict from its pairs' states. Every process's dispatchers have one handler
+/// each; with several, one's failure would settle the delivery for all (those held or handed
+/// back included).
 fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: RetryPolicy) -> Verdict {
     let mut held: Option<i64> = None;
     let mut retry: Option<String> = None;
@@ -992,9 +1029,9 @@ fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: Retr
             }
             PairState::Ran { result: Err(HandlerError::Retryable(error)), .. } => retry = Some(error.clone()),
             PairState::LedgerError(error) => retry = Some(format!("ledger error: {error}")),
-            PairState::HeldUntil(until) => held = Some(held.map_or(*until, |h| h.min(*until))),
-            // Due again at once, for whoever claims it next.
-            PairState::HandedBack { .. } => held = Some(reelay_kit::now_ms()),
+            PairState::HeldUntil(until) | PairState::HandedBack { until_ms: until, .. } => {
+                held = Some(held.map_or(*until, |h| h.min(*until)));
+            }
             PairState::Skip | PairState::Ran { result: Ok(()), .. } => {}
             PairState::Run { .. } => unreachable!("every runnable pair ran"),
         }
@@ -1158,5 +1195,29 @@ mod tests {
             let finished = handler.finished.lock().unwrap().len();
             assert_eq!(finished, expected.iter().filter(|o| **o == "ok").count(), "batches: {batches}");
         }
+    }
+
+    /// Where a deferral spends a delivery, only a delivery with two left is handed back, and
+    /// due later; where it is free, any, at once; where nothing comes back, none.
+    #[test]
+    fn what_a_hand_back_costs_decides_which_are_handed_back() {
+        let config = |hand_back| DispatchConfig {
+            handler_timeout: Duration::from_secs(1),
+            retry_policy: RetryPolicy::default(),
+            ledger_lease: Duration::from_secs(30),
+            max_attempts: 5,
+            record_dead_letters: false,
+            hand_back,
+        };
+        let after = Duration::from_secs(5);
+        let now = reelay_kit::now_ms();
+        let jetstream = config(HandBack::SpendsDelivery { after });
+        assert!(jetstream.handed_back_until(3).is_some_and(|until| until >= now + 5_000));
+        assert_eq!(jetstream.handed_back_until(4), None, "one delivery left after this one");
+        assert_eq!(jetstream.handed_back_until(5), None, "the last");
+        let db = config(HandBack::Free);
+        assert!(db.handed_back_until(5).is_some_and(|until| (now..now + 5_000).contains(&until)));
+        assert_eq!(config(HandBack::Never).handed_back_until(1), None);
+        assert!(!config(HandBack::Never).redelivers());
     }
 }

@@ -21,9 +21,15 @@ pub struct JetStreamSource {
     name: String,
     max_deliver: u32,
     ack_wait: Duration,
-    /// How long one pull waits for messages.
-    expires: Duration,
 }
+
+/// How long one pull waits for messages.
+const PULL_EXPIRES: Duration = Duration::from_secs(2);
+
+/// How long after a shutdown's hand-back a message is due again: past the expiry of the
+/// stopping process's last pull, so that pull cannot take it again (and spend a delivery more
+/// handing it back once more).
+pub const HAND_BACK_AFTER: Duration = PULL_EXPIRES.saturating_add(Duration::from_secs(1));
 
 impl JetStreamSource {
     pub fn new(
@@ -33,7 +39,7 @@ impl JetStreamSource {
         max_deliver: u32,
         ack_wait: Duration,
     ) -> Self {
-        Self { client, consumer, name, max_deliver, ack_wait, expires: Duration::from_secs(2) }
+        Self { client, consumer, name, max_deliver, ack_wait }
     }
 }
 
@@ -91,8 +97,8 @@ impl EventSource for JetStreamSource {
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<MessageToken>>, SourceError> {
         let mut messages = Vec::new();
         let first =
-            self.consumer.batch().max_messages(1).expires(self.expires).messages().await.map_err(unavailable)?;
-        collect(first, &mut messages, self.expires + PULL_GRACE).await?;
+            self.consumer.batch().max_messages(1).expires(PULL_EXPIRES).messages().await.map_err(unavailable)?;
+        collect(first, &mut messages, PULL_EXPIRES + PULL_GRACE).await?;
         let more_waiting = messages.first().is_some_and(|m| m.info().map_or(true, |info| info.pending > 0));
         if more_waiting && max > 1 {
             let rest = self.consumer.fetch().max_messages(max - 1).messages().await.map_err(unavailable)?;

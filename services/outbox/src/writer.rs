@@ -75,7 +75,8 @@ pub fn register_metrics() {
 }
 
 /// Since when the writer has been on the batch in hand: from taking its jobs until every one of
-/// them is answered (reopening the database, running, committing). Read by the metrics, so a
+/// them is answered (reopening the database, running, committing) and, after a storage fault,
+/// the connection is closed. Read by the metrics, so a
 /// writer stuck in one batch (a stalled disk) shows even when no call is waiting on it.
 #[derive(Debug, Default)]
 struct BusySince(AtomicU64);

@@ -11,10 +11,10 @@ use reelay_contracts::v1::{self, ledger_client::LedgerClient, outbox_client::Out
 use reelay_delivery::consumer::run_consumer;
 use reelay_delivery::core_source::CoreSource;
 use reelay_delivery::db_source::{ClaimerConfig, DeliveryClaimer, DeliverySource, DeliverySourceConfig};
-use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, LedgerClaims, build_of};
+use reelay_delivery::dispatch::{DispatchConfig, Dispatcher, HandBack, LedgerClaims, build_of};
 use reelay_delivery::given_up::GivenUpWatch;
 use reelay_delivery::jetstream::{self, JetStreamConfig};
-use reelay_delivery::nats_source::JetStreamSource;
+use reelay_delivery::nats_source::{self, JetStreamSource};
 use reelay_delivery::{BuiltHandler, Handler, HandlerContext};
 use reelay_kit::client::{ServiceChannel, connect_lazy};
 use reelay_kit::{Backoff, GrpcConfig, GrpcServer, Readiness, ReadyFlag, Service, Shutdown};
@@ -338,13 +338,17 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let ledger_claims = LedgerClaims::start(write_channel.clone(), identity.owner());
         // Core NATS has no redelivery: a message handed back (while standing by, or unstarted at
         // shutdown) would be gone.
-        let redelivers = !(nats_client.is_some() && args.nats.nats_mode == NatsMode::Core);
+        let hand_back = match (&nats_client, args.nats.nats_mode) {
+            (None, _) => HandBack::Free,
+            (Some(_), NatsMode::Jetstream) => HandBack::SpendsDelivery { after: nats_source::HAND_BACK_AFTER },
+            (Some(_), NatsMode::Core) => HandBack::Never,
+        };
         // On JetStream this build of each handler is told before the consumers gain the
         // subjects of the types it takes: from then on an older build's replicas stand by
         // instead of acking those messages as none of theirs. (On db each consumer tells it as
         // it starts. A write service in this process does not serve yet, and no other build
         // shares it.)
-        if redelivers && nats_client.is_some() && write_listener.is_none() {
+        if hand_back != HandBack::Never && nats_client.is_some() && write_listener.is_none() {
             let handlers: Vec<Arc<dyn Handler>> = built.iter().map(|b| b.handler.clone()).collect();
             tell_builds_before_consuming(&ledger_claims, &handlers, &shutdown).await;
         }
@@ -359,7 +363,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
                     max_attempts: args.delivery.max_attempts,
                     record_dead_letters,
-                    redelivers,
+                    hand_back,
                 },
                 shutdown.clone(),
             );
