@@ -346,6 +346,18 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 published_at_ms: i64::MAX,
                 ..Default::default()
             })),
+        case!("remote actor deletion without an actor URI", InvalidArgument, "actor_uri", |c, x| c
+            .federation
+            .delete_remote_actor(v1::DeleteRemoteActorRequest {
+                actor_uri: "".into(),
+                received_activity_uri: "https://films.example/u/c#delete".into(),
+            })),
+        case!("remote actor deletion named by a bad activity", InvalidArgument, "received_activity_uri", |c, x| c
+            .federation
+            .delete_remote_actor(v1::DeleteRemoteActorRequest {
+                actor_uri: "https://films.example/u/c".into(),
+                received_activity_uri: "delete-1".into(),
+            })),
         case!("remote follow activity", InvalidArgument, "activity_uri", |c, x| c.federation.receive_follow(
             v1::ReceiveFollowRequest {
                 actor_uri: "https://films.example/u/c".into(),

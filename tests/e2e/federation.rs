@@ -891,3 +891,60 @@ async fn an_undo_names_the_follow_it_undoes() {
     assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_followers").await, 0);
     reelay.stop().await;
 }
+
+/// A remote account deleted on its server sends a Delete of itself: every review of it kept
+/// here goes (from search too, with a film only it named), it no longer follows anyone here,
+/// and a Create of its review still on its way is not saved. Another actor of its server cannot
+/// delete it, and a repeat changes nothing.
+#[tokio::test]
+async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_with_it() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let (db, ana_actor) = (a.database.clone(), a.actor_url(&ana));
+    let inbox = format!("{ana_actor}/inbox");
+    // ana follows alice, so alice's reviews are kept; alice follows ana.
+    follow(&mut c, &ana, &peer.actor("alice")).await;
+    wait_until!("alice gets ana's Follow", !peer.received_of("Follow").is_empty());
+    assert_eq!(peer.send("alice", &inbox, &follow_of(&peer, "alice", 1, &ana_actor)).await, 202);
+    wait_until!("alice gets her Accept", !peer.received_of("Accept").is_empty());
+    for (n, title, year) in [(1, "Stalker", 1979), (2, "Mirror", 1975)] {
+        let note = review_note(&peer, "alice", n, title, year, "The zone.");
+        assert_eq!(peer.send("alice", &inbox, &note).await, 202);
+    }
+    // ana's own review keeps Mirror; only alice names Stalker.
+    log(&mut c, &ana, "Mirror", 1975, 8, "The house.").await;
+    wait_until!("alice's reviews are searchable", hits(&a, "zone").await.len() == 2);
+    let delete_of = |actor: &str, object: &str, n: u32| {
+        json!({
+            "@context": "https://www.w3.org/ns/activitystreams",
+            "id": format!("{actor}#delete-{n}"),
+            "type": "Delete",
+            "actor": actor,
+            "object": object,
+        })
+    };
+    let alice = peer.actor("alice");
+    assert_eq!(peer.send("mallory", &inbox, &delete_of(&peer.actor("mallory"), &alice, 1)).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 2, "mallory deleted nothing of alice");
+
+    assert_eq!(peer.send("alice", &inbox, &delete_of(&alice, &alice, 1)).await, 202);
+    wait_until!("alice's reviews are deleted", count(&db, "SELECT COUNT(*) FROM remote_reviews").await == 0);
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_followers").await, 0, "alice follows nobody here");
+    let titles = query_strings(&db, "SELECT title FROM movies").await;
+    assert_eq!(titles, [["Mirror".to_owned()]], "Stalker went with the only reviews naming it");
+    assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 2);
+    assert_eq!(events_of(&db, "RemoteFollowUndone").await.len(), 1);
+    assert_eq!(events_of(&db, "MovieDeleted").await.len(), 1);
+    wait_until!("search no longer finds them", hits(&a, "zone").await.is_empty());
+    assert_eq!(hits(&a, "house").await.len(), 1, "ana's review stays");
+
+    let mut late = review_note(&peer, "alice", 1, "Stalker", 1979, "The zone.");
+    late["id"] = json!(format!("{alice}/statuses/1/activity-late"));
+    assert_eq!(peer.send("alice", &inbox, &late).await, 202);
+    assert_eq!(peer.send("alice", &inbox, &delete_of(&alice, &alice, 1)).await, 202);
+    assert_eq!(peer.send("alice", &inbox, &delete_of(&alice, &alice, 2)).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 0, "the late Create is not saved");
+    assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 2, "the repeats changed nothing");
+}

@@ -309,8 +309,12 @@ impl Gateway {
     async fn delete_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
         let Some(object_uri) = activity.get("object").and_then(id_of) else { return Ok(false) };
         if object_uri == signer.actor_uri {
-            // An account deleting itself: nothing of it is kept but its reviews, left as they are.
-            return Ok(false);
+            // An account deleting itself: its reviews go, and it follows nobody here any more.
+            let request = v1::DeleteRemoteActorRequest {
+                actor_uri: signer.actor_uri.clone(),
+                received_activity_uri: id.to_owned(),
+            };
+            return Ok(self.federation.clone().delete_remote_actor(request).await?.into_inner().changed);
         }
         // What it deletes stays deleted (a Create of it arriving later is not saved), so an
         // actor deletes only ids of its own server.

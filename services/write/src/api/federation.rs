@@ -81,6 +81,16 @@ impl v1::federation_server::Federation for WriteApi {
         ok(v1::FederationResponse { changed: self.store.delete_remote_review(object_uri, actor_uri, received).await? })
     }
 
+    async fn delete_remote_actor(
+        &self,
+        request: Request<v1::DeleteRemoteActorRequest>,
+    ) -> Reply<v1::FederationResponse> {
+        let r = request.into_inner();
+        let actor_uri = uri("actor_uri", &r.actor_uri)?;
+        let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
+        ok(v1::FederationResponse { changed: self.store.delete_remote_actor(actor_uri, received).await? })
+    }
+
     async fn receive_follow(&self, request: Request<v1::ReceiveFollowRequest>) -> Reply<v1::FederationResponse> {
         let r = request.into_inner();
         let actor_uri = uri("actor_uri", &r.actor_uri)?;

@@ -271,6 +271,73 @@ impl Store {
         .await
     }
 
+    /// A remote actor deleted its account: every review of it kept here is deleted (each stays
+    /// deleted: a Create of it still on its way is not saved), and it follows nobody here any
+    /// more. False when nothing of it was kept.
+    pub async fn delete_remote_actor(&self, actor_uri: String, received: Option<String>) -> Result<bool> {
+        write_job!(self, "delete_remote_actor", |tx| {
+            if seen_before(tx, &received).await? {
+                return Ok(false);
+            }
+            let reviews =
+                sqlx::query("DELETE FROM remote_reviews WHERE actor_uri = ? RETURNING id, object_uri, movie_id")
+                    .bind(actor_uri.clone())
+                    .fetch_all(tx.conn())
+                    .await?;
+            let follows =
+                sqlx::query("DELETE FROM remote_followers WHERE actor_uri = ? RETURNING user_id, activity_uri")
+                    .bind(actor_uri.clone())
+                    .fetch_all(tx.conn())
+                    .await?;
+            if reviews.is_empty() && follows.is_empty() {
+                return Ok(false);
+            }
+            first_delivery(tx, &received).await?;
+            let mut events = Vec::with_capacity(reviews.len() + follows.len());
+            let mut movies = std::collections::BTreeSet::new();
+            for row in &reviews {
+                let (id, object_uri, movie_id): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+                sqlx::query(
+                    "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
+                     ON CONFLICT (object_uri) DO NOTHING",
+                )
+                .bind(object_uri.clone())
+                .bind(actor_uri.clone())
+                .bind(tx.now_ms())
+                .execute(tx.conn())
+                .await?;
+                events.push(NewEvent::new(
+                    &id,
+                    Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
+                        remote_review_id: id.clone(),
+                        object_uri,
+                        actor_uri: actor_uri.clone(),
+                        movie_id: movie_id.clone(),
+                    }),
+                ));
+                movies.insert(movie_id);
+            }
+            for row in &follows {
+                let user_id: String = row.get(0);
+                events.push(NewEvent::new(
+                    &user_id,
+                    Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
+                        actor_uri: actor_uri.clone(),
+                        user_id: user_id.clone(),
+                        activity_uri: row.get(1),
+                    }),
+                ));
+            }
+            // Once all of its reviews are gone: a film only they named goes with them.
+            for movie_id in &movies {
+                events.extend(delete_if_orphan(tx.conn(), movie_id).await?);
+            }
+            commit_events(tx, events).await?;
+            Ok(true)
+        })
+        .await
+    }
+
     /// A remote actor follows a local user. A new Follow from an actor already following (it
     /// lost track, say) becomes the Follow in force and is accepted again.
     pub async fn receive_follow(
