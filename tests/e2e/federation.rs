@@ -893,9 +893,9 @@ async fn an_undo_names_the_follow_it_undoes() {
 }
 
 /// A remote account deleted on its server sends a Delete of itself: every review of it kept
-/// here goes (from search too, with a film only it named), it no longer follows anyone here,
-/// and a Create of its review still on its way is not saved. Another actor of its server cannot
-/// delete it, and a repeat changes nothing.
+/// here goes (from search too, with a film only it named), it no longer follows anyone here
+/// and nobody here follows it, and no review of it arriving later is saved (one held before,
+/// or one never seen). Another actor of its server can neither delete it nor speak for it.
 #[tokio::test]
 async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_with_it() {
     let dir = temp_dir();
@@ -925,12 +925,19 @@ async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_wi
     };
     let alice = peer.actor("alice");
     assert_eq!(peer.send("mallory", &inbox, &delete_of(&peer.actor("mallory"), &alice, 1)).await, 202);
+    let forged = delete_of(&alice, &alice, 9).to_string();
+    assert_eq!(peer.post("mallory", &inbox, forged.as_bytes(), Spoil::None).await, 401, "mallory speaking as alice");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 2, "mallory deleted nothing of alice");
 
     assert_eq!(peer.send("alice", &inbox, &delete_of(&alice, &alice, 1)).await, 202);
     wait_until!("alice's reviews are deleted", count(&db, "SELECT COUNT(*) FROM remote_reviews").await == 0);
     assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_followers").await, 0, "alice follows nobody here");
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM follows").await, 0, "nobody here follows alice");
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_review_tombstones").await, 2);
+    let unfollowed = events_of(&db, "Unfollowed").await;
+    let Some(v1::event::Payload::Unfollowed(unfollowed)) = &unfollowed[0].payload else { panic!("ana's follow ended") };
+    assert!(unfollowed.rejected, "ended as a Reject ends it: no Undo goes to an account that is gone");
     let titles = query_strings(&db, "SELECT title FROM movies").await;
     assert_eq!(titles, [["Mirror".to_owned()]], "Stalker went with the only reviews naming it");
     assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 2);
@@ -942,9 +949,47 @@ async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_wi
     let mut late = review_note(&peer, "alice", 1, "Stalker", 1979, "The zone.");
     late["id"] = json!(format!("{alice}/statuses/1/activity-late"));
     assert_eq!(peer.send("alice", &inbox, &late).await, 202);
+    let never_seen = review_note(&peer, "alice", 3, "Solaris", 1972, "The sea.");
+    assert_eq!(peer.send("alice", &inbox, &never_seen).await, 202);
     assert_eq!(peer.send("alice", &inbox, &delete_of(&alice, &alice, 1)).await, 202);
     assert_eq!(peer.send("alice", &inbox, &delete_of(&alice, &alice, 2)).await, 202);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 0, "the late Create is not saved");
-    assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 2, "the repeats changed nothing");
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 0, "neither late Create is saved");
+    assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 2, "the repeats wrote nothing more");
+}
+
+/// An account with more reviews than one write job deletes goes in several jobs, all of it.
+#[tokio::test]
+async fn a_deleted_account_with_many_reviews_goes_in_several_jobs() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_write(BIN, &db, &[]).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    let actor = "https://films.example/users/carla";
+    follow(&mut c, &ana, actor).await;
+    for n in 0..1_001 {
+        let request = v1::SaveRemoteReviewRequest {
+            object_uri: format!("{actor}/statuses/{n}"),
+            actor_uri: actor.into(),
+            movie: movie_ref("Ran", 1985),
+            rating: 8,
+            body: format!("Viewing {n}."),
+            ..Default::default()
+        };
+        c.federation.save_remote_review(request).await.expect("save a remote review");
+    }
+    let delete = |n: u32| v1::DeleteRemoteActorRequest {
+        actor_uri: actor.into(),
+        received_activity_uri: format!("{actor}#delete-{n}"),
+    };
+    assert!(c.federation.delete_remote_actor(delete(1)).await.unwrap().into_inner().changed);
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 0);
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_review_tombstones").await, 1_001);
+    assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 1_001);
+    assert_eq!(events_of(&db, "MovieDeleted").await.len(), 1, "Ran, once its last review went");
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM follows").await, 0);
+    assert!(!c.federation.delete_remote_actor(delete(1)).await.unwrap().into_inner().changed, "a repeat");
+    assert!(!c.federation.delete_remote_actor(delete(2)).await.unwrap().into_inner().changed, "nothing left");
+    reelay.stop().await;
 }

@@ -16,8 +16,8 @@
 //!    the signer's server (400).
 //!
 //! Then the activity goes to the write service (`Follow`, `Undo` of a Follow, `Accept` and
-//! `Reject` of our Follows, `Create`/`Update`/`Delete` of reviews), which records its id so a repeat changes
-//! nothing. Activities Reelay does not act on are accepted and ignored (202), as Mastodon does.
+//! `Reject` of our Follows, `Create`/`Update`/`Delete` of reviews, the `Delete` of an actor by
+//! itself: its account deleted), which records its id so a repeat changes nothing. Activities Reelay does not act on are accepted and ignored (202), as Mastodon does.
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};

@@ -81,6 +81,51 @@ async fn followed_by_anyone(conn: &mut SqliteConnection, actor_uri: &str) -> Res
         .is_some())
 }
 
+/// Reviews of a deleted account deleted per write job.
+const ACTOR_REVIEWS_PER_JOB: usize = 500;
+
+/// Deletes up to [`ACTOR_REVIEWS_PER_JOB`] of `actor_uri`'s kept reviews, each tombstoned, with
+/// the films only they named; returns their events and how many went.
+async fn delete_reviews_of(tx: &mut WriteTx, actor_uri: &str) -> Result<(Vec<NewEvent>, usize)> {
+    let rows = sqlx::query(
+        "DELETE FROM remote_reviews WHERE id IN (SELECT id FROM remote_reviews WHERE actor_uri = ?1 LIMIT ?2) \
+         RETURNING id, object_uri, movie_id",
+    )
+    .bind(actor_uri.to_owned())
+    .bind(ACTOR_REVIEWS_PER_JOB as i64)
+    .fetch_all(tx.conn())
+    .await?;
+    let mut events = Vec::with_capacity(rows.len());
+    let mut movies = std::collections::BTreeSet::new();
+    for row in &rows {
+        let (id, object_uri, movie_id): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+        sqlx::query(
+            "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
+             ON CONFLICT (object_uri) DO NOTHING",
+        )
+        .bind(object_uri.clone())
+        .bind(actor_uri.to_owned())
+        .bind(tx.now_ms())
+        .execute(tx.conn())
+        .await?;
+        events.push(NewEvent::new(
+            &id,
+            Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
+                remote_review_id: id.clone(),
+                object_uri,
+                actor_uri: actor_uri.to_owned(),
+                movie_id: movie_id.clone(),
+            }),
+        ));
+        movies.insert(movie_id);
+    }
+    // Once the reviews are gone: a film only they named goes with them.
+    for movie_id in &movies {
+        events.extend(delete_if_orphan(tx.conn(), movie_id).await?);
+    }
+    Ok((events, rows.len()))
+}
+
 /// Who receives one activity.
 pub enum Audience {
     /// Every remote follower of the sender, one delivery per shared inbox (or inbox).
@@ -271,71 +316,70 @@ impl Store {
         .await
     }
 
-    /// A remote actor deleted its account: every review of it kept here is deleted (each stays
-    /// deleted: a Create of it still on its way is not saved), and it follows nobody here any
-    /// more. False when nothing of it was kept.
+    /// A remote actor deleted its account: every review of it kept here is deleted (tombstoned,
+    /// so a Create of it still on its way is not saved), it follows nobody here, and nobody here
+    /// follows it any more (ended as a Reject ends a follow: no Undo is sent to an account that
+    /// is gone), so a review of it arriving later is not saved either. The reviews go in jobs of
+    /// [`ACTOR_REVIEWS_PER_JOB`], the follows with the last; the activity is recorded there, so a
+    /// repeat after a crash between jobs finishes the work. False when nothing of it was kept.
     pub async fn delete_remote_actor(&self, actor_uri: String, received: Option<String>) -> Result<bool> {
-        write_job!(self, "delete_remote_actor", |tx| {
-            if seen_before(tx, &received).await? {
-                return Ok(false);
-            }
-            let reviews =
-                sqlx::query("DELETE FROM remote_reviews WHERE actor_uri = ? RETURNING id, object_uri, movie_id")
-                    .bind(actor_uri.clone())
-                    .fetch_all(tx.conn())
-                    .await?;
-            let follows =
-                sqlx::query("DELETE FROM remote_followers WHERE actor_uri = ? RETURNING user_id, activity_uri")
-                    .bind(actor_uri.clone())
-                    .fetch_all(tx.conn())
-                    .await?;
-            if reviews.is_empty() && follows.is_empty() {
-                return Ok(false);
-            }
-            first_delivery(tx, &received).await?;
-            let mut events = Vec::with_capacity(reviews.len() + follows.len());
-            let mut movies = std::collections::BTreeSet::new();
-            for row in &reviews {
-                let (id, object_uri, movie_id): (String, String, String) = (row.get(0), row.get(1), row.get(2));
-                sqlx::query(
-                    "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
-                     ON CONFLICT (object_uri) DO NOTHING",
+        let mut changed = false;
+        loop {
+            let (actor_uri, received) = (actor_uri.clone(), received.clone());
+            let (deleted, done) = write_job!(self, "delete_remote_actor", |tx| {
+                if seen_before(tx, &received).await? {
+                    return Ok((false, true));
+                }
+                let (mut events, deleted) = delete_reviews_of(tx, &actor_uri).await?;
+                if deleted == ACTOR_REVIEWS_PER_JOB {
+                    commit_events(tx, events).await?;
+                    return Ok((true, false));
+                }
+                let followers =
+                    sqlx::query("DELETE FROM remote_followers WHERE actor_uri = ? RETURNING user_id, activity_uri")
+                        .bind(actor_uri.clone())
+                        .fetch_all(tx.conn())
+                        .await?;
+                for row in &followers {
+                    let user_id: String = row.get(0);
+                    events.push(NewEvent::new(
+                        &user_id,
+                        Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
+                            actor_uri: actor_uri.clone(),
+                            user_id: user_id.clone(),
+                            activity_uri: row.get(1),
+                        }),
+                    ));
+                }
+                let target = Target::Actor(actor_uri.clone());
+                let follows = sqlx::query(
+                    "DELETE FROM follows WHERE target = ? RETURNING follower_id, COALESCE(follow_event_id, '')",
                 )
-                .bind(object_uri.clone())
-                .bind(actor_uri.clone())
-                .bind(tx.now_ms())
-                .execute(tx.conn())
+                .bind(target.key())
+                .fetch_all(tx.conn())
                 .await?;
-                events.push(NewEvent::new(
-                    &id,
-                    Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
-                        remote_review_id: id.clone(),
-                        object_uri,
-                        actor_uri: actor_uri.clone(),
-                        movie_id: movie_id.clone(),
-                    }),
-                ));
-                movies.insert(movie_id);
+                for row in &follows {
+                    let follower_id: String = row.get(0);
+                    let payload = v1::Unfollowed {
+                        follower_id: follower_id.clone(),
+                        target: Some(target.to_proto()),
+                        follow_event_id: row.get(1),
+                        rejected: true,
+                    };
+                    events.push(NewEvent::new(&follower_id, Payload::Unfollowed(payload)));
+                }
+                if !events.is_empty() || changed {
+                    first_delivery(tx, &received).await?;
+                }
+                commit_events(tx, events).await?;
+                Ok((deleted > 0 || !followers.is_empty() || !follows.is_empty(), true))
+            })
+            .await?;
+            changed |= deleted;
+            if done {
+                return Ok(changed);
             }
-            for row in &follows {
-                let user_id: String = row.get(0);
-                events.push(NewEvent::new(
-                    &user_id,
-                    Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
-                        actor_uri: actor_uri.clone(),
-                        user_id: user_id.clone(),
-                        activity_uri: row.get(1),
-                    }),
-                ));
-            }
-            // Once all of its reviews are gone: a film only they named goes with them.
-            for movie_id in &movies {
-                events.extend(delete_if_orphan(tx.conn(), movie_id).await?);
-            }
-            commit_events(tx, events).await?;
-            Ok(true)
-        })
-        .await
+        }
     }
 
     /// A remote actor follows a local user. A new Follow from an actor already following (it
