@@ -852,15 +852,21 @@ fn e_activity_id(event: &v1::Event) -> Value {
     }
 }
 
+/// A write service alone, with one user, ana.
+async fn write_service_and_ana(db: &Path) -> (Reelay, Clients, String) {
+    let reelay = Reelay::start_write(BIN, db, &[]).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    (reelay, c, ana)
+}
+
 /// An Undo changes something only when it names the Follow in force: follow f1, undo f1,
 /// follow f2, then an Undo of f1 again (redelivered, or a new Undo naming it) leaves f2 alone.
 #[tokio::test]
 async fn an_undo_names_the_follow_it_undoes() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let mut reelay = Reelay::start_write(BIN, &db, &[]).await;
-    let mut c = reelay.clients().await;
-    let ana = c.user("ana").await;
+    let (mut reelay, mut c, ana) = write_service_and_ana(&db).await;
     let actor = "https://films.example/users/carla";
     let follow = |id: &str| v1::ReceiveFollowRequest {
         actor_uri: actor.into(),
@@ -963,9 +969,7 @@ async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_wi
 async fn a_deleted_account_with_many_reviews_goes_in_several_jobs() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let mut reelay = Reelay::start_write(BIN, &db, &[]).await;
-    let mut c = reelay.clients().await;
-    let ana = c.user("ana").await;
+    let (mut reelay, mut c, ana) = write_service_and_ana(&db).await;
     let actor = "https://films.example/users/carla";
     follow(&mut c, &ana, actor).await;
     for n in 0..1_001 {

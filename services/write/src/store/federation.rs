@@ -81,6 +81,21 @@ async fn followed_by_anyone(conn: &mut SqliteConnection, actor_uri: &str) -> Res
         .is_some())
 }
 
+/// Records that `actor_uri`'s remote review `object_uri` is deleted, so a Create or Update of it
+/// arriving later is not saved.
+async fn tombstone(tx: &mut WriteTx, object_uri: &str, actor_uri: &str) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
+         ON CONFLICT (object_uri) DO NOTHING",
+    )
+    .bind(object_uri.to_owned())
+    .bind(actor_uri.to_owned())
+    .bind(tx.now_ms())
+    .execute(tx.conn())
+    .await?;
+    Ok(())
+}
+
 /// Reviews of a deleted account deleted per write job.
 const ACTOR_REVIEWS_PER_JOB: usize = 500;
 
@@ -99,15 +114,7 @@ async fn delete_reviews_of(tx: &mut WriteTx, actor_uri: &str) -> Result<(Vec<New
     let mut movies = std::collections::BTreeSet::new();
     for row in &rows {
         let (id, object_uri, movie_id): (String, String, String) = (row.get(0), row.get(1), row.get(2));
-        sqlx::query(
-            "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
-             ON CONFLICT (object_uri) DO NOTHING",
-        )
-        .bind(object_uri.clone())
-        .bind(actor_uri.to_owned())
-        .bind(tx.now_ms())
-        .execute(tx.conn())
-        .await?;
+        tombstone(tx, &object_uri, actor_uri).await?;
         events.push(NewEvent::new(
             &id,
             Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
@@ -288,15 +295,7 @@ impl Store {
             }
             first_delivery(tx, &received).await?;
             // Found or not (its Create may still be on its way), it stays deleted.
-            sqlx::query(
-                "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
-                 ON CONFLICT (object_uri) DO NOTHING",
-            )
-            .bind(object_uri.clone())
-            .bind(actor_uri.clone())
-            .bind(tx.now_ms())
-            .execute(tx.conn())
-            .await?;
+            tombstone(tx, &object_uri, &actor_uri).await?;
             let Some(row) = row else { return Ok(false) };
             let (id, movie_id): (String, String) = (row.get("id"), row.get("movie_id"));
             sqlx::query("DELETE FROM remote_reviews WHERE id = ?").bind(id.clone()).execute(tx.conn()).await?;
