@@ -997,3 +997,39 @@ async fn a_deleted_account_with_many_reviews_goes_in_several_jobs() {
     assert!(!c.federation.delete_remote_actor(delete(2)).await.unwrap().into_inner().changed, "nothing left");
     reelay.stop().await;
 }
+
+/// A deleted account's actor answers 410 Gone at once, so a gateway that no longer holds its
+/// key (here: restarted) cannot check its Delete's signature. Its server's 410 is the proof:
+/// the actor's Delete of itself is taken, and what is kept of it goes; anything else it sends
+/// is refused as before (401).
+#[tokio::test]
+async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone() {
+    let dir = temp_dir();
+    let (peer, mut a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let inbox = format!("{}/inbox", a.actor_url(&ana));
+    follow(&mut c, &ana, &peer.actor("bob")).await;
+    wait_until!("bob gets ana's Follow", !peer.received_of("Follow").is_empty());
+    assert_eq!(peer.send("bob", &inbox, &review_note(&peer, "bob", 1, "Ran", 1985, "The storm.")).await, 202);
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 1);
+    // A new process holds no key; then bob's account is deleted.
+    a.restart().await;
+    peer.delete_account("bob");
+    let bob = peer.actor("bob");
+    let delete = |object: &str, n: u32| {
+        json!({
+            "@context": "https://www.w3.org/ns/activitystreams",
+            "id": format!("{bob}#delete-{n}"),
+            "type": "Delete",
+            "actor": bob,
+            "object": object,
+        })
+    };
+    let another = review_note(&peer, "bob", 2, "Ran", 1985, "Again.");
+    assert_eq!(peer.send("bob", &inbox, &another).await, 401, "only its Delete of itself is taken");
+    assert_eq!(peer.send("bob", &inbox, &delete(&format!("{bob}/statuses/1"), 1)).await, 401, "not of a review");
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 1);
+    assert_eq!(peer.send("bob", &inbox, &delete(&bob, 2)).await, 202);
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 0, "bob's review went");
+    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM follows").await, 0, "ana's follow of bob ended");
+    assert!(a.log_text().contains("a deleted account's Delete, its actor gone (410)"));
+}

@@ -11,7 +11,9 @@
 //! 6. the signer's key (fetched and cached; fetched again once if the cached one fails) verifies
 //!    the signature (401; why a key could not be had is logged, not answered; 503 when a retry
 //!    may pass: its server unreachable, or fetched from too often, see `remote_keys`). The key
-//!    must be one its actor publishes, and the actor the one its document's own URL serves;
+//!    must be one its actor publishes, and the actor the one its document's own URL serves.
+//!    A signer whose server answers 410 Gone for its actor is a deleted account: its `Delete`
+//!    of itself is still taken (its server's 410 is the proof), anything else refused (401);
 //! 7. the body is a JSON activity (400) whose `actor` is the signer (401) and whose `id` is on
 //!    the signer's server (400).
 //!
@@ -71,16 +73,26 @@ fn accepted() -> Response {
     StatusCode::ACCEPTED.into_response()
 }
 
+/// Why a signed request's signer is not verified.
+enum Unverified {
+    /// The answer to give.
+    Refused(StatusCode, String),
+    /// The signer's key could not be had because its server says the actor at `url` is gone
+    /// (410): a deleted account. Its own `Delete` may still be taken (see
+    /// [`Gateway::take_in_from_gone`]); anything else is `refused`.
+    Gone { url: String, refused: (StatusCode, String) },
+}
+
 impl Gateway {
-    /// Checks the signature of a request: the signer when it holds, why not (a 401) otherwise.
+    /// Checks the signature of a request: the signer when it holds, why not otherwise.
     async fn verify(
         &self,
         method: &Method,
         uri: &Uri,
         headers: &HeaderMap,
         body: &[u8],
-    ) -> Result<RemoteActor, (StatusCode, String)> {
-        let unauthorized = |reason: String| Err((StatusCode::UNAUTHORIZED, reason));
+    ) -> Result<RemoteActor, Unverified> {
+        let unauthorized = |reason: String| Err(Unverified::Refused(StatusCode::UNAUTHORIZED, reason));
         let Some(header) = header_text(headers, "signature") else {
             return unauthorized("the request is not signed (no Signature header)".into());
         };
@@ -135,7 +147,11 @@ impl Gateway {
         let no_key = |error: KeyFetchError| {
             tracing::warn!(key_id = %params.key_id, %error, "refused a signed request: no usable key for its keyId");
             let status = if error.is_transient() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::UNAUTHORIZED };
-            Err((status, format!("no usable key could be fetched for keyId {:?}", params.key_id)))
+            let refused = (status, format!("no usable key could be fetched for keyId {:?}", params.key_id));
+            match error.gone() {
+                Some(url) => Err(Unverified::Gone { url: url.to_owned(), refused }),
+                None => Err(Unverified::Refused(refused.0, refused.1)),
+            }
         };
         let was_cached = self.keys.is_cached(&params.key_id);
         let mut signer = match self.keys.get(&params.key_id, false).await {
@@ -167,7 +183,8 @@ impl Gateway {
     ) -> Response {
         let signer = match self.verify(method, uri, headers, &body).await {
             Ok(signer) => signer,
-            Err((status, reason)) => return refuse(status, reason),
+            Err(Unverified::Refused(status, reason)) => return refuse(status, reason),
+            Err(Unverified::Gone { url, refused }) => return self.take_in_from_gone(&url, &body, refused).await,
         };
         let activity: Value = match serde_json::from_slice(&body) {
             Ok(Value::Object(object)) => Value::Object(object),
@@ -202,6 +219,40 @@ impl Gateway {
             }
             // Nobody here follows the author: nothing to keep, nothing wrong.
             Err(status) if status.code() == tonic::Code::FailedPrecondition => accepted(),
+            Err(status) => from_status(&status),
+        }
+    }
+
+    /// A request signed by an actor whose server answers 410 Gone for it: its signature cannot
+    /// be checked, but its server's answer, fetched here, says the account is deleted. So the
+    /// one activity taken is that actor's `Delete` of itself (its id on the actor's server),
+    /// and what is kept of the actor goes, as after a verified one; anything else is `refused`.
+    /// Mastodon signs the Deletes of a deleted account with its key while its actor already
+    /// answers 410, so without this only a key still cached here would take them.
+    async fn take_in_from_gone(&self, gone: &str, body: &[u8], refused: (StatusCode, String)) -> Response {
+        let activity: Value = serde_json::from_slice(body).unwrap_or_default();
+        let names_itself = |field: &str| activity.get(field).and_then(id_of) == Some(gone);
+        let id = id_of(&activity).filter(|id| same_origin(id, gone));
+        let (Some(id), true) = (
+            id,
+            activity.get("type").and_then(Value::as_str) == Some("Delete")
+                && names_itself("actor")
+                && names_itself("object"),
+        ) else {
+            return refuse(refused.0, refused.1);
+        };
+        let request = v1::DeleteRemoteActorRequest { actor_uri: gone.to_owned(), received_activity_uri: id.to_owned() };
+        match self.federation.clone().delete_remote_actor(request).await {
+            Ok(answer) => {
+                let changed = answer.into_inner().changed;
+                tracing::info!(
+                    actor = gone,
+                    activity = id,
+                    changed,
+                    "a deleted account's Delete, its actor gone (410)"
+                );
+                accepted()
+            }
             Err(status) => from_status(&status),
         }
     }

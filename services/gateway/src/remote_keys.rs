@@ -55,13 +55,22 @@ pub enum KeyFetchError {
     Fetch(FetchError),
     #[error("the signer's key document is unusable: {0}")]
     Invalid(String),
-    /// Its fetch failed less than [`FAILED_FOR`] ago (why, and whether a retry may pass): not
-    /// fetched again yet.
-    #[error("fetching the signer's key failed a moment ago: {0}")]
-    RecentlyFailed(String, bool),
+    /// Its fetch failed less than [`FAILED_FOR`] ago: not fetched again yet.
+    #[error("fetching the signer's key failed a moment ago: {}", .0.reason)]
+    RecentlyFailed(Failure),
     /// Its host was fetched from [`FETCHES_PER_HOST`] times this minute.
     #[error("too many key fetches from {0} this minute; try again later")]
     Throttled(String),
+}
+
+/// A key fetch that failed, as remembered for [`FAILED_FOR`].
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub reason: String,
+    /// Whether a later try may pass.
+    pub transient: bool,
+    /// The URL it found gone (see [`KeyFetchError::gone`]).
+    pub gone: Option<String>,
 }
 
 impl KeyFetchError {
@@ -69,9 +78,19 @@ impl KeyFetchError {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Fetch(error) => error.is_transient(),
-            Self::RecentlyFailed(_, transient) => *transient,
+            Self::RecentlyFailed(failure) => failure.transient,
             Self::Throttled(_) => true,
             Self::Invalid(_) => false,
+        }
+    }
+
+    /// The URL the fetch found gone (410 Gone): the actor's, or its key's owner's. Its own
+    /// server says so, which is how a deleted account's actor answers.
+    pub fn gone(&self) -> Option<&str> {
+        match self {
+            Self::Fetch(FetchError::Status { url, status: 410 }) => Some(url),
+            Self::RecentlyFailed(failure) => failure.gone.as_deref(),
+            _ => None,
         }
     }
 }
@@ -83,7 +102,7 @@ type KeyCache = HashMap<String, (Instant, Arc<RemoteActor>)>;
 /// (since when, how many).
 #[derive(Default)]
 struct Fetches {
-    failed: HashMap<String, (Instant, String, bool)>,
+    failed: HashMap<String, (Instant, Failure)>,
     per_host: HashMap<String, (Instant, u32)>,
 }
 
@@ -109,10 +128,10 @@ impl RemoteKeys {
         {
             return Ok(actor.clone());
         }
-        if let Some((at, reason, transient)) = self.fetches.lock().expect("fetches lock").failed.get(key_id)
+        if let Some((at, failure)) = self.fetches.lock().expect("fetches lock").failed.get(key_id)
             && at.elapsed() < FAILED_FOR
         {
-            return Err(KeyFetchError::RecentlyFailed(reason.clone(), *transient));
+            return Err(KeyFetchError::RecentlyFailed(failure.clone()));
         }
         let actor = match self.fetch(key_id).await {
             Ok(actor) => Arc::new(actor),
@@ -123,7 +142,12 @@ impl RemoteKeys {
                 if fetches.failed.len() >= REMEMBERED {
                     fetches.failed.clear();
                 }
-                fetches.failed.insert(key_id.to_owned(), (Instant::now(), error.to_string(), error.is_transient()));
+                let failure = Failure {
+                    reason: error.to_string(),
+                    transient: error.is_transient(),
+                    gone: error.gone().map(str::to_owned),
+                };
+                fetches.failed.insert(key_id.to_owned(), (Instant::now(), failure));
                 return Err(error);
             }
         };
@@ -294,7 +318,7 @@ mod tests {
         let first = keys.get(&key_id(0), false).await.unwrap_err();
         assert!(matches!(first, KeyFetchError::Fetch(_)) && !first.is_transient(), "{first}");
         let again = keys.get(&key_id(0), true).await.unwrap_err();
-        assert!(matches!(again, KeyFetchError::RecentlyFailed(_, false)), "{again}");
+        assert!(matches!(&again, KeyFetchError::RecentlyFailed(f) if !f.transient), "{again}");
         assert_eq!(requests.load(Ordering::SeqCst), 1, "not fetched again");
         for n in 1..FETCHES_PER_HOST {
             assert!(matches!(keys.get(&key_id(n), false).await, Err(KeyFetchError::Fetch(_))), "{n}");

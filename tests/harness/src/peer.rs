@@ -72,6 +72,8 @@ struct Inner {
     inbox_status: Mutex<u16>,
     /// Each actor's outbox pages, served at `/users/<name>/outbox/<n>` (none: no outbox).
     outboxes: Mutex<HashMap<String, Vec<Value>>>,
+    /// Actors whose account is deleted: their documents answer 410 Gone.
+    gone: Mutex<Vec<String>>,
 }
 
 /// The peer. Its actors are `http://<addr>/users/<name>`, each with an inbox, all sharing one
@@ -118,6 +120,7 @@ impl MastodonPeer {
             received: Mutex::default(),
             inbox_status: Mutex::new(202),
             outboxes: Mutex::default(),
+            gone: Mutex::default(),
         });
         let peer = Self { inner };
         let app = Router::new()
@@ -145,12 +148,18 @@ impl MastodonPeer {
         format!("{}#main-key", self.actor(name))
     }
 
-    /// What the inboxes answer from now on (202 by default).
     /// Gives `name` an outbox of `pages` (`OrderedCollectionPage`s; a `next` past them is 404).
     pub fn set_outbox(&self, name: &str, pages: Vec<Value>) {
         self.inner.outboxes.lock().unwrap().insert(name.to_owned(), pages);
     }
 
+    /// Deletes `name`'s account: its actor document answers 410 Gone from now on (it can still
+    /// sign, as Mastodon signs a deleted account's Deletes).
+    pub fn delete_account(&self, name: &str) {
+        self.inner.gone.lock().unwrap().push(name.to_owned());
+    }
+
+    /// What the inboxes answer from now on (202 by default).
     pub fn set_inbox_status(&self, status: u16) {
         *self.inner.inbox_status.lock().unwrap() = status;
     }
@@ -272,6 +281,9 @@ impl MastodonPeer {
 
 /// An actor's document; an actor named `long-inbox` has an inbox of 3,000 characters.
 async fn actor(State(peer): State<MastodonPeer>, Path(name): Path<String>) -> Response {
+    if peer.inner.gone.lock().unwrap().contains(&name) {
+        return StatusCode::GONE.into_response();
+    }
     let id = peer.actor(&name);
     let inbox = if name == "long-inbox" { format!("{id}/{}", "i".repeat(3000)) } else { format!("{id}/inbox") };
     let document = json!({
