@@ -999,37 +999,71 @@ async fn a_deleted_account_with_many_reviews_goes_in_several_jobs() {
 }
 
 /// A deleted account's actor answers 410 Gone at once, so a gateway that no longer holds its
-/// key (here: restarted) cannot check its Delete's signature. Its server's 410 is the proof:
-/// the actor's Delete of itself is taken, and what is kept of it goes; anything else it sends
-/// is refused as before (401).
+/// key (here: restarted) cannot check its Delete's signature. The actor's 410, fetched again,
+/// is then the proof: the actor's Delete of itself is taken, and what is kept of it goes. Nothing
+/// else passes that way: another activity of it, a Delete naming a live actor, one whose id is
+/// not the actor's, one signed by a key elsewhere that names the gone actor as its owner.
 #[tokio::test]
 async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone() {
     let dir = temp_dir();
     let (peer, mut a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
     let inbox = format!("{}/inbox", a.actor_url(&ana));
-    follow(&mut c, &ana, &peer.actor("bob")).await;
-    wait_until!("bob gets ana's Follow", !peer.received_of("Follow").is_empty());
-    assert_eq!(peer.send("bob", &inbox, &review_note(&peer, "bob", 1, "Ran", 1985, "The storm.")).await, 202);
-    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 1);
-    // A new process holds no key; then bob's account is deleted.
+    for (n, name) in [(1, "bob"), (2, "dave"), (3, "alice")] {
+        follow(&mut c, &ana, &peer.actor(name)).await;
+        wait_until!("the Follow arrives", peer.received_of("Follow").len() == n);
+        let note = review_note(&peer, name, 1, "Ran", 1985, "The storm.");
+        assert_eq!(peer.send(name, &inbox, &note).await, 202);
+    }
+    let db = a.database.clone();
+    let kept = |name: &str| {
+        let sql = format!("SELECT COUNT(*) FROM remote_reviews WHERE actor_uri = '{}'", peer.actor(name));
+        let db = db.clone();
+        async move { count(&db, &sql).await }
+    };
+    // A new process holds no key; then bob's and dave's accounts are deleted.
     a.restart().await;
     peer.delete_account("bob");
-    let bob = peer.actor("bob");
-    let delete = |object: &str, n: u32| {
+    peer.delete_account("dave");
+    let delete = |actor: &str, object: &str, id: &str| {
         json!({
             "@context": "https://www.w3.org/ns/activitystreams",
-            "id": format!("{bob}#delete-{n}"),
+            "id": id,
             "type": "Delete",
-            "actor": bob,
+            "actor": actor,
             "object": object,
         })
     };
-    let another = review_note(&peer, "bob", 2, "Ran", 1985, "Again.");
-    assert_eq!(peer.send("bob", &inbox, &another).await, 401, "only its Delete of itself is taken");
-    assert_eq!(peer.send("bob", &inbox, &delete(&format!("{bob}/statuses/1"), 1)).await, 401, "not of a review");
-    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 1);
-    assert_eq!(peer.send("bob", &inbox, &delete(&bob, 2)).await, 202);
-    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 0, "bob's review went");
-    assert_eq!(count(&a.database, "SELECT COUNT(*) FROM follows").await, 0, "ana's follow of bob ended");
+    let (alice, bob, dave) = (peer.actor("alice"), peer.actor("bob"), peer.actor("dave"));
+    // dave's Delete, the first thing after the restart: taken on a 410 fetched just now.
+    assert_eq!(peer.send("dave", &inbox, &delete(&dave, &dave, &format!("{dave}#delete"))).await, 202);
+    assert_eq!(kept("dave").await, 0, "dave's review went");
+
+    let refused: Vec<(&str, u16)> = vec![
+        ("another activity", peer.send("bob", &inbox, &review_note(&peer, "bob", 2, "Ran", 1985, "Again.")).await),
+        (
+            "a Delete of a review",
+            peer.send("bob", &inbox, &delete(&bob, &format!("{bob}/statuses/1"), &format!("{bob}#d1"))).await,
+        ),
+        (
+            "a live actor's Delete, signed with bob's key",
+            peer.send("bob", &inbox, &delete(&alice, &alice, &format!("{alice}#d1"))).await,
+        ),
+        (
+            "an id not under the actor",
+            peer.send("bob", &inbox, &delete(&bob, &bob, &format!("{alice}/statuses/5#delete"))).await,
+        ),
+        ("a key elsewhere naming bob its owner", {
+            let body = delete(&bob, &bob, &format!("{bob}#d2")).to_string();
+            peer.post("bob", &inbox, body.as_bytes(), Spoil::ForgedKey).await
+        }),
+    ];
+    for (case, status) in refused {
+        assert_eq!(status, 401, "{case}");
+    }
+    assert_eq!((kept("bob").await, kept("alice").await), (1, 1), "nothing of bob's or alice's went");
+    assert_eq!(peer.send("bob", &inbox, &delete(&bob, &bob, &format!("{bob}#delete"))).await, 202);
+    assert_eq!(kept("bob").await, 0, "bob's review went");
+    let follows = query_strings(&db, "SELECT target FROM follows").await;
+    assert_eq!(follows, [[format!("actor:{alice}")]], "ana's follows of bob and dave ended");
     assert!(a.log_text().contains("a deleted account's Delete, its actor gone (410)"));
 }

@@ -12,8 +12,10 @@
 //!    the signature (401; why a key could not be had is logged, not answered; 503 when a retry
 //!    may pass: its server unreachable, or fetched from too often, see `remote_keys`). The key
 //!    must be one its actor publishes, and the actor the one its document's own URL serves.
-//!    A signer whose server answers 410 Gone for its actor is a deleted account: its `Delete`
-//!    of itself is still taken (its server's 410 is the proof), anything else refused (401);
+//!    When the key id's own document answers 410 Gone (a deleted account's actor, whose key id
+//!    is `<actor>#main-key`), nothing in the request can be authenticated; the one activity
+//!    then taken is that actor's `Delete` of itself, on the proof of a 410 fetched again here
+//!    (see [`Gateway::take_in_from_gone`]), and anything else is refused (401);
 //! 7. the body is a JSON activity (400) whose `actor` is the signer (401) and whose `id` is on
 //!    the signer's server (400).
 //!
@@ -77,10 +79,10 @@ fn accepted() -> Response {
 enum Unverified {
     /// The answer to give.
     Refused(StatusCode, String),
-    /// The signer's key could not be had because its server says the actor at `url` is gone
-    /// (410): a deleted account. Its own `Delete` may still be taken (see
+    /// The signer's key could not be had because a document its fetch led to, `url`, answered
+    /// 410 Gone. A deleted account's own `Delete` may still be taken (see
     /// [`Gateway::take_in_from_gone`]); anything else is `refused`.
-    Gone { url: String, refused: (StatusCode, String) },
+    Gone { url: String, key_id: String, refused: (StatusCode, String) },
 }
 
 impl Gateway {
@@ -149,7 +151,7 @@ impl Gateway {
             let status = if error.is_transient() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::UNAUTHORIZED };
             let refused = (status, format!("no usable key could be fetched for keyId {:?}", params.key_id));
             match error.gone() {
-                Some(url) => Err(Unverified::Gone { url: url.to_owned(), refused }),
+                Some(url) => Err(Unverified::Gone { url: url.to_owned(), key_id: params.key_id.clone(), refused }),
                 None => Err(Unverified::Refused(refused.0, refused.1)),
             }
         };
@@ -184,7 +186,9 @@ impl Gateway {
         let signer = match self.verify(method, uri, headers, &body).await {
             Ok(signer) => signer,
             Err(Unverified::Refused(status, reason)) => return refuse(status, reason),
-            Err(Unverified::Gone { url, refused }) => return self.take_in_from_gone(&url, &body, refused).await,
+            Err(Unverified::Gone { url, key_id, refused }) => {
+                return self.take_in_from_gone(&url, &key_id, &body, refused).await;
+            }
         };
         let activity: Value = match serde_json::from_slice(&body) {
             Ok(Value::Object(object)) => Value::Object(object),
@@ -223,34 +227,44 @@ impl Gateway {
         }
     }
 
-    /// A request signed by an actor whose server answers 410 Gone for it: its signature cannot
-    /// be checked, but its server's answer, fetched here, says the account is deleted. So the
-    /// one activity taken is that actor's `Delete` of itself (its id on the actor's server),
-    /// and what is kept of the actor goes, as after a verified one; anything else is `refused`.
-    /// Mastodon signs the Deletes of a deleted account with its key while its actor already
-    /// answers 410, so without this only a key still cached here would take them.
-    async fn take_in_from_gone(&self, gone: &str, body: &[u8], refused: (StatusCode, String)) -> Response {
+    /// A request whose key could not be had because a document its key id led to, `gone`,
+    /// answered 410 Gone. Nothing in it can be authenticated (its signature, and the headers it
+    /// covers, are the caller's), but a deleted account's actor answers 410, and Mastodon
+    /// signs the Deletes of a deleted account with its key while it does. So one activity is
+    /// taken, from anyone: the `Delete` of an actor by itself, where the actor is the key id's
+    /// own document (`<actor>#main-key`, so no document elsewhere leads to it), the activity's
+    /// id lies under the actor's (so no other id of its server is used up), and the actor
+    /// still answers 410 when asked again now. What is kept of the actor then goes, as after a
+    /// verified Delete. Anything else is `refused`, as any request without a usable key is.
+    async fn take_in_from_gone(
+        &self,
+        gone: &str,
+        key_id: &str,
+        body: &[u8],
+        refused: (StatusCode, String),
+    ) -> Response {
+        let same = |a: &str, b: &str| matches!((url::Url::parse(a), url::Url::parse(b)), (Ok(a), Ok(b)) if a == b);
         let activity: Value = serde_json::from_slice(body).unwrap_or_default();
-        let names_itself = |field: &str| activity.get(field).and_then(id_of) == Some(gone);
-        let id = id_of(&activity).filter(|id| same_origin(id, gone));
-        let (Some(id), true) = (
-            id,
-            activity.get("type").and_then(Value::as_str) == Some("Delete")
-                && names_itself("actor")
-                && names_itself("object"),
-        ) else {
+        let text = |field: &str| activity.get(field).and_then(id_of);
+        let actor = text("actor").filter(|actor| {
+            same(actor, gone)
+                && same(key_id.split('#').next().unwrap_or(key_id), gone)
+                && text("object").is_some_and(|object| same(object, actor))
+        });
+        let id = text("id")
+            .filter(|id| actor.is_some_and(|a| id.starts_with(&format!("{a}#")) || id.starts_with(&format!("{a}/"))));
+        let (Some(actor), Some(id), Some("Delete")) = (actor, id, activity.get("type").and_then(Value::as_str)) else {
             return refuse(refused.0, refused.1);
         };
-        let request = v1::DeleteRemoteActorRequest { actor_uri: gone.to_owned(), received_activity_uri: id.to_owned() };
+        if !self.keys.answers_gone(gone).await {
+            return refuse(refused.0, refused.1);
+        }
+        let request =
+            v1::DeleteRemoteActorRequest { actor_uri: actor.to_owned(), received_activity_uri: id.to_owned() };
         match self.federation.clone().delete_remote_actor(request).await {
             Ok(answer) => {
                 let changed = answer.into_inner().changed;
-                tracing::info!(
-                    actor = gone,
-                    activity = id,
-                    changed,
-                    "a deleted account's Delete, its actor gone (410)"
-                );
+                tracing::info!(actor, activity = id, changed, "a deleted account's Delete, its actor gone (410)");
                 accepted()
             }
             Err(status) => from_status(&status),

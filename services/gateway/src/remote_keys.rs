@@ -84,8 +84,8 @@ impl KeyFetchError {
         }
     }
 
-    /// The URL the fetch found gone (410 Gone): the actor's, or its key's owner's. Its own
-    /// server says so, which is how a deleted account's actor answers.
+    /// The URL the fetch found gone (410 Gone), as requested: the key id's document, or a
+    /// document it led to (the key's owner, the id an actor document claims).
     pub fn gone(&self) -> Option<&str> {
         match self {
             Self::Fetch(FetchError::Status { url, status: 410 }) => Some(url),
@@ -175,6 +175,12 @@ impl RemoteKeys {
         }
         *count += 1;
         Ok(())
+    }
+
+    /// Whether `url` answers 410 Gone now: asked again, not remembered, within its host's share
+    /// of fetches.
+    pub async fn answers_gone(&self, url: &str) -> bool {
+        matches!(self.fetch_document(url).await, Err(KeyFetchError::Fetch(FetchError::Status { status: 410, .. })))
     }
 
     /// True when a fresh cached key was used (worth a refetch if it fails; a stale one was
