@@ -431,14 +431,20 @@ impl DispatchConfig {
         self.hand_back != HandBack::Never
     }
 
-    /// When a delivery on its `attempt`, handed back unstarted at shutdown, is due again (ms);
-    /// `None` when it may not be handed back.
-    fn handed_back_until(&self, attempt: u32) -> Option<i64> {
+    /// Whether a delivery on its `attempt` may be handed back unstarted at shutdown.
+    fn may_hand_back(&self, attempt: u32) -> bool {
         match self.hand_back {
-            HandBack::Never => None,
-            HandBack::Free => Some(reelay_kit::now_ms()),
-            HandBack::SpendsDelivery { after } => (attempt.saturating_add(2) <= self.max_attempts)
-                .then(|| reelay_kit::now_ms() + after.as_millis() as i64),
+            HandBack::Never => false,
+            HandBack::Free => true,
+            HandBack::SpendsDelivery { .. } => attempt.saturating_add(2) <= self.max_attempts,
+        }
+    }
+
+    /// When a delivery handed back now is due again (ms).
+    fn handed_back_due(&self) -> i64 {
+        match self.hand_back {
+            HandBack::SpendsDelivery { after } => reelay_kit::now_ms() + after.as_millis() as i64,
+            HandBack::Never | HandBack::Free => reelay_kit::now_ms(),
         }
     }
 }
@@ -678,14 +684,14 @@ impl Dispatcher {
             let timeout = self.config.handler_timeout;
             async move {
                 if work.is_empty() {
-                    return (work, Vec::new());
+                    return (h, work, Vec::new());
                 }
                 let events: Vec<&v1::Event> = work.iter().map(|&(d, _)| &deliveries[d].event).collect();
                 let stop = Stop {
                     shutdown: &self.shutdown,
                     may_hand_back: work
                         .iter()
-                        .map(|&(d, _)| self.config.handed_back_until(deliveries[d].attempt).is_some())
+                        .map(|&(d, _)| self.config.may_hand_back(deliveries[d].attempt))
                         .collect(),
                 };
                 let started = Instant::now();
@@ -693,20 +699,18 @@ impl Dispatcher {
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 let ran = results.iter().filter(|result| result.is_some()).count();
                 HANDLER_BATCH.observe(&[handler.name()], ran as f64);
-                (work, results)
+                (h, work, results)
             }
         });
-        for (work, results) in futures_util::future::join_all(runs).await {
-            let Some(&(first, p)) = work.first() else { continue };
-            let name = self.handlers[pairs[first][p].0].name();
+        for (h, work, results) in futures_util::future::join_all(runs).await {
+            let name = self.handlers[h].name();
             let mut handed_back = 0;
             for ((d, p), result) in work.into_iter().zip(results) {
                 let PairState::Run { token } = pairs[d][p].1 else { unreachable!("only runnable pairs were run") };
                 let delivery = &deliveries[d];
                 let Some(result) = result else {
                     handed_back += 1;
-                    let until_ms = self.config.handed_back_until(delivery.attempt).expect("only those it may were");
-                    pairs[d][p].1 = PairState::HandedBack { token, until_ms };
+                    pairs[d][p].1 = PairState::HandedBack { token, until_ms: self.config.handed_back_due() };
                     continue;
                 };
                 let span = event_span(&delivery.event, name);
@@ -733,15 +737,20 @@ impl Dispatcher {
         for (d, ps) in pairs.iter().enumerate() {
             for (h, state) in ps {
                 if let PairState::Run { token: Some(token) } = state {
-                    let key = v1::LedgerKey {
-                        event_id: deliveries[d].event_id.clone().unwrap_or_default(),
-                        handler: self.handlers[*h].name().to_owned(),
-                    };
-                    held.push(v1::OwnedKey { key: Some(key), token: *token });
+                    held.push(self.claim_of(&deliveries[d], *h, *token));
                 }
             }
         }
         held
+    }
+
+    /// The ledger claim, under `token`, of `delivery`'s event for handler `h`.
+    fn claim_of<T>(&self, delivery: &Delivery<T>, h: usize, token: i64) -> v1::OwnedKey {
+        let key = v1::LedgerKey {
+            event_id: delivery.event_id.clone().unwrap_or_default(),
+            handler: self.handlers[h].name().to_owned(),
+        };
+        v1::OwnedKey { key: Some(key), token }
     }
 
     /// Renews claims that are still being worked on.
@@ -771,14 +780,15 @@ impl Dispatcher {
     /// (it failed for the last time, where the source keeps no dead letters).
     fn ledger_settlement<T>(&self, deliveries: &[Delivery<T>], pairs: &[Vec<(usize, PairState)>]) -> LedgerSettlement {
         let (mut complete, mut release, mut dead) = (Vec::new(), Vec::new(), Vec::new());
+        let mut handed_back = false;
         for (d, ps) in pairs.iter().enumerate() {
             for (h, state) in ps {
+                if let PairState::HandedBack { token, .. } = state {
+                    handed_back = true;
+                    release.extend(token.map(|token| self.claim_of(&deliveries[d], *h, token)));
+                }
                 if let PairState::Ran { token: Some(token), result } = state {
-                    let key = v1::LedgerKey {
-                        event_id: deliveries[d].event_id.clone().unwrap_or_default(),
-                        handler: self.handlers[*h].name().to_owned(),
-                    };
-                    let owned = v1::OwnedKey { key: Some(key), token: *token };
+                    let owned = self.claim_of(&deliveries[d], *h, *token);
                     match result {
                         Ok(()) => complete.push(owned),
                         Err(error)
@@ -793,16 +803,8 @@ impl Dispatcher {
                         Err(_) => release.push(owned),
                     }
                 }
-                if let PairState::HandedBack { token: Some(token), .. } = state {
-                    let key = v1::LedgerKey {
-                        event_id: deliveries[d].event_id.clone().unwrap_or_default(),
-                        handler: self.handlers[*h].name().to_owned(),
-                    };
-                    release.push(v1::OwnedKey { key: Some(key), token: *token });
-                }
             }
         }
-        let handed_back = pairs.iter().flatten().any(|(_, state)| matches!(state, PairState::HandedBack { .. }));
         LedgerSettlement { complete, release, dead, in_hand: Vec::new(), handed_back }
     }
 
@@ -1212,12 +1214,12 @@ mod tests {
         let after = Duration::from_secs(5);
         let now = reelay_kit::now_ms();
         let jetstream = config(HandBack::SpendsDelivery { after });
-        assert!(jetstream.handed_back_until(3).is_some_and(|until| until >= now + 5_000));
-        assert_eq!(jetstream.handed_back_until(4), None, "one delivery left after this one");
-        assert_eq!(jetstream.handed_back_until(5), None, "the last");
+        assert!(jetstream.may_hand_back(3) && jetstream.handed_back_due() >= now + 5_000);
+        assert!(!jetstream.may_hand_back(4), "one delivery left after this one");
+        assert!(!jetstream.may_hand_back(5), "the last");
         let db = config(HandBack::Free);
-        assert!(db.handed_back_until(5).is_some_and(|until| (now..now + 5_000).contains(&until)));
-        assert_eq!(config(HandBack::Never).handed_back_until(1), None);
+        assert!(db.may_hand_back(5) && (now..now + 5_000).contains(&db.handed_back_due()));
+        assert!(!config(HandBack::Never).may_hand_back(1));
         assert!(!config(HandBack::Never).redelivers());
     }
 }
