@@ -74,33 +74,28 @@ pub fn register_metrics() {
     }
 }
 
-/// Since when the writer has been on the batch in hand: from taking its jobs until every one of
-/// them is answered (reopening the database, running, committing) and, after a storage fault,
-/// the connection is closed. Read by the metrics, so a
+/// Since when the writer has been on the batch in hand (`None` while it waits for jobs): from
+/// taking its jobs until every one of them is answered (reopening the database, running,
+/// committing) and, after a storage fault, the connection is closed. Read by the metrics, so a
 /// writer stuck in one batch (a stalled disk) shows even when no call is waiting on it.
 #[derive(Debug, Default)]
-struct BusySince(AtomicU64);
+struct BusySince(Mutex<Option<std::time::Instant>>);
 
 impl BusySince {
-    /// Milliseconds of a process-wide monotonic clock, from 1 (0 means idle).
-    fn now() -> u64 {
-        static START: LazyLock<std::time::Instant> = LazyLock::new(std::time::Instant::now);
-        START.elapsed().as_millis() as u64 + 1
+    fn set(&self, since: Option<std::time::Instant>) {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = since;
     }
 
     fn start(&self) {
-        self.0.store(Self::now(), Ordering::Relaxed);
+        self.set(Some(std::time::Instant::now()));
     }
 
     fn end(&self) {
-        self.0.store(0, Ordering::Relaxed);
+        self.set(None);
     }
 
     fn elapsed(&self) -> Duration {
-        match self.0.load(Ordering::Relaxed) {
-            0 => Duration::ZERO,
-            since => Duration::from_millis(Self::now().saturating_sub(since)),
-        }
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).map_or(Duration::ZERO, |since| since.elapsed())
     }
 }
 
