@@ -96,6 +96,37 @@ async fn tombstone(tx: &mut WriteTx, object_uri: &str, actor_uri: &str) -> Resul
     Ok(())
 }
 
+/// A remote review deleted (by its author, or with its author's account).
+fn remote_review_deleted(id: &str, object_uri: String, actor_uri: &str, movie_id: &str) -> NewEvent {
+    NewEvent::new(
+        id,
+        Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
+            remote_review_id: id.to_owned(),
+            object_uri,
+            actor_uri: actor_uri.to_owned(),
+            movie_id: movie_id.to_owned(),
+        }),
+    )
+}
+
+/// A remote actor's follow of `user_id` ended (its Undo, its inbox gone, its account deleted).
+fn remote_follow_undone(actor_uri: &str, user_id: &str, activity_uri: String) -> NewEvent {
+    let payload = v1::RemoteFollowUndone { actor_uri: actor_uri.to_owned(), user_id: user_id.to_owned(), activity_uri };
+    NewEvent::new(user_id, Payload::RemoteFollowUndone(payload))
+}
+
+/// A local user's follow of a remote actor ended by the actor (its Reject, its account
+/// deleted): `rejected`, so no Undo is sent back.
+fn follow_ended_by_remote(follower_id: &str, target: &Target, follow_event_id: String) -> NewEvent {
+    let payload = v1::Unfollowed {
+        follower_id: follower_id.to_owned(),
+        target: Some(target.to_proto()),
+        follow_event_id,
+        rejected: true,
+    };
+    NewEvent::new(follower_id, Payload::Unfollowed(payload))
+}
+
 /// Reviews of a deleted account deleted per write job.
 const ACTOR_REVIEWS_PER_JOB: usize = 500;
 
@@ -115,15 +146,7 @@ async fn delete_reviews_of(tx: &mut WriteTx, actor_uri: &str) -> Result<(Vec<New
     for row in &rows {
         let (id, object_uri, movie_id): (String, String, String) = (row.get(0), row.get(1), row.get(2));
         tombstone(tx, &object_uri, actor_uri).await?;
-        events.push(NewEvent::new(
-            &id,
-            Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
-                remote_review_id: id.clone(),
-                object_uri,
-                actor_uri: actor_uri.to_owned(),
-                movie_id: movie_id.clone(),
-            }),
-        ));
+        events.push(remote_review_deleted(&id, object_uri, actor_uri, &movie_id));
         movies.insert(movie_id);
     }
     // Once the reviews are gone: a film only they named goes with them.
@@ -299,15 +322,7 @@ impl Store {
             let Some(row) = row else { return Ok(false) };
             let (id, movie_id): (String, String) = (row.get("id"), row.get("movie_id"));
             sqlx::query("DELETE FROM remote_reviews WHERE id = ?").bind(id.clone()).execute(tx.conn()).await?;
-            let mut events = vec![NewEvent::new(
-                &id,
-                Payload::RemoteReviewDeleted(v1::RemoteReviewDeleted {
-                    remote_review_id: id.clone(),
-                    object_uri,
-                    actor_uri,
-                    movie_id: movie_id.clone(),
-                }),
-            )];
+            let mut events = vec![remote_review_deleted(&id, object_uri, &actor_uri, &movie_id)];
             events.extend(delete_if_orphan(tx.conn(), &movie_id).await?);
             commit_events(tx, events).await?;
             Ok(true)
@@ -325,7 +340,7 @@ impl Store {
         let mut changed = false;
         loop {
             let (actor_uri, received) = (actor_uri.clone(), received.clone());
-            let (deleted, done) = write_job!(self, "delete_remote_actor", |tx| {
+            let (changed_now, done) = write_job!(self, "delete_remote_actor", |tx| {
                 if seen_before(tx, &received).await? {
                     return Ok((false, true));
                 }
@@ -340,15 +355,7 @@ impl Store {
                         .fetch_all(tx.conn())
                         .await?;
                 for row in &followers {
-                    let user_id: String = row.get(0);
-                    events.push(NewEvent::new(
-                        &user_id,
-                        Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
-                            actor_uri: actor_uri.clone(),
-                            user_id: user_id.clone(),
-                            activity_uri: row.get(1),
-                        }),
-                    ));
+                    events.push(remote_follow_undone(&actor_uri, row.get(0), row.get(1)));
                 }
                 let target = Target::Actor(actor_uri.clone());
                 let follows = sqlx::query(
@@ -358,14 +365,7 @@ impl Store {
                 .fetch_all(tx.conn())
                 .await?;
                 for row in &follows {
-                    let follower_id: String = row.get(0);
-                    let payload = v1::Unfollowed {
-                        follower_id: follower_id.clone(),
-                        target: Some(target.to_proto()),
-                        follow_event_id: row.get(1),
-                        rejected: true,
-                    };
-                    events.push(NewEvent::new(&follower_id, Payload::Unfollowed(payload)));
+                    events.push(follow_ended_by_remote(row.get(0), &target, row.get(1)));
                 }
                 if !events.is_empty() || changed {
                     first_delivery(tx, &received).await?;
@@ -374,7 +374,7 @@ impl Store {
                 Ok((deleted > 0 || !followers.is_empty() || !follows.is_empty(), true))
             })
             .await?;
-            changed |= deleted;
+            changed |= changed_now;
             if done {
                 return Ok(changed);
             }
@@ -462,16 +462,7 @@ impl Store {
             .collect();
             let events = removed
                 .iter()
-                .map(|user_id| {
-                    NewEvent::new(
-                        user_id,
-                        Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
-                            actor_uri: actor_uri.clone(),
-                            user_id: user_id.clone(),
-                            activity_uri: activity_uri.clone(),
-                        }),
-                    )
-                })
+                .map(|user_id| remote_follow_undone(&actor_uri, user_id, activity_uri.clone()))
                 .collect::<Vec<_>>();
             if removed.is_empty() {
                 return Ok(false);
@@ -540,13 +531,7 @@ impl Store {
             let Some(follower_id) = removed else { return Ok(false) };
             first_delivery(tx, &received).await?;
             tracing::info!(%follower_id, %actor_uri, "a remote actor rejected a follow; it is removed");
-            let payload = v1::Unfollowed {
-                follower_id: follower_id.clone(),
-                target: Some(target.to_proto()),
-                follow_event_id,
-                rejected: true,
-            };
-            commit_events(tx, vec![NewEvent::new(&follower_id, Payload::Unfollowed(payload))]).await?;
+            commit_events(tx, vec![follow_ended_by_remote(&follower_id, &target, follow_event_id)]).await?;
             Ok(true)
         })
         .await
@@ -661,16 +646,7 @@ impl Store {
             .await?;
             let events = removed
                 .iter()
-                .map(|row| {
-                    NewEvent::new(
-                        user,
-                        Payload::RemoteFollowUndone(v1::RemoteFollowUndone {
-                            actor_uri: row.get(0),
-                            user_id: user.to_string(),
-                            activity_uri: row.get(1),
-                        }),
-                    )
-                })
+                .map(|row| remote_follow_undone(row.get(0), &user.to_string(), row.get(1)))
                 .collect::<Vec<_>>();
             commit_events(tx, events).await?;
             Ok(!removed.is_empty())
