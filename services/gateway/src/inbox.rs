@@ -259,16 +259,21 @@ impl Gateway {
         if !self.keys.answers_gone(gone).await {
             return refuse(refused.0, refused.1);
         }
-        let request =
-            v1::DeleteRemoteActorRequest { actor_uri: actor.to_owned(), received_activity_uri: id.to_owned() };
-        match self.federation.clone().delete_remote_actor(request).await {
-            Ok(answer) => {
-                let changed = answer.into_inner().changed;
+        match self.delete_actor(actor, id).await {
+            Ok(changed) => {
                 tracing::info!(actor, activity = id, changed, "a deleted account's Delete, its actor gone (410)");
                 accepted()
             }
             Err(status) => from_status(&status),
         }
+    }
+
+    /// An account deleted on its server, by its Delete `id`: what is kept of it goes (its
+    /// reviews, its follows, local users' follows of it).
+    async fn delete_actor(&self, actor_uri: &str, id: &str) -> Result<bool, tonic::Status> {
+        let request =
+            v1::DeleteRemoteActorRequest { actor_uri: actor_uri.to_owned(), received_activity_uri: id.to_owned() };
+        Ok(self.federation.clone().delete_remote_actor(request).await?.into_inner().changed)
     }
 
     /// The local user an object names: one of our actor ids, and it must be the inbox's user.
@@ -374,12 +379,7 @@ impl Gateway {
     async fn delete_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
         let Some(object_uri) = activity.get("object").and_then(id_of) else { return Ok(false) };
         if object_uri == signer.actor_uri {
-            // An account deleting itself: its reviews go, and it follows nobody here any more.
-            let request = v1::DeleteRemoteActorRequest {
-                actor_uri: signer.actor_uri.clone(),
-                received_activity_uri: id.to_owned(),
-            };
-            return Ok(self.federation.clone().delete_remote_actor(request).await?.into_inner().changed);
+            return self.delete_actor(&signer.actor_uri, id).await;
         }
         // What it deletes stays deleted (a Create of it arriving later is not saved), so an
         // actor deletes only ids of its own server.
