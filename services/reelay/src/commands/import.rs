@@ -2,13 +2,13 @@
 //! in. From the zip Letterboxd hands its users: the diary (`diary.csv`) with each review's text
 //! (`reviews.csv`) attached to its diary entry, and the watchlist (`watchlist.csv`). A plain
 //! CSV is imported as a diary when it has a diary's columns (`Watched Date` or `Review`), as the
-//! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked before anything is sent (errors name the
-//! file, line and column); re-importing a newer export adds only what is new (diary entries are
-//! keyed by their Letterboxd URI, a film already on the watchlist stays as it is, and an entry
-//! deleted in Reelay stays deleted, from migration 0133 on), and an entry imported before
-//! without its review text or rating gets them from a later file (the diary.csv first, its
-//! reviews.csv after); what an entry has is never overwritten. A row with no year (Letterboxd has some films without one)
-//! is named and left out.
+//! watchlist when it is named `watchlist.csv`, and refused otherwise. Every file is checked
+//! before anything is sent (errors name the file, line and column); re-importing a newer export
+//! adds only what is new (diary entries are keyed by their Letterboxd URI, a film already on the
+//! watchlist stays as it is, and an entry deleted in Reelay stays deleted, from migration 0133
+//! on), and an entry imported before without its review text or rating gets them from a later
+//! file (the diary.csv first, its reviews.csv after); what an entry has is never overwritten. A
+//! row with no year (Letterboxd has some films without one) is named and left out.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
