@@ -438,9 +438,22 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
             "later".into(),
             "2099-12-31"
         ))),
-        case!("a film known under another id of the same provider", FailedPrecondition, "external_id", |c, x| c
-            .reviews
-            .log_review(log(&x.a, thief("tmdb:999"), 8, "which Thief?".into(), ""))),
+        case!(
+            "a film known under another id of the same provider",
+            FailedPrecondition,
+            "movie.title_year.external_id",
+            |c, x| c.reviews.log_review(log(&x.a, thief("tmdb:999"), 8, "which Thief?".into(), ""))
+        ),
+        // DiscoverMovie's fields are flat, so the same conflict names its own `external_id`.
+        case!("a film to discover known under another id", FailedPrecondition, "external_id: Thief", |c, x| c
+            .movies
+            .discover_movie(v1::DiscoverMovieRequest {
+                actor_user_id: x.a.clone(),
+                title: "Thief".into(),
+                year: 1981,
+                external_id: "tmdb:999".into(),
+                ..Default::default()
+            })),
         case!("a wrap-up of a year not begun", InvalidArgument, "year", |c, x| c.wrap_ups.request_wrap_up(
             v1::RequestWrapUpRequest { actor_user_id: x.a.clone(), year: 2100, ..Default::default() }
         )),

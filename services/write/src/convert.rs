@@ -17,11 +17,19 @@ pub fn movie_spec(field: &str, movie: Option<v1::MovieRef>) -> Result<MovieSpec,
                 validate::external_id(&field, &ext)?.ok_or_else(|| ValidationError::new(field, "is required"))?,
             )
         }
-        movie_ref::By::TitleYear(ty) => MovieSpec::TitleYear {
-            title: validate::title(&format!("{field}.title_year.title"), &ty.title)?,
-            year: validate::year(&format!("{field}.title_year.year"), ty.year)?,
-            external_id: validate::external_id(&format!("{field}.title_year.external_id"), &ty.external_id)?,
-        },
+        movie_ref::By::TitleYear(ty) => title_year(&format!("{field}.title_year."), ty)?,
+    })
+}
+
+/// A film named by title and year; `prefix` comes before each field's name in errors
+/// (`movie.title_year.`, or nothing where the request's fields are flat).
+pub fn title_year(prefix: &str, ty: v1::TitleYear) -> Result<MovieSpec, ValidationError> {
+    let external_id_field = format!("{prefix}external_id");
+    Ok(MovieSpec::TitleYear {
+        title: validate::title(&format!("{prefix}title"), &ty.title)?,
+        year: validate::year(&format!("{prefix}year"), ty.year)?,
+        external_id: validate::external_id(&external_id_field, &ty.external_id)?,
+        external_id_field,
     })
 }
 

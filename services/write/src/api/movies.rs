@@ -17,18 +17,8 @@ impl v1::movies_server::Movies for WriteApi {
         let mut r = request.into_inner();
         let key = keyed_by_actor("DiscoverMovie", &mut r, |r| &mut r.request_id, |r| &r.actor_user_id)?;
         let actor = convert::actor(&r.actor_user_id).map_err(ServiceError::from)?;
-        let spec = convert::movie_spec(
-            "movie",
-            Some(v1::MovieRef {
-                by: Some(v1::movie_ref::By::TitleYear(v1::TitleYear {
-                    title: r.title,
-                    year: r.year,
-                    external_id: r.external_id,
-                })),
-            }),
-        )
-        // The request's fields are flat; name them as the caller sent them.
-        .map_err(|e| ServiceError::invalid(e.field.trim_start_matches("movie.title_year."), &e.reason))?;
+        let spec = convert::title_year("", v1::TitleYear { title: r.title, year: r.year, external_id: r.external_id })
+            .map_err(ServiceError::from)?;
         ok(self.store.discover_movie(actor, spec, key).await?)
     }
 

@@ -77,7 +77,12 @@ impl Store {
                         skipped += 1;
                         continue;
                     }
-                    let spec = MovieSpec::TitleYear { title: row.title.clone(), year: row.year, external_id: None };
+                    let spec = MovieSpec::TitleYear {
+                        title: row.title.clone(),
+                        year: row.year,
+                        external_id: None,
+                        external_id_field: String::new(),
+                    };
                     let (movie, created) = resolve_movie(tx, &spec, &mut events).await?;
                     discovered += u32::from(created);
                     let now = tx.now_ms();

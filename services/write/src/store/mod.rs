@@ -43,6 +43,9 @@ pub enum MovieSpec {
         title: String,
         year: i32,
         external_id: Option<String>,
+        /// Where the request carried `external_id` (`movie.title_year.external_id`), named
+        /// when the id conflicts with the film's.
+        external_id_field: String,
     },
 }
 
@@ -291,7 +294,7 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
             .await?
             .map(|m| (m, false))
             .ok_or_else(|| ServiceError::not_found(format_args!("movie with external_id {external_id:?}")).into()),
-        MovieSpec::TitleYear { title, year, external_id } => {
+        MovieSpec::TitleYear { title, year, external_id, external_id_field } => {
             if let Some(ext) = external_id
                 && let Some(movie) = movie_by_external_id(tx.conn(), ext).await?
             {
@@ -314,7 +317,7 @@ async fn resolve_movie(tx: &mut WriteTx, spec: &MovieSpec, events: &mut Vec<NewE
                         == known.split_once(':').map(|(scheme, _)| scheme)
                 {
                     return Err(ServiceError::failed_precondition(format!(
-                        "external_id: {title} ({year}) is known here as {known}, not {asked}"
+                        "{external_id_field}: {title} ({year}) is known here as {known}, not {asked}"
                     ))
                     .into());
                 }

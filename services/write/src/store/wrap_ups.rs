@@ -326,7 +326,12 @@ mod tests {
             watched_on: watched_on.into(),
             rewatch: false,
         };
-        let heat = MovieSpec::TitleYear { title: "Heat".into(), year: 1995, external_id: None };
+        let heat = MovieSpec::TitleYear {
+            title: "Heat".into(),
+            year: 1995,
+            external_id: None,
+            external_id_field: String::new(),
+        };
         let logged = store.log_review(actor, heat, fields(8, "2024-03-01", "tense"), None).await.unwrap();
         let review = ReviewId::parse("review_id", &logged.review.unwrap().review_id).unwrap();
         let movie = MovieId::parse("movie_id", &store.get_review(review).await.unwrap().movie_id).unwrap();
@@ -416,7 +421,12 @@ mod tests {
         // Asked for an hour ahead of the clock that follows.
         execute(&db, "UPDATE wrap_ups SET requested_at = requested_at + 3600000 WHERE id = ?", &first).await;
         let fields = ReviewFields { rating: 7, body: String::new(), watched_on: "2024-05-05".into(), rewatch: false };
-        let heat = MovieSpec::TitleYear { title: "Heat".into(), year: 1995, external_id: None };
+        let heat = MovieSpec::TitleYear {
+            title: "Heat".into(),
+            year: 1995,
+            external_id: None,
+            external_id_field: String::new(),
+        };
         store.log_review(actor, heat, fields, None).await.unwrap();
         let second = store.request_wrap_up(actor, 2024, None).await.unwrap();
         assert!(second.created);
