@@ -183,9 +183,20 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
             }
             assert!(container["resources"]["limits"]["memory"].is_string(), "{name}: {args:?} has a memory limit");
             if args.get(2) == Some(&"gateway") {
-                // It lets open requests run for up to 60 s after SIGTERM: not cut at 30.
+                // After SIGTERM it serves on for its shutdown delay, then lets open requests run
+                // for up to 60 s: not cut at 30.
+                let delay_ms = container["env"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|v| v["name"] == "REELAY_SHUTDOWN_DELAY_MS")
+                    .and_then(|v| str_of(&v["value"]).parse::<u64>().ok())
+                    .expect("the gateway sets a shutdown delay, for the Ingress to stop routing to it");
                 let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
-                assert!(grace > 60, "{name}: the gateway's grace period {grace} s is under its 60 s drain");
+                assert!(
+                    grace * 1000 > 60_000 + delay_ms,
+                    "{name}: the gateway's grace period {grace} s is under its {delay_ms} ms delay and 60 s drain"
+                );
             }
             // What reaches remote servers may leave the cluster (the base denies all egress but
             // to pods with this label): the gateway fetches signers' keys, and these handlers

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use reelay_harness::{Backend, Cluster, Metrics, Reelay, eventually, outbox_rows, query_strings, temp_dir, unsettled};
+use reelay_harness::{
+    Backend, Cluster, Metrics, Reelay, eventually, http_get, outbox_rows, query_strings, temp_dir, unsettled,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 const USERS: usize = 120;
@@ -240,4 +242,32 @@ async fn a_hung_write_batch_shows_in_the_writer_busy_gauge() {
     })
     .await;
     write.stop().await;
+}
+
+/// With a shutdown delay (the gateway's in `k8s/`), SIGTERM makes the process not ready at
+/// once, and it goes on answering new connections (a gateway page, a write) until the delay
+/// ends, when it stops as always and exits cleanly. Without the delay it closes its listeners
+/// at once, refusing what a load balancer still sends it.
+#[tokio::test]
+async fn a_shutdown_delay_serves_on_not_ready_after_sigterm() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let spec = Reelay::spec(BIN, &db, &["write", "gateway"], &[("REELAY_SHUTDOWN_DELAY_MS", "8000")]);
+    let mut reelay = Reelay::start(spec).await;
+    let ana = reelay.clients().await.user("ana").await;
+    assert_eq!(reelay.admin_get("/readyz").await.0, 200);
+
+    reelay.terminate();
+    eventually("the process reports not ready after SIGTERM", Duration::from_secs(5), || async {
+        reelay.admin_get("/readyz").await.0 == 503
+    })
+    .await;
+    // Each on a new connection, as a load balancer's late ones would come.
+    let (code, body) = http_get(reelay.gateway_addr, &format!("/users/{ana}")).await;
+    assert_eq!(code, 200, "the gateway serves on during the delay: {body}");
+    let mut late = Reelay::clients_via(reelay.addr).await;
+    late.user("ben").await;
+    reelay.exits_cleanly_within(Duration::from_secs(30)).await;
+    let users = query_strings(&db, "SELECT handle FROM users ORDER BY handle").await;
+    assert_eq!(users, [["ana"], ["ben"]], "the write taken during the delay is kept");
 }

@@ -254,13 +254,29 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     tokio::spawn(reelay_kit::admin_http::serve_admin(bind(args.metrics_addr).await?, readiness.clone()));
     register_metrics(&services);
 
+    // A signal makes the process not ready at once; it stops serving after the shutdown delay
+    // (a failed service stops it at once).
     let shutdown = Shutdown::new();
-    shutdown.listen_for_signals();
     {
+        let signalled = Shutdown::new();
+        signalled.listen_for_signals();
         let (stop, readiness) = (shutdown.clone(), readiness.clone());
+        let delay = Duration::from_millis(args.shutdown_delay_ms);
         tokio::spawn(async move {
-            stop.requested().await;
-            readiness.draining();
+            tokio::select! {
+                () = signalled.requested() => {
+                    readiness.draining();
+                    if !delay.is_zero() {
+                        tracing::info!(?delay, "not ready; serving on for the shutdown delay");
+                        tokio::select! {
+                            () = tokio::time::sleep(delay) => {}
+                            () = stop.requested() => {}
+                        }
+                    }
+                    stop.request();
+                }
+                () = stop.requested() => readiness.draining(),
+            }
         });
     }
     // The write service keeps serving until this node's consumers and relay have settled.

@@ -416,9 +416,22 @@ impl Reelay {
 
     /// SIGTERM, then wait for a clean exit. Panics if the process does not exit 0 in time.
     pub async fn stop(&mut self) {
+        self.terminate();
+        self.exits_cleanly_within(Duration::from_secs(20)).await;
+    }
+
+    /// SIGTERM, without waiting: the process begins its shutdown.
+    pub fn terminate(&self) {
+        if let Some(child) = &self.child {
+            signal(child.id(), "TERM");
+        }
+    }
+
+    /// Waits for the process to exit (after [`Reelay::terminate`]). Panics unless it exits 0
+    /// within `limit`.
+    pub async fn exits_cleanly_within(&mut self, limit: Duration) {
         let Some(mut child) = self.child.take() else { return };
-        signal(child.id(), "TERM");
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + limit;
         loop {
             match child.try_wait().expect("wait for reelay") {
                 Some(status) => {
@@ -427,7 +440,7 @@ impl Reelay {
                 }
                 None if Instant::now() > deadline => {
                     let _ = child.kill();
-                    panic!("reelay did not stop within 20 s of SIGTERM\n{}", self.log_text());
+                    panic!("reelay did not stop within {limit:?} of SIGTERM\n{}", self.log_text());
                 }
                 None => tokio::time::sleep(Duration::from_millis(20)).await,
             }
