@@ -392,6 +392,12 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 activity_json: "{}".into(),
                 audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
             })),
+        case!("a delivery outcome at an inbox that is no URL", InvalidArgument, "inbox", |c, x| c
+            .federation
+            .record_inbox_outcome(v1::RecordInboxOutcomeRequest {
+                inbox: "mastodon.example/inbox".into(),
+                answered: false
+            })),
         case!("the diary of an unknown user", NotFound, "user", |c, x| c
             .reviews
             .list_diary(v1::ListDiaryRequest { user_id: x.nobody.clone(), ..Default::default() })),

@@ -1067,3 +1067,102 @@ async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone(
     assert_eq!(follows, [[format!("actor:{alice}")]], "ana's follows of bob and dave ended");
     assert!(a.log_text().contains("a deleted account's Delete, its actor gone (410)"));
 }
+
+/// A server that fails every delivery for REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (here 2 s)
+/// is left out of fan-outs instead of collecting a dead letter for each activity; an answer
+/// from it clears its failures, and so does an activity it sends, after which deliveries to
+/// it resume. An activity to its one inbox (a Follow, an Accept) still goes.
+#[tokio::test]
+async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let peer = MastodonPeer::start().await;
+    let env = [FAST, &[("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "2")]].concat();
+    let a = Reelay::start_all(BIN, &db, &env).await;
+    let mut c = a.clients().await;
+    let ana = c.user("ana").await;
+    let ana_inbox = format!("{}/inbox", a.actor_url(&ana));
+    assert_eq!(peer.send("alice", &ana_inbox, &follow_of(&peer, "alice", 1, &a.actor_url(&ana))).await, 202);
+    wait_until!("alice is accepted", peer.received_of("Accept").len() == 1);
+    let peer_inbox =
+        query_strings(&db, "SELECT COALESCE(shared_inbox, inbox) FROM remote_followers").await[0][0].clone();
+    let server = peer_inbox.split('/').nth(2).unwrap().to_owned();
+    let failures = |what: &'static str| {
+        let (db, server) = (db.clone(), server.clone());
+        async move {
+            let sql = format!("SELECT ({what}) || '' FROM federation_failing_hosts WHERE host = '{server}'");
+            query_strings(&db, &sql).await.first().map(|row| row[0].clone())
+        }
+    };
+    let created = |film: &'static str| {
+        peer.received_of("Create").iter().any(|r| r.status == 202 && r.activity["object"]["film"]["name"] == film)
+    };
+
+    // A failure is recorded against the server; the retry it answers clears it.
+    peer.set_inbox_status(503);
+    log(&mut c, &ana, "Heat", 1995, 9, "The diner scene.").await;
+    wait_until!("the failure is recorded", failures("failures").await.is_some());
+    peer.set_inbox_status(202);
+    wait_until!("the retried Create is taken", created("Heat"));
+    wait_until!("the server's failures are cleared by its answer", failures("failures").await.is_none());
+
+    // Failing for longer than the setting: unavailable.
+    peer.set_inbox_status(503);
+    log(&mut c, &ana, "Stalker", 1979, 9, "The zone.").await;
+    wait_until!(
+        "the server turns unavailable",
+        failures("unavailable_since IS NOT NULL").await.as_deref() == Some("1")
+    );
+    assert!(failures("failures").await.unwrap().parse::<u32>().unwrap() >= 2);
+    let servers = a.metrics().await;
+    assert_eq!(servers.value("reelay_federation_servers{state=\"unavailable\"}"), Some(1.0));
+    assert_eq!(servers.value("reelay_federation_servers{state=\"failing\"}"), Some(0.0));
+    // A fan-out leaves its inbox out; an activity to that one inbox is still queued, marked so
+    // that its answer clears the server.
+    let fan_out = |n: u32| v1::QueueDeliveriesRequest {
+        activity_id: format!("{}/activities/probe-{n}", a.actor_url(&ana)),
+        sender_user_id: ana.clone(),
+        activity_json: "{}".into(),
+        audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+    };
+    let skipped = c.federation.queue_deliveries(fan_out(1)).await.unwrap().into_inner();
+    assert_eq!((skipped.queued, skipped.skipped_unavailable, skipped.duplicate), (0, 1, false));
+    let one = v1::QueueDeliveriesRequest {
+        audience: Some(v1::queue_deliveries_request::Audience::Inbox(peer_inbox.clone())),
+        ..fan_out(2)
+    };
+    assert_eq!(c.federation.queue_deliveries(one).await.unwrap().into_inner().queued, 1);
+    let probe = events_of(&db, "ActivityQueued").await.into_iter().find_map(|e| match e.payload {
+        Some(v1::event::Payload::ActivityQueued(q)) if q.activity_id.ends_with("probe-2") => Some(q),
+        _ => None,
+    });
+    assert!(probe.expect("the one-inbox activity is queued").inbox_failing);
+    // And a review's fan-out, through the federation handler: nothing queued for it.
+    let outbox = |sql: &'static str| {
+        let db = db.clone();
+        async move { count(&db, sql).await }
+    };
+    let before = outbox("SELECT COUNT(*) FROM federation_outbox").await;
+    log(&mut c, &ana, "Solaris", 1972, 8, "The ocean.").await;
+    wait_until!(
+        "the review's activity is handled",
+        outbox("SELECT COUNT(*) FROM federation_outbox").await == before + 1
+    );
+    assert_eq!(outbox("SELECT queued FROM federation_outbox ORDER BY created_at DESC, rowid DESC LIMIT 1").await, 0);
+
+    // The server speaks (bob follows ana from it), its inbox still failing: it is available
+    // again once the gateway has taken the Follow in (a failure after that starts a new count).
+    assert_eq!(peer.send("bob", &ana_inbox, &follow_of(&peer, "bob", 1, &a.actor_url(&ana))).await, 202);
+    assert_ne!(failures("unavailable_since IS NOT NULL").await.as_deref(), Some("1"), "available again");
+    // Answering again, it is cleared, and the next review goes.
+    peer.set_inbox_status(202);
+    wait_until!("the server's answers clear it", failures("failures").await.is_none());
+    log(&mut c, &ana, "Ran", 1985, 10, "Arrows.").await;
+    wait_until!("the next review reaches the server", created("Ran"));
+    wait_until!("Stalker's retried delivery is taken too", created("Stalker"));
+    assert_eq!(
+        count(&db, "SELECT COUNT(*) FROM processed_events WHERE status = 'dead_lettered'").await,
+        0,
+        "nothing was given up"
+    );
+}

@@ -42,6 +42,18 @@ pub fn same_origin(a: &str, b: &str) -> bool {
     }
 }
 
+/// The server a URL is on, as deliveries to it are counted: its host, with the port when it is
+/// not the scheme's default (`mastodon.example`, `127.0.0.1:8080`). `None` for what is not a
+/// URL with a host.
+pub fn server_of(url: &str) -> Option<String> {
+    let url = url::Url::parse(url).ok()?;
+    let host = url.host_str()?;
+    Some(match url.port() {
+        Some(port) => format!("{host}:{port}"),
+        None => host.to_owned(),
+    })
+}
+
 /// The id of an ActivityPub reference: the string itself, or an embedded object's `id`.
 pub fn id_of(value: &Value) -> Option<&str> {
     match value {
@@ -274,6 +286,15 @@ mod tests {
         ] {
             assert!(!same_origin(a, b), "{a} {b}");
         }
+    }
+
+    #[test]
+    fn servers() {
+        assert_eq!(server_of("https://A.example:443/users/x/inbox").as_deref(), Some("a.example"));
+        assert_eq!(server_of("http://127.0.0.1:8080/inbox").as_deref(), Some("127.0.0.1:8080"));
+        assert_eq!(server_of("https://[::1]:8443/inbox").as_deref(), Some("[::1]:8443"));
+        assert_eq!(server_of("urn:x:1"), None);
+        assert_eq!(server_of("not a url"), None);
     }
 
     fn review() -> Review<'static> {

@@ -228,6 +228,14 @@ pub struct DeliveryArgs {
     #[arg(long, env = "REELAY_FEDERATION_RETENTION_DAYS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3650))]
     pub federation_retention_days: u64,
 
+    /// How long, in seconds, a remote server must fail every delivery (with no gap that long
+    /// between two failures) before a fan-out to followers leaves its inboxes out, instead of
+    /// giving each activity up there as a dead letter. An answer from the server, or an activity
+    /// it sends, makes it available again. 7 days by default; 0 never leaves a server out; at
+    /// most a year.
+    #[arg(long, env = "REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", default_value_t = 7 * 86_400, value_parser = clap::value_parser!(u64).range(0..=365 * 86_400))]
+    pub federation_unavailable_after_secs: u64,
+
     /// The first retry delay after a failed delivery; it doubles per attempt. Only tests
     /// should change it. 10 ms to an hour.
     #[arg(long, env = "REELAY_RETRY_BASE_MS", default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]

@@ -523,7 +523,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         reelay_write::note_lease(&database, policy.ledger.lease).await.context("cannot record the claim lease")?;
         let media_url =
             args.handlers.media_url.clone().unwrap_or_else(|| format!("http://{}/media", args.handlers.media_addr));
-        let store = reelay_write::Store::new(database.clone());
+        let unavailable_after = args.delivery.federation_unavailable_after_secs;
+        let store = reelay_write::Store::new(database.clone())
+            .with_unavailable_after((unavailable_after > 0).then(|| Duration::from_secs(unavailable_after)));
         let keys = reelay_write::ActorKeys::new(store.clone());
         tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));
         reelay_write::sample_status(database.clone(), policy.bus);

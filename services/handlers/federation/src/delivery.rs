@@ -1,19 +1,52 @@
 //! `federation-delivery`: one queued activity, POSTed signed to one inbox.
 
+use std::collections::HashSet;
+use std::sync::Mutex;
+
 use bytes::Bytes;
+use reelay_activitypub::documents::server_of;
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_delivery::{Handler, HandlerError};
 
 use crate::Remote;
-use crate::remote::write_error;
+use crate::remote::{fetch_error, write_error};
+
+/// The most servers [`DeliveryHandler`] remembers seeing fail.
+const MAX_FAILING_REMEMBERED: usize = 10_000;
 
 pub struct DeliveryHandler {
     remote: Remote,
+    /// Servers a delivery from this process failed at, not seen answering since: an answer from
+    /// one is reported even for an event queued before its failures were recorded.
+    failing: Mutex<HashSet<String>>,
 }
 
 impl DeliveryHandler {
     pub fn new(remote: Remote) -> Self {
-        Self { remote }
+        Self { remote, failing: Mutex::default() }
+    }
+
+    /// Tells the write service what the delivery met at `inbox`'s server (an answer only when
+    /// the server is known to be failing). Best effort: the delivery's own outcome stands
+    /// whether or not this is recorded, and a server left marked failing is cleared by its next
+    /// answer.
+    async fn record(&self, queued: &v1::ActivityQueued, answered: bool) {
+        let Some(server) = server_of(&queued.inbox) else { return };
+        {
+            let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let known = if answered { failing.remove(&server) } else { failing.contains(&server) };
+            if answered && !known && !queued.inbox_failing {
+                return;
+            }
+            if !answered && !known && failing.len() < MAX_FAILING_REMEMBERED {
+                failing.insert(server);
+            }
+        }
+        let request = v1::RecordInboxOutcomeRequest { inbox: queued.inbox.clone(), answered };
+        if let Err(status) = self.remote.write().record_inbox_outcome(request).await {
+            tracing::warn!(inbox = %queued.inbox, answered, error = %status.message(),
+                "could not record what the delivery met at the inbox's server");
+        }
     }
 }
 
@@ -31,7 +64,20 @@ impl Handler for DeliveryHandler {
         let Some(Payload::ActivityQueued(queued)) = &event.payload else { return Ok(()) };
         // The same bytes every time: a redelivery is a replay of the same activity.
         let body = Bytes::from(queued.activity_json.clone());
-        let answer = self.remote.post(&queued.sender_user_id, &queued.inbox, body).await?;
+        let answer = match self.remote.post(&queued.sender_user_id, &queued.inbox, body).await? {
+            Ok(answer) => answer,
+            Err(error) => {
+                self.record(queued, false).await;
+                return Err(fetch_error(error));
+            }
+        };
+        match answer.status {
+            // The server works (a 410 says only the inbox is gone).
+            200..=299 | 410 => self.record(queued, true).await,
+            // Our key could not be fetched just then, or too many requests: nothing against it.
+            401 | 429 => {}
+            _ => self.record(queued, false).await,
+        }
         let status = answer.status;
         match status {
             200..=299 => {

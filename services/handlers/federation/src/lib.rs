@@ -12,7 +12,9 @@
 //!   write service signs; the private key never leaves it). Each inbox is its own event with
 //!   its own attempts: a dead inbox holds back no other. 2xx is done; 410 Gone removes the
 //!   followers at that inbox; another 4xx but 401, 408 and 429 fails for good; those three,
-//!   3xx, 5xx and timeouts are retried.
+//!   3xx, 5xx and timeouts are retried. Each failure but 401 and 429 is recorded against the
+//!   inbox's server, and an answer from a server so recorded clears it: a server failing every
+//!   delivery for a week (`REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS`) is left out of fan-outs.
 //! - `federation-backfill`, once a remote actor accepts a local user's follow, reads the actor's
 //!   outbox (signed GETs, page after page) and saves its reviews (upserts by object id).
 //!

@@ -73,11 +73,18 @@ impl Remote {
         self.http.fetch_json(outgoing).await.map_err(fetch_error)
     }
 
-    /// A signed POST of an activity to an inbox, as `user_id`; the answer whatever its status.
-    pub async fn post(&self, user_id: &str, inbox: &str, activity: Bytes) -> Result<Answer, HandlerError> {
+    /// A signed POST of an activity to an inbox, as `user_id`: the answer whatever its status,
+    /// or what went wrong at the inbox's server (inside: unreachable, too slow, an answer too
+    /// large). Outside, what failed before anything was sent (the URL, the signature).
+    pub async fn post(
+        &self,
+        user_id: &str,
+        inbox: &str,
+        activity: Bytes,
+    ) -> Result<Result<Answer, FetchError>, HandlerError> {
         let outgoing = Outgoing::post(inbox, activity).map_err(HandlerError::permanent)?;
         let outgoing = self.sign(user_id, outgoing).await?;
-        self.http.send(outgoing).await.map_err(fetch_error)
+        Ok(self.http.send(outgoing).await)
     }
 
     /// The inbox of a remote actor, from its actor document.
@@ -130,7 +137,7 @@ impl Remote {
         };
         let queued = self.write().queue_deliveries(request).await.map_err(write_error)?.into_inner();
         tracing::info!(activity = %activity_id, queued = queued.queued, duplicate = queued.duplicate,
-            "activity queued for delivery");
+            skipped_unavailable = queued.skipped_unavailable, "activity queued for delivery");
         Ok(())
     }
 }

@@ -423,11 +423,22 @@ static WRITER_BUSY: LazyLock<Gauge> = LazyLock::new(|| {
     )
 });
 
+static FEDERATION_SERVERS: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_federation_servers",
+        "Remote servers deliveries failed at with no answer since, by state: failing, or unavailable (left out of \
+         fan-outs to followers).",
+        &["state"],
+    )
+});
+
 /// Samples the outbox and every handler's standing into gauges whenever Prometheus scrapes, by
 /// the same query `Admin.Status` answers with (so the two always agree), and how long the writer
 /// has been on its batch in hand.
 pub fn sample_status(db: Database, bus: Bus) {
-    for gauge in [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS, &WRITER_BUSY] {
+    for gauge in
+        [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS, &WRITER_BUSY, &FEDERATION_SERVERS]
+    {
         LazyLock::force(gauge);
     }
     metrics::add_sampler(Arc::new(move || -> BoxFuture<'static, ()> {
@@ -437,9 +448,13 @@ pub fn sample_status(db: Database, bus: Bus) {
             WRITER_BUSY.set(&[], db.writer.busy_for().as_secs_f64());
             let status = async {
                 let mut conn = db.reads.acquire().await?;
-                inspect::status(&mut conn, now_ms(), bus == Bus::Db).await
+                let servers: (i64, i64) =
+                    sqlx::query_as("SELECT COUNT(*), COUNT(unavailable_since) FROM federation_failing_hosts")
+                        .fetch_one(&mut *conn)
+                        .await?;
+                Ok::<_, sqlx::Error>((inspect::status(&mut conn, now_ms(), bus == Bus::Db).await?, servers))
             };
-            let s = match status.await {
+            let (s, (failing, unavailable)) = match status.await {
                 Ok(s) => s,
                 Err(error) => {
                     // Their last values are served (left out, a firing alert on them would
@@ -458,6 +473,8 @@ pub fn sample_status(db: Database, bus: Bus) {
                 OUTBOX_ROWS.set(&[status], rows as f64);
             }
             OLDEST_DUE.set(&[], s.outbox.oldest_due_age_ms as f64 / 1000.0);
+            FEDERATION_SERVERS.set(&["failing"], (failing - unavailable) as f64);
+            FEDERATION_SERVERS.set(&["unavailable"], unavailable as f64);
             for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
                 gauge.clear();
             }

@@ -203,7 +203,23 @@ impl v1::federation_server::Federation for WriteApi {
             _ => return Err(ServiceError::invalid("audience", "is required (followers or inbox)").into()),
         };
         let queued = self.store.queue_deliveries(activity_id, sender, r.activity_json, audience).await?;
-        ok(v1::QueueDeliveriesResponse { queued: queued.unwrap_or(0), duplicate: queued.is_none() })
+        ok(match queued {
+            Some(q) => v1::QueueDeliveriesResponse {
+                queued: q.queued,
+                duplicate: false,
+                skipped_unavailable: q.skipped_unavailable,
+            },
+            None => v1::QueueDeliveriesResponse { duplicate: true, ..Default::default() },
+        })
+    }
+
+    async fn record_inbox_outcome(
+        &self,
+        request: Request<v1::RecordInboxOutcomeRequest>,
+    ) -> Reply<v1::FederationResponse> {
+        let r = request.into_inner();
+        let inbox = uri("inbox", &r.inbox)?;
+        ok(v1::FederationResponse { changed: self.store.record_inbox_outcome(inbox, r.answered).await? })
     }
 
     async fn users_with_followers(

@@ -8,7 +8,9 @@
 //! follows) is not recorded: any server can send those.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
+use reelay_activitypub::documents::server_of;
 use reelay_contracts::v1::{self, event::Payload};
 use reelay_domain::{NewEvent, ReviewId, UserId};
 use reelay_kit::ServiceError;
@@ -31,7 +33,63 @@ async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<b
         .execute(tx.conn())
         .await?
         .rows_affected();
+    if inserted > 0
+        && let Some(server) = server_of(activity)
+    {
+        // The server it came from (the gateway took it only from a signer there) is up.
+        server_answered(tx.conn(), &server).await?;
+    }
     Ok(inserted > 0)
+}
+
+/// How long a server fails every delivery, by default, before fan-outs leave it out.
+pub(super) const DEFAULT_UNAVAILABLE_AFTER: Duration = Duration::from_secs(7 * 86_400);
+
+/// Forgets `server`'s failed deliveries: it answered. Whether it had any.
+async fn server_answered(conn: &mut SqliteConnection, server: &str) -> Result<bool> {
+    let was: Option<Option<i64>> =
+        sqlx::query_scalar("DELETE FROM federation_failing_hosts WHERE host = ? RETURNING unavailable_since")
+            .bind(server.to_owned())
+            .fetch_optional(conn)
+            .await?;
+    match was {
+        Some(Some(since)) => {
+            tracing::info!(
+                server,
+                unavailable_since_ms = since,
+                "an unavailable server answered: deliveries to it resume"
+            );
+        }
+        Some(None) => tracing::info!(server, "a server that failed deliveries answered: its failures are cleared"),
+        None => {}
+    }
+    Ok(was.is_some())
+}
+
+/// A server's failed deliveries, as `federation_failing_hosts` keeps them.
+#[derive(FromRow)]
+struct FailingServer {
+    failing_since: i64,
+    last_failure_at: i64,
+    unavailable_since: Option<i64>,
+}
+
+impl FailingServer {
+    /// The record after another failure at `now`. A gap longer than `after` between two
+    /// failures (no delivery tried meanwhile) starts the count again: one failure a year ago and
+    /// one today are not a server failing for a year. Unavailable once failing for `after`.
+    fn failed_again(&self, now: i64, after: Option<Duration>) -> FailingServer {
+        let after_ms = after.map(|a| i64::try_from(a.as_millis()).unwrap_or(i64::MAX));
+        let failing_since = match (self.unavailable_since, after_ms) {
+            (None, Some(after)) if now - self.last_failure_at > after => now,
+            _ => self.failing_since,
+        };
+        let unavailable_since = self.unavailable_since.or(match after_ms {
+            Some(after) if now - failing_since >= after => Some(now),
+            _ => None,
+        });
+        FailingServer { failing_since, last_failure_at: now.max(self.last_failure_at), unavailable_since }
+    }
 }
 
 /// Whether the inbox took in `activity` before. For activities that change something only
@@ -154,6 +212,14 @@ async fn delete_reviews_of(tx: &mut WriteTx, actor_uri: &str) -> Result<(Vec<New
         events.extend(delete_if_orphan(tx.conn(), movie_id).await?);
     }
     Ok((events, rows.len()))
+}
+
+/// What queueing an activity did.
+#[derive(Debug, Default)]
+pub struct Queued {
+    pub queued: u32,
+    /// Followers' inboxes left out: their server is unavailable.
+    pub skipped_unavailable: u32,
 }
 
 /// Who receives one activity.
@@ -562,7 +628,7 @@ impl Store {
         sender: UserId,
         activity_json: String,
         audience: Audience,
-    ) -> Result<Option<u32>> {
+    ) -> Result<Option<Queued>> {
         if matches!(audience, Audience::Followers) {
             // Most reviews are by users nobody elsewhere follows: answer those from a read, with
             // no write job (a follower arriving meanwhile is one arriving after the review).
@@ -573,12 +639,13 @@ impl Store {
             if any.is_none() {
                 // No follower, or no such user: the latter is NOT_FOUND, as with an inbox.
                 return if self.user_exists(sender).await? {
-                    Ok(Some(0))
+                    Ok(Some(Queued::default()))
                 } else {
                     Err(ServiceError::not_found(format_args!("user {sender}")).into())
                 };
             }
         }
+        let leave_out = self.unavailable_after.is_some();
         write_job!(self, "queue_deliveries", |tx| {
             ensure_user(tx.conn(), sender).await?;
             let first = sqlx::query(
@@ -593,6 +660,7 @@ impl Store {
             if !first {
                 return Ok(None);
             }
+            let fan_out = matches!(audience, Audience::Followers);
             let inboxes: Vec<String> = match audience {
                 Audience::Inbox(inbox) => vec![inbox],
                 Audience::Followers => sqlx::query(
@@ -606,28 +674,91 @@ impl Store {
                 .map(|row| row.get(0))
                 .collect(),
             };
-            let events = inboxes
-                .into_iter()
-                .map(|inbox| {
-                    NewEvent::new(
-                        sender,
-                        Payload::ActivityQueued(v1::ActivityQueued {
-                            activity_id: activity_id.clone(),
-                            inbox,
-                            sender_user_id: sender.to_string(),
-                            activity_json: activity_json.clone(),
-                        }),
-                    )
-                })
-                .collect::<Vec<_>>();
+            let mut events = Vec::with_capacity(inboxes.len());
+            let mut skipped = 0;
+            // Most instances have no failing server: one look then, none per inbox.
+            let any_failing: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM federation_failing_hosts)")
+                .fetch_one(tx.conn())
+                .await?;
+            for inbox in inboxes {
+                let failing: Option<Option<i64>> = match server_of(&inbox) {
+                    Some(server) if any_failing => {
+                        sqlx::query_scalar("SELECT unavailable_since FROM federation_failing_hosts WHERE host = ?")
+                            .bind(server)
+                            .fetch_optional(tx.conn())
+                            .await?
+                    }
+                    _ => None,
+                };
+                // With the setting off, none is left out, whatever was recorded before.
+                if fan_out && leave_out && matches!(failing, Some(Some(_))) {
+                    skipped += 1;
+                    continue;
+                }
+                events.push(NewEvent::new(
+                    sender,
+                    Payload::ActivityQueued(v1::ActivityQueued {
+                        activity_id: activity_id.clone(),
+                        inbox,
+                        sender_user_id: sender.to_string(),
+                        activity_json: activity_json.clone(),
+                        inbox_failing: failing.is_some(),
+                    }),
+                ));
+            }
             let queued = events.len() as u32;
+            if skipped > 0 {
+                tracing::info!(activity = %activity_id, skipped, "inboxes of unavailable servers left out");
+            }
             sqlx::query("UPDATE federation_outbox SET queued = ? WHERE activity_id = ?")
                 .bind(i64::from(queued))
                 .bind(activity_id)
                 .execute(tx.conn())
                 .await?;
             commit_events(tx, events).await?;
-            Ok(Some(queued))
+            Ok(Some(Queued { queued, skipped_unavailable: skipped }))
+        })
+        .await
+    }
+
+    /// Records what a delivery met at `inbox`'s server: an answer forgets its failures; a
+    /// failure is counted, and may make the server unavailable (see [`FailingServer`]).
+    /// Whether the server's record changed.
+    pub async fn record_inbox_outcome(&self, inbox: String, answered: bool) -> Result<bool> {
+        let server =
+            server_of(&inbox).ok_or_else(|| ServiceError::invalid("inbox", format!("names no server: {inbox:?}")))?;
+        let after = self.unavailable_after;
+        write_job!(self, "record_inbox_outcome", |tx| {
+            if answered {
+                return server_answered(tx.conn(), &server).await;
+            }
+            let now = tx.now_ms();
+            let known: Option<FailingServer> = sqlx::query_as(
+                "SELECT failing_since, last_failure_at, unavailable_since FROM federation_failing_hosts WHERE host = ?",
+            )
+            .bind(server.clone())
+            .fetch_optional(tx.conn())
+            .await?;
+            let first = FailingServer { failing_since: now, last_failure_at: now, unavailable_since: None };
+            let next = known.as_ref().unwrap_or(&first).failed_again(now, after);
+            sqlx::query(
+                "INSERT INTO federation_failing_hosts (host, failing_since, last_failure_at, failures, unavailable_since) \
+                 VALUES (?1, ?2, ?3, 1, ?4) \
+                 ON CONFLICT (host) DO UPDATE SET failing_since = ?2, last_failure_at = ?3, failures = failures + 1, \
+                 unavailable_since = ?4",
+            )
+            .bind(server.clone())
+            .bind(next.failing_since)
+            .bind(next.last_failure_at)
+            .bind(next.unavailable_since)
+            .execute(tx.conn())
+            .await?;
+            if next.unavailable_since.is_some() && known.is_none_or(|k| k.unavailable_since.is_none()) {
+                tracing::warn!(server, failing_since_ms = next.failing_since,
+                    "a server failed every delivery for the unavailable-after time: fan-outs leave its inboxes out \
+                     until it answers or sends an activity");
+            }
+            Ok(true)
         })
         .await
     }
@@ -700,5 +831,39 @@ impl Store {
             });
         }
         Ok(outbox)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR: i64 = 3_600_000;
+
+    #[test]
+    fn a_server_turns_unavailable_only_after_failing_without_a_long_gap() {
+        let week = Some(Duration::from_secs(7 * 24 * 3600));
+        let first = FailingServer { failing_since: 0, last_failure_at: 0, unavailable_since: None };
+        // Failures every day for six days: still available.
+        let mut s = first;
+        for day in 1..=6 {
+            s = s.failed_again(day * 24 * HOUR, week);
+        }
+        assert_eq!((s.failing_since, s.unavailable_since), (0, None));
+        // A week after the first: unavailable, from then on.
+        let s = s.failed_again(7 * 24 * HOUR, week);
+        assert_eq!(s.unavailable_since, Some(7 * 24 * HOUR));
+        let later = s.failed_again(40 * 24 * HOUR, week);
+        assert_eq!((later.failing_since, later.unavailable_since), (0, Some(7 * 24 * HOUR)), "it stays so");
+
+        // One failure, then nothing tried for more than a week: the next failure starts over.
+        let once = FailingServer { failing_since: 0, last_failure_at: 0, unavailable_since: None };
+        let again = once.failed_again(8 * 24 * HOUR, week);
+        assert_eq!((again.failing_since, again.unavailable_since), (8 * 24 * HOUR, None));
+
+        // Never unavailable when the setting is off.
+        let off = FailingServer { failing_since: 0, last_failure_at: 0, unavailable_since: None };
+        let off = off.failed_again(HOUR, None).failed_again(400 * 24 * HOUR, None);
+        assert_eq!((off.failing_since, off.unavailable_since), (0, None));
     }
 }

@@ -426,6 +426,8 @@ pub struct Store {
     db: Database,
     /// Reviews of movies named by id, waiting for the next job that logs them.
     review_logs: Merged<reviews::KnownMovieReview, v1::LogReviewResponse>,
+    /// How long a server fails every delivery before fan-outs leave it out (`None`: never).
+    unavailable_after: Option<std::time::Duration>,
 }
 
 /// Runs a write job; the closure body is an async block over `tx`.
@@ -463,7 +465,14 @@ pub(crate) use keyed_job;
 
 impl Store {
     pub fn new(db: Database) -> Self {
-        Self { db, review_logs: Merged::default() }
+        Self { db, review_logs: Merged::default(), unavailable_after: Some(federation::DEFAULT_UNAVAILABLE_AFTER) }
+    }
+
+    /// Sets how long a server must fail every delivery before a fan-out to followers leaves its
+    /// inboxes out; `None` never leaves any out.
+    pub fn with_unavailable_after(mut self, after: Option<std::time::Duration>) -> Self {
+        self.unavailable_after = after;
+        self
     }
 
     pub fn database(&self) -> &Database {
