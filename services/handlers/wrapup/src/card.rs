@@ -39,8 +39,10 @@ const MAX_NAME_CHARS: usize = 40;
 
 /// A name or title as a list row holds it: at most [`MAX_NAME_CHARS`], isolated from the
 /// figures around it (a right-to-left title would otherwise take the year and rating beside it
-/// into its own direction, and draw them in the wrong order).
+/// into its own direction, and draw them in the wrong order). Isolates of its own (U+2066 to
+/// U+2069) are dropped: one would close the isolation early, or open one left unclosed.
 fn isolated(name: &str) -> String {
+    let name: String = name.chars().filter(|c| !('\u{2066}'..='\u{2069}').contains(c)).collect();
     let mut short: String = name.chars().take(MAX_NAME_CHARS).collect();
     if name.chars().count() > MAX_NAME_CHARS {
         short = format!("{}…", short.trim_end());
@@ -156,6 +158,7 @@ mod tests {
         let long = "Dr. Strangelove or: How I Learned to Stop Worrying and Love the Bomb";
         let summary = v1::WrapUpSummary {
             highest_rated: vec![film("Noise\u{FFFF}"), film(long), film("סיפור אהבה")],
+            top_directors: vec![v1::NameCount { name: "\u{2069}Kurosawa\u{2067}".into(), count: 2 }],
             ..Default::default()
         };
         let svg = render(2024, &summary);
@@ -165,5 +168,7 @@ mod tests {
         assert!(row.contains(&format!("{}…\u{2069} (1964) 5.0★", shortened.trim_end())), "{row}");
         assert!(row.contains(r#"textLength="400""#), "fitted to its column: {row}");
         assert!(svg.contains("\u{2068}סיפור אהבה\u{2069} (1964) 5.0★"), "{svg}");
+        // A name with isolates of its own cannot end the isolation early.
+        assert!(svg.contains("\u{2068}Kurosawa\u{2069} · 2"), "{svg}");
     }
 }
