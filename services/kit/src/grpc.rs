@@ -263,13 +263,15 @@ fn caller_deadline(request: &http::Request<Body>) -> Option<Duration> {
     })
 }
 
-/// Counts a call dropped before it answered: left by its caller, or cut off by tonic's own
-/// timer at a deadline the caller sent (CANCELLED, as tonic answers it). Without it such calls
-/// were in no metric.
+/// Counts a call dropped before it answered: left by its caller (`1`, CANCELLED), or cut off at
+/// its deadline by tonic's own timer, which keeps a deadline the caller sent at the same
+/// instant as this layer and may fire first (`4`, as this layer counts it). Without it such
+/// calls were in no metric.
 struct Unanswered {
     /// Disarmed (`None`) once the call answered.
     label: Option<String>,
     started: Instant,
+    deadline: Duration,
 }
 
 impl Unanswered {
@@ -282,8 +284,9 @@ impl Unanswered {
 impl Drop for Unanswered {
     fn drop(&mut self) {
         let Some(label) = self.label.take() else { return };
-        tracing::debug!(elapsed = ?self.started.elapsed(), "call dropped before it answered");
-        count_call(&label, "1", self.started);
+        let elapsed = self.started.elapsed();
+        tracing::debug!(?elapsed, "call dropped before it answered");
+        count_call(&label, if elapsed >= self.deadline { "4" } else { "1" }, self.started);
     }
 }
 
@@ -370,7 +373,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let call = inner.call(request);
-        let mut unanswered = Unanswered { label: Some(label), started };
+        let mut unanswered = Unanswered { label: Some(label), started, deadline };
         Box::pin(
             TRACEPARENT
                 .scope(traceparent, async move {
@@ -519,8 +522,8 @@ mod tests {
     }
 
     /// A call not answered within its deadline (the server's, or a shorter one its caller sent)
-    /// is answered DEADLINE_EXCEEDED and counted so, with its time; one its caller left early
-    /// is counted CANCELLED.
+    /// is answered DEADLINE_EXCEEDED and counted so, with its time, as is one tonic's timer cut
+    /// off at that deadline first; one its caller left early is counted CANCELLED.
     #[tokio::test]
     async fn calls_not_answered_in_time_are_answered_and_counted() {
         let method = "/reelay.v1.Reviews/LogReview";
@@ -547,6 +550,12 @@ mod tests {
         let mut service = layer(Duration::from_secs(60)).layer(Hung);
         assert!(tokio::time::timeout(Duration::from_millis(10), service.call(request(None))).await.is_err());
         assert_eq!((count("4"), count("1")), (deadline + 2, cancelled + 1));
+        // Dropped once its deadline had passed, before this layer saw it (tonic's own timer
+        // fired first): cut off, not left.
+        let call = service.call(request(Some("50m")));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(call);
+        assert_eq!((count("4"), count("1")), (deadline + 3, cancelled + 1));
         assert_eq!(caller_deadline(&request(Some("2M"))), Some(Duration::from_secs(120)));
         assert_eq!(caller_deadline(&request(Some("x"))), None);
         assert_eq!(caller_deadline(&request(Some("123456789S"))), None, "over 8 digits");
