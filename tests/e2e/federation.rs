@@ -1068,7 +1068,39 @@ async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone(
     assert!(a.log_text().contains("a deleted account's Delete, its actor gone (410)"));
 }
 
-/// A server that fails every delivery for REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (here 2 s)
+/// A Mastodon-shaped peer followed by ana, on an instance started with `env` added to [`FAST`]
+/// (as many attempts as allowed): the instance, ana, the peer's inbox and a reader of
+/// `federation_failing_hosts` for the peer's server (a column or expression; `None` without a
+/// row).
+async fn a_follower_server(
+    db: &Path,
+    env: &[(&'static str, &'static str)],
+) -> (MastodonPeer, Reelay, Clients, String, String, impl Fn(&'static str) -> BoxedRead) {
+    let peer = MastodonPeer::start().await;
+    let env = [FAST, &[("EVENT_QUEUE_MAX_ATTEMPTS", "100")], env].concat();
+    let a = Reelay::start_all(BIN, db, &env).await;
+    let mut c = a.clients().await;
+    let ana = c.user("ana").await;
+    let ana_inbox = format!("{}/inbox", a.actor_url(&ana));
+    assert_eq!(peer.send("alice", &ana_inbox, &follow_of(&peer, "alice", 1, &a.actor_url(&ana))).await, 202);
+    wait_until!("alice is accepted", peer.received_of("Accept").len() == 1);
+    let peer_inbox =
+        query_strings(db, "SELECT COALESCE(shared_inbox, inbox) FROM remote_followers").await[0][0].clone();
+    let server = peer_inbox.split('/').nth(2).unwrap().to_owned();
+    let db = db.to_owned();
+    let failures = move |what: &'static str| -> BoxedRead {
+        let (db, server) = (db.clone(), server.clone());
+        Box::pin(async move {
+            let sql = format!("SELECT ({what}) || '' FROM federation_failing_hosts WHERE host = '{server}'");
+            query_strings(&db, &sql).await.first().map(|row| row[0].clone())
+        })
+    };
+    (peer, a, c, ana, peer_inbox, failures)
+}
+
+type BoxedRead = std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send>>;
+
+/// A server that fails every delivery for REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (here 4 s)
 /// is left out of fan-outs instead of collecting a dead letter for each activity; an answer
 /// from it clears its failures, and so does an activity it sends, after which deliveries to
 /// it resume. An activity to its one inbox (a Follow, an Accept) still goes.
@@ -1076,24 +1108,9 @@ async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone(
 async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let peer = MastodonPeer::start().await;
-    let env = [FAST, &[("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "2")]].concat();
-    let a = Reelay::start_all(BIN, &db, &env).await;
-    let mut c = a.clients().await;
-    let ana = c.user("ana").await;
+    let (peer, a, mut c, ana, peer_inbox, failures) =
+        a_follower_server(&db, &[("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "4")]).await;
     let ana_inbox = format!("{}/inbox", a.actor_url(&ana));
-    assert_eq!(peer.send("alice", &ana_inbox, &follow_of(&peer, "alice", 1, &a.actor_url(&ana))).await, 202);
-    wait_until!("alice is accepted", peer.received_of("Accept").len() == 1);
-    let peer_inbox =
-        query_strings(&db, "SELECT COALESCE(shared_inbox, inbox) FROM remote_followers").await[0][0].clone();
-    let server = peer_inbox.split('/').nth(2).unwrap().to_owned();
-    let failures = |what: &'static str| {
-        let (db, server) = (db.clone(), server.clone());
-        async move {
-            let sql = format!("SELECT ({what}) || '' FROM federation_failing_hosts WHERE host = '{server}'");
-            query_strings(&db, &sql).await.first().map(|row| row[0].clone())
-        }
-    };
     let created = |film: &'static str| {
         peer.received_of("Create").iter().any(|r| r.status == 202 && r.activity["object"]["film"]["name"] == film)
     };
@@ -1165,4 +1182,61 @@ async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks(
         0,
         "nothing was given up"
     );
+}
+
+/// An unavailable server gets one delivery of a fan-out every REELAY_FEDERATION_PROBE_EVERY_SECS
+/// (here 5 s), as a probe: failing, it is dropped (no retry, no dead letter) and the server stays
+/// unavailable; taken, the server is available again and fan-outs reach it.
+#[tokio::test]
+async fn an_unavailable_server_is_probed_now_and_then_until_it_is_back() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let env = [("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "2"), ("REELAY_FEDERATION_PROBE_EVERY_SECS", "5")];
+    let (peer, _a, mut c, ana, peer_inbox, failures) = a_follower_server(&db, &env).await;
+    let created = |film: &'static str, status: u16| {
+        peer.received_of("Create")
+            .iter()
+            .filter(|r| r.status == status && r.activity["object"]["film"]["name"] == film)
+            .count()
+    };
+    peer.set_inbox_status(503);
+    // Failures a second apart for 2 s, as a delivery's retries would record them: unavailable.
+    let failed = || v1::RecordInboxOutcomeRequest { inbox: peer_inbox.clone(), answered: false };
+    for _ in 0..3 {
+        c.federation.record_inbox_outcome(failed()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1050)).await;
+    }
+    assert_eq!(failures("unavailable_since IS NOT NULL").await.as_deref(), Some("1"));
+    let fan_out = |n: u32| v1::QueueDeliveriesRequest {
+        activity_id: format!("https://reelay.test/activities/fan-out-{n}"),
+        sender_user_id: ana.clone(),
+        activity_json: "{}".into(),
+        audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+    };
+    let left_out = |r: v1::QueueDeliveriesResponse| (r.queued, r.skipped_unavailable) == (0, 1);
+    assert!(left_out(c.federation.queue_deliveries(fan_out(1)).await.unwrap().into_inner()), "no probe due yet");
+
+    // Past the probe interval, one review's delivery goes as a probe; refused, it is dropped.
+    tokio::time::sleep(Duration::from_millis(5100)).await;
+    log(&mut c, &ana, "Stalker", 1979, 9, "The zone.").await;
+    wait_until!("the probe reaches the server", created("Stalker", 503) == 1);
+    assert!(left_out(c.federation.queue_deliveries(fan_out(2)).await.unwrap().into_inner()), "one probe at a time");
+    wait_until!(
+        "the failed probe is done with",
+        count(&db, "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' AND status != 'done'")
+            .await
+            == 0
+    );
+    assert_eq!(failures("unavailable_since IS NOT NULL").await.as_deref(), Some("1"), "still unavailable");
+
+    // The server is back: the next probe is taken, and it is available again.
+    peer.set_inbox_status(202);
+    tokio::time::sleep(Duration::from_millis(5100)).await;
+    log(&mut c, &ana, "Ran", 1985, 10, "Arrows.").await;
+    wait_until!("the probe is taken", created("Ran", 202) == 1);
+    wait_until!("its answer makes the server available", failures("failures").await.is_none());
+    log(&mut c, &ana, "Alien", 1979, 8, "Chestburster.").await;
+    wait_until!("the next review reaches the server", created("Alien", 202) == 1);
+    assert_eq!(created("Stalker", 503) + created("Stalker", 202), 1, "the failed probe was not retried");
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM processed_events WHERE status = 'dead_lettered'").await, 0);
 }

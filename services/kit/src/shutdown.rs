@@ -39,7 +39,7 @@ impl Shutdown {
         let this = self.clone();
         tokio::spawn(async move {
             wait_for_signal().await;
-            tracing::info!("shutdown requested; finishing in-flight work (signal again to exit at once)");
+            tracing::info!("shutdown requested (signal again to exit at once)");
             this.request();
             wait_for_signal().await;
             tracing::warn!("second signal; exiting immediately");

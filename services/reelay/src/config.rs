@@ -232,9 +232,16 @@ pub struct DeliveryArgs {
     /// between two failures) before a fan-out to followers leaves its inboxes out, instead of
     /// giving each activity up there as a dead letter. An answer from the server, or an activity
     /// it sends, makes it available again. 7 days by default; 0 never leaves a server out; at
-    /// most a year.
+    /// most a year, and longer than REELAY_RETRY_CAP_MS (a retry's gap would start the count
+    /// over every time).
     #[arg(long, env = "REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", default_value_t = 7 * 86_400, value_parser = clap::value_parser!(u64).range(0..=365 * 86_400))]
     pub federation_unavailable_after_secs: u64,
+
+    /// How often, in seconds, a fan-out to followers lets one delivery through to an unavailable
+    /// server, to find out whether it is back (a failed probe is dropped, not retried). An hour
+    /// by default; 1 to 7 days.
+    #[arg(long, env = "REELAY_FEDERATION_PROBE_EVERY_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=7 * 86_400))]
+    pub federation_probe_every_secs: u64,
 
     /// The first retry delay after a failed delivery; it doubles per attempt. Only tests
     /// should change it. 10 ms to an hour.

@@ -195,6 +195,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     if let Some(url) = &args.handlers.write_url {
         reelay_kit::client::check_service_url(url).map_err(|e| anyhow::anyhow!("REELAY_WRITE_URL: {e}"))?;
     }
+    let server_policy = server_policy(&args)?;
     if services.contains(&Service::Relay) && !nats {
         bail!("the relay publishes the outbox to NATS; set EVENT_BUS_BACKEND=nats (and NATS_URL) to run it");
     }
@@ -273,6 +274,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                             () = stop.requested() => {}
                         }
                     }
+                    tracing::info!("stopping: no new calls; finishing in-flight work");
                     stop.request();
                 }
                 () = stop.requested() => readiness.draining(),
@@ -523,12 +525,10 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         reelay_write::note_lease(&database, policy.ledger.lease).await.context("cannot record the claim lease")?;
         let media_url =
             args.handlers.media_url.clone().unwrap_or_else(|| format!("http://{}/media", args.handlers.media_addr));
-        let unavailable_after = args.delivery.federation_unavailable_after_secs;
-        let store = reelay_write::Store::new(database.clone())
-            .with_unavailable_after((unavailable_after > 0).then(|| Duration::from_secs(unavailable_after)));
+        let store = reelay_write::Store::new(database.clone()).with_server_policy(server_policy);
         let keys = reelay_write::ActorKeys::new(store.clone());
         tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));
-        reelay_write::sample_status(database.clone(), policy.bus);
+        reelay_write::sample_status(database.clone(), policy.bus, server_policy.unavailable_after.is_some());
         let write_ready = &ready[&Service::Write];
         let server = GrpcServer::new(grpc).readiness(Service::Write.as_str(), write_ready);
         let server = reelay_write::mount(server, store, keys, Some(media_url));
@@ -586,6 +586,24 @@ fn host_is_unspecified(host_port: &str) -> bool {
         None => host_port.split(':').next().unwrap_or_default(),
     };
     host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified())
+}
+
+/// When federation fan-outs leave a failing server out, checked against the retry schedule.
+fn server_policy(args: &RunArgs) -> anyhow::Result<reelay_write::ServerPolicy> {
+    let d = &args.delivery;
+    let after = d.federation_unavailable_after_secs;
+    if after > 0 && after.saturating_mul(1000) <= d.retry_cap_ms {
+        bail!(
+            "REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS ({after}) must be longer than the longest retry delay, \
+             REELAY_RETRY_CAP_MS ({} ms): a gap between two failures that long starts a server's count over, so it \
+             would never turn unavailable (0 turns leaving servers out off)",
+            d.retry_cap_ms
+        );
+    }
+    Ok(reelay_write::ServerPolicy {
+        unavailable_after: (after > 0).then(|| Duration::from_secs(after)),
+        probe_every: Duration::from_secs(d.federation_probe_every_secs),
+    })
 }
 
 fn delivery_policy(args: &RunArgs) -> DeliveryPolicy {

@@ -22,7 +22,7 @@ pub use api::mount;
 pub use api::{Bus, DeliveryPolicy, mount_internal, note_lease, register_handlers, sample_status};
 pub use error::WriteError;
 pub use retention::{Retention, purge_expired};
-pub use store::Store;
+pub use store::{ServerPolicy, Store};
 
 /// Declares the write service's metrics (the ledger's and the merged jobs'), so they are scraped
 /// before the first request.

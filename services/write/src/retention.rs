@@ -109,7 +109,7 @@ mod tests {
     }
 
     /// Records older than the cutoff go, however many (more than one job's batch), and newer
-    /// ones stay, in each of the three tables.
+    /// ones stay, in each of the three tables; servers failing long ago go unless unavailable.
     #[tokio::test]
     async fn the_federation_records_past_retention_are_purged() {
         let dir = tempfile::tempdir().unwrap();
@@ -126,6 +126,9 @@ mod tests {
                             "INSERT INTO federation_outbox (activity_id, queued, created_at) VALUES (?1, 1, ?2)",
                             "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) \
                              VALUES (?1, 'https://peer.example/users/a', ?2)",
+                            // A server failing then, available (odd n) or unavailable (even).
+                            "INSERT INTO federation_failing_hosts (host, failing_since, last_failure_at, failures, \
+                             unavailable_since) VALUES (?1, ?2, ?2, 1, CASE WHEN ?2 % 2 = 0 THEN ?2 END)",
                         ] {
                             sqlx::query(sql).bind(&id).bind(at).execute(tx.conn()).await?;
                         }
@@ -151,5 +154,12 @@ mod tests {
             .unwrap();
             assert!(oldest >= cutoff, "{table}: {oldest}");
         }
+        // Of the servers, the old available ones go; the unavailable ones stay, however old.
+        let servers: Vec<i64> =
+            sqlx::query_scalar("SELECT last_failure_at FROM federation_failing_hosts ORDER BY last_failure_at")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        assert_eq!(servers, [old, old + 2, old + 4, new + 5, new + 6]);
     }
 }

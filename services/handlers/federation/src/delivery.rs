@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use bytes::Bytes;
 use reelay_activitypub::documents::server_of;
@@ -13,6 +14,9 @@ use crate::remote::{fetch_error, write_error};
 
 /// The most servers [`DeliveryHandler`] remembers seeing fail.
 const MAX_FAILING_REMEMBERED: usize = 10_000;
+
+/// How long recording a delivery's outcome may take: it must not hold up the next delivery.
+const RECORD_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct DeliveryHandler {
     remote: Remote,
@@ -26,26 +30,50 @@ impl DeliveryHandler {
         Self { remote, failing: Mutex::default() }
     }
 
+    /// `failure`, unless this delivery is a probe of an unavailable server: that one is dropped
+    /// (the server stays unavailable; the next probe goes with a later activity).
+    fn unless_probe(&self, queued: &v1::ActivityQueued, failure: HandlerError) -> Result<(), HandlerError> {
+        if !queued.probe {
+            return Err(failure);
+        }
+        tracing::info!(activity = %queued.activity_id, inbox = %queued.inbox, %failure,
+            "the probe of an unavailable server failed; dropped");
+        Ok(())
+    }
+
     /// Tells the write service what the delivery met at `inbox`'s server (an answer only when
-    /// the server is known to be failing). Best effort: the delivery's own outcome stands
-    /// whether or not this is recorded, and a server left marked failing is cleared by its next
-    /// answer.
+    /// the server is known to be failing). Best effort, and quick: the delivery's own outcome
+    /// stands whether or not this is recorded, and a server left marked failing is cleared by
+    /// its next answer.
     async fn record(&self, queued: &v1::ActivityQueued, answered: bool) {
         let Some(server) = server_of(&queued.inbox) else { return };
         {
-            let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let known = if answered { failing.remove(&server) } else { failing.contains(&server) };
-            if answered && !known && !queued.inbox_failing {
+            let failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if answered && !failing.contains(&server) && !queued.inbox_failing {
                 return;
-            }
-            if !answered && !known && failing.len() < MAX_FAILING_REMEMBERED {
-                failing.insert(server);
             }
         }
         let request = v1::RecordInboxOutcomeRequest { inbox: queued.inbox.clone(), answered };
-        if let Err(status) = self.remote.write().record_inbox_outcome(request).await {
-            tracing::warn!(inbox = %queued.inbox, answered, error = %status.message(),
-                "could not record what the delivery met at the inbox's server");
+        let recorded = tokio::time::timeout(RECORD_TIMEOUT, self.remote.write().record_inbox_outcome(request))
+            .await
+            .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("not answered in {RECORD_TIMEOUT:?}"))));
+        {
+            // Known failing until an answer is recorded.
+            let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if answered && recorded.is_ok() {
+                failing.remove(&server);
+            } else if !answered && failing.len() < MAX_FAILING_REMEMBERED {
+                failing.insert(server);
+            }
+        }
+        match recorded {
+            Ok(_) => {}
+            // A write service of an older build: nothing to record with.
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::debug!(inbox = %queued.inbox, "the write service records no delivery outcomes");
+            }
+            Err(status) => tracing::warn!(inbox = %queued.inbox, answered, error = %status.message(),
+                "could not record what the delivery met at the inbox's server"),
         }
     }
 }
@@ -68,7 +96,7 @@ impl Handler for DeliveryHandler {
             Ok(answer) => answer,
             Err(error) => {
                 self.record(queued, false).await;
-                return Err(fetch_error(error));
+                return self.unless_probe(queued, fetch_error(error));
             }
         };
         match answer.status {
@@ -79,6 +107,9 @@ impl Handler for DeliveryHandler {
             _ => self.record(queued, false).await,
         }
         let status = answer.status;
+        if queued.probe && !matches!(status, 200..=299 | 410) {
+            return self.unless_probe(queued, HandlerError::retryable(format!("answered {status}")));
+        }
         match status {
             200..=299 => {
                 tracing::info!(activity = %queued.activity_id, inbox = %queued.inbox, status, "activity delivered");

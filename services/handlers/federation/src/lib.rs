@@ -14,7 +14,8 @@
 //!   followers at that inbox; another 4xx but 401, 408 and 429 fails for good; those three,
 //!   3xx, 5xx and timeouts are retried. Each failure but 401 and 429 is recorded against the
 //!   inbox's server, and an answer from a server so recorded clears it: a server failing every
-//!   delivery for a week (`REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS`) is left out of fan-outs.
+//!   delivery for a week (`REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS`) is left out of fan-outs
+//!   but for a probe now and then, which is dropped if it fails.
 //! - `federation-backfill`, once a remote actor accepts a local user's follow, reads the actor's
 //!   outbox (signed GETs, page after page) and saves its reviews (upserts by object id).
 //!

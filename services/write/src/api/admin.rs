@@ -433,9 +433,11 @@ static FEDERATION_SERVERS: LazyLock<Gauge> = LazyLock::new(|| {
 });
 
 /// Samples the outbox and every handler's standing into gauges whenever Prometheus scrapes, by
-/// the same query `Admin.Status` answers with (so the two always agree), and how long the writer
-/// has been on its batch in hand.
-pub fn sample_status(db: Database, bus: Bus) {
+/// the same query `Admin.Status` answers with (so the two always agree), how long the writer
+/// has been on its batch in hand, and the federation's failing servers (`leaves_servers_out`:
+/// whether unavailable ones are left out of fan-outs, REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS
+/// not 0).
+pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
     for gauge in
         [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS, &WRITER_BUSY, &FEDERATION_SERVERS]
     {
@@ -473,6 +475,8 @@ pub fn sample_status(db: Database, bus: Bus) {
                 OUTBOX_ROWS.set(&[status], rows as f64);
             }
             OLDEST_DUE.set(&[], s.outbox.oldest_due_age_ms as f64 / 1000.0);
+            // With leaving servers out turned off, a server recorded unavailable before is not.
+            let unavailable = if leaves_servers_out { unavailable } else { 0 };
             FEDERATION_SERVERS.set(&["failing"], (failing - unavailable) as f64);
             FEDERATION_SERVERS.set(&["unavailable"], unavailable as f64);
             for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {

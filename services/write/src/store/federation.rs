@@ -42,8 +42,24 @@ async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<b
     Ok(inserted > 0)
 }
 
-/// How long a server fails every delivery, by default, before fan-outs leave it out.
-pub(super) const DEFAULT_UNAVAILABLE_AFTER: Duration = Duration::from_secs(7 * 86_400);
+/// When a fan-out to followers leaves a server's inboxes out.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerPolicy {
+    /// How long a server fails every delivery before it is unavailable (`None`: never).
+    pub unavailable_after: Option<Duration>,
+    /// How often a fan-out lets one delivery through to an unavailable server, as a probe.
+    pub probe_every: Duration,
+}
+
+impl Default for ServerPolicy {
+    fn default() -> Self {
+        Self { unavailable_after: Some(Duration::from_secs(7 * 86_400)), probe_every: Duration::from_secs(3600) }
+    }
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
 
 /// Forgets `server`'s failed deliveries: it answered. Whether it had any.
 async fn server_answered(conn: &mut SqliteConnection, server: &str) -> Result<bool> {
@@ -79,7 +95,7 @@ impl FailingServer {
     /// failures (no delivery tried meanwhile) starts the count again: one failure a year ago and
     /// one today are not a server failing for a year. Unavailable once failing for `after`.
     fn failed_again(&self, now: i64, after: Option<Duration>) -> FailingServer {
-        let after_ms = after.map(|a| i64::try_from(a.as_millis()).unwrap_or(i64::MAX));
+        let after_ms = after.map(millis);
         let failing_since = match (self.unavailable_since, after_ms) {
             (None, Some(after)) if now - self.last_failure_at > after => now,
             _ => self.failing_since,
@@ -106,8 +122,10 @@ async fn seen_before(tx: &mut WriteTx, activity: &Option<String>) -> Result<bool
 }
 
 /// Deletes up to `batch` rows of each of the federation's dedup records (activities taken in,
-/// activities queued out, deleted remote reviews) written before `cutoff_ms`; says how many
-/// went. Past it, a peer has long stopped retrying what they guard against.
+/// activities queued out, deleted remote reviews) written before `cutoff_ms`, and of the
+/// available servers whose last failure was before it; says how many went. Past it, a peer has
+/// long stopped retrying what they guard against, and a server's failures that old would start
+/// over at its next one.
 pub(crate) async fn purge_records(
     tx: &mut WriteTx,
     cutoff_ms: i64,
@@ -118,9 +136,14 @@ pub(crate) async fn purge_records(
         ("federation_inbox", "activity_id", "received_at"),
         ("federation_outbox", "activity_id", "created_at"),
         ("remote_review_tombstones", "object_uri", "deleted_at"),
+        // Servers that failed long ago and were not tried since (not unavailable ones: that is
+        // their state, kept until they answer).
+        ("federation_failing_hosts", "host", "last_failure_at"),
     ] {
+        let available = if table == "federation_failing_hosts" { " AND unavailable_since IS NULL" } else { "" };
         purged += sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {at} < ?1 ORDER BY {at} LIMIT ?2)"
+            "DELETE FROM {table} WHERE {key} IN \
+             (SELECT {key} FROM {table} WHERE {at} < ?1{available} ORDER BY {at} LIMIT ?2)"
         )))
         .bind(cutoff_ms)
         .bind(i64::from(batch))
@@ -645,7 +668,9 @@ impl Store {
                 };
             }
         }
-        let leave_out = self.unavailable_after.is_some();
+        // With the setting off, none is left out, whatever was recorded before.
+        let leave_out = self.servers.unavailable_after.is_some();
+        let probe_every = millis(self.servers.probe_every);
         write_job!(self, "queue_deliveries", |tx| {
             ensure_user(tx.conn(), sender).await?;
             let first = sqlx::query(
@@ -680,20 +705,37 @@ impl Store {
             let any_failing: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM federation_failing_hosts)")
                 .fetch_one(tx.conn())
                 .await?;
+            let now = tx.now_ms();
             for inbox in inboxes {
-                let failing: Option<Option<i64>> = match server_of(&inbox) {
+                let server = server_of(&inbox);
+                // (unavailable since, last probe queued) of a server with failures recorded.
+                let failing: Option<(Option<i64>, Option<i64>)> = match &server {
                     Some(server) if any_failing => {
-                        sqlx::query_scalar("SELECT unavailable_since FROM federation_failing_hosts WHERE host = ?")
-                            .bind(server)
-                            .fetch_optional(tx.conn())
-                            .await?
+                        sqlx::query_as(
+                            "SELECT unavailable_since, probed_at FROM federation_failing_hosts WHERE host = ?",
+                        )
+                        .bind(server.clone())
+                        .fetch_optional(tx.conn())
+                        .await?
                     }
                     _ => None,
                 };
-                // With the setting off, none is left out, whatever was recorded before.
-                if fan_out && leave_out && matches!(failing, Some(Some(_))) {
-                    skipped += 1;
-                    continue;
+                let mut probe = false;
+                if let (true, true, Some((Some(since), probed_at)), Some(server)) =
+                    (fan_out, leave_out, failing, &server)
+                {
+                    // One delivery per probe interval goes, to find out whether it is back.
+                    if now - probed_at.unwrap_or(since).max(since) < probe_every {
+                        skipped += 1;
+                        continue;
+                    }
+                    sqlx::query("UPDATE federation_failing_hosts SET probed_at = ? WHERE host = ?")
+                        .bind(now)
+                        .bind(server.clone())
+                        .execute(tx.conn())
+                        .await?;
+                    tracing::info!(server, activity = %activity_id, "an unavailable server is probed with one delivery");
+                    probe = true;
                 }
                 events.push(NewEvent::new(
                     sender,
@@ -703,6 +745,7 @@ impl Store {
                         sender_user_id: sender.to_string(),
                         activity_json: activity_json.clone(),
                         inbox_failing: failing.is_some(),
+                        probe,
                     }),
                 ));
             }
@@ -727,7 +770,7 @@ impl Store {
     pub async fn record_inbox_outcome(&self, inbox: String, answered: bool) -> Result<bool> {
         let server =
             server_of(&inbox).ok_or_else(|| ServiceError::invalid("inbox", format!("names no server: {inbox:?}")))?;
-        let after = self.unavailable_after;
+        let after = self.servers.unavailable_after;
         write_job!(self, "record_inbox_outcome", |tx| {
             if answered {
                 return server_answered(tx.conn(), &server).await;

@@ -197,7 +197,7 @@ pub struct RemoteReviewSaved {
     pub changed: bool,
 }
 
-pub use federation::Audience;
+pub use federation::{Audience, ServerPolicy};
 
 pub struct RemoteReview {
     pub object_uri: String,
@@ -426,8 +426,8 @@ pub struct Store {
     db: Database,
     /// Reviews of movies named by id, waiting for the next job that logs them.
     review_logs: Merged<reviews::KnownMovieReview, v1::LogReviewResponse>,
-    /// How long a server fails every delivery before fan-outs leave it out (`None`: never).
-    unavailable_after: Option<std::time::Duration>,
+    /// When fan-outs leave a failing server out, and how often they probe it.
+    servers: ServerPolicy,
 }
 
 /// Runs a write job; the closure body is an async block over `tx`.
@@ -465,13 +465,12 @@ pub(crate) use keyed_job;
 
 impl Store {
     pub fn new(db: Database) -> Self {
-        Self { db, review_logs: Merged::default(), unavailable_after: Some(federation::DEFAULT_UNAVAILABLE_AFTER) }
+        Self { db, review_logs: Merged::default(), servers: ServerPolicy::default() }
     }
 
-    /// Sets how long a server must fail every delivery before a fan-out to followers leaves its
-    /// inboxes out; `None` never leaves any out.
-    pub fn with_unavailable_after(mut self, after: Option<std::time::Duration>) -> Self {
-        self.unavailable_after = after;
+    /// Sets when a fan-out to followers leaves a failing server's inboxes out.
+    pub fn with_server_policy(mut self, servers: ServerPolicy) -> Self {
+        self.servers = servers;
         self
     }
 
