@@ -782,6 +782,24 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("REELAY_MAX_EVENT_BYTES") && stderr.contains("REELAY_GRPC_MAX_MESSAGE_BYTES"), "{stderr}");
 
+    // And a time for servers to turn unavailable shorter than a gap between two retries, which
+    // would start every server's count over at each retry.
+    let out = std::process::Command::new(BIN)
+        .args(["run", "--service", "write", "--dev"])
+        .env("REELAY_DATABASE", dir.path().join("r.db"))
+        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+        .env("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "60")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (60)")
+            && stderr.contains("REELAY_RETRY_CAP_MS (300000"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
+
     // So is a lease no worker could renew in time (or that hands every claim over at once), and
     // a timing no process could work with (every call or handler run timed out at once, the
     // writer purging or retrying without a pause): each refusal names its least value.
