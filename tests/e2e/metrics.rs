@@ -252,7 +252,7 @@ async fn a_hung_write_batch_shows_in_the_writer_busy_gauge() {
 async fn a_shutdown_delay_serves_on_not_ready_after_sigterm() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let spec = Reelay::spec(BIN, &db, &["write", "gateway"], &[("REELAY_SHUTDOWN_DELAY_MS", "8000")]);
+    let spec = Reelay::spec(BIN, &db, &["write", "gateway"], &[("REELAY_SHUTDOWN_DELAY_MS", "12000")]);
     let mut reelay = Reelay::start(spec).await;
     let ana = reelay.clients().await.user("ana").await;
     assert_eq!(reelay.admin_get("/readyz").await.0, 200);
