@@ -795,7 +795,8 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (60)")
-            && stderr.contains("REELAY_RETRY_CAP_MS (300000"),
+            && stderr.contains("REELAY_RETRY_CAP_MS (300000 ms)")
+            && stderr.contains("REELAY_FEDERATION_TIMEOUT_MS (10000 ms)"),
         "{stderr}"
     );
     assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");

@@ -1077,7 +1077,9 @@ async fn a_follower_server(
     env: &[(&'static str, &'static str)],
 ) -> (MastodonPeer, Reelay, Clients, String, String, impl Fn(&'static str) -> BoxedRead) {
     let peer = MastodonPeer::start().await;
-    let env = [FAST, &[("EVENT_QUEUE_MAX_ATTEMPTS", "100")], env].concat();
+    // A short deadline per request: the unavailable-after time must outlast a retry's gap
+    // (the retry cap and one attempt).
+    let env = [FAST, &[("EVENT_QUEUE_MAX_ATTEMPTS", "100"), ("REELAY_FEDERATION_TIMEOUT_MS", "1500")], env].concat();
     let a = Reelay::start_all(BIN, db, &env).await;
     let mut c = a.clients().await;
     let ana = c.user("ana").await;
@@ -1186,12 +1188,13 @@ async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks(
 
 /// An unavailable server gets one delivery of a fan-out every REELAY_FEDERATION_PROBE_EVERY_SECS
 /// (here 5 s), as a probe: failing, it is dropped (no retry, no dead letter) and the server stays
-/// unavailable; taken, the server is available again and fan-outs reach it.
+/// unavailable; answered (here 429: busy, but up), the server is available again, the probe is
+/// retried as any delivery, and fan-outs reach the server.
 #[tokio::test]
 async fn an_unavailable_server_is_probed_now_and_then_until_it_is_back() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let env = [("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "2"), ("REELAY_FEDERATION_PROBE_EVERY_SECS", "5")];
+    let env = [("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "3"), ("REELAY_FEDERATION_PROBE_EVERY_SECS", "5")];
     let (peer, _a, mut c, ana, peer_inbox, failures) = a_follower_server(&db, &env).await;
     let created = |film: &'static str, status: u16| {
         peer.received_of("Create")
@@ -1200,11 +1203,16 @@ async fn an_unavailable_server_is_probed_now_and_then_until_it_is_back() {
             .count()
     };
     peer.set_inbox_status(503);
-    // Failures a second apart for 2 s, as a delivery's retries would record them: unavailable.
+    // Failures half a second apart until 3 s have passed, as a delivery's retries would record
+    // them: unavailable.
     let failed = || v1::RecordInboxOutcomeRequest { inbox: peer_inbox.clone(), answered: false };
-    for _ in 0..3 {
+    let first = std::time::Instant::now();
+    loop {
         c.federation.record_inbox_outcome(failed()).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(1050)).await;
+        if first.elapsed() > Duration::from_millis(3100) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert_eq!(failures("unavailable_since IS NOT NULL").await.as_deref(), Some("1"));
     let fan_out = |n: u32| v1::QueueDeliveriesRequest {
@@ -1229,12 +1237,15 @@ async fn an_unavailable_server_is_probed_now_and_then_until_it_is_back() {
     );
     assert_eq!(failures("unavailable_since IS NOT NULL").await.as_deref(), Some("1"), "still unavailable");
 
-    // The server is back: the next probe is taken, and it is available again.
-    peer.set_inbox_status(202);
+    // The server is back, busy: the next probe is answered 429, which finds it up (available
+    // again), and is retried as any delivery until it is taken.
+    peer.set_inbox_status(429);
     tokio::time::sleep(Duration::from_millis(5100)).await;
     log(&mut c, &ana, "Ran", 1985, 10, "Arrows.").await;
-    wait_until!("the probe is taken", created("Ran", 202) == 1);
+    wait_until!("the probe is answered", created("Ran", 429) >= 1);
     wait_until!("its answer makes the server available", failures("failures").await.is_none());
+    peer.set_inbox_status(202);
+    wait_until!("the probe's retry is taken", created("Ran", 202) == 1);
     log(&mut c, &ana, "Alien", 1979, 8, "Chestburster.").await;
     wait_until!("the next review reaches the server", created("Alien", 202) == 1);
     assert_eq!(created("Stalker", 503) + created("Stalker", 202), 1, "the failed probe was not retried");

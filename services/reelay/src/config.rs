@@ -232,8 +232,9 @@ pub struct DeliveryArgs {
     /// between two failures) before a fan-out to followers leaves its inboxes out, instead of
     /// giving each activity up there as a dead letter. An answer from the server, or an activity
     /// it sends, makes it available again. 7 days by default; 0 never leaves a server out; at
-    /// most a year, and longer than REELAY_RETRY_CAP_MS (a retry's gap would start the count
-    /// over every time).
+    /// most a year, and longer than REELAY_RETRY_CAP_MS plus REELAY_FEDERATION_TIMEOUT_MS (a
+    /// retry's gap would start the count over every time; the handlers' processes should use
+    /// the same values).
     #[arg(long, env = "REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", default_value_t = 7 * 86_400, value_parser = clap::value_parser!(u64).range(0..=365 * 86_400))]
     pub federation_unavailable_after_secs: u64,
 

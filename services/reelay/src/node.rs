@@ -539,6 +539,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             outbox: Duration::from_secs(args.delivery.outbox_retention_secs),
             bus: policy.bus,
             federation: Duration::from_secs(args.delivery.federation_retention_days * 86_400),
+            failing_servers: Duration::from_secs(args.delivery.federation_retention_days * 86_400)
+                .max(server_policy.unavailable_after.unwrap_or_default()),
         };
         // Migrated, handlers registered, about to serve: the write service is ready.
         write_ready.set(true);
@@ -592,12 +594,16 @@ fn host_is_unspecified(host_port: &str) -> bool {
 fn server_policy(args: &RunArgs) -> anyhow::Result<reelay_write::ServerPolicy> {
     let d = &args.delivery;
     let after = d.federation_unavailable_after_secs;
-    if after > 0 && after.saturating_mul(1000) <= d.retry_cap_ms {
+    // Two failures of one delivery are at most a retry delay and an attempt apart.
+    let widest_gap_ms = d.retry_cap_ms.saturating_add(args.handlers.settings.federation.timeout_ms);
+    if after > 0 && after.saturating_mul(1000) <= widest_gap_ms {
         bail!(
             "REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS ({after}) must be longer than the longest retry delay, \
-             REELAY_RETRY_CAP_MS ({} ms): a gap between two failures that long starts a server's count over, so it \
-             would never turn unavailable (0 turns leaving servers out off)",
-            d.retry_cap_ms
+             REELAY_RETRY_CAP_MS ({} ms), plus an attempt, REELAY_FEDERATION_TIMEOUT_MS ({} ms): a gap between two \
+             failures that long starts a server's count over, so it would never turn unavailable (0 turns leaving \
+             servers out off)",
+            d.retry_cap_ms,
+            args.handlers.settings.federation.timeout_ms
         );
     }
     Ok(reelay_write::ServerPolicy {

@@ -30,6 +30,10 @@ pub struct Retention {
     /// How long the federation's records of activities taken in and queued out, and of deleted
     /// remote reviews, are kept (`REELAY_FEDERATION_RETENTION_DAYS`).
     pub federation: Duration,
+    /// How long a remote server's failures are kept with no new one: the federation's
+    /// retention, or the unavailable-after time when longer (a server's count must not be
+    /// forgotten before it could turn unavailable).
+    pub failing_servers: Duration,
 }
 
 /// Purges what is past retention every `interval`, until shutdown.
@@ -55,15 +59,17 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
             Box::pin(async move { request_ids::purge(tx, cutoff, BATCH).await })
         })
         .await;
-        purge_federation(&db, now_ms() - retention.federation.as_millis() as i64, BATCH).await;
+        let now = now_ms();
+        let servers_cutoff = now - retention.failing_servers.as_millis() as i64;
+        purge_federation(&db, now - retention.federation.as_millis() as i64, servers_cutoff, BATCH).await;
     }
 }
 
 /// Deletes the federation's dedup records from before `cutoff_ms`, `batch` rows of each table
 /// per job.
-async fn purge_federation(db: &Database, cutoff_ms: i64, batch: u32) {
+async fn purge_federation(db: &Database, cutoff_ms: i64, servers_cutoff_ms: i64, batch: u32) {
     purge(db, "federation_purge", "federation dedup records", move |tx| {
-        Box::pin(async move { store::purge_federation_records(tx, cutoff_ms, batch).await })
+        Box::pin(async move { store::purge_federation_records(tx, cutoff_ms, servers_cutoff_ms, batch).await })
     })
     .await;
 }
@@ -109,7 +115,7 @@ mod tests {
     }
 
     /// Records older than the cutoff go, however many (more than one job's batch), and newer
-    /// ones stay, in each of the three tables; servers failing long ago go unless unavailable.
+    /// ones stay, in each of the three tables, and the servers by their own cutoff.
     #[tokio::test]
     async fn the_federation_records_past_retention_are_purged() {
         let dir = tempfile::tempdir().unwrap();
@@ -126,9 +132,9 @@ mod tests {
                             "INSERT INTO federation_outbox (activity_id, queued, created_at) VALUES (?1, 1, ?2)",
                             "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) \
                              VALUES (?1, 'https://peer.example/users/a', ?2)",
-                            // A server failing then, available (odd n) or unavailable (even).
-                            "INSERT INTO federation_failing_hosts (host, failing_since, last_failure_at, failures, \
-                             unavailable_since) VALUES (?1, ?2, ?2, 1, CASE WHEN ?2 % 2 = 0 THEN ?2 END)",
+                            // A server that last failed 500 ms after it.
+                            "INSERT INTO federation_failing_hosts (host, failing_since, last_failure_at, failures) \
+                             VALUES (?1, ?2 + 500, ?2 + 500, 1)",
                         ] {
                             sqlx::query(sql).bind(&id).bind(at).execute(tx.conn()).await?;
                         }
@@ -138,7 +144,7 @@ mod tests {
             })
             .await
             .unwrap();
-        purge_federation(&db, cutoff, 2).await;
+        purge_federation(&db, cutoff, old + 502, 2).await;
         for table in ["federation_inbox", "federation_outbox", "remote_review_tombstones"] {
             assert_eq!(count(&db, table).await, 2, "{table}: the two newer records stay");
             let oldest: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -154,12 +160,12 @@ mod tests {
             .unwrap();
             assert!(oldest >= cutoff, "{table}: {oldest}");
         }
-        // Of the servers, the old available ones go; the unavailable ones stay, however old.
+        // The servers by their own cutoff.
         let servers: Vec<i64> =
             sqlx::query_scalar("SELECT last_failure_at FROM federation_failing_hosts ORDER BY last_failure_at")
                 .fetch_all(&db.reads)
                 .await
                 .unwrap();
-        assert_eq!(servers, [old, old + 2, old + 4, new + 5, new + 6]);
+        assert_eq!(servers, [old + 502, old + 503, old + 504, new + 505, new + 506]);
     }
 }

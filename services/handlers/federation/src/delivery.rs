@@ -1,8 +1,8 @@
 //! `federation-delivery`: one queued activity, POSTed signed to one inbox.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use reelay_activitypub::documents::server_of;
@@ -12,22 +12,40 @@ use reelay_delivery::{Handler, HandlerError};
 use crate::Remote;
 use crate::remote::{fetch_error, write_error};
 
-/// The most servers [`DeliveryHandler`] remembers seeing fail.
-const MAX_FAILING_REMEMBERED: usize = 10_000;
+/// The most servers [`DeliveryHandler`] remembers; past it, it forgets them all and starts over.
+const MAX_SERVERS_REMEMBERED: usize = 10_000;
 
 /// How long recording a delivery's outcome may take: it must not hold up the next delivery.
 const RECORD_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long an answer this process recorded for a server stands for the deliveries queued
+/// while it was failing: theirs are not reported again within it (after a short outage at a
+/// large server, thousands would each be a write that changes nothing).
+const ANSWER_STANDS: Duration = Duration::from_secs(60);
+
+/// What this process last saw of a server.
+#[derive(Clone, Copy)]
+enum Seen {
+    /// A delivery failed there, and no answer was recorded since.
+    Failing,
+    /// Its answer was recorded then.
+    Answered(Instant),
+}
+
 pub struct DeliveryHandler {
     remote: Remote,
-    /// Servers a delivery from this process failed at, not seen answering since: an answer from
-    /// one is reported even for an event queued before its failures were recorded.
-    failing: Mutex<HashSet<String>>,
+    /// Servers by what this process last saw of them: an answer from one it saw failing is
+    /// reported even for an event queued before its failures were recorded.
+    servers: Mutex<HashMap<String, Seen>>,
 }
 
 impl DeliveryHandler {
     pub fn new(remote: Remote) -> Self {
-        Self { remote, failing: Mutex::default() }
+        Self { remote, servers: Mutex::default() }
+    }
+
+    fn servers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Seen>> {
+        self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// `failure`, unless this delivery is a probe of an unavailable server: that one is dropped
@@ -41,39 +59,53 @@ impl DeliveryHandler {
         Ok(())
     }
 
-    /// Tells the write service what the delivery met at `inbox`'s server (an answer only when
-    /// the server is known to be failing). Best effort, and quick: the delivery's own outcome
-    /// stands whether or not this is recorded, and a server left marked failing is cleared by
-    /// its next answer.
+    /// Tells the write service what the delivery met at `inbox`'s server: every failure, and an
+    /// answer when the server is known to be failing. Best effort, and quick: the delivery's own
+    /// outcome stands whether or not this is recorded, and a server left marked failing is
+    /// cleared by its next answer.
     async fn record(&self, queued: &v1::ActivityQueued, answered: bool) {
         let Some(server) = server_of(&queued.inbox) else { return };
         {
-            let failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if answered && !failing.contains(&server) && !queued.inbox_failing {
-                return;
+            let mut servers = self.servers();
+            let seen = servers.get(&server).copied();
+            if answered {
+                let report = match seen {
+                    Some(Seen::Failing) => true,
+                    Some(Seen::Answered(at)) => queued.inbox_failing && at.elapsed() > ANSWER_STANDS,
+                    None => queued.inbox_failing,
+                };
+                if !report {
+                    return;
+                }
+            } else {
+                // Known failing from now, before the report: an answer meanwhile is reported.
+                if servers.len() >= MAX_SERVERS_REMEMBERED && seen.is_none() {
+                    servers.clear();
+                }
+                servers.insert(server.clone(), Seen::Failing);
             }
         }
         let request = v1::RecordInboxOutcomeRequest { inbox: queued.inbox.clone(), answered };
         let recorded = tokio::time::timeout(RECORD_TIMEOUT, self.remote.write().record_inbox_outcome(request))
             .await
             .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("not answered in {RECORD_TIMEOUT:?}"))));
-        {
-            // Known failing until an answer is recorded.
-            let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if answered && recorded.is_ok() {
-                failing.remove(&server);
-            } else if !answered && failing.len() < MAX_FAILING_REMEMBERED {
-                failing.insert(server);
-            }
-        }
         match recorded {
+            Ok(_) if answered => {
+                self.servers().insert(server, Seen::Answered(Instant::now()));
+            }
             Ok(_) => {}
             // A write service of an older build: nothing to record with.
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::debug!(inbox = %queued.inbox, "the write service records no delivery outcomes");
             }
-            Err(status) => tracing::warn!(inbox = %queued.inbox, answered, error = %status.message(),
-                "could not record what the delivery met at the inbox's server"),
+            Err(status) => {
+                if answered {
+                    // Still known failing: the next answer is reported.
+                    self.servers().insert(server, Seen::Failing);
+                }
+                tracing::warn!(inbox = %queued.inbox, answered, error = %status.message(),
+                    "could not record what the delivery met at the inbox's server");
+            }
         }
     }
 }
@@ -99,15 +131,18 @@ impl Handler for DeliveryHandler {
                 return self.unless_probe(queued, fetch_error(error));
             }
         };
-        match answer.status {
+        let status = answer.status;
+        match status {
             // The server works (a 410 says only the inbox is gone).
             200..=299 | 410 => self.record(queued, true).await,
-            // Our key could not be fetched just then, or too many requests: nothing against it.
+            // Our key could not be fetched just then, too slow, or too many requests: nothing
+            // against the server, and a probe so answered finds it up (the delivery is retried
+            // as any other, below).
+            401 | 408 | 429 if queued.probe => self.record(queued, true).await,
             401 | 429 => {}
             _ => self.record(queued, false).await,
         }
-        let status = answer.status;
-        if queued.probe && !matches!(status, 200..=299 | 410) {
+        if queued.probe && !matches!(status, 200..=299 | 401 | 408 | 410 | 429) {
             return self.unless_probe(queued, HandlerError::retryable(format!("answered {status}")));
         }
         match status {

@@ -123,29 +123,27 @@ async fn seen_before(tx: &mut WriteTx, activity: &Option<String>) -> Result<bool
 
 /// Deletes up to `batch` rows of each of the federation's dedup records (activities taken in,
 /// activities queued out, deleted remote reviews) written before `cutoff_ms`, and of the
-/// available servers whose last failure was before it; says how many went. Past it, a peer has
-/// long stopped retrying what they guard against, and a server's failures that old would start
-/// over at its next one.
+/// servers whose last failure was before `servers_cutoff_ms`; says how many went. Past those, a
+/// peer has long stopped retrying what they guard against, and a server not tried for that long
+/// (no fan-out to it, not even a probe: nobody here posts to its followers) starts its count
+/// over at its next failure.
 pub(crate) async fn purge_records(
     tx: &mut WriteTx,
     cutoff_ms: i64,
+    servers_cutoff_ms: i64,
     batch: u32,
 ) -> std::result::Result<u64, sqlx::Error> {
     let mut purged = 0;
-    for (table, key, at) in [
-        ("federation_inbox", "activity_id", "received_at"),
-        ("federation_outbox", "activity_id", "created_at"),
-        ("remote_review_tombstones", "object_uri", "deleted_at"),
-        // Servers that failed long ago and were not tried since (not unavailable ones: that is
-        // their state, kept until they answer).
-        ("federation_failing_hosts", "host", "last_failure_at"),
+    for (table, key, at, cutoff) in [
+        ("federation_inbox", "activity_id", "received_at", cutoff_ms),
+        ("federation_outbox", "activity_id", "created_at", cutoff_ms),
+        ("remote_review_tombstones", "object_uri", "deleted_at", cutoff_ms),
+        ("federation_failing_hosts", "host", "last_failure_at", servers_cutoff_ms),
     ] {
-        let available = if table == "federation_failing_hosts" { " AND unavailable_since IS NULL" } else { "" };
         purged += sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DELETE FROM {table} WHERE {key} IN \
-             (SELECT {key} FROM {table} WHERE {at} < ?1{available} ORDER BY {at} LIMIT ?2)"
+            "DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {at} < ?1 ORDER BY {at} LIMIT ?2)"
         )))
-        .bind(cutoff_ms)
+        .bind(cutoff)
         .bind(i64::from(batch))
         .execute(tx.conn())
         .await?
