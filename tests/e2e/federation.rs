@@ -1136,6 +1136,8 @@ async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks(
     let servers = a.metrics().await;
     assert_eq!(servers.value("reelay_federation_servers{state=\"unavailable\"}"), Some(1.0));
     assert_eq!(servers.value("reelay_federation_servers{state=\"failing\"}"), Some(0.0));
+    let status = a.cli(&["status"], &[]).await;
+    assert!(status.ok().contains("federation: 0 server(s) failing deliveries, 1 unavailable"), "{}", status.stdout);
     // A fan-out leaves its inbox out; an activity to that one inbox is still queued, marked so
     // that its answer clears the server.
     let fan_out = |n: u32| v1::QueueDeliveriesRequest {

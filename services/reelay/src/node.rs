@@ -532,7 +532,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let write_ready = &ready[&Service::Write];
         let server = GrpcServer::new(grpc).readiness(Service::Write.as_str(), write_ready);
         let server = reelay_write::mount(server, store, keys, Some(media_url));
-        let server = reelay_write::mount_internal(server, database.clone(), policy, shutdown.clone());
+        let server = reelay_write::mount_internal(server, database.clone(), policy, server_policy, shutdown.clone());
         let retention = reelay_write::Retention {
             ledger: policy.ledger,
             request_ids: Duration::from_secs(args.delivery.request_id_retention_hours * 3600),

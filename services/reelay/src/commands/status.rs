@@ -64,6 +64,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         // Nothing waiting has no age (as a handler row shows it).
         if status.oldest_due_age_ms > 0 { age(status.oldest_due_age_ms) } else { "-".to_owned() }
     );
+    if status.federation_servers_failing + status.federation_servers_unavailable > 0 {
+        println!(
+            "federation: {} server(s) failing deliveries, {} unavailable (left out of fan-outs but for a probe now and then)",
+            status.federation_servers_failing, status.federation_servers_unavailable
+        );
+    }
     let nats = if status.backend == "nats" { Some(nats_backlogs(&args, &status.handlers).await) } else { None };
     println!(
         "{:<24} {:>10} {:>12} {:>12} {:>10} {:>14}",

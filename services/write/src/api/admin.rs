@@ -13,6 +13,7 @@ use reelay_kit::metrics::{self, Gauge};
 use reelay_kit::{ErrorCode, ServiceError, now_ms};
 use reelay_outbox::dead_letters::{self, Action, Filter, Target};
 use reelay_outbox::{Database, WriteTx, deliveries, inspect};
+use sqlx::SqliteConnection;
 use tonic::{Request, Response, Status};
 
 use super::internal::{MAX_BATCH_KEYS, event_type, handler_name};
@@ -43,6 +44,19 @@ pub(super) struct AdminApi {
     pub(super) bus: Bus,
     /// The claim lease (a handler heard from within a few of them is still run somewhere).
     pub(super) lease: std::time::Duration,
+    /// Whether federation leaves unavailable servers out of fan-outs (the setting not 0).
+    pub(super) leaves_servers_out: bool,
+}
+
+/// The federation's failing servers: (failing, unavailable). With leaving servers out turned
+/// off, a server recorded unavailable before is only failing.
+async fn federation_servers(conn: &mut SqliteConnection, leaves_out: bool) -> Result<(u64, u64), sqlx::Error> {
+    let (failing, unavailable): (i64, i64) =
+        sqlx::query_as("SELECT COUNT(*), COUNT(unavailable_since) FROM federation_failing_hosts")
+            .fetch_one(conn)
+            .await?;
+    let unavailable = if leaves_out { unavailable } else { 0 };
+    Ok(((failing - unavailable) as u64, unavailable as u64))
 }
 
 /// An event id as the ledger keys it: a UUID (in the form events carry, whatever form it was
@@ -207,6 +221,8 @@ impl v1::admin_server::Admin for AdminApi {
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
         let now = now_ms();
         let s = inspect::status(&mut conn, now, self.bus == Bus::Db).await.map_err(WriteError::from)?;
+        let (servers_failing, servers_unavailable) =
+            federation_servers(&mut conn, self.leaves_servers_out).await.map_err(WriteError::from)?;
         let builds = deliveries::builds(&mut conn, now, self.db.writer.lease_counted_from(), self.lease)
             .await
             .map_err(WriteError::from)?;
@@ -231,6 +247,8 @@ impl v1::admin_server::Admin for AdminApi {
             outbox_done: s.outbox.done,
             outbox_dead_lettered: s.outbox.dead_lettered,
             oldest_due_age_ms: s.outbox.oldest_due_age_ms,
+            federation_servers_failing: servers_failing,
+            federation_servers_unavailable: servers_unavailable,
             handlers: s
                 .handlers
                 .into_iter()
@@ -450,10 +468,7 @@ pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
             WRITER_BUSY.set(&[], db.writer.busy_for().as_secs_f64());
             let status = async {
                 let mut conn = db.reads.acquire().await?;
-                let servers: (i64, i64) =
-                    sqlx::query_as("SELECT COUNT(*), COUNT(unavailable_since) FROM federation_failing_hosts")
-                        .fetch_one(&mut *conn)
-                        .await?;
+                let servers = federation_servers(&mut conn, leaves_servers_out).await?;
                 Ok::<_, sqlx::Error>((inspect::status(&mut conn, now_ms(), bus == Bus::Db).await?, servers))
             };
             let (s, (failing, unavailable)) = match status.await {
@@ -475,9 +490,7 @@ pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
                 OUTBOX_ROWS.set(&[status], rows as f64);
             }
             OLDEST_DUE.set(&[], s.outbox.oldest_due_age_ms as f64 / 1000.0);
-            // With leaving servers out turned off, a server recorded unavailable before is not.
-            let unavailable = if leaves_servers_out { unavailable } else { 0 };
-            FEDERATION_SERVERS.set(&["failing"], (failing - unavailable) as f64);
+            FEDERATION_SERVERS.set(&["failing"], failing as f64);
             FEDERATION_SERVERS.set(&["unavailable"], unavailable as f64);
             for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
                 gauge.clear();

@@ -16,6 +16,7 @@ use super::admin::{AdminApi, Bus};
 use super::deliveries::waiting_deliveries;
 use super::ledger::LedgerApi;
 use super::outbox::{OutboxApi, waiting_rows};
+use crate::store::ServerPolicy;
 
 pub(super) const MAX_BATCH_KEYS: usize = 1000;
 
@@ -52,8 +53,15 @@ pub struct DeliveryPolicy {
     pub bus: Bus,
 }
 
-/// Mounts Outbox, Ledger and Admin on `server`.
-pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, shutdown: Shutdown) -> GrpcServer {
+/// Mounts Outbox, Ledger and Admin on `server`. `servers`: how federation leaves failing
+/// servers out, which Admin reports on.
+pub fn mount_internal(
+    server: GrpcServer,
+    db: Database,
+    policy: DeliveryPolicy,
+    servers: ServerPolicy,
+    shutdown: Shutdown,
+) -> GrpcServer {
     let limit = server.config().max_message_bytes;
     let outbox = OutboxApi {
         db: db.clone(),
@@ -75,7 +83,12 @@ pub fn mount_internal(server: GrpcServer, db: Database, policy: DeliveryPolicy, 
         Bus::Nats => outbox.waiting_rows.ride_with(&db.writer),
     }
     let ledger = LedgerApi { db: db.clone(), policy: policy.ledger, bus: policy.bus };
-    let admin = AdminApi { db, bus: policy.bus, lease: policy.ledger.lease.max(policy.deliveries.lease) };
+    let admin = AdminApi {
+        db,
+        bus: policy.bus,
+        lease: policy.ledger.lease.max(policy.deliveries.lease),
+        leaves_servers_out: servers.unavailable_after.is_some(),
+    };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))
         .add_service(LedgerServer::new(ledger).max_decoding_message_size(limit).max_encoding_message_size(limit))
