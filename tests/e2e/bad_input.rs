@@ -801,6 +801,34 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     );
     assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
 
+    // And a TMDB URL no request could use (every film's enrichment would be retried for ever).
+    let port = || format!("127.0.0.1:{}", reelay_harness::free_port());
+    let mut child = std::process::Command::new(BIN)
+        .args(["run", "--service", "handlers", "--dev"])
+        .env("REELAY_DATA_DIR", dir.path().join("tmdb"))
+        .env("REELAY_HANDLERS_ADDR", port())
+        .env("REELAY_MEDIA_ADDR", port())
+        .env("REELAY_METRICS_ADDR", port())
+        .env("REELAY_ENRICHMENT_PROVIDER", "tmdb")
+        .env("REELAY_ENRICHMENT_TMDB_API_KEY", "k")
+        .env("REELAY_ENRICHMENT_TMDB_URL", "api.themoviedb.org/3")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Refused at start: it must not come up (a regression would serve until killed).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a handlers process with a TMDB URL no request could use started");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("REELAY_ENRICHMENT_TMDB_URL must be an http(s) URL"), "{stderr}");
+
     // So is a lease no worker could renew in time (or that hands every claim over at once), and
     // a timing no process could work with (every call or handler run timed out at once, the
     // writer purging or retrying without a pause): each refusal names its least value.

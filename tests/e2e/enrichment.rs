@@ -288,6 +288,33 @@ async fn the_offline_catalog_enriches_with_no_key_and_no_network() {
         }
     })
     .await;
+
+    // Switched to a provider that does not find Heat by its title: that says nothing against
+    // the catalog's profile, which is kept (asked by its own id, a provider's miss would mean
+    // the film is gone from it).
+    let tmdb = TmdbServer::start(vec![films::collateral()], films::people()).await;
+    let env = tmdb_env(&tmdb);
+    reelay.restart_with(&borrowed(&env)).await;
+    let c = reelay.clients().await;
+    c.movies
+        .clone()
+        .request_enrichment(v1::RequestEnrichmentRequest {
+            actor_user_id: ana.clone(),
+            movie_id: review.movie_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    eventually("TMDB is asked", || async { tmdb.requests("/3/search/movie") >= 1 }).await;
+    eventually("the request is settled", || {
+        let db = db.clone();
+        async move { reelay_harness::unsettled(&db, false, &["movie-enrichment"]).await.is_empty() }
+    })
+    .await;
+    let kept = settled_movie(&c, &review.movie_id).await;
+    assert_eq!(kept.enrichment(), v1::EnrichmentStatus::Enriched);
+    assert_eq!(kept.profile.map(|p| p.provider), Some("catalog".to_owned()));
+    assert_eq!(events_for(&db, "MovieEnriched", &review.movie_id).await.len(), 1, "no profile taken away");
     reelay.stop().await;
 }
 
@@ -746,4 +773,28 @@ async fn a_card_is_synced_to_disk_before_its_wrap_up_completes() {
     let card = std::fs::read(dir.path().join("handlers-0/objects").join(&done.card_key)).expect("the card");
     check_card(&card, done.summary.as_ref().unwrap());
     cluster.stop().await;
+}
+
+/// A year's inputs come in one answer, which may be larger than any other call's: with calls
+/// held to 64 KiB (REELAY_GRPC_MAX_MESSAGE_BYTES), a year of 700 films (over 100 KB of inputs)
+/// still gets its wrap-up.
+#[tokio::test]
+async fn a_year_larger_than_other_calls_may_be_still_gets_its_wrap_up() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let env = [("REELAY_GRPC_MAX_MESSAGE_BYTES", "65536"), ("REELAY_MAX_EVENT_BYTES", "32768")];
+    let reelay = Reelay::start_all(BIN, &db, &env).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    let mut csv = String::from("Date,Name,Year,Letterboxd URI,Rating,Rewatch,Tags,Watched Date\n");
+    for i in 0..700 {
+        let watched = format!("2024-{:02}-{:02}", i % 12 + 1, i % 28 + 1);
+        csv += &format!("{watched},A Film Of A Long Year Number {i},2001,https://boxd.it/y{i},4,,,{watched}\n");
+    }
+    assert_eq!(c.import(&ana, csv.as_bytes()).await.unwrap().imported, 700);
+    let ask = v1::RequestWrapUpRequest { actor_user_id: ana.clone(), year: 2024, ..Default::default() };
+    let asked = c.wrap_ups.request_wrap_up(ask).await.unwrap().into_inner().wrap_up.unwrap();
+    let done = completed(&c, &asked.wrap_up_id, "the heavy year's wrap-up completes").await;
+    let summary = done.summary.unwrap();
+    assert_eq!((summary.entries, summary.films), (700, 700));
 }

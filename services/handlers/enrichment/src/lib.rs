@@ -156,20 +156,38 @@ pub struct MovieEnrichment {
 
 impl MovieEnrichment {
     /// The movie and what to look it up by; `None` when the movie no longer exists.
-    async fn query(&self, event: &v1::Event) -> Result<Option<(String, MovieQuery)>, HandlerError> {
+    async fn query(&self, event: &v1::Event) -> Result<Option<Lookup>, HandlerError> {
         let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
         match &event.payload {
-            Some(Payload::MovieDiscovered(d)) => Ok(Some((
-                d.movie_id.clone(),
-                MovieQuery { external_id: nonempty(&d.external_id), title: d.title.clone(), year: d.year },
-            ))),
+            Some(Payload::MovieDiscovered(d)) => Ok(Some(Lookup {
+                movie_id: d.movie_id.clone(),
+                query: MovieQuery { external_id: nonempty(&d.external_id), title: d.title.clone(), year: d.year },
+                keeps_profile_on_miss: false,
+            })),
             Some(Payload::EnrichmentRequested(r)) => {
                 let request = v1::GetMovieRequest { movie_id: r.movie_id.clone() };
                 match self.movies.clone().get_movie(request).await {
                     Ok(movie) => {
                         let m = movie.into_inner();
-                        let query = MovieQuery { external_id: nonempty(&m.external_id), title: m.title, year: m.year };
-                        Ok(Some((m.movie_id, query)))
+                        // A profile this provider made is looked up again by its own id: the
+                        // film retitled there is still found.
+                        let own_id = m
+                            .profile
+                            .as_ref()
+                            .filter(|p| p.provider == self.provider.name() && !p.provider_id.is_empty())
+                            .map(|p| p.provider_id.clone());
+                        Ok(Some(Lookup {
+                            // Only the provider's answer to its own id says the film is gone; a
+                            // search by title or another id that misses (another provider's
+                            // profile, a title it spells otherwise) says nothing against it.
+                            keeps_profile_on_miss: m.profile.is_some() && own_id.is_none(),
+                            movie_id: m.movie_id,
+                            query: MovieQuery {
+                                external_id: own_id.or_else(|| nonempty(&m.external_id)),
+                                title: m.title,
+                                year: m.year,
+                            },
+                        }))
                     }
                     Err(status) if status.code() == Code::NotFound => Ok(None),
                     Err(status) => Err(HandlerError::from_call("GetMovie", &status)),
@@ -178,6 +196,14 @@ impl MovieEnrichment {
             _ => Ok(None),
         }
     }
+}
+
+/// What a movie is looked up by.
+struct Lookup {
+    movie_id: String,
+    query: MovieQuery,
+    /// The movie has a profile the lookup cannot speak against: a miss keeps it.
+    keeps_profile_on_miss: bool,
 }
 
 #[async_trait::async_trait]
@@ -191,7 +217,7 @@ impl Handler for MovieEnrichment {
     }
 
     async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
-        let Some((movie_id, query)) = self.query(event).await? else { return Ok(()) };
+        let Some(Lookup { movie_id, query, keeps_profile_on_miss }) = self.query(event).await? else { return Ok(()) };
         let outcome = match self.provider.movie(&query).await.map_err(from_provider)? {
             Some(profile) => {
                 let profile = fit::profile(profile);
@@ -214,6 +240,11 @@ impl Handler for MovieEnrichment {
                     std::process::abort();
                 }
                 Outcome::Profile(profile)
+            }
+            None if keeps_profile_on_miss => {
+                tracing::info!(movie_id = %movie_id, provider = self.provider.name(), query = %query.describe(),
+                    "the provider does not find the film; the profile it has from elsewhere is kept");
+                return Ok(());
             }
             None => Outcome::NotFound(format!("{} does not know {}", self.provider.name(), query.describe())),
         };
@@ -272,8 +303,12 @@ impl Handler for PersonEnrichment {
         for answer in fetched {
             match answer {
                 Ok(person) => people.extend(person.and_then(fit::person)),
+                // A failure worth retrying decides: the retry fetches the others again too.
                 Err(error) => {
-                    failed.get_or_insert(error);
+                    let retryable = |e: &ProviderError| matches!(e, ProviderError::Retryable { .. });
+                    if failed.as_ref().is_none_or(|first| !retryable(first) && retryable(&error)) {
+                        failed = Some(error);
+                    }
                 }
             }
         }

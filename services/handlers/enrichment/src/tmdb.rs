@@ -189,6 +189,11 @@ fn best_hit(hits: &[SearchHit], title: &str, year: i32) -> Option<u64> {
 
 impl Tmdb {
     pub fn new(base: &str, auth: Auth, timeout: Duration) -> Result<Self, String> {
+        // A base no request could use is refused here, not found out by every film's retries.
+        match reqwest::Url::parse(base) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") && url.host_str().is_some() => {}
+            _ => return Err(format!("REELAY_ENRICHMENT_TMDB_URL must be an http(s) URL with a host, got {base:?}")),
+        }
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")))
@@ -286,9 +291,9 @@ impl Tmdb {
     /// The TMDB id of the film a query names.
     async fn resolve(&self, query: &MovieQuery) -> Result<Option<u64>, ProviderError> {
         match query.external_id.as_deref().and_then(|id| id.split_once(':')) {
-            Some(("tmdb", id)) => {
-                return id.parse().map(Some).map_err(|_| ProviderError::Permanent(format!("bad TMDB id {id:?}")));
-            }
+            // Not a TMDB id after all (`tmdb:tt0133093`): looked up by title, as any id TMDB
+            // cannot use.
+            Some(("tmdb", id)) if id.parse::<u64>().is_ok() => return Ok(id.parse().ok()),
             Some(("imdb", imdb)) if imdb_title_id(imdb) => {
                 let found: Option<FindResults> =
                     self.get(&format!("/find/{imdb}"), &[("external_source", "imdb_id")]).await?;

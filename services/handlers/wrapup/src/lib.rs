@@ -21,7 +21,10 @@ use tonic::Code;
 
 /// Builds `wrap-up`, storing cards in `objects`.
 pub fn build(context: &HandlerContext, objects: Objects) -> BuiltHandler {
-    let handler = WrapUp { wrap_ups: WrapUpsClient::new(context.write.clone()), objects };
+    // A heavy year's inputs come in one answer, larger than other calls'.
+    let wrap_ups =
+        WrapUpsClient::new(context.write.clone()).max_decoding_message_size(reelay_domain::WRAP_UP_INPUTS_MAX_BYTES);
+    let handler = WrapUp { wrap_ups, objects };
     BuiltHandler { handler: Arc::new(handler), grpc: None }
 }
 

@@ -79,7 +79,11 @@ pub fn mount(server: GrpcServer, store: Store, keys: ActorKeys, media_url: Optio
         .add_service(limited!(MoviesServer))
         .add_service(limited!(ReviewsServer))
         .add_service(limited!(WatchlistServer))
-        .add_service(limited!(WrapUpsServer))
+        .add_service(
+            WrapUpsServer::new(api.clone())
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit.max(reelay_domain::WRAP_UP_INPUTS_MAX_BYTES)),
+        )
         .add_service(limited!(SocialServer))
         .add_service(limited!(IntegrationsServer))
         .add_service(limited!(FederationServer))
