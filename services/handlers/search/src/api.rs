@@ -67,7 +67,9 @@ struct PageRequest {
 impl PageRequest {
     /// `scope` separates the tokens of the two methods.
     fn parse(scope: &str, query: &str, page_size: u32, page_token: &str) -> Result<Self, ServiceError> {
-        let query = validate::required_text("query", query, MAX_QUERY_CHARS)?;
+        // Pasted text brings tabs and line breaks: spaces between words, like any other.
+        let spaced: String = query.chars().map(|c| if matches!(c, '\t' | '\n' | '\r') { ' ' } else { c }).collect();
+        let query = validate::required_text("query", &spaced, MAX_QUERY_CHARS)?;
         let size = match page_size {
             0 => DEFAULT_PAGE_SIZE,
             1..=MAX_PAGE_SIZE => page_size,
@@ -214,6 +216,9 @@ mod tests {
             assert_invalid(api.search_reviews(reviews(query, page_size, page_token)).await.unwrap_err(), field);
         }
         assert!(api.search_movies(movies(&"x".repeat(MAX_QUERY_CHARS), MAX_PAGE_SIZE, "")).await.is_ok());
+        // Pasted with a tab and a line break: spaces, not refused.
+        assert!(api.search_reviews(reviews("heat\tdiner\r\nscene", 0, "")).await.is_ok());
+        assert_invalid(api.search_reviews(reviews("\t\n", 0, "")).await.unwrap_err(), "query");
 
         // A movies token is not a reviews token for the same query.
         let token = format!("20.{}", digest("movies", "heat"));

@@ -70,10 +70,10 @@ struct Inner {
     fields: Fields,
 }
 
-/// A batch's changes and where to report its commit's outcome.
+/// A batch's changes and where to report their outcome, one per change.
 struct Queued {
     changes: Vec<Change>,
-    done: tokio::sync::oneshot::Sender<Result<(), String>>,
+    done: tokio::sync::oneshot::Sender<Vec<Result<(), String>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -134,6 +134,7 @@ impl Fields {
 }
 
 /// What one event does to the index.
+#[derive(Clone)]
 struct Change {
     key: String,
     version: i64,
@@ -141,6 +142,7 @@ struct Change {
     entry: Option<Entry>,
 }
 
+#[derive(Clone)]
 enum Entry {
     Movie(v1::MovieHit),
     Review(v1::ReviewHit),
@@ -398,12 +400,15 @@ impl SearchIndex {
         let inner = Arc::clone(&self.inner);
         let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
         let written = match drained {
-            Ok(()) => committed.await.unwrap_or_else(|_| Err("the index writer stopped".to_owned())),
-            Err(error) => Err(IndexError::from(error).to_string()),
+            Ok(()) => committed.await.unwrap_or_else(|_| vec![Err("the index writer stopped".to_owned()); changed.len()]),
+            Err(error) => vec![Err(IndexError::from(error).to_string()); changed.len()],
         };
-        if let Err(error) = written {
-            tracing::warn!(events = changed.len(), %error, "search index batch failed");
-            for position in changed {
+        let failed = written.iter().filter(|w| w.is_err()).count();
+        if failed > 0 {
+            tracing::warn!(events = changed.len(), failed, "search index batch failed");
+        }
+        for (position, outcome) in changed.into_iter().zip(written) {
+            if let Err(error) = outcome {
                 results[position] = Err(HandlerError::retryable(&error));
             }
         }
@@ -498,6 +503,11 @@ fn int(doc: &TantivyDocument, field: Field) -> i32 {
 impl Inner {
     /// Takes the writer, then commits every queued batch at once and tells each the outcome.
     /// A batch that another caller's commit already took finds the queue empty.
+    ///
+    /// When that commit fails, each batch is committed alone, so one batch's fault fails no
+    /// other; and a batch that fails alone has each of its changes committed alone, so the
+    /// change at fault is the only one failed (its event retried, then dead-lettered by
+    /// itself), not every event that shared its commit.
     fn commit_queued(&self) {
         let mut writer = match self.writer.lock() {
             Ok(writer) => writer,
@@ -507,10 +517,46 @@ impl Inner {
         if queued.is_empty() {
             return;
         }
-        let (changes, waiters): (Vec<Vec<Change>>, Vec<_>) = queued.into_iter().map(|q| (q.changes, q.done)).unzip();
-        let outcome = self.write(&mut writer, changes.into_iter().flatten().collect()).map_err(|e| e.to_string());
-        for waiter in waiters {
-            let _ = waiter.send(outcome.clone());
+        let all: Vec<Change> = queued.iter().flat_map(|q| q.changes.iter().cloned()).collect();
+        let Err(error) = self.write_caught(&mut writer, all) else {
+            for q in queued {
+                let _ = q.done.send(vec![Ok(()); q.changes.len()]);
+            }
+            return;
+        };
+        // (With one batch queued, the commit that failed was that batch alone.)
+        let merged = queued.len() > 1;
+        for q in queued {
+            let n = q.changes.len();
+            let alone = if merged { self.write_caught(&mut writer, q.changes.clone()) } else { Err(error.clone()) };
+            let outcomes = match alone {
+                Ok(()) => vec![Ok(()); n],
+                Err(error) if n == 1 => vec![Err(error)],
+                Err(_) => {
+                    tracing::warn!(changes = n, "a search index batch failed; writing its changes one by one");
+                    q.changes.into_iter().map(|change| self.write_caught(&mut writer, vec![change])).collect()
+                }
+            };
+            let _ = q.done.send(outcomes);
+        }
+    }
+
+    /// [`Inner::write`], a panic in it (a document the indexing code chokes on) turned into an
+    /// error, with what it staged rolled back.
+    fn write_caught(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), String> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write(writer, changes))) {
+            Ok(written) => written.map_err(|e| e.to_string()),
+            Err(panic) => {
+                if let Err(rollback) = writer.rollback() {
+                    tracing::error!(%rollback, "search index rollback failed after a panic");
+                }
+                let reason = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(format!("indexing panicked: {reason}"))
+            }
         }
     }
 
@@ -580,6 +626,10 @@ impl Inner {
     }
 
     fn document(&self, change: &Change) -> TantivyDocument {
+        #[cfg(test)]
+        if matches!(&change.entry, Some(Entry::Review(r)) if r.body == tests::CHOKES) {
+            panic!("a document the indexing code chokes on");
+        }
         let f = &self.fields;
         let mut doc = TantivyDocument::new();
         doc.add_text(f.key, &change.key);
@@ -699,6 +749,35 @@ mod tests {
     async fn movie_ids(index: &SearchIndex, query: &str) -> Vec<String> {
         let page = index.search_movies(query, 0, 100).await.expect("search movies");
         page.hits.into_iter().map(|hit| hit.movie_id).collect()
+    }
+
+    /// A review body [`Inner::document`] panics on, in tests: an indexing fault of one event.
+    pub(super) const CHOKES: &str = "a body the indexing code chokes on";
+
+    /// An event the index cannot take fails alone: the others of its batch, and the batches that
+    /// shared its commit, are indexed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_event_the_index_cannot_take_fails_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let batch = [
+            review_logged("r1", 10, "Heat", "diner tension"),
+            review_logged("r2", 10, "Heat", CHOKES),
+            review_logged("r3", 10, "Heat", "harbour tension"),
+        ];
+        let other = review_logged("r4", 10, "Heat", "airport tension");
+        let (a, b) = {
+            let (first, second) = (index.clone(), index.clone());
+            let batch = batch.clone();
+            let one = tokio::spawn(async move { first.apply(&batch.iter().collect::<Vec<_>>()).await });
+            let two = tokio::spawn(async move { second.apply(&[&other]).await });
+            (one.await.unwrap(), two.await.unwrap())
+        };
+        assert!(a[0].is_ok() && a[2].is_ok() && b[0].is_ok(), "{a:?} {b:?}");
+        assert!(matches!(&a[1], Err(HandlerError::Retryable(e)) if e.contains("panicked")), "{:?}", a[1]);
+        let mut found = review_ids(&index, "tension").await;
+        found.sort();
+        assert_eq!(found, ["r1", "r3", "r4"]);
     }
 
     /// Batches applied at the same time share commits, and each learns its own outcome.
