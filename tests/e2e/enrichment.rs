@@ -181,6 +181,7 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
     })
     .await;
     assert_eq!(events_for(&db, "MovieEnriched", &heat).await.len(), 1);
+    assert_eq!(tmdb.requests("/3/search/movie"), 2, "asked again, Heat is looked up by its TMDB id, not its title");
 
     let forever = c.movie(&ana, "Modern Times Forever", 2011).await;
     let forever = settled_movie(&c, &forever).await;

@@ -15,8 +15,8 @@ pub use events::{EVENT_TYPES, NewEvent, RetryPolicy, retry_backoff, retry_horizo
 pub use ids::{EventId, MovieId, ReviewId, UserId, WrapUpId};
 pub use validate::ValidationError;
 
-/// The largest `WrapUps.GetWrapUpInputs` answer, in bytes: a year's every entry with its film
-/// comes in one message, so its limit is above the other calls' (`REELAY_GRPC_MAX_MESSAGE_BYTES`):
-/// a year as large as an import may make (`letterboxd::MAX_ROWS` entries, each with a film of a
-/// few hundred bytes) fits.
-pub const WRAP_UP_INPUTS_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// The largest `WrapUps.GetWrapUpInputs` answer the write service sends, in bytes, when
+/// `REELAY_GRPC_MAX_MESSAGE_BYTES` is lower: a year's every entry with its film comes in one
+/// message, about 40,000 entries of a few hundred bytes (a heavy diarist logs a thousand a
+/// year), while the write service's memory stays within its pod's.
+pub const WRAP_UP_INPUTS_MAX_BYTES: usize = 16 * 1024 * 1024;

@@ -161,6 +161,7 @@ impl MovieEnrichment {
         match &event.payload {
             Some(Payload::MovieDiscovered(d)) => Ok(Some(Lookup {
                 movie_id: d.movie_id.clone(),
+                first: None,
                 query: MovieQuery { external_id: nonempty(&d.external_id), title: d.title.clone(), year: d.year },
                 keeps_profile_on_miss: false,
             })),
@@ -169,24 +170,26 @@ impl MovieEnrichment {
                 match self.movies.clone().get_movie(request).await {
                     Ok(movie) => {
                         let m = movie.into_inner();
-                        // A profile this provider made is looked up again by its own id: the
+                        // A film without an id of its own is looked up again by the id of the
+                        // profile this provider made (then by title, should that miss): the
                         // film retitled there is still found.
                         let own_id = m
                             .profile
                             .as_ref()
                             .filter(|p| p.provider == self.provider.name() && !p.provider_id.is_empty())
                             .map(|p| p.provider_id.clone());
+                        // Only the provider's answer to its own id says the film is gone; a
+                        // search by title or another id that misses (another provider's
+                        // profile, a title it spells otherwise) says nothing against it.
+                        let by_own_id =
+                            own_id.as_ref().is_some_and(|id| m.external_id.is_empty() || m.external_id == *id);
+                        let first = own_id.filter(|_| m.external_id.is_empty());
+                        let query = MovieQuery { external_id: nonempty(&m.external_id), title: m.title, year: m.year };
                         Ok(Some(Lookup {
-                            // Only the provider's answer to its own id says the film is gone; a
-                            // search by title or another id that misses (another provider's
-                            // profile, a title it spells otherwise) says nothing against it.
-                            keeps_profile_on_miss: m.profile.is_some() && own_id.is_none(),
+                            keeps_profile_on_miss: m.profile.is_some() && !by_own_id,
                             movie_id: m.movie_id,
-                            query: MovieQuery {
-                                external_id: own_id.or_else(|| nonempty(&m.external_id)),
-                                title: m.title,
-                                year: m.year,
-                            },
+                            first: first.map(|id| MovieQuery { external_id: Some(id), ..query.clone() }),
+                            query,
                         }))
                     }
                     Err(status) if status.code() == Code::NotFound => Ok(None),
@@ -201,6 +204,8 @@ impl MovieEnrichment {
 /// What a movie is looked up by.
 struct Lookup {
     movie_id: String,
+    /// Asked first, when set: the id of the profile this provider made.
+    first: Option<MovieQuery>,
     query: MovieQuery,
     /// The movie has a profile the lookup cannot speak against: a miss keeps it.
     keeps_profile_on_miss: bool,
@@ -217,8 +222,18 @@ impl Handler for MovieEnrichment {
     }
 
     async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
-        let Some(Lookup { movie_id, query, keeps_profile_on_miss }) = self.query(event).await? else { return Ok(()) };
-        let outcome = match self.provider.movie(&query).await.map_err(from_provider)? {
+        let Some(Lookup { movie_id, first, query, keeps_profile_on_miss }) = self.query(event).await? else {
+            return Ok(());
+        };
+        let found = match &first {
+            Some(first) => self.provider.movie(first).await.map_err(from_provider)?,
+            None => None,
+        };
+        let found = match found {
+            Some(profile) => Some(profile),
+            None => self.provider.movie(&query).await.map_err(from_provider)?,
+        };
+        let outcome = match found {
             Some(profile) => {
                 let profile = fit::profile(profile);
                 // People first: the profile, written last, is what marks the film enriched.

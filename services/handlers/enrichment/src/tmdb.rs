@@ -190,16 +190,27 @@ fn best_hit(hits: &[SearchHit], title: &str, year: i32) -> Option<u64> {
 impl Tmdb {
     pub fn new(base: &str, auth: Auth, timeout: Duration) -> Result<Self, String> {
         // A base no request could use is refused here, not found out by every film's retries.
-        match reqwest::Url::parse(base) {
-            Ok(url) if matches!(url.scheme(), "http" | "https") && url.host_str().is_some() => {}
-            _ => return Err(format!("REELAY_ENRICHMENT_TMDB_URL must be an http(s) URL with a host, got {base:?}")),
-        }
+        let base = match reqwest::Url::parse(base.trim()) {
+            Ok(url)
+                if matches!(url.scheme(), "http" | "https")
+                    && url.host_str().is_some()
+                    && url.query().is_none()
+                    && url.fragment().is_none() =>
+            {
+                url
+            }
+            _ => {
+                return Err(format!(
+                    "REELAY_ENRICHMENT_TMDB_URL must be an http(s) URL with a host and no query, got {base:?}"
+                ));
+            }
+        };
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| format!("cannot build the TMDB client: {e}"))?;
-        Ok(Self { http, base: base.trim_end_matches('/').to_owned(), auth, poster_base: OnceCell::new() })
+        Ok(Self { http, base: base.as_str().trim_end_matches('/').to_owned(), auth, poster_base: OnceCell::new() })
     }
 
     /// GETs `path` (with `query`), decoding a 2xx body; `None` on 404. A 429 is retried after

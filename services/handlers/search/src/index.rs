@@ -60,6 +60,8 @@ pub struct SearchIndex {
 const COMMIT_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
 
 struct Inner {
+    /// To make the writer anew when a rollback could not (it gave the old one up).
+    index: Index,
     reader: IndexReader,
     /// Tantivy allows one writer per index; the mutex also makes each batch's read-check-write
     /// of versions atomic with respect to other batches.
@@ -68,6 +70,17 @@ struct Inner {
     /// in one commit (a commit fsyncs several files, so it is the cost worth sharing).
     queue: Mutex<Vec<Queued>>,
     fields: Fields,
+}
+
+/// The index's one writer.
+fn new_writer(index: &Index) -> tantivy::Result<IndexWriter> {
+    index.writer_with_options(
+        IndexWriterOptions::builder()
+            .memory_budget_per_thread(WRITER_MEMORY_BYTES)
+            .num_worker_threads(1)
+            .num_merge_threads(1)
+            .build(),
+    )
 }
 
 /// A batch's changes and where to report their outcome, one per change.
@@ -134,7 +147,6 @@ impl Fields {
 }
 
 /// What one event does to the index.
-#[derive(Clone)]
 struct Change {
     key: String,
     version: i64,
@@ -142,7 +154,6 @@ struct Change {
     entry: Option<Entry>,
 }
 
-#[derive(Clone)]
 enum Entry {
     Movie(v1::MovieHit),
     Review(v1::ReviewHit),
@@ -347,17 +358,11 @@ impl SearchIndex {
         // Before the writer exists: its segments take the text fields' analyzer from here.
         index.tokenizers().register(crate::words::ANALYZER, crate::words::Words::default());
         let fields = Fields::of(&index.schema())?;
-        let writer = index.writer_with_options(
-            IndexWriterOptions::builder()
-                .memory_budget_per_thread(WRITER_MEMORY_BYTES)
-                .num_worker_threads(1)
-                .num_merge_threads(1)
-                .build(),
-        )?;
+        let writer = new_writer(&index)?;
         // Only our own commits change the index, and each one reloads explicitly.
         let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
         Ok(Self {
-            inner: Arc::new(Inner { reader, writer: Mutex::new(writer), queue: Mutex::new(Vec::new()), fields }),
+            inner: Arc::new(Inner { index, reader, writer: Mutex::new(writer), queue: Mutex::new(Vec::new()), fields }),
         })
     }
 
@@ -400,7 +405,9 @@ impl SearchIndex {
         let inner = Arc::clone(&self.inner);
         let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
         let written = match drained {
-            Ok(()) => committed.await.unwrap_or_else(|_| vec![Err("the index writer stopped".to_owned()); changed.len()]),
+            Ok(()) => {
+                committed.await.unwrap_or_else(|_| vec![Err("the index writer stopped".to_owned()); changed.len()])
+            }
             Err(error) => vec![Err(IndexError::from(error).to_string()); changed.len()],
         };
         let failed = written.iter().filter(|w| w.is_err()).count();
@@ -501,13 +508,9 @@ fn int(doc: &TantivyDocument, field: Field) -> i32 {
 }
 
 impl Inner {
-    /// Takes the writer, then commits every queued batch at once and tells each the outcome.
-    /// A batch that another caller's commit already took finds the queue empty.
-    ///
-    /// When that commit fails, each batch is committed alone, so one batch's fault fails no
-    /// other; and a batch that fails alone has each of its changes committed alone, so the
-    /// change at fault is the only one failed (its event retried, then dead-lettered by
-    /// itself), not every event that shared its commit.
+    /// Takes the writer, then commits every queued batch at once and tells each the outcome of
+    /// each of its changes. A batch that another caller's commit already took finds the queue
+    /// empty.
     fn commit_queued(&self) {
         let mut writer = match self.writer.lock() {
             Ok(writer) => writer,
@@ -517,73 +520,63 @@ impl Inner {
         if queued.is_empty() {
             return;
         }
-        let all: Vec<Change> = queued.iter().flat_map(|q| q.changes.iter().cloned()).collect();
-        let Err(error) = self.write_caught(&mut writer, all) else {
-            for q in queued {
-                let _ = q.done.send(vec![Ok(()); q.changes.len()]);
-            }
-            return;
-        };
-        // (With one batch queued, the commit that failed was that batch alone.)
-        let merged = queued.len() > 1;
-        for q in queued {
-            let n = q.changes.len();
-            let alone = if merged { self.write_caught(&mut writer, q.changes.clone()) } else { Err(error.clone()) };
-            let outcomes = match alone {
-                Ok(()) => vec![Ok(()); n],
-                Err(error) if n == 1 => vec![Err(error)],
-                Err(_) => {
-                    tracing::warn!(changes = n, "a search index batch failed; writing its changes one by one");
-                    q.changes.into_iter().map(|change| self.write_caught(&mut writer, vec![change])).collect()
-                }
-            };
-            let _ = q.done.send(outcomes);
+        let (changes, waiters): (Vec<Vec<Change>>, Vec<_>) = queued.into_iter().map(|q| (q.changes, q.done)).unzip();
+        let counts: Vec<usize> = changes.iter().map(Vec::len).collect();
+        let mut outcomes = match self.write(&mut writer, changes.into_iter().flatten().collect()) {
+            Ok(outcomes) => outcomes,
+            Err(error) => vec![Err(error.to_string()); counts.iter().sum()],
+        }
+        .into_iter();
+        for (waiter, count) in waiters.into_iter().zip(counts) {
+            let _ = waiter.send(outcomes.by_ref().take(count).collect());
         }
     }
 
-    /// [`Inner::write`], a panic in it (a document the indexing code chokes on) turned into an
-    /// error, with what it staged rolled back.
-    fn write_caught(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), String> {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write(writer, changes))) {
-            Ok(written) => written.map_err(|e| e.to_string()),
-            Err(panic) => {
-                if let Err(rollback) = writer.rollback() {
-                    tracing::error!(%rollback, "search index rollback failed after a panic");
-                }
-                let reason = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                Err(format!("indexing panicked: {reason}"))
-            }
-        }
-    }
-
-    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), IndexError> {
+    /// Stages and commits `changes`; the outcome of each (a change whose document could not be
+    /// made fails alone, and the others are committed), or the commit's error.
+    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<Vec<Result<(), String>>, IndexError> {
         if self.writer.is_poisoned() {
             // A batch panicked half-staged: drop what it staged before staging anew.
-            writer.rollback()?;
+            self.roll_back(writer);
             self.writer.clear_poison();
         }
         let staged = self.stage(writer, changes);
-        let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
-        if let Err(error) = committed {
-            if let Err(rollback) = writer.rollback() {
-                tracing::error!(%rollback, "search index rollback failed after a failed batch");
+        let committed = staged.and_then(
+            |(written, outcomes)| {
+                if written > 0 { writer.commit().map(|_| outcomes) } else { Ok(outcomes) }
+            },
+        );
+        let outcomes = match committed {
+            Ok(outcomes) => outcomes,
+            Err(error) => {
+                self.roll_back(writer);
+                return Err(error.into());
             }
-            return Err(error.into());
-        }
+        };
         // Still under the lock, so the next batch checks versions against this one.
         self.reader.reload()?;
-        Ok(())
+        Ok(outcomes)
     }
 
-    /// Stages the changes newer than what is indexed; returns how many it staged.
-    fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<usize> {
+    /// Drops what the writer staged. Should the rollback fail, it has given its writer up: a
+    /// new one is made, so the batches after this one can still be written.
+    fn roll_back(&self, writer: &mut IndexWriter) {
+        let Err(rollback) = writer.rollback() else { return };
+        tracing::error!(%rollback, "search index rollback failed; making a new writer");
+        match new_writer(&self.index) {
+            Ok(fresh) => *writer = fresh,
+            Err(error) => tracing::error!(%error, "search index: no new writer either; every batch will fail"),
+        }
+    }
+
+    /// Stages the changes newer than what is indexed; returns how many it staged, and the
+    /// outcome of each change: a change whose document cannot be made (the code that makes it
+    /// panics on it) fails alone and is not staged.
+    fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<(usize, Vec<Result<(), String>>)> {
         let searcher = self.reader.searcher();
         // Changes staged by this batch are not visible to the searcher yet.
         let mut staged: HashMap<String, Stamp> = HashMap::new();
+        let mut outcomes = Vec::with_capacity(changes.len());
         for change in changes {
             let current = match staged.get(&change.key) {
                 Some(stamp) => Some(*stamp),
@@ -592,14 +585,29 @@ impl Inner {
             let stamp = change.stamp();
             if let Some(current) = current.filter(|current| stamp <= *current) {
                 tracing::debug!(key = %change.key, version = stamp.version, indexed_version = current.version, indexed_deleted = current.deleted, "skipped a change not newer than the indexed document");
+                outcomes.push(Ok(()));
                 continue;
             }
+            let document = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.document(&change))) {
+                Ok(document) => document,
+                Err(panic) => {
+                    let reason = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(key = %change.key, %reason, "a search document could not be made; its event fails alone");
+                    outcomes.push(Err(format!("indexing {} panicked: {reason}", change.key)));
+                    continue;
+                }
+            };
             writer.delete_term(Term::from_field_text(self.fields.key, &change.key));
-            writer.add_document(self.document(&change))?;
+            writer.add_document(document)?;
             staged.insert(change.key, stamp);
+            outcomes.push(Ok(()));
         }
         tracing::debug!(staged = staged.len(), "staged search index changes");
-        Ok(staged.len())
+        Ok((staged.len(), outcomes))
     }
 
     /// The document under `key`, tombstones included.
