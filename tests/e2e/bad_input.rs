@@ -770,36 +770,35 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no other server can reach") && stderr.contains("REELAY_PUBLIC_URL"), "{stderr}");
 
+    // A write service started with `setting`: refused with exit code 2 and nothing created;
+    // what it said.
+    let refused = |setting: &str, value: &str| {
+        let out = std::process::Command::new(BIN)
+            .args(["run", "--service", "write", "--dev"])
+            .env("REELAY_DATABASE", dir.path().join("r.db"))
+            .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
+            .env(setting, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{setting}={value}: {stderr}");
+        assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
+        stderr
+    };
+
     // An event limit no claim answer could carry is refused at start-up too.
-    let out = std::process::Command::new(BIN)
-        .args(["run", "--service", "write", "--dev"])
-        .env("REELAY_DATABASE", dir.path().join("r.db"))
-        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .env("REELAY_MAX_EVENT_BYTES", "5000000")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = refused("REELAY_MAX_EVENT_BYTES", "5000000");
     assert!(stderr.contains("REELAY_MAX_EVENT_BYTES") && stderr.contains("REELAY_GRPC_MAX_MESSAGE_BYTES"), "{stderr}");
 
     // And a time for servers to turn unavailable shorter than a gap between two retries, which
     // would start every server's count over at each retry.
-    let out = std::process::Command::new(BIN)
-        .args(["run", "--service", "write", "--dev"])
-        .env("REELAY_DATABASE", dir.path().join("r.db"))
-        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .env("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "60")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = refused("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "60");
     assert!(
         stderr.contains("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (60)")
             && stderr.contains("REELAY_RETRY_CAP_MS (300000 ms)")
             && stderr.contains("REELAY_FEDERATION_TIMEOUT_MS (10000 ms)"),
         "{stderr}"
     );
-    assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
 
     // And a TMDB URL no request could use (every film's enrichment would be retried for ever).
     let port = || format!("127.0.0.1:{}", reelay_harness::free_port());
@@ -844,18 +843,9 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
         ("REELAY_FEDERATION_TIMEOUT_MS", "0", "100"),
         ("REELAY_ENRICHMENT_TIMEOUT_MS", "0", "100"),
     ] {
-        let out = std::process::Command::new(BIN)
-            .args(["run", "--service", "write", "--dev"])
-            .env("REELAY_DATABASE", dir.path().join("r.db"))
-            .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-            .env(setting, value)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(2), "{setting}={value}");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stderr = refused(setting, value);
         let flag = setting.trim_start_matches("REELAY_").to_lowercase().replace('_', "-");
         assert!(stderr.contains(&flag) && stderr.contains(least), "{setting}={value}: {stderr}");
-        assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
     }
 }
 
