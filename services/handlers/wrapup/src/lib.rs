@@ -28,9 +28,15 @@ pub fn build(context: &HandlerContext, objects: Objects) -> BuiltHandler {
     BuiltHandler { handler: Arc::new(handler), grpc: None }
 }
 
-/// Where a wrap-up's card is stored.
-pub fn card_key(wrap_up_id: &str) -> String {
-    format!("wrapups/{wrap_up_id}/card.svg")
+/// Where a wrap-up's card drawn from the inputs of digest `inputs_digest` is stored: two runs
+/// of one wrap-up on different inputs (the diary changed between them) write two cards, and the
+/// one that completes the wrap-up names its own, never the other's.
+pub fn card_key(wrap_up_id: &str, inputs_digest: &str) -> String {
+    match inputs_digest.get(..16) {
+        Some(digest) => format!("wrapups/{wrap_up_id}/card-{digest}.svg"),
+        // From a write service that gives no digest.
+        None => format!("wrapups/{wrap_up_id}/card.svg"),
+    }
 }
 
 pub struct WrapUp {
@@ -61,7 +67,7 @@ impl Handler for WrapUp {
             return Ok(());
         }
         let summary = figures::summarize(&inputs.entries);
-        let key = card_key(&wrap_up.wrap_up_id);
+        let key = card_key(&wrap_up.wrap_up_id, &inputs.inputs_digest);
         let svg = card::render(wrap_up.year, &summary);
         self.objects
             .put(&key, Bytes::from(svg))
