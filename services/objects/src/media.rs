@@ -1,8 +1,8 @@
 //! The media route: `GET /media/<key>` serves a stored object with the content type its
 //! extension says, an `ETag` and `Last-Modified`, and caching for an hour, after which a client
 //! asks again with `If-None-Match` (answered 304 while unchanged). Not longer: a key's object
-//! can change (a movie's new poster is stored under the same keys, a wrap-up's card is made
-//! again), and a year-long `immutable` kept the old one in browsers and CDNs.
+//! can change (a movie's new poster is stored under the same keys), and a year-long
+//! `immutable` kept the old one in browsers and CDNs.
 
 use axum::Router;
 use axum::extract::{Path, State};

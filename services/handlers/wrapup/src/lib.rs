@@ -21,9 +21,10 @@ use tonic::Code;
 
 /// Builds `wrap-up`, storing cards in `objects`.
 pub fn build(context: &HandlerContext, objects: Objects) -> BuiltHandler {
-    // A heavy year's inputs come in one answer, larger than other calls'.
-    let wrap_ups =
-        WrapUpsClient::new(context.write.clone()).max_decoding_message_size(reelay_domain::WRAP_UP_INPUTS_MAX_BYTES);
+    // A heavy year's inputs come in one answer, larger than other calls' may be: the write
+    // service bounds it (the larger of its REELAY_GRPC_MAX_MESSAGE_BYTES and
+    // WRAP_UP_INPUTS_MAX_BYTES), which this process's setting need not match.
+    let wrap_ups = WrapUpsClient::new(context.write.clone()).max_decoding_message_size(usize::MAX);
     let handler = WrapUp { wrap_ups, objects };
     BuiltHandler { handler: Arc::new(handler), grpc: None }
 }
