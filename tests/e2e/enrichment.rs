@@ -316,6 +316,15 @@ async fn the_offline_catalog_enriches_with_no_key_and_no_network() {
     assert_eq!(kept.enrichment(), v1::EnrichmentStatus::Enriched);
     assert_eq!(kept.profile.map(|p| p.provider), Some("catalog".to_owned()));
     assert_eq!(events_for(&db, "MovieEnriched", &review.movie_id).await.len(), 1, "no profile taken away");
+    // Nor does a MovieDiscovered of Heat delivered again now: it looks at the film as it is.
+    let mut settings = reelay_handlers::HandlerSettings::default();
+    settings.enrichment.provider = reelay_enrichment::ProviderKind::Tmdb;
+    settings.enrichment.tmdb_url = tmdb.url();
+    settings.enrichment.tmdb_api_key = Some(TMDB_API_KEY.into());
+    let discovered = events_for(&db, "MovieDiscovered", &review.movie_id).await.remove(0);
+    handler_here("movie-enrichment", &reelay, settings).await.handle(&discovered).await.unwrap();
+    let kept = settled_movie(&c, &review.movie_id).await;
+    assert_eq!(kept.profile.map(|p| p.provider), Some("catalog".to_owned()));
     reelay.stop().await;
 }
 

@@ -158,45 +158,40 @@ impl MovieEnrichment {
     /// The movie and what to look it up by; `None` when the movie no longer exists.
     async fn query(&self, event: &v1::Event) -> Result<Option<Lookup>, HandlerError> {
         let nonempty = |s: &str| (!s.is_empty()).then(|| s.to_owned());
-        match &event.payload {
-            Some(Payload::MovieDiscovered(d)) => Ok(Some(Lookup {
-                movie_id: d.movie_id.clone(),
-                first: None,
-                query: MovieQuery { external_id: nonempty(&d.external_id), title: d.title.clone(), year: d.year },
-                keeps_profile_on_miss: false,
-            })),
-            Some(Payload::EnrichmentRequested(r)) => {
-                let request = v1::GetMovieRequest { movie_id: r.movie_id.clone() };
-                match self.movies.clone().get_movie(request).await {
-                    Ok(movie) => {
-                        let m = movie.into_inner();
-                        // A film without an id of its own is looked up again by the id of the
-                        // profile this provider made (then by title, should that miss): the
-                        // film retitled there is still found.
-                        let own_id = m
-                            .profile
-                            .as_ref()
-                            .filter(|p| p.provider == self.provider.name() && !p.provider_id.is_empty())
-                            .map(|p| p.provider_id.clone());
-                        // Only the provider's answer to its own id says the film is gone; a
-                        // search by title or another id that misses (another provider's
-                        // profile, a title it spells otherwise) says nothing against it.
-                        let by_own_id =
-                            own_id.as_ref().is_some_and(|id| m.external_id.is_empty() || m.external_id == *id);
-                        let first = own_id.filter(|_| m.external_id.is_empty());
-                        let query = MovieQuery { external_id: nonempty(&m.external_id), title: m.title, year: m.year };
-                        Ok(Some(Lookup {
-                            keeps_profile_on_miss: m.profile.is_some() && !by_own_id,
-                            movie_id: m.movie_id,
-                            first: first.map(|id| MovieQuery { external_id: Some(id), ..query.clone() }),
-                            query,
-                        }))
-                    }
-                    Err(status) if status.code() == Code::NotFound => Ok(None),
-                    Err(status) => Err(HandlerError::from_call("GetMovie", &status)),
-                }
+        // The movie as it is now, not as the event saw it: a redelivered MovieDiscovered may
+        // find it profiled by then.
+        let movie_id = match &event.payload {
+            Some(Payload::MovieDiscovered(d)) => &d.movie_id,
+            Some(Payload::EnrichmentRequested(r)) => &r.movie_id,
+            _ => return Ok(None),
+        };
+        let request = v1::GetMovieRequest { movie_id: movie_id.clone() };
+        match self.movies.clone().get_movie(request).await {
+            Ok(movie) => {
+                let m = movie.into_inner();
+                // A film without an id of its own is looked up again by the id of the
+                // profile this provider made (then by title, should that miss): the
+                // film retitled there is still found.
+                let own_id = m
+                    .profile
+                    .as_ref()
+                    .filter(|p| p.provider == self.provider.name() && !p.provider_id.is_empty())
+                    .map(|p| p.provider_id.clone());
+                // Only the provider's answer to its own id says the film is gone; a
+                // search by title or another id that misses (another provider's
+                // profile, a title it spells otherwise) says nothing against it.
+                let by_own_id = own_id.as_ref().is_some_and(|id| m.external_id.is_empty() || m.external_id == *id);
+                let first = own_id.filter(|_| m.external_id.is_empty());
+                let query = MovieQuery { external_id: nonempty(&m.external_id), title: m.title, year: m.year };
+                Ok(Some(Lookup {
+                    keeps_profile_on_miss: m.profile.is_some() && !by_own_id,
+                    movie_id: m.movie_id,
+                    first: first.map(|id| MovieQuery { external_id: Some(id), ..query.clone() }),
+                    query,
+                }))
             }
-            _ => Ok(None),
+            Err(status) if status.code() == Code::NotFound => Ok(None),
+            Err(status) => Err(HandlerError::from_call("GetMovie", &status)),
         }
     }
 }
