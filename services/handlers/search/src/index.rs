@@ -85,10 +85,10 @@ fn new_writer(index: &Index) -> tantivy::Result<IndexWriter> {
     )
 }
 
-/// A batch's changes and where to report their outcome, one per change.
+/// A batch's changes and where to report its commit's outcome.
 struct Queued {
     changes: Vec<Change>,
-    done: tokio::sync::oneshot::Sender<Vec<Result<(), String>>>,
+    done: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 #[derive(Clone, Copy)]
@@ -414,17 +414,12 @@ impl SearchIndex {
         let inner = Arc::clone(&self.inner);
         let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
         let written = match drained {
-            Ok(()) => {
-                committed.await.unwrap_or_else(|_| vec![Err("the index writer stopped".to_owned()); changed.len()])
-            }
-            Err(error) => vec![Err(IndexError::from(error).to_string()); changed.len()],
+            Ok(()) => committed.await.unwrap_or_else(|_| Err("the index writer stopped".to_owned())),
+            Err(error) => Err(IndexError::from(error).to_string()),
         };
-        let failed = written.iter().filter(|w| w.is_err()).count();
-        if failed > 0 {
-            tracing::warn!(events = changed.len(), failed, "search index batch failed");
-        }
-        for (position, outcome) in changed.into_iter().zip(written) {
-            if let Err(error) = outcome {
+        if let Err(error) = written {
+            tracing::warn!(events = changed.len(), %error, "search index batch failed");
+            for position in changed {
                 results[position] = Err(HandlerError::retryable(&error));
             }
         }
@@ -517,9 +512,8 @@ fn int(doc: &TantivyDocument, field: Field) -> i32 {
 }
 
 impl Inner {
-    /// Takes the writer, then commits every queued batch at once and tells each the outcome of
-    /// each of its changes. A batch that another caller's commit already took finds the queue
-    /// empty.
+    /// Takes the writer, then commits every queued batch at once and tells each the outcome.
+    /// A batch that another caller's commit already took finds the queue empty.
     fn commit_queued(&self) {
         let mut writer = match self.writer.lock() {
             Ok(writer) => writer,
@@ -530,20 +524,13 @@ impl Inner {
             return;
         }
         let (changes, waiters): (Vec<Vec<Change>>, Vec<_>) = queued.into_iter().map(|q| (q.changes, q.done)).unzip();
-        let counts: Vec<usize> = changes.iter().map(Vec::len).collect();
-        let mut outcomes = match self.write(&mut writer, changes.into_iter().flatten().collect()) {
-            Ok(outcomes) => outcomes,
-            Err(error) => vec![Err(error.to_string()); counts.iter().sum()],
-        }
-        .into_iter();
-        for (waiter, count) in waiters.into_iter().zip(counts) {
-            let _ = waiter.send(outcomes.by_ref().take(count).collect());
+        let outcome = self.write(&mut writer, changes.into_iter().flatten().collect()).map_err(|e| e.to_string());
+        for waiter in waiters {
+            let _ = waiter.send(outcome.clone());
         }
     }
 
-    /// Stages and commits `changes`; the outcome of each (a change whose document could not be
-    /// made fails alone, and the others are committed), or the commit's error.
-    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<Vec<Result<(), String>>, IndexError> {
+    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), IndexError> {
         if self.writer_lost.load(std::sync::atomic::Ordering::SeqCst) {
             *writer = new_writer(&self.index)?;
             self.writer_lost.store(false, std::sync::atomic::Ordering::SeqCst);
@@ -559,21 +546,14 @@ impl Inner {
             )));
         }
         let staged = self.stage(writer, changes);
-        let committed = staged.and_then(
-            |(written, outcomes)| {
-                if written > 0 { writer.commit().map(|_| outcomes) } else { Ok(outcomes) }
-            },
-        );
-        let outcomes = match committed {
-            Ok(outcomes) => outcomes,
-            Err(error) => {
-                self.roll_back(writer);
-                return Err(error.into());
-            }
-        };
+        let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
+        if let Err(error) = committed {
+            self.roll_back(writer);
+            return Err(error.into());
+        }
         // Still under the lock, so the next batch checks versions against this one.
         self.reader.reload()?;
-        Ok(outcomes)
+        Ok(())
     }
 
     /// Drops what the writer staged. Should the rollback fail, it has given its writer up: a
@@ -590,14 +570,11 @@ impl Inner {
         }
     }
 
-    /// Stages the changes newer than what is indexed; returns how many it staged, and the
-    /// outcome of each change: a change whose document cannot be made (the code that makes it
-    /// panics on it) fails alone and is not staged.
-    fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<(usize, Vec<Result<(), String>>)> {
+    /// Stages the changes newer than what is indexed; returns how many it staged.
+    fn stage(&self, writer: &IndexWriter, changes: Vec<Change>) -> tantivy::Result<usize> {
         let searcher = self.reader.searcher();
         // Changes staged by this batch are not visible to the searcher yet.
         let mut staged: HashMap<String, Stamp> = HashMap::new();
-        let mut outcomes = Vec::with_capacity(changes.len());
         for change in changes {
             let current = match staged.get(&change.key) {
                 Some(stamp) => Some(*stamp),
@@ -606,29 +583,14 @@ impl Inner {
             let stamp = change.stamp();
             if let Some(current) = current.filter(|current| stamp <= *current) {
                 tracing::debug!(key = %change.key, version = stamp.version, indexed_version = current.version, indexed_deleted = current.deleted, "skipped a change not newer than the indexed document");
-                outcomes.push(Ok(()));
                 continue;
             }
-            let document = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.document(&change))) {
-                Ok(document) => document,
-                Err(panic) => {
-                    let reason = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    tracing::error!(key = %change.key, %reason, "a search document could not be made; its event fails alone");
-                    outcomes.push(Err(format!("indexing {} panicked: {reason}", change.key)));
-                    continue;
-                }
-            };
             writer.delete_term(Term::from_field_text(self.fields.key, &change.key));
-            writer.add_document(document)?;
+            writer.add_document(self.document(&change))?;
             staged.insert(change.key, stamp);
-            outcomes.push(Ok(()));
         }
         tracing::debug!(staged = staged.len(), "staged search index changes");
-        Ok((staged.len(), outcomes))
+        Ok(staged.len())
     }
 
     /// The document under `key`, tombstones included.
