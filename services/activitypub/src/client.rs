@@ -105,10 +105,7 @@ impl Outgoing {
         if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
             return Err(FetchError::Url(url.to_owned()));
         }
-        let host = match parsed.port() {
-            Some(port) => format!("{}:{port}", parsed.host_str().unwrap_or_default()),
-            None => parsed.host_str().unwrap_or_default().to_owned(),
-        };
+        let host = crate::documents::host_port(&parsed);
         let mut path = parsed.path().to_owned();
         if let Some(query) = parsed.query() {
             path = format!("{path}?{query}");

@@ -47,11 +47,17 @@ pub fn same_origin(a: &str, b: &str) -> bool {
 /// URL with a host.
 pub fn server_of(url: &str) -> Option<String> {
     let url = url::Url::parse(url).ok()?;
-    let host = url.host_str()?;
-    Some(match url.port() {
+    url.host_str().is_some().then(|| host_port(&url))
+}
+
+/// A parsed URL's host, with its port when it is not the scheme's default (empty without a
+/// host): the `Host` header a request to it carries.
+pub fn host_port(url: &url::Url) -> String {
+    let host = url.host_str().unwrap_or_default();
+    match url.port() {
         Some(port) => format!("{host}:{port}"),
         None => host.to_owned(),
-    })
+    }
 }
 
 /// The id of an ActivityPub reference: the string itself, or an embedded object's `id`.

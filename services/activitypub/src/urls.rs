@@ -27,10 +27,7 @@ impl Urls {
         if url.path() != "/" || url.query().is_some() {
             return Err(format!("REELAY_PUBLIC_URL {public_url:?} must be an origin, without a path"));
         }
-        let host = match url.port() {
-            Some(port) => format!("{}:{port}", url.host_str().unwrap_or_default()),
-            None => url.host_str().unwrap_or_default().to_owned(),
-        };
+        let host = crate::documents::host_port(&url);
         let default_port = if url.scheme() == "https" { ":443" } else { ":80" };
         // The parsed form, not the text typed: the host in lower case (and punycode), the
         // scheme's default port left out, as peers write our ids back.

@@ -248,11 +248,11 @@ impl Gateway {
         let text = |field: &str| activity.get(field).and_then(id_of);
         let actor = text("actor").filter(|actor| {
             same(actor, gone)
-                && same(key_id.split('#').next().unwrap_or(key_id), gone)
+                && same(crate::remote_keys::key_document(key_id), gone)
                 && text("object").is_some_and(|object| same(object, actor))
         });
         let id = text("id")
-            .filter(|id| actor.is_some_and(|a| id.starts_with(&format!("{a}#")) || id.starts_with(&format!("{a}/"))));
+            .filter(|id| actor.is_some_and(|a| id.strip_prefix(a).is_some_and(|rest| rest.starts_with(['#', '/']))));
         let (Some(actor), Some(id), Some("Delete")) = (actor, id, activity.get("type").and_then(Value::as_str)) else {
             return refuse(refused.0, refused.1);
         };

@@ -212,7 +212,7 @@ impl RemoteKeys {
 
     async fn fetch(&self, key_id: &str) -> Result<RemoteActor, KeyFetchError> {
         bounded("key id", key_id)?;
-        let document_url = key_id.split('#').next().unwrap_or(key_id);
+        let document_url = key_document(key_id);
         let document = self.fetch_document(document_url).await?;
         let (actor, key) = if document.get("publicKeyPem").is_some() {
             // The key itself: its owner is the actor, which must publish it too (else any key
@@ -268,6 +268,11 @@ fn bounded<'a>(what: &str, uri: &'a str) -> Result<&'a str, KeyFetchError> {
 
 fn invalid(reason: impl Into<String>) -> KeyFetchError {
     KeyFetchError::Invalid(reason.into())
+}
+
+/// The document a key id names: the id without its fragment (`…/users/a#main-key`).
+pub(crate) fn key_document(key_id: &str) -> &str {
+    key_id.split_once('#').map_or(key_id, |(document, _)| document)
 }
 
 #[cfg(test)]

@@ -528,7 +528,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         let store = reelay_write::Store::new(database.clone()).with_server_policy(server_policy);
         let keys = reelay_write::ActorKeys::new(store.clone());
         tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));
-        reelay_write::sample_status(database.clone(), policy.bus, server_policy.unavailable_after.is_some());
+        reelay_write::sample_status(database.clone(), policy.bus, server_policy.leaves_out());
         let write_ready = &ready[&Service::Write];
         let server = GrpcServer::new(grpc).readiness(Service::Write.as_str(), write_ready);
         let server = reelay_write::mount(server, store, keys, Some(media_url));

@@ -87,7 +87,7 @@ pub fn mount_internal(
         db,
         bus: policy.bus,
         lease: policy.ledger.lease.max(policy.deliveries.lease),
-        leaves_servers_out: servers.unavailable_after.is_some(),
+        leaves_servers_out: servers.leaves_out(),
     };
     server
         .add_service(OutboxServer::new(outbox).max_decoding_message_size(limit).max_encoding_message_size(limit))

@@ -36,7 +36,8 @@ async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<b
     if inserted > 0
         && let Some(server) = server_of(activity)
     {
-        // The server it came from (the gateway took it only from a signer there) is up.
+        // The server it came from is up: the gateway took it signed by an actor there, or
+        // fetched the 410 of a gone actor there itself.
         server_answered(tx.conn(), &server).await?;
     }
     Ok(inserted > 0)
@@ -49,6 +50,14 @@ pub struct ServerPolicy {
     pub unavailable_after: Option<Duration>,
     /// How often a fan-out lets one delivery through to an unavailable server, as a probe.
     pub probe_every: Duration,
+}
+
+impl ServerPolicy {
+    /// Whether unavailable servers are left out at all (the setting not 0): with it off, none
+    /// is, whatever was recorded before.
+    pub fn leaves_out(&self) -> bool {
+        self.unavailable_after.is_some()
+    }
 }
 
 impl Default for ServerPolicy {
@@ -454,11 +463,13 @@ impl Store {
                 for row in &follows {
                     events.push(follow_ended_by_remote(row.get(0), &target, row.get(1)));
                 }
-                if !events.is_empty() || changed {
+                // Every deletion raised an event: whether this job changed anything.
+                let changed_now = !events.is_empty();
+                if changed_now || changed {
                     first_delivery(tx, &received).await?;
                 }
                 commit_events(tx, events).await?;
-                Ok((deleted > 0 || !followers.is_empty() || !follows.is_empty(), true))
+                Ok((changed_now, true))
             })
             .await?;
             changed |= changed_now;
@@ -642,7 +653,8 @@ impl Store {
     }
 
     /// Queues `activity` for delivery: one `ActivityQueued` per inbox, once per activity id.
-    /// Returns how many deliveries were queued, or `None` when the activity was queued before.
+    /// Returns how many deliveries were queued and how many inboxes of unavailable servers were
+    /// left out, or `None` when the activity was queued before.
     pub async fn queue_deliveries(
         &self,
         activity_id: String,
@@ -666,8 +678,7 @@ impl Store {
                 };
             }
         }
-        // With the setting off, none is left out, whatever was recorded before.
-        let leave_out = self.servers.unavailable_after.is_some();
+        let leave_out = self.servers.leaves_out();
         let probe_every = millis(self.servers.probe_every);
         write_job!(self, "queue_deliveries", |tx| {
             ensure_user(tx.conn(), sender).await?;
@@ -723,7 +734,8 @@ impl Store {
                     (fan_out, leave_out, failing, &server)
                 {
                     // One delivery per probe interval goes, to find out whether it is back.
-                    if now - probed_at.unwrap_or(since).max(since) < probe_every {
+                    // (Probed only while unavailable: a probe is never older than `since`.)
+                    if now - probed_at.unwrap_or(since) < probe_every {
                         skipped += 1;
                         continue;
                     }
