@@ -1,6 +1,7 @@
 //! Bad input over the real gRPC API: each case gets its status and a message naming the field,
 //! and leaves every table byte-for-byte as it was.
 
+use std::path::Path;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -772,27 +773,22 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
 
     // A write service started with `setting`: refused with exit code 2 and nothing created;
     // what it said.
-    let refused = |setting: &str, value: &str| {
-        let out = std::process::Command::new(BIN)
-            .args(["run", "--service", "write", "--dev"])
-            .env("REELAY_DATABASE", dir.path().join("r.db"))
-            .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-            .env(setting, value)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert_eq!(out.status.code(), Some(2), "{setting}={value}: {stderr}");
-        assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
+    let db = dir.path().join("r.db");
+    let refused = async |setting: &str, value: &str| {
+        let bin = Path::new(BIN);
+        let (code, stderr) = reelay_harness::refused_at_start(bin, "write", &db, dir.path(), &[(setting, value)]).await;
+        assert_eq!(code, Some(2), "{setting}={value}: {stderr}");
+        assert!(!db.exists(), "nothing is created before the configuration is accepted");
         stderr
     };
 
     // An event limit no claim answer could carry is refused at start-up too.
-    let stderr = refused("REELAY_MAX_EVENT_BYTES", "5000000");
+    let stderr = refused("REELAY_MAX_EVENT_BYTES", "5000000").await;
     assert!(stderr.contains("REELAY_MAX_EVENT_BYTES") && stderr.contains("REELAY_GRPC_MAX_MESSAGE_BYTES"), "{stderr}");
 
     // And a time for servers to turn unavailable shorter than a gap between two retries, which
     // would start every server's count over at each retry.
-    let stderr = refused("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "60");
+    let stderr = refused("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS", "60").await;
     assert!(
         stderr.contains("REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS (60)")
             && stderr.contains("REELAY_RETRY_CAP_MS (300000 ms)")
@@ -801,31 +797,15 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     );
 
     // And a TMDB URL no request could use (every film's enrichment would be retried for ever).
-    let port = || format!("127.0.0.1:{}", reelay_harness::free_port());
-    let mut child = std::process::Command::new(BIN)
-        .args(["run", "--service", "handlers", "--dev"])
-        .env("REELAY_DATA_DIR", dir.path().join("tmdb"))
-        .env("REELAY_HANDLERS_ADDR", port())
-        .env("REELAY_MEDIA_ADDR", port())
-        .env("REELAY_METRICS_ADDR", port())
-        .env("REELAY_ENRICHMENT_PROVIDER", "tmdb")
-        .env("REELAY_ENRICHMENT_TMDB_API_KEY", "k")
-        .env("REELAY_ENRICHMENT_TMDB_URL", "api.themoviedb.org/3")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Refused at start: it must not come up (a regression would serve until killed).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("a handlers process with a TMDB URL no request could use started");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let tmdb = [
+        ("REELAY_ENRICHMENT_PROVIDER", "tmdb"),
+        ("REELAY_ENRICHMENT_TMDB_API_KEY", "k"),
+        ("REELAY_ENRICHMENT_TMDB_URL", "api.themoviedb.org/3"),
+    ];
+    let data = dir.path().join("tmdb");
+    let (code, stderr) =
+        reelay_harness::refused_at_start(Path::new(BIN), "handlers", &data.join("unused.db"), &data, &tmdb).await;
+    assert_ne!(code, Some(0), "{stderr}");
     assert!(stderr.contains("REELAY_ENRICHMENT_TMDB_URL must be an http(s) URL"), "{stderr}");
 
     // So is a lease no worker could renew in time (or that hands every claim over at once), and
@@ -843,7 +823,7 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
         ("REELAY_FEDERATION_TIMEOUT_MS", "0", "100"),
         ("REELAY_ENRICHMENT_TIMEOUT_MS", "0", "100"),
     ] {
-        let stderr = refused(setting, value);
+        let stderr = refused(setting, value).await;
         let flag = setting.trim_start_matches("REELAY_").to_lowercase().replace('_', "-");
         assert!(stderr.contains(&flag) && stderr.contains(least), "{setting}={value}: {stderr}");
     }

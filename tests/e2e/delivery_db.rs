@@ -1091,7 +1091,7 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     assert!(third.log_text().contains("took back the claims"), "{}", third.log_text());
 
     let second_dir = dir.path().join("second-writer");
-    let (code, stderr) = refused_at_start(Path::new(BIN), "write", &cluster.db, &second_dir, &[]).await;
+    let (code, stderr) = reelay_harness::refused_at_start(Path::new(BIN), "write", &cluster.db, &second_dir, &[]).await;
     assert_eq!(code, Some(2), "{stderr}");
     let holder = format!("pid {}", cluster.write.pid());
     assert!(stderr.contains("in use by another write service") && stderr.contains(&holder), "{stderr}");
@@ -1099,30 +1099,6 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
         process.stop().await;
     }
     cluster.stop().await;
-}
-
-/// Runs `binary run --service <service>` over `database` and `data_dir` on fresh ports, as a
-/// process that should refuse to start: its exit code and what it printed on stderr.
-async fn refused_at_start(
-    binary: &Path,
-    service: &str,
-    database: &Path,
-    data_dir: &Path,
-    env: &[(&str, &str)],
-) -> (Option<i32>, String) {
-    let port = || format!("127.0.0.1:{}", reelay_harness::free_port());
-    let process = tokio::process::Command::new(binary)
-        .args(["run", "--service", service, "--dev"])
-        .env("REELAY_DATABASE", database)
-        .env("REELAY_DATA_DIR", data_dir)
-        .envs(env.iter().copied())
-        .env("REELAY_WRITE_ADDR", port())
-        .env("REELAY_GATEWAY_ADDR", port())
-        .env("REELAY_METRICS_ADDR", port())
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(30), process).await.expect("the process exits").unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// An instance name whose lock file another user made (a process of that name ran as root; its
@@ -1168,7 +1144,8 @@ async fn an_instance_name_locked_in_another_users_file_is_still_kept_to_one_proc
     assert!(uid.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("65534")), "{uid}");
     assert!(!first.log_text().contains("cannot lock the instance name"), "{}", first.log_text());
 
-    let (code, stderr) = refused_at_start(&as_nobody, "gateway", &data.join("unused.db"), &data, &env).await;
+    let (code, stderr) =
+        reelay_harness::refused_at_start(&as_nobody, "gateway", &data.join("unused.db"), &data, &env).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("\"gateway-1\" (REELAY_INSTANCE) is in use by a live process"), "{stderr}");
     assert!(stderr.contains("if that run still holds it: the file is another user's"), "{stderr}");

@@ -57,6 +57,15 @@ fn tmdb_env(tmdb: &TmdbServer) -> Vec<(String, String)> {
     ]
 }
 
+/// Handler settings that enrich from `tmdb`, for handlers built in the test's process.
+fn tmdb_settings(tmdb: &TmdbServer) -> reelay_handlers::HandlerSettings {
+    let mut settings = reelay_handlers::HandlerSettings::default();
+    settings.enrichment.provider = reelay_enrichment::ProviderKind::Tmdb;
+    settings.enrichment.tmdb_url = tmdb.url();
+    settings.enrichment.tmdb_api_key = Some(TMDB_API_KEY.into());
+    settings
+}
+
 fn borrowed(env: &[(String, String)]) -> Vec<(&str, &str)> {
     env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }
@@ -317,10 +326,7 @@ async fn the_offline_catalog_enriches_with_no_key_and_no_network() {
     assert_eq!(kept.profile.map(|p| p.provider), Some("catalog".to_owned()));
     assert_eq!(events_for(&db, "MovieEnriched", &review.movie_id).await.len(), 1, "no profile taken away");
     // Nor does a MovieDiscovered of Heat delivered again now: it looks at the film as it is.
-    let mut settings = reelay_handlers::HandlerSettings::default();
-    settings.enrichment.provider = reelay_enrichment::ProviderKind::Tmdb;
-    settings.enrichment.tmdb_url = tmdb.url();
-    settings.enrichment.tmdb_api_key = Some(TMDB_API_KEY.into());
+    let settings = tmdb_settings(&tmdb);
     let discovered = events_for(&db, "MovieDiscovered", &review.movie_id).await.remove(0);
     handler_here("movie-enrichment", &reelay, settings).await.handle(&discovered).await.unwrap();
     let kept = settled_movie(&c, &review.movie_id).await;
@@ -359,10 +365,7 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
     let heat = c.movie(&ana, "Heat", 1995).await;
-    let mut settings = reelay_handlers::HandlerSettings::default();
-    settings.enrichment.provider = reelay_enrichment::ProviderKind::Tmdb;
-    settings.enrichment.tmdb_url = tmdb.url();
-    settings.enrichment.tmdb_api_key = Some(TMDB_API_KEY.into());
+    let settings = tmdb_settings(&tmdb);
 
     let discovered = events_for(&db, "MovieDiscovered", &heat).await.remove(0);
     let movie_enrichment = handler_here("movie-enrichment", &write, settings.clone()).await;

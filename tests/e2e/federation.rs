@@ -1088,7 +1088,7 @@ async fn a_follower_server(
     wait_until!("alice is accepted", peer.received_of("Accept").len() == 1);
     let peer_inbox =
         query_strings(db, "SELECT COALESCE(shared_inbox, inbox) FROM remote_followers").await[0][0].clone();
-    let server = peer_inbox.split('/').nth(2).unwrap().to_owned();
+    let server = reelay_activitypub::documents::server_of(&peer_inbox).expect("the inbox names a server");
     let db = db.to_owned();
     let failures = move |what: &'static str| -> BoxedRead {
         let (db, server) = (db.clone(), server.clone());

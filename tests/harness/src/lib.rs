@@ -581,6 +581,32 @@ pub fn files_under(dir: &Path) -> Vec<String> {
     files
 }
 
+/// Runs `binary run --service <service>` over `database` and `data_dir` on fresh ports, as a
+/// process that should refuse to start: its exit code and what it printed on stderr.
+pub async fn refused_at_start(
+    binary: &Path,
+    service: &str,
+    database: &Path,
+    data_dir: &Path,
+    env: &[(&str, &str)],
+) -> (Option<i32>, String) {
+    let port = || format!("127.0.0.1:{}", free_port());
+    let process = tokio::process::Command::new(binary)
+        .args(["run", "--service", service, "--dev"])
+        .env("REELAY_DATABASE", database)
+        .env("REELAY_DATA_DIR", data_dir)
+        .envs(env.iter().copied())
+        .env("REELAY_WRITE_ADDR", port())
+        .env("REELAY_HANDLERS_ADDR", port())
+        .env("REELAY_MEDIA_ADDR", port())
+        .env("REELAY_GATEWAY_ADDR", port())
+        .env("REELAY_METRICS_ADDR", port())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), process).await.expect("the process exits").unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 /// [`http_get`], or `None` when nothing answers at `addr` (yet).
 pub async fn try_http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     tokio::net::TcpStream::connect(addr).await.ok()?;

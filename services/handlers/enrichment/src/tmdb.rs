@@ -304,7 +304,11 @@ impl Tmdb {
         match query.external_id.as_deref().and_then(|id| id.split_once(':')) {
             // Not a TMDB id after all (`tmdb:tt0133093`): looked up by title, as any id TMDB
             // cannot use.
-            Some(("tmdb", id)) if id.parse::<u64>().is_ok() => return Ok(id.parse().ok()),
+            Some(("tmdb", id)) => {
+                if let Ok(id) = id.parse() {
+                    return Ok(Some(id));
+                }
+            }
             Some(("imdb", imdb)) if imdb_title_id(imdb) => {
                 let found: Option<FindResults> =
                     self.get(&format!("/find/{imdb}"), &[("external_source", "imdb_id")]).await?;

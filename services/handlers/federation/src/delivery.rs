@@ -140,10 +140,12 @@ impl Handler for DeliveryHandler {
             // as any other, below).
             401 | 408 | 429 if queued.probe => self.record(queued, true).await,
             401 | 429 => {}
-            _ => self.record(queued, false).await,
-        }
-        if queued.probe && !matches!(status, 200..=299 | 401 | 408 | 410 | 429) {
-            return self.unless_probe(queued, HandlerError::retryable(format!("answered {status}")));
+            _ => {
+                self.record(queued, false).await;
+                if queued.probe {
+                    return self.unless_probe(queued, HandlerError::retryable(format!("answered {status}")));
+                }
+            }
         }
         match status {
             200..=299 => {

@@ -537,13 +537,13 @@ impl Inner {
             tracing::info!("search index: a new writer was made");
         } else if self.writer.is_poisoned() {
             // A batch panicked half-staged: drop what it staged before staging anew.
-            self.roll_back(writer);
-        }
-        self.writer.clear_poison();
-        if self.writer_lost.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(IndexError::from(tantivy::TantivyError::SystemError(
-                "the search index has no writer (a rollback gave it up)".to_owned(),
-            )));
+            let kept = self.roll_back(writer);
+            self.writer.clear_poison();
+            if !kept {
+                return Err(IndexError::from(tantivy::TantivyError::SystemError(
+                    "the search index has no writer (a rollback gave it up)".to_owned(),
+                )));
+            }
         }
         let staged = self.stage(writer, changes);
         let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
@@ -557,17 +557,20 @@ impl Inner {
     }
 
     /// Drops what the writer staged. Should the rollback fail, it has given its writer up: a
-    /// new one is made, so the batches after this one can still be written.
-    fn roll_back(&self, writer: &mut IndexWriter) {
-        let Err(rollback) = writer.rollback() else { return };
+    /// new one is made, so the batches after this one can still be written. Whether a writer is
+    /// left (else the next batch tries to make one again).
+    fn roll_back(&self, writer: &mut IndexWriter) -> bool {
+        let Err(rollback) = writer.rollback() else { return true };
         tracing::error!(%rollback, "search index rollback failed; making a new writer");
         match new_writer(&self.index) {
             Ok(fresh) => *writer = fresh,
             Err(error) => {
                 tracing::error!(%error, "search index: no new writer either; the next batch tries again");
                 self.writer_lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                return false;
             }
         }
+        true
     }
 
     /// Stages the changes newer than what is indexed; returns how many it staged.
