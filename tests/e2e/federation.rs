@@ -108,6 +108,8 @@ fn review_note(peer: &MastodonPeer, name: &str, n: u32, title: &str, year: i32, 
             "attributedTo": actor,
             "content": format!("<p>{text}</p>"),
             "published": "2024-05-01T12:00:00Z",
+            "to": ["https://www.w3.org/ns/activitystreams#Public"],
+            "cc": [format!("{actor}/followers")],
             "film": { "type": "Movie", "name": title, "year": year },
             "relatedWith": [{ "type": "Rating", "value": 4, "best": 5 }],
         },
@@ -405,8 +407,8 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
     assert!(bad.message().starts_with("user_ids: at most 1000 per call"), "{}", bad.message());
 }
 
-/// Everything the inbox must refuse, refused with the right status and nothing written; the
-/// same activity, sent properly, is then taken.
+/// Everything the inbox must refuse, refused with the right status (or taken and ignored) and
+/// nothing written; the same activity, sent properly, is then taken.
 #[tokio::test]
 async fn the_inbox_refuses_bad_input_before_writing() {
     let dir = temp_dir();
@@ -450,10 +452,23 @@ async fn the_inbox_refuses_bad_input_before_writing() {
             )
             .await,
         ),
+        // Taken and ignored, as Mastodon does: a server forwarding another's activity signs it
+        // with its own key, and would retry a refusal for days.
         (
             "signed by someone else than the actor",
-            401,
+            202,
             peer.post("mallory", &inbox, body.as_bytes(), Spoil::None).await,
+        ),
+        // Taken and ignored: kept, a followers-only review would be searchable by everyone.
+        (
+            "a review addressed to followers only",
+            202,
+            peer.send("alice", &inbox, &{
+                let mut followers_only = review_note(&peer, "alice", 8, "Stalker", 1979, "The zone.");
+                followers_only["object"]["to"] = followers_only["object"]["cc"].clone();
+                followers_only
+            })
+            .await,
         ),
         // A document elsewhere that says it is alice, with its own key.
         (
@@ -512,7 +527,7 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     for (case, expected, got) in &cases {
         assert_eq!(got, expected, "{case}");
     }
-    assert_eq!(state().await, before, "a refused request wrote something");
+    assert_eq!(state().await, before, "a refused or ignored request wrote something");
 
     // Taken in (202), and nothing written: activities any server may send that find nothing to
     // change (they were recorded, with a tombstone for the Delete, and nothing bounded them).
@@ -932,7 +947,8 @@ async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_wi
     let alice = peer.actor("alice");
     assert_eq!(peer.send("mallory", &inbox, &delete_of(&peer.actor("mallory"), &alice, 1)).await, 202);
     let forged = delete_of(&alice, &alice, 9).to_string();
-    assert_eq!(peer.post("mallory", &inbox, forged.as_bytes(), Spoil::None).await, 401, "mallory speaking as alice");
+    let as_alice = peer.post("mallory", &inbox, forged.as_bytes(), Spoil::None).await;
+    assert_eq!(as_alice, 202, "mallory speaking as alice is ignored");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_reviews").await, 2, "mallory deleted nothing of alice");
 

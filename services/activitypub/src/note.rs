@@ -1,9 +1,11 @@
 //! Reading a remote review out of a `Note` (or `Article`/`Review`): the film it is about, its
-//! rating and its text. Notes that name no film are not reviews Reelay can keep.
+//! rating and its text. Notes that name no film, or are not addressed to the public, are not
+//! reviews Reelay can keep (search shows every kept review to everyone).
 
 use reelay_contracts::v1;
 use serde_json::Value;
 
+use crate::PUBLIC;
 use crate::documents::id_of;
 use crate::time::{now_ms, parse_rfc3339};
 use reelay_domain::validate::{MAX_YEAR, MIN_YEAR};
@@ -65,6 +67,9 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
         .ok_or_else(|| NoteError::Invalid("the object has no attributedTo".into()))?
         .to_owned();
     let film = object.get("film").ok_or_else(|| NoteError::NotAReview("it names no film".into()))?;
+    if !is_public(object) {
+        return Err(NoteError::NotAReview("it is not addressed to the public (followers-only or direct)".into()));
+    }
     let title = film.get("name").and_then(Value::as_str).map(str::trim).unwrap_or_default().to_owned();
     let year = film.get("year").and_then(Value::as_i64).unwrap_or_default();
     if title.is_empty() {
@@ -121,6 +126,16 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
     })
 }
 
+/// Whether `object` is addressed to the public: the public collection among its `to` or `cc`
+/// (one or a list, by id or compacted as `as:Public` or `Public`).
+fn is_public(object: &Value) -> bool {
+    let public = |v: &Value| id_of(v).is_some_and(|id| matches!(id, PUBLIC | "as:Public" | "Public"));
+    ["to", "cc"].iter().filter_map(|field| object.get(*field)).any(|addressed| match addressed {
+        Value::Array(list) => list.iter().any(public),
+        one => public(one),
+    })
+}
+
 /// Text of an HTML fragment: tags dropped, paragraphs and line breaks kept, entities decoded.
 pub fn strip_html(html: &str) -> String {
     let mut text = String::with_capacity(html.len());
@@ -161,7 +176,7 @@ mod tests {
     fn note(published: Value, rating: Value, year: i64) -> Value {
         json!({
             "id": "https://m.example/users/u/statuses/1", "type": "Note", "attributedTo": "https://m.example/users/u",
-            "content": "<p>Slow.</p>", "published": published,
+            "content": "<p>Slow.</p>", "published": published, "to": [PUBLIC],
             "film": { "name": "Stalker", "year": year },
             "relatedWith": [{ "type": "Rating", "value": rating, "best": 5 }],
         })
@@ -190,6 +205,34 @@ mod tests {
                 Err(NoteError::Invalid(reason)) => assert!(reason.starts_with(field), "{field}: {reason}"),
                 other => panic!("{field}: {other:?}"),
             }
+        }
+    }
+
+    /// Only a note addressed to the public is a review to keep, the public named any way
+    /// ActivityPub allows; followers-only and direct notes are not.
+    #[test]
+    fn only_public_notes_are_reviews() {
+        let addressed = |to: Value, cc: Value| {
+            let mut note = note(json!("2026-01-02T03:04:05Z"), json!(4), 1979);
+            note["to"] = to;
+            note["cc"] = cc;
+            read_review(&note)
+        };
+        let followers = json!("https://m.example/users/u/followers");
+        for (to, cc) in [
+            (json!(PUBLIC), Value::Null),
+            (json!([followers]), json!([PUBLIC])),
+            (json!(["as:Public"]), Value::Null),
+            (json!([{ "id": "Public" }]), Value::Null),
+        ] {
+            assert!(addressed(to.clone(), cc.clone()).is_ok(), "{to} {cc}");
+        }
+        for (to, cc) in [
+            (json!([followers]), Value::Null),
+            (json!(["https://m.example/users/v"]), json!([])),
+            (Value::Null, Value::Null),
+        ] {
+            assert!(matches!(addressed(to.clone(), cc.clone()), Err(NoteError::NotAReview(_))), "{to} {cc}");
         }
     }
 

@@ -16,8 +16,11 @@
 //!    is `<actor>#main-key`), nothing in the request can be authenticated; the one activity
 //!    then taken is that actor's `Delete` of itself, on the proof of a 410 fetched again here
 //!    (see [`Gateway::take_in_from_gone`]), and anything else is refused (401);
-//! 7. the body is a JSON activity (400) whose `actor` is the signer (401) and whose `id` is on
-//!    the signer's server (400).
+//! 7. the body is a JSON activity (400) whose `id` is on the signer's server (400).
+//!
+//! An activity whose `actor` is not its signer is accepted and ignored (202), as Mastodon
+//! does: a server forwards activities of others (a reply's, a Delete's) to their followers,
+//! signed with its own key, and a refusal would only be retried for days.
 //!
 //! Then the activity goes to the write service (`Follow`, `Undo` of a Follow, `Accept` and
 //! `Reject` of our Follows, `Create`/`Update`/`Delete` of reviews, the `Delete` of an actor by
@@ -199,7 +202,8 @@ impl Gateway {
             return refuse(StatusCode::BAD_REQUEST, "an activity needs an id and a type");
         };
         if activity.get("actor").and_then(id_of) != Some(signer.actor_uri.as_str()) {
-            return refuse(StatusCode::UNAUTHORIZED, "the activity's actor is not its signer");
+            tracing::info!(kind, activity = id, signer = %signer.actor_uri, "ignored an activity whose actor is not its signer (forwarded?)");
+            return accepted();
         }
         // An activity's id is recorded so that a repeat changes nothing: one naming another
         // server would let its signer take that server's id first (a Delete's predictable

@@ -12,7 +12,15 @@
 //! fetched again for [`FAILED_FOR`], one fetched is not fetched again within [`MIN_REFETCH`]
 //! (a refresh after a failed signature included), and each host is fetched from at most
 //! [`FETCHES_PER_HOST`] times a minute. Else any client could have the gateway GET another
-//! server's pages as fast as it sends requests.
+//! server's pages as fast as it sends requests. Every URL fetched (the key id's, a key's owner,
+//! the id an actor document claims) is at most [`MAX_URI_CHARS`] long, and a failure is kept as
+//! a short reason, so what a failed fetch leaves in memory is small whatever a document says.
+//!
+//! Since anyone can spend a host's share with key ids of their choosing, a key fetched before
+//! stands while its server cannot be asked about it (unreachable, busy, or its share spent):
+//! the key it published last is used past [`RemoteKeys::new`]'s time to live, rather than its
+//! signed requests refused until the fetch passes. The cache starts over only when full, first
+//! dropping what is past that time, then the half least recently used.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,8 +31,10 @@ use reelay_activitypub::documents::id_of;
 use reelay_activitypub::keys::PublicKey;
 use serde_json::Value;
 
-/// Keys kept; past this the cache starts over.
+/// Keys kept; past this the cache drops the stale and the least recently used.
 const CACHED_KEYS: usize = 10_000;
+/// The longest failure reason remembered (a fetch error names its URL; see [`MAX_URI_CHARS`]).
+const MAX_REASON_CHARS: usize = 512;
 /// The longest key id, actor id or inbox taken (the write service takes no longer URI). A
 /// signer is cached before its signature is checked, so without it anyone could have 10,000
 /// actor documents of a megabyte each held here.
@@ -95,8 +105,15 @@ impl KeyFetchError {
     }
 }
 
-/// Key id → when it was fetched, and its signer.
-type KeyCache = HashMap<String, (Instant, Arc<RemoteActor>)>;
+/// A fetched signer: when it was fetched and last used.
+struct Cached {
+    fetched: Instant,
+    used: Instant,
+    actor: Arc<RemoteActor>,
+}
+
+/// Key id → its signer.
+type KeyCache = HashMap<String, Cached>;
 
 /// What bounds fetching: failed key ids (when, why), and each host's fetches this minute
 /// (since when, how many).
@@ -122,12 +139,36 @@ impl RemoteKeys {
     /// The signer of `key_id`, from the cache while fresh unless `refresh` (a signature that
     /// failed with the cached key: the actor may have rotated it; a key fetched less than
     /// [`MIN_REFETCH`] ago is not fetched again).
+    ///
+    /// A cached signer past its time to live is fetched again, and still used when that fetch
+    /// fails in a way a later one may pass (see the module's comment).
     pub async fn get(&self, key_id: &str, refresh: bool) -> Result<Arc<RemoteActor>, KeyFetchError> {
-        if let Some((at, actor)) = self.cache.lock().expect("key cache lock").get(key_id)
-            && at.elapsed() < if refresh { MIN_REFETCH } else { self.ttl }
-        {
-            return Ok(actor.clone());
+        let cached = {
+            let mut cache = self.cache.lock().expect("key cache lock");
+            cache.get_mut(key_id).map(|entry| {
+                entry.used = Instant::now();
+                (entry.fetched, entry.actor.clone())
+            })
+        };
+        let stale = match cached {
+            Some((fetched, actor)) if fetched.elapsed() < if refresh { MIN_REFETCH } else { self.ttl } => {
+                return Ok(actor);
+            }
+            // After a failed signature, the cached key is the one that failed: no stand-in.
+            Some((_, actor)) if !refresh => Some(actor),
+            _ => None,
+        };
+        match self.fetch_and_keep(key_id).await {
+            Err(error) if error.is_transient() && stale.is_some() => {
+                tracing::info!(key_id, %error, "the signer's key cannot be fetched again now; the one fetched before stands");
+                Ok(stale.expect("checked above"))
+            }
+            fetched => fetched,
         }
+    }
+
+    /// Fetches the signer of `key_id` (unless its fetch failed a moment ago) and caches it.
+    async fn fetch_and_keep(&self, key_id: &str) -> Result<Arc<RemoteActor>, KeyFetchError> {
         if let Some((at, failure)) = self.fetches.lock().expect("fetches lock").failed.get(key_id)
             && at.elapsed() < FAILED_FOR
         {
@@ -143,7 +184,7 @@ impl RemoteKeys {
                     fetches.failed.clear();
                 }
                 let failure = Failure {
-                    reason: error.to_string(),
+                    reason: error.to_string().chars().take(MAX_REASON_CHARS).collect(),
                     transient: error.is_transient(),
                     gone: error.gone().map(str::to_owned),
                 };
@@ -153,9 +194,10 @@ impl RemoteKeys {
         };
         let mut cache = self.cache.lock().expect("key cache lock");
         if cache.len() >= CACHED_KEYS {
-            cache.clear();
+            make_room(&mut cache, self.ttl);
         }
-        cache.insert(key_id.to_owned(), (Instant::now(), actor.clone()));
+        let now = Instant::now();
+        cache.insert(key_id.to_owned(), Cached { fetched: now, used: now, actor: actor.clone() });
         Ok(actor)
     }
 
@@ -186,10 +228,11 @@ impl RemoteKeys {
     /// True when a fresh cached key was used (worth a refetch if it fails; a stale one was
     /// fetched again anyway).
     pub fn is_cached(&self, key_id: &str) -> bool {
-        self.cache.lock().expect("key cache lock").get(key_id).is_some_and(|(at, _)| at.elapsed() < self.ttl)
+        self.cache.lock().expect("key cache lock").get(key_id).is_some_and(|c| c.fetched.elapsed() < self.ttl)
     }
 
     async fn fetch_document(&self, url: &str) -> Result<Value, KeyFetchError> {
+        bounded("document URL", url)?;
         let request = Outgoing::get(url).map_err(KeyFetchError::Fetch)?;
         self.may_fetch(url)?;
         self.http.fetch_json(request).await.map_err(KeyFetchError::Fetch)
@@ -250,6 +293,18 @@ impl RemoteKeys {
     }
 }
 
+/// Drops the signers fetched longer than `ttl` ago, then, if that left `cache` more than half
+/// full, the half least recently used: a flood of new key ids costs the keys in use the least.
+fn make_room(cache: &mut KeyCache, ttl: Duration) {
+    cache.retain(|_, c| c.fetched.elapsed() < ttl);
+    if cache.len() > CACHED_KEYS / 2 {
+        let mut used: Vec<Instant> = cache.values().map(|c| c.used).collect();
+        let (_, median, _) = used.select_nth_unstable(cache.len() / 2);
+        let median = *median;
+        cache.retain(|_, c| c.used > median);
+    }
+}
+
 /// The key `key_id` among those `actor` publishes (`publicKey`: one, or a list).
 fn published_key(actor: &Value, key_id: &str) -> Option<Value> {
     match actor.get("publicKey")? {
@@ -293,27 +348,115 @@ mod tests {
         assert!(matches!(keys.get(short, false).await, Err(KeyFetchError::Fetch(_))), "a short one is fetched");
     }
 
-    /// A loopback server answering every request 404, counting them; its base URL.
-    async fn answering_404() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    /// A loopback server answering the `n`th request (from 0) with `answer(base URL, n)`,
+    /// counting them; its base URL.
+    async fn serving(
+        answer: impl Fn(&str, usize) -> String + Send + Sync + 'static,
+    ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = count.clone();
+        let (counted, answer, served) = (count.clone(), Arc::new(answer), base.clone());
         tokio::spawn(async move {
             while let Ok((mut stream, _)) = listener.accept().await {
-                let counted = counted.clone();
+                let (counted, answer, base) = (counted.clone(), answer.clone(), served.clone());
                 tokio::spawn(async move {
                     let mut buffer = [0; 4096];
                     let _ = stream.read(&mut buffer).await;
-                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    let _ = stream
-                        .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                        .await;
+                    let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = stream.write_all(answer(&base, n).as_bytes()).await;
                 });
             }
         });
         (base, count)
+    }
+
+    /// A loopback server answering every request 404, counting them; its base URL.
+    async fn answering_404() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        serving(|_, _| "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into()).await
+    }
+
+    /// A key past its time to live whose server cannot answer now (503) is still used, and its
+    /// failed fetch is not repeated within a minute; a key never fetched has no stand-in.
+    #[tokio::test]
+    async fn a_stale_key_stands_while_its_server_cannot_answer() {
+        use std::sync::atomic::Ordering;
+        let pem = reelay_activitypub::keys::generate().unwrap().public_key_pem;
+        let (base, requests) = serving(move |base, n| {
+            if n > 0 {
+                return "HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into();
+            }
+            let actor = format!("{base}/users/alice");
+            let document = serde_json::json!({
+                "id": actor, "type": "Person", "inbox": format!("{actor}/inbox"),
+                "publicKey": { "id": format!("{actor}#main-key"), "owner": actor, "publicKeyPem": pem },
+            })
+            .to_string();
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: application/activity+json\r\nconnection: close";
+            format!("{head}\r\ncontent-length: {}\r\n\r\n{document}", document.len())
+        })
+        .await;
+        let http = FederationClient::new(Duration::from_secs(5), 1024 * 1024, true).unwrap();
+        let keys = RemoteKeys::new(http, Duration::from_millis(1));
+        let key_id = format!("{base}/users/alice#main-key");
+        let fetched = keys.get(&key_id, false).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!keys.is_cached(&key_id), "past its time to live");
+        let stale = keys.get(&key_id, false).await.unwrap();
+        assert!(Arc::ptr_eq(&fetched, &stale), "the key fetched before stands");
+        assert_eq!(requests.load(Ordering::SeqCst), 2, "it was asked for again");
+        assert!(Arc::ptr_eq(&keys.get(&key_id, false).await.unwrap(), &fetched));
+        assert_eq!(requests.load(Ordering::SeqCst), 2, "a failed fetch is not repeated at once");
+        let other = format!("{base}/users/bob#main-key");
+        let error = keys.get(&other, false).await.unwrap_err();
+        assert!(error.is_transient(), "a key never fetched has no stand-in: {error}");
+    }
+
+    /// A URL a document leads to (here the id an actor document claims) longer than any taken is
+    /// refused unfetched, and the failure remembered is a short reason, not the URL.
+    #[tokio::test]
+    async fn a_long_url_in_a_document_is_refused_unfetched() {
+        use std::sync::atomic::Ordering;
+        let (base, requests) = serving(|base, _| {
+            let document =
+                serde_json::json!({ "id": format!("{base}/users/{}", "a".repeat(1 << 20)), "type": "Person" });
+            let document = document.to_string();
+            format!("HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{document}", document.len())
+        })
+        .await;
+        let http = FederationClient::new(Duration::from_secs(5), 2 << 20, true).unwrap();
+        let keys = RemoteKeys::new(http, Duration::from_secs(60));
+        let key_id = format!("{base}/users/alice#main-key");
+        let error = keys.get(&key_id, false).await.unwrap_err();
+        assert!(matches!(&error, KeyFetchError::Invalid(reason) if reason.contains("document URL")), "{error}");
+        assert_eq!(requests.load(Ordering::SeqCst), 1, "the long id was not fetched");
+        let remembered = keys.fetches.lock().unwrap().failed[&key_id].1.reason.len();
+        assert!(remembered <= MAX_REASON_CHARS, "{remembered}");
+    }
+
+    /// A full cache drops what is past its time to live, then the half least recently used.
+    #[test]
+    fn a_full_cache_keeps_the_keys_in_use() {
+        let pem = reelay_activitypub::keys::generate().unwrap().public_key_pem;
+        let actor = Arc::new(RemoteActor {
+            key: PublicKey::from_pem(&pem).unwrap(),
+            actor_uri: "https://m.example/users/a".into(),
+            inbox: None,
+            shared_inbox: None,
+        });
+        let start = Instant::now();
+        let mut cache: KeyCache = (0..CACHED_KEYS)
+            .map(|n| {
+                let used = start + Duration::from_millis(n as u64);
+                (format!("k{n}"), Cached { fetched: start, used, actor: actor.clone() })
+            })
+            .collect();
+        make_room(&mut cache, Duration::from_secs(3600));
+        assert!(cache.len() <= CACHED_KEYS / 2 && cache.len() >= CACHED_KEYS / 2 - 1, "{}", cache.len());
+        assert!(cache.contains_key(&format!("k{}", CACHED_KEYS - 1)) && !cache.contains_key("k0"));
+        make_room(&mut cache, Duration::ZERO);
+        assert!(cache.is_empty(), "all past their time to live");
     }
 
     /// Fetching is bounded (the key id is the caller's to choose): a key id that failed is not
