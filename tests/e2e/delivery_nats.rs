@@ -181,6 +181,7 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
         storage: stream::StorageType::File,
         duplicate_window: Duration::from_secs(120),
         max_messages: 1_000_000,
+        max_messages_per_subject: 100_000,
         description: Some("set by ops".into()),
         ..Default::default()
     })
@@ -230,6 +231,8 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
         "operator fields kept"
     );
     assert_eq!(config.discard, stream::DiscardPolicy::New, "at its limit the stream refuses, it does not drop");
+    assert_eq!(config.max_messages_per_subject, 100_000, "operator's limit kept");
+    assert!(config.discard_new_per_subject, "at a subject's limit too (else the broker drops its oldest)");
     let mut consumer: consumer::PullConsumer = stream.get_consumer("handler-probe-a").await.unwrap();
     let config = consumer.info().await.unwrap().config.clone();
     assert_eq!((config.max_deliver, config.ack_wait), (5, Duration::from_secs(20)));

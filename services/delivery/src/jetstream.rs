@@ -266,31 +266,40 @@ pub async fn ensure_given_up_consumer(
 /// Creates the event stream, or brings an existing one to what Reelay needs: its
 /// `duplicate_window` and replicas, and, when an operator gave it a size limit, the discard
 /// policy `new` (at the limit the broker refuses new events, which the relay waits out, instead
-/// of dropping the oldest, which handlers may not have read).
+/// of dropping the oldest, which handlers may not have read). A per-subject limit takes
+/// `discard_new_per_subject` too: without it the broker drops a subject's oldest message at
+/// that limit whatever the discard policy (subjects are event types, so one limit there drops
+/// unread events of one type).
 async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     match js.get_stream(&config.stream).await {
         Ok(existing) => {
             let current = existing.cached_info().config.clone();
             let limited = current.max_messages > 0 || current.max_bytes > 0 || current.max_messages_per_subject > 0;
             let discard = if limited { stream::DiscardPolicy::New } else { current.discard };
+            let per_subject = current.max_messages_per_subject > 0 || current.discard_new_per_subject;
             if current.duplicate_window != DUPLICATE_WINDOW
                 || current.num_replicas != config.replicas
                 || current.discard != discard
+                || current.discard_new_per_subject != per_subject
             {
                 let mut wanted = current.clone();
                 wanted.duplicate_window = DUPLICATE_WINDOW;
                 wanted.num_replicas = config.replicas;
                 wanted.discard = discard;
+                wanted.discard_new_per_subject = per_subject;
                 match js.update_stream(&wanted).await {
                     Ok(_) => {
                         tracing::warn!(stream = %config.stream, from = ?current.duplicate_window, to = ?DUPLICATE_WINDOW,
                         from_replicas = current.num_replicas, to_replicas = config.replicas,
                         from_discard = ?current.discard, to_discard = ?discard,
+                        from_discard_new_per_subject = current.discard_new_per_subject,
+                        to_discard_new_per_subject = per_subject,
                         "updated the existing stream's duplicate_window, replicas and discard policy in place")
                     }
                     Err(error) => tracing::warn!(stream = %config.stream, %error,
-                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}{}",
-                        config.stream, config.replicas, if limited { " --discard new" } else { "" }),
+                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}{}{}",
+                        config.stream, config.replicas, if limited { " --discard new" } else { "" },
+                        if per_subject { " --discard-per-subject" } else { "" }),
                 }
             }
             if !current.max_age.is_zero() {
