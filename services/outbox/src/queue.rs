@@ -105,7 +105,10 @@ pub(crate) fn claim_calls(unanswered: &[u64]) -> (Vec<i64>, String) {
 pub const CLAIM_ROW_OVERHEAD: usize = 256;
 
 /// Claims due rows, oldest first, within `limits`: pending rows whose `available_at` has come,
-/// and processing rows whose claim is older than the lease. A row whose payload alone cannot fit
+/// and processing rows whose claim is older than the lease, counted from the writer's
+/// [`WriteTx::lease_counted_from`] at the earliest (after a restart or a storage fault, the relay
+/// that holds a claim gets a whole lease to complete it before it is handed to another, whose
+/// republish may be past the broker's duplicate window). A row whose payload alone cannot fit
 /// an answer is dead-lettered with the reason instead of being handed out (it would fail every
 /// claim, forever).
 pub async fn claim_due(
@@ -114,7 +117,7 @@ pub async fn claim_due(
     policy: QueuePolicy,
     limits: &ClaimLimits,
 ) -> Result<Vec<ClaimedRow>, sqlx::Error> {
-    let stale_before = now - policy.lease.as_millis() as i64;
+    let stale_before = crate::stale_before(tx.lease_counted_from(), now, policy.lease);
     let reclaimed =
         sqlx::query("UPDATE event_queue SET status = 'pending' WHERE status = 'processing' AND claimed_at < ?")
             .bind(stale_before)
@@ -443,11 +446,13 @@ pub async fn stats(conn: &mut sqlx::SqliteConnection, now: i64, cursors: bool) -
 ///
 /// The next due time reads every pending row (no index has `available_at`), so it is looked up
 /// only when nothing is due: a relay draining a backlog peeks before every claim, and reading
-/// 100,000 pending rows took 17 ms each time.
+/// 100,000 pending rows took 17 ms each time. `lease_counted_from` is the writer's
+/// ([`crate::Writer::lease_counted_from`]), so a look finds due what a claim would take over.
 pub async fn peek(
     conn: &mut sqlx::SqliteConnection,
     now: i64,
     policy: QueuePolicy,
+    lease_counted_from: i64,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
     let row = sqlx::query(
         "WITH look(due) AS (\
@@ -458,7 +463,7 @@ pub async fn peek(
          FROM look",
     )
     .bind(now)
-    .bind(now - policy.lease.as_millis() as i64)
+    .bind(crate::stale_before(lease_counted_from, now, policy.lease))
     .fetch_one(conn)
     .await?;
     Ok((row.get(0), row.get(1)))

@@ -131,8 +131,8 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     // An idle claimer's look agrees: nothing due yet, the deferred row next; then due, and the
     // next due time is not looked up.
     let mut conn = db.reads.acquire().await.unwrap();
-    assert_eq!(queue::peek(&mut conn, t0() + 59_999, policy).await.unwrap(), (false, Some(t0() + 60_000)));
-    assert_eq!(queue::peek(&mut conn, t0() + 60_000, policy).await.unwrap(), (true, None));
+    assert_eq!(queue::peek(&mut conn, t0() + 59_999, policy, 0).await.unwrap(), (false, Some(t0() + 60_000)));
+    assert_eq!(queue::peek(&mut conn, t0() + 60_000, policy, 0).await.unwrap(), (true, None));
     drop(conn);
 
     // The second claimer dies; after the lease its row is claimed again under a new token.
@@ -162,6 +162,32 @@ async fn defer_spends_no_attempt_and_stale_tokens_change_nothing() {
     let mut conn = db.reads.acquire().await.unwrap();
     let stats = queue::stats(&mut conn, t0() + 600_001, false).await.unwrap();
     assert_eq!((stats.pending, stats.processing, stats.done, stats.dead_lettered), (0, 2, 1, 0));
+}
+
+/// A relay's claim gets a whole lease from the writer's restart (or storage fault) before it is
+/// handed to another, however old it is: its relay may have published it and be retrying the
+/// completion, and another's republish could fall past the broker's duplicate window.
+#[tokio::test]
+async fn a_relay_claim_gets_a_whole_lease_after_the_writer_restarts() {
+    let (_dir, db) = open().await;
+    enqueue(&db, 1).await;
+    let policy = QueuePolicy { lease: Duration::from_secs(600), ..QueuePolicy::default() };
+    assert_eq!(claim(&db, t0(), policy).await.len(), 1);
+    let restart = t0() + 3_600_000;
+    job(&db, move |tx| {
+        Box::pin(async move {
+            tx.count_leases_from(restart);
+            Ok(())
+        })
+    })
+    .await;
+    let counted_from = db.writer.lease_counted_from();
+    let mut conn = db.reads.acquire().await.unwrap();
+    assert_eq!(queue::peek(&mut conn, restart + 599_999, policy, counted_from).await.unwrap(), (false, None));
+    assert_eq!(queue::peek(&mut conn, restart + 600_000, policy, counted_from).await.unwrap(), (true, None));
+    drop(conn);
+    assert!(claim(&db, restart + 599_999, policy).await.is_empty(), "held for a lease from the restart");
+    assert_eq!(claim(&db, restart + 600_000, policy).await.len(), 1, "then taken over");
 }
 
 fn key(event: &str, handler: &str) -> LedgerKey {

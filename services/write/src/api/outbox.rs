@@ -243,7 +243,8 @@ impl OutboxApi {
     async fn peek(&self, deadline: Instant) -> Result<(bool, Instant), WriteError> {
         let mut conn = self.db.reads.acquire().await?;
         let now = now_ms();
-        let (due, next_due) = queue::peek(&mut conn, now, self.policy).await?;
+        let counted_from = self.db.writer.lease_counted_from();
+        let (due, next_due) = queue::peek(&mut conn, now, self.policy, counted_from).await?;
         let fallback = Instant::now() + FALLBACK_POLL;
         let next = next_due.map_or(fallback, |at| Instant::now() + Duration::from_millis((at - now).max(0) as u64));
         Ok((due, next.min(fallback).min(deadline)))
