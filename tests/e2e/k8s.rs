@@ -215,6 +215,18 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
                 "{name}: {args:?} pods ({labels}) are not let in to port 9464 by metrics-scrapes"
             );
         }
+        // Pod Security's `restricted` level, which a namespace may enforce.
+        for workload in kind(&objects, "Deployment").into_iter().chain(kind(&objects, "StatefulSet")) {
+            let name = str_of(&workload["metadata"]["name"]);
+            let pod = &workload["spec"]["template"]["spec"];
+            assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{name}");
+            assert_eq!(pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault", "{name}");
+            for container in pod["containers"].as_array().unwrap() {
+                let context = &container["securityContext"];
+                assert_eq!(context["allowPrivilegeEscalation"], false, "{name}");
+                assert_eq!(context["capabilities"]["drop"], serde_json::json!(["ALL"]), "{name}");
+            }
+        }
         assert!(!kind(&objects, "PodDisruptionBudget").is_empty());
         assert!(kind(&objects, "NetworkPolicy").iter().any(|p| p["metadata"]["name"] == "default-deny"));
     }
@@ -236,7 +248,8 @@ fn every_overlay_renders_validates_and_names_only_real_settings() {
         .unwrap();
     assert_eq!(config["data"]["REELAY_STREAM_REPLICAS"], "3");
     assert_eq!(config["data"]["EVENT_BUS_BACKEND"], "nats");
-    assert_eq!(named(&objects, "Secret", "reelay-service-token")["stringData"]["token"], "", "no token is shipped");
+    // No token is shipped, so no apply overwrites the one the operator created.
+    assert!(kind(&objects, "Secret").is_empty(), "the cluster overlay ships a Secret");
     let handlers: Vec<&Value> = reelay_workloads(&objects)
         .into_iter()
         .filter(|w| w["spec"]["template"]["spec"]["containers"][0]["args"][2] == "handlers")
@@ -371,12 +384,18 @@ fn start_pod(
             .find(|v| v["name"] == volume_name)
             .cloned()
             .unwrap_or(Value::Null); // a volumeClaimTemplate: an empty volume
+        // A Secret the overlay renders, or else the operator's (`secrets`: its `token` file).
         if let Some(secret) = volume["secret"]["secretName"].as_str() {
-            let object = named(objects, "Secret", secret);
-            for (file, value) in object["stringData"].as_object().expect("secrets are given as stringData") {
-                let value =
-                    secrets.get(secret).filter(|_| str_of(value).is_empty()).map_or(str_of(value), String::as_str);
-                std::fs::write(local.join(file), value).unwrap();
+            match objects.iter().find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == secret) {
+                Some(object) => {
+                    for (file, value) in object["stringData"].as_object().expect("secrets are given as stringData") {
+                        std::fs::write(local.join(file), str_of(value)).unwrap();
+                    }
+                }
+                None => {
+                    let token = secrets.get(secret).unwrap_or_else(|| panic!("{name}: no Secret {secret}"));
+                    std::fs::write(local.join("token"), token).unwrap();
+                }
             }
         }
         if let Some(map) = volume["configMap"]["name"].as_str() {
@@ -612,7 +631,7 @@ async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>, taken: Optio
         std::net::TcpListener::bind(("127.0.0.1", local)).expect("take the port first")
     });
     let dir = temp_dir();
-    // What an operator does before the first deploy when the overlay ships no token.
+    // What an operator creates before the first deploy when the overlay ships no token.
     let secrets = HashMap::from([("reelay-service-token".to_owned(), "operator-set-token-0123456789".to_owned())]);
     let mut workloads = reelay_workloads(&objects);
     workloads.sort_by_key(|w| w["spec"]["template"]["spec"]["containers"][0]["args"][2] != "write");

@@ -151,8 +151,7 @@ pub struct RunArgs {
 
     /// How long the process keeps serving after SIGTERM, not ready, before it stops accepting
     /// calls and requests, in milliseconds: the time a load balancer takes to stop sending new
-    /// connections once the pod is terminating (`k8s/` sets 5 s on the pods an ingress routes
-    /// to). Work in flight is finished after it as always; a second signal exits at once.
+    /// connections once the pod is terminating (`k8s/` sets 5 s on the gateway's pods). Work in flight is finished after it as always; a second signal exits at once.
     /// 0 (the default) to 60 s.
     #[arg(long, env = "REELAY_SHUTDOWN_DELAY_MS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub shutdown_delay_ms: u64,
