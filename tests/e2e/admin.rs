@@ -96,6 +96,10 @@ async fn dead_letter_then_replay(backend: Backend) {
     cluster.handlers[0].restart_with(&[("REELAY_PROBE_FAIL", "")]).await;
     let by_id = ["dead-letters", "replay", &event_id, "--handler", "probe-a"];
     let all = ["dead-letters", "replay", "--handler", "probe-a", "--all"];
+    // With nobody to record it under (no REELAY_OPERATOR, $USER nor $LOGNAME, as in a `kubectl
+    // exec`), an action is refused before any call; the one recorded below is the only one.
+    let nobody = cluster.write.cli(&by_id, &[("REELAY_OPERATOR", ""), ("USER", ""), ("LOGNAME", "")]).await;
+    assert!(!nobody.success && nobody.stderr.contains("set REELAY_OPERATOR"), "{nobody:?}");
     let (first, second) = tokio::join!(cluster.cli(&by_id), cluster.cli(&all));
     let replayed = [first.ok(), second.ok()];
     let summaries: Vec<&str> = replayed.iter().map(|out| out.lines().last().unwrap()).collect();

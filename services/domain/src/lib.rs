@@ -15,6 +15,12 @@ pub use events::{EVENT_TYPES, NewEvent, RetryPolicy, retry_backoff, retry_horizo
 pub use ids::{EventId, MovieId, ReviewId, UserId, WrapUpId};
 pub use validate::ValidationError;
 
+/// The longest claimer name (`<instance>#<incarnation>`) the write service takes, in bytes.
+pub const MAX_OWNER_BYTES: usize = 200;
+/// The longest instance name, in bytes: with `#` and an incarnation (`<pid>-<ms>`, at most 24
+/// bytes) it stays within [`MAX_OWNER_BYTES`].
+pub const MAX_INSTANCE_BYTES: usize = 160;
+
 /// The largest `WrapUps.GetWrapUpInputs` answer the write service sends, in bytes, when
 /// `REELAY_GRPC_MAX_MESSAGE_BYTES` is lower: a year's every entry with its film comes in one
 /// message, about 40,000 entries of a few hundred bytes (a heavy diarist logs a thousand a

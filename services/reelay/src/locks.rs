@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use reelay_domain::MAX_INSTANCE_BYTES;
 
 /// A lock this process holds; let go when dropped or when the process ends.
 #[derive(Debug)]
@@ -110,9 +111,7 @@ pub async fn database_writer(database: &Path) -> anyhow::Result<Held> {
 /// The file whose lock stands for the instance name `name` in `dir`. Names may hold any
 /// character (a path, a host name), so the file is named by a hash of the name.
 fn instance_lock_path(dir: &Path, name: &str) -> PathBuf {
-    // FNV-1a: stable across builds and processes, which std's hasher does not promise.
-    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    dir.join(format!(".instance-{hash:016x}.lock"))
+    dir.join(format!(".instance-{:016x}.lock", fnv1a(name)))
 }
 
 /// How many live processes may share a data dir under the default instance name.
@@ -121,7 +120,9 @@ const MAX_SLOTS: u32 = 64;
 /// The default instance name of the `slot`th live process in the data dir `dir` on `host`:
 /// `host:dir` for the first, `host/2:dir` and so on for the others. A host name holds no `/`,
 /// so no other data dir's name can be one of these. `dir` is named by its full path when it
-/// exists, and `#` (which ends the instance in an owner) is left out of the name.
+/// exists, and `#` (which ends the instance in an owner) is left out of the name. A name longer
+/// than [`MAX_INSTANCE_BYTES`] (a deep dir) keeps the dir's last part and a hash of its whole
+/// path instead: `host:…/data~<hash>`.
 pub fn default_name(host: &str, dir: &Path, slot: u32) -> String {
     slot_name(host, &full_path(dir), slot)
 }
@@ -132,8 +133,20 @@ fn full_path(dir: &Path) -> PathBuf {
 
 /// [`default_name`] of a dir already named by its full path.
 fn slot_name(host: &str, dir: &Path, slot: u32) -> String {
-    let name = if slot == 1 { format!("{host}:{}", dir.display()) } else { format!("{host}/{slot}:{}", dir.display()) };
-    name.replace('#', "_")
+    let prefix = if slot == 1 { host.to_owned() } else { format!("{host}/{slot}") };
+    let name = format!("{prefix}:{}", dir.display()).replace('#', "_");
+    if name.len() <= MAX_INSTANCE_BYTES {
+        return name;
+    }
+    let last = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let last: String = last.chars().take(40).collect();
+    let prefix: String = prefix.chars().take(80).collect();
+    format!("{prefix}:…/{last}~{:016x}", fnv1a(&dir.display().to_string())).replace('#', "_")
+}
+
+/// FNV-1a of `text`: stable across builds and processes, which std's hasher does not promise.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 /// This process's instance name, and the lock that keeps it its own among the live processes
@@ -149,6 +162,15 @@ fn slot_name(host: &str, dir: &Path, slot: u32) -> String {
 /// When the dir cannot hold a lock (read-only, a filesystem without `flock`), the name is used
 /// unchecked, as before there were locks, and a warning says so.
 pub async fn instance(explicit: Option<&str>, host: &str, data_dir: &Path) -> anyhow::Result<(String, Option<Held>)> {
+    if let Some(name) = explicit
+        && (name.is_empty() || name.len() > MAX_INSTANCE_BYTES)
+    {
+        bail!(
+            "REELAY_INSTANCE must be 1 to {MAX_INSTANCE_BYTES} bytes, got {} (leave it unset for the default name, \
+             made from the host and the data dir)",
+            name.len()
+        );
+    }
     if let Err(error) = std::fs::create_dir_all(data_dir) {
         let name = explicit.map_or_else(|| default_name(host, data_dir, 1), str::to_owned);
         return Ok(unchecked(&name, data_dir, &error));
@@ -196,6 +218,26 @@ fn unchecked(name: &str, dir: &Path, error: &dyn std::fmt::Display) -> (String, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An instance name stays short enough for a claimer's name (the write service refuses a
+    /// longer one, so a process under it would deliver nothing): a deep data dir's default name
+    /// is shortened, and an explicit name too long or empty is refused at start.
+    #[tokio::test]
+    async fn instance_names_fit_a_claimer_name() {
+        let deep = |leaf: &str| PathBuf::from(format!("/{}/{leaf}", "nested/".repeat(30)));
+        let (a, b) = (default_name("host", &deep("data"), 1), default_name("host", &deep("other"), 2));
+        assert!(a.len() <= MAX_INSTANCE_BYTES && a.starts_with("host:…/data~"), "{a}");
+        assert!(b.len() <= MAX_INSTANCE_BYTES && b.starts_with("host/2:…/other~"), "{b}");
+        let c = default_name("host", &PathBuf::from(format!("/x{}", deep("data").display())), 1);
+        assert_ne!(a, c, "another dir, another name");
+        assert!(default_name(&"h".repeat(255), &deep("data"), 64).len() <= MAX_INSTANCE_BYTES);
+        let dir = tempfile::tempdir().unwrap();
+        for name in [String::new(), "n".repeat(MAX_INSTANCE_BYTES + 1)] {
+            let error = instance(Some(&name), "host", dir.path()).await.unwrap_err().to_string();
+            assert!(error.starts_with("REELAY_INSTANCE must be 1 to 160 bytes"), "{error}");
+        }
+        assert!(instance(Some(&"n".repeat(MAX_INSTANCE_BYTES)), "host", dir.path()).await.is_ok());
+    }
 
     #[tokio::test]
     async fn a_default_name_taken_by_a_live_process_moves_to_the_next_free_one() {

@@ -220,6 +220,19 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             if public_url_set { "REELAY_PUBLIC_URL" } else { "unset: taken from REELAY_GATEWAY_ADDR" }
         );
     }
+    // The write service hands clients links under the media URL (wrap-up cards, posters): an
+    // address none of them can reach would make every one wrong.
+    let media_url = match &args.handlers.media_url {
+        Some(url) => url.clone(),
+        None if services.contains(&Service::Write) && host_is_unspecified(&args.handlers.media_addr.to_string()) => {
+            anyhow::bail!(
+                "REELAY_MEDIA_URL is unset, and REELAY_MEDIA_ADDR ({}) names no address a client can reach; set \
+                 REELAY_MEDIA_URL to the URL clients reach the media route at",
+                args.handlers.media_addr
+            )
+        }
+        None => format!("http://{}/media", args.handlers.media_addr),
+    };
     // Private addresses are reachable in development (two instances on one machine) only.
     let allow_private = *args.handlers.settings.federation.allow_private.get_or_insert(args.dev);
     args.handlers.settings.media.allow_private.get_or_insert(args.dev);
@@ -523,8 +536,6 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         tracing::info!(handlers = ?delivered, new = ?added, "delivering to handlers");
         let policy = delivery_policy(&args);
         reelay_write::note_lease(&database, policy.ledger.lease).await.context("cannot record the claim lease")?;
-        let media_url =
-            args.handlers.media_url.clone().unwrap_or_else(|| format!("http://{}/media", args.handlers.media_addr));
         let store = reelay_write::Store::new(database.clone()).with_server_policy(server_policy);
         let keys = reelay_write::ActorKeys::new(store.clone());
         tasks.spawn(keys.clone().generate_missing(shutdown.clone()).map(Ok));

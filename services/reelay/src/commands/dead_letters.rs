@@ -109,12 +109,13 @@ async fn act(args: ActArgs, replay: bool) -> anyhow::Result<()> {
     if !args.all && args.event_ids.is_empty() {
         anyhow::bail!("name the event ids, or pass --handler <name> --all");
     }
+    let operator = operator_name()?;
     let mut admin = AdminClient::new(args.client.write()?);
     let request = v1::DeadLetterActionRequest {
         event_ids: args.event_ids,
         handler: args.handler.unwrap_or_default(),
         all: args.all,
-        operator: operator_name(),
+        operator,
     };
     let (verb, answer) = if replay {
         ("replayed", admin.replay_dead_letters(request).await.map_err(|s| call_failed("dead-letters replay", s))?)

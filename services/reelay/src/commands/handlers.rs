@@ -37,9 +37,10 @@ pub async fn run(command: HandlersCommand) -> anyhow::Result<()> {
 }
 
 async fn retire(args: RetireArgs) -> anyhow::Result<()> {
+    let operator = operator_name()?;
     let mut admin = AdminClient::new(args.client.write()?);
     let retired = admin
-        .retire_handler(v1::RetireHandlerRequest { handler: args.handler.clone(), operator: operator_name() })
+        .retire_handler(v1::RetireHandlerRequest { handler: args.handler.clone(), operator })
         .await
         .map_err(|s| call_failed("handlers retire", s))?
         .into_inner();

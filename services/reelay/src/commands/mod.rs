@@ -206,12 +206,21 @@ pub fn movie_by_title(title: &str, year: i32) -> reelay_contracts::v1::MovieRef 
     }
 }
 
-/// Who is asking, for the audit record of operator actions.
-pub fn operator_name() -> String {
-    std::env::var("REELAY_OPERATOR")
-        .or_else(|_| std::env::var("USER"))
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into())
+/// Who is asking, for the audit record of operator actions: `REELAY_OPERATOR`, else the login
+/// name. Refused when there is none (a `kubectl exec` has no `$USER`): an action recorded as
+/// nobody's tells `events explain` nothing.
+pub fn operator_name() -> anyhow::Result<String> {
+    ["REELAY_OPERATOR", "USER", "LOGNAME"]
+        .iter()
+        .filter_map(|name| std::env::var(name).ok())
+        .map(|name| name.trim().to_owned())
+        .find(|name| !name.is_empty())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "who is acting? set REELAY_OPERATOR to your name, for the audit record (no $USER here; in a pod: \
+                 kubectl exec ... -- env REELAY_OPERATOR=<you> reelay ...)"
+            )
+        })
 }
 
 /// `5s`, `3m 20s`, `2h 5m`, `3d 4h`.

@@ -171,12 +171,10 @@ fn check_wait_and_owner(wait_ms: u32, owner: &str) -> Result<(), ServiceError> {
     check_owner(owner)
 }
 
-/// The longest claimer name taken.
-const MAX_OWNER_BYTES: usize = 200;
-
 /// A claimer's name: required (claims without one would be everyone's, so a resuming caller
 /// would take another's live claims) and short.
 pub(super) fn check_owner(owner: &str) -> Result<(), ServiceError> {
+    use reelay_domain::MAX_OWNER_BYTES;
     if owner.is_empty() || owner.len() > MAX_OWNER_BYTES {
         return Err(ServiceError::invalid(
             "owner",
@@ -482,8 +480,13 @@ impl OutboxApi {
         &self,
         r: v1::ReleaseInstanceRequest,
     ) -> Result<v1::ReleaseInstanceResponse, WriteError> {
-        if r.instance.is_empty() || r.instance.contains('#') {
-            return Err(ServiceError::invalid("instance", "is required and must not contain '#'").into());
+        let longest = reelay_domain::MAX_INSTANCE_BYTES;
+        if r.instance.is_empty() || r.instance.contains('#') || r.instance.len() > longest {
+            return Err(ServiceError::invalid(
+                "instance",
+                format!("is required, at most {longest} bytes, without '#', got {} bytes", r.instance.len()),
+            )
+            .into());
         }
         if r.incarnation.is_empty() {
             return Err(ServiceError::invalid("incarnation", "is required").into());
