@@ -98,10 +98,17 @@ impl std::fmt::Debug for Objects {
 #[derive(Debug, Clone)]
 pub struct Object {
     pub bytes: Bytes,
+}
+
+/// An object being read: what the store says of it before its bytes, then its bytes as they
+/// come (a large one is never held whole).
+pub struct Reading {
+    pub size: u64,
     /// Seconds since the epoch of the last write (for `Last-Modified`).
     pub modified_unix: i64,
     /// The store's tag for this version (for `ETag`), when it has one.
     pub e_tag: Option<String>,
+    pub bytes: futures_util::stream::BoxStream<'static, Result<Bytes, ObjectsError>>,
 }
 
 impl Objects {
@@ -201,13 +208,28 @@ impl Objects {
 
     /// The object under `key`, or `None` when there is none.
     pub async fn get(&self, key: &str) -> Result<Option<Object>, ObjectsError> {
-        let path = Self::path(key)?;
-        match self.store.get(&path).await {
-            Ok(result) => {
-                let meta = result.meta.clone();
-                let bytes = result.bytes().await.map_err(|e| self.error(e))?;
-                Ok(Some(Object { bytes, modified_unix: meta.last_modified.timestamp(), e_tag: meta.e_tag }))
-            }
+        let Some(result) = self.get_result(key).await? else { return Ok(None) };
+        let bytes = result.bytes().await.map_err(|e| self.error(e))?;
+        Ok(Some(Object { bytes }))
+    }
+
+    /// The object under `key` as it is read, or `None` when there is none.
+    pub async fn read(&self, key: &str) -> Result<Option<Reading>, ObjectsError> {
+        use futures_util::{StreamExt, TryStreamExt};
+        let Some(result) = self.get_result(key).await? else { return Ok(None) };
+        let meta = result.meta.clone();
+        let store = self.clone();
+        Ok(Some(Reading {
+            size: meta.size,
+            modified_unix: meta.last_modified.timestamp(),
+            e_tag: meta.e_tag,
+            bytes: result.into_stream().map_err(move |e| store.error(e)).boxed(),
+        }))
+    }
+
+    async fn get_result(&self, key: &str) -> Result<Option<object_store::GetResult>, ObjectsError> {
+        match self.store.get(&Self::path(key)?).await {
+            Ok(result) => Ok(Some(result)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(error) if self.through_a_file(&error) => Ok(None),
             Err(error) => Err(self.error(error)),

@@ -1,14 +1,21 @@
 //! The media route: `GET /media/<key>` serves a stored object with the content type its
 //! extension says, an `ETag` and `Last-Modified`, and caching for an hour, after which a client
-//! asks again with `If-None-Match` (answered 304 while unchanged). Not longer: a key's object
+//! asks again with `If-None-Match` (answered 304 while unchanged, from what the store says of
+//! the object, its bytes unread). The bytes are sent as they are read: however many clients
+//! fetch large originals at once, none is held whole in memory. Not longer: a key's object
 //! can change (a movie's new poster is stored under the same keys), and a year-long
 //! `immutable` kept the old one in browsers and CDNs.
 
+use std::time::UNIX_EPOCH;
+
 use axum::Router;
+use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+
+use futures_util::StreamExt;
 
 use crate::{Objects, ObjectsError};
 
@@ -46,8 +53,8 @@ fn sniff(bytes: &[u8]) -> Option<&'static str> {
 }
 
 async fn serve(State(objects): State<Objects>, Path(key): Path<String>, headers: HeaderMap) -> Response {
-    let object = match objects.get(&key).await {
-        Ok(Some(object)) => object,
+    let reading = match objects.read(&key).await {
+        Ok(Some(reading)) => reading,
         Ok(None) => return (StatusCode::NOT_FOUND, "no such object").into_response(),
         Err(ObjectsError::BadKey { .. }) => return (StatusCode::BAD_REQUEST, "not an object key").into_response(),
         Err(error) => {
@@ -57,28 +64,57 @@ async fn serve(State(objects): State<Objects>, Path(key): Path<String>, headers:
     };
     let e_tag = format!(
         "\"{}\"",
-        object
+        reading
             .e_tag
             .clone()
-            .unwrap_or_else(|| format!("{:x}-{}", object.modified_unix, object.bytes.len()))
+            .unwrap_or_else(|| format!("{:x}-{}", reading.modified_unix, reading.size))
             .trim_matches('"')
     );
-    if headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) == Some(e_tag.as_str()) {
-        return StatusCode::NOT_MODIFIED.into_response();
-    }
-    let kind = match content_type(&key) {
-        "application/octet-stream" => sniff(&object.bytes).unwrap_or("application/octet-stream"),
-        kind => kind,
-    };
-    let mut response = object.bytes.into_response();
-    let out = response.headers_mut();
-    out.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    let modified = u64::try_from(reading.modified_unix)
+        .ok()
+        .map(|secs| httpdate::fmt_http_date(UNIX_EPOCH + std::time::Duration::from_secs(secs)));
+    let mut out = HeaderMap::new();
     out.insert(header::CACHE_CONTROL, HeaderValue::from_static(CACHE_CONTROL));
     if let Ok(value) = HeaderValue::from_str(&e_tag) {
         out.insert(header::ETAG, value);
     }
+    if let Some(value) = modified.and_then(|m| HeaderValue::from_str(&m).ok()) {
+        out.insert(header::LAST_MODIFIED, value);
+    }
+    // Answered from what the store says of the object, before any of its bytes are read.
+    if unchanged(&headers, &e_tag) {
+        return (StatusCode::NOT_MODIFIED, out).into_response();
+    }
+    let mut bytes = reading.bytes;
+    let (kind, first) = match content_type(&key) {
+        "application/octet-stream" => {
+            // The first chunk says what the bytes are; it is sent first, then the rest as read.
+            let first = match bytes.next().await.transpose() {
+                Ok(first) => first,
+                Err(error) => {
+                    tracing::warn!(%error, %key, "cannot read an object for the media route");
+                    return (StatusCode::SERVICE_UNAVAILABLE, "object storage unavailable").into_response();
+                }
+            };
+            (first.as_deref().and_then(sniff).unwrap_or("application/octet-stream"), first)
+        }
+        kind => (kind, None),
+    };
+    out.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    out.insert(header::CONTENT_LENGTH, HeaderValue::from(reading.size));
     out.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    response
+    let body = Body::from_stream(futures_util::stream::iter(first.map(Ok)).chain(bytes));
+    (out, body).into_response()
+}
+
+/// Whether the client's `If-None-Match` names `e_tag` (or is `*`): it holds this version.
+fn unchanged(headers: &HeaderMap, e_tag: &str) -> bool {
+    headers.get_all(header::IF_NONE_MATCH).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).any(
+        |tag| {
+            let tag = tag.trim();
+            tag == "*" || tag.strip_prefix("W/").unwrap_or(tag) == e_tag
+        },
+    )
 }
 
 #[cfg(test)]

@@ -28,6 +28,8 @@ impl Handler for ImageCleanup {
             return Err(HandlerError::permanent(format!("MovieDeleted names no usable movie id: {id:?}")));
         }
         let prefix = format!("posters/{id}");
+        // After a sync or conversion of the movie in flight, which would store objects after it.
+        let _turn = crate::lock_movie(id).await;
         let deleted = self.objects.delete_prefix(&prefix).await.map_err(HandlerError::retryable)?;
         tracing::info!(movie_id = id, deleted, "images of a deleted movie removed");
         Ok(())

@@ -10,7 +10,10 @@
 //!   `ImageStored` brings its own conversion), and so does an original whose digest is no longer
 //!   the event's (its bytes are not the ones this event stored);
 //! - `RecordPosterVariants` answers FAILED_PRECONDITION when the recorded original changed in
-//!   between, which is done for the same reason.
+//!   between, which is done for the same reason, and NOT_FOUND when the movie was deleted, whose
+//!   images then go here (a cleanup may have run before these were stored);
+//! - a conversion takes its turn on the movie's objects (the crate's doc), so a sync never
+//!   replaces the original, nor a cleanup removes the folder, while it reads and writes.
 //!
 //! An original that does not decode (or is larger than the decoder's limits) is a permanent
 //! failure naming the key; nothing is written for it.
@@ -297,6 +300,7 @@ impl Handler for ImageConversion {
                 stored.key
             )));
         }
+        let _turn = crate::lock_movie(movie_id).await;
         let Some(variants) = self.variants(movie_id, &stored.key, &stored.sha256).await? else { return Ok(()) };
         if variants.is_empty() {
             // Narrower than every configured width: the original is all there is.
@@ -315,9 +319,18 @@ impl Handler for ImageConversion {
                 tracing::info!(movie_id, ?sizes, changed = reply.into_inner().changed, "poster variants stored");
                 Ok(())
             }
-            // Deleted, or replaced by a newer original since: nothing of this event to record.
-            Err(status) if matches!(status.code(), Code::NotFound | Code::FailedPrecondition) => {
+            // Replaced by a newer original since: nothing of this event to record (the newer
+            // one's sync cleared the variants before storing it, and its conversion makes them).
+            Err(status) if status.code() == Code::FailedPrecondition => {
                 tracing::info!(movie_id, reason = status.message(), "poster variants not recorded");
+                Ok(())
+            }
+            // Deleted: image cleanup may have run before these variants were stored (another
+            // process's; this one's waits its turn), so they go here, as poster-sync does.
+            Err(status) if status.code() == Code::NotFound => {
+                tracing::info!(movie_id, "the movie was deleted meanwhile; its images are removed");
+                let prefix = format!("posters/{movie_id}");
+                self.objects.delete_prefix(&prefix).await.map_err(HandlerError::retryable)?;
                 Ok(())
             }
             Err(status) => Err(HandlerError::from_call("RecordPosterVariants", &status)),

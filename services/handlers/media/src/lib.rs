@@ -8,6 +8,14 @@
 //! makes the variants and records them (`Movies.RecordPosterVariants`: `PosterConverted`);
 //! `image-cleanup` (on `MovieDeleted`) removes the movie's folder. Each is safe to run twice on
 //! the same event and to crash at any point: see the module docs.
+//!
+//! The keys are a movie's, not a poster's, so the three take turns on a movie's folder: one
+//! handler's work on a movie at a time in the process ([`lock_movie`]). Else two syncs of one
+//! movie run side by side (the consumer runs batches at once) could delete what the other
+//! stored, a late sync could overwrite a newer poster, and a conversion of a replaced original
+//! or one racing a cleanup could leave variants behind. A deployment runs one media process per
+//! object store (`reelay run`, and the one-replica media Deployment in `k8s/`); processes sharing
+//! one store do not take turns.
 
 mod cleanup;
 pub mod convert;
@@ -90,6 +98,27 @@ impl Default for MediaSettings {
             allow_private: None,
         }
     }
+}
+
+/// Waits for this process's turn on `movie_id`'s objects, held until the guard is dropped (see
+/// the crate's doc).
+pub(crate) async fn lock_movie(movie_id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+    type Locks = std::collections::HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>;
+    static LOCKS: std::sync::LazyLock<std::sync::Mutex<Locks>> = std::sync::LazyLock::new(Default::default);
+    let lock = {
+        let mut locks = LOCKS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Movies no task holds or waits for are forgotten: the map holds those in flight.
+        locks.retain(|_, lock| lock.strong_count() > 0);
+        match locks.get(movie_id).and_then(std::sync::Weak::upgrade) {
+            Some(lock) => lock,
+            None => {
+                let lock = Arc::new(tokio::sync::Mutex::new(()));
+                locks.insert(movie_id.to_owned(), Arc::downgrade(&lock));
+                lock
+            }
+        }
+    };
+    lock.lock_owned().await
 }
 
 /// The handlers of this crate, in registry order.
@@ -203,6 +232,19 @@ mod tests {
     #[test]
     fn digests_are_lower_hex() {
         assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
+
+    /// Work on one movie takes turns; another movie's does not wait for it.
+    #[tokio::test]
+    async fn one_movie_at_a_time() {
+        let held = lock_movie("turns-a").await;
+        let same = tokio::spawn(async { lock_movie("turns-a").await });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!same.is_finished(), "the same movie waits for its turn");
+        let other = tokio::time::timeout(std::time::Duration::from_secs(5), lock_movie("turns-b")).await;
+        assert!(other.is_ok(), "another movie does not wait");
+        drop(held);
+        tokio::time::timeout(std::time::Duration::from_secs(5), same).await.expect("then it runs").unwrap();
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! `Movies.RecordPoster`, which raises `PosterSynced` and `ImageStored` in one transaction.
 //!
 //! Exactly once, across redeliveries and crashes:
-//! - a poster already recorded from the same URL is skipped (no download, no write, no event);
+//! - a poster already recorded from the same URL is skipped (no download, no write, no event),
+//!   and one downloaded whose bytes are the ones stored is recorded from its URL without being
+//!   written again (its variants stay);
 //! - a crash after the object write and before `RecordPoster` is retried: the retry finds the
 //!   object (no poster recorded yet) and, beside it, `original.from` naming the URL it came
 //!   from, records it, and the events are raised once. The note is written after the object
@@ -15,7 +17,9 @@
 //!   finds no movie) has every object of it removed here: image cleanup may have run before
 //!   the write;
 //! - `RecordPoster` carries a request id derived from the event, and a repeat of the same key and
-//!   digest raises nothing anyway.
+//!   digest raises nothing anyway;
+//! - a sync takes its turn on the movie's objects (the crate's doc), from reading what is
+//!   recorded to recording, so two syncs of one movie never interleave.
 //!
 //! Failures: a 404/410, another 4xx, a declared non-image `Content-Type` (`text/html`; a generic
 //! `application/octet-stream` or none is judged by the bytes), bytes that are not an image, a
@@ -306,6 +310,8 @@ impl Handler for PosterSync {
             return Ok(());
         };
         let movie_id = enriched.movie_id.as_str();
+        // Its turn on the movie's objects, before it reads what is recorded of them.
+        let _turn = crate::lock_movie(movie_id).await;
         let request = v1::GetMovieRequest { movie_id: movie_id.to_owned() };
         let movie = match self.movies.clone().get_movie(request).await {
             Ok(movie) => movie.into_inner(),
@@ -336,27 +342,30 @@ impl Handler for PosterSync {
             Some(poster) => poster,
             None => {
                 let poster = self.download(url).await?;
-                // The same bytes from a new URL (another host, a cache-busting query): the
-                // stored poster and its variants stay, and only where it came from is recorded.
-                if recorded && self.stored(&key).await?.is_some_and(|stored| stored.bytes == poster.bytes) {
-                    tracing::info!(movie_id, url, "the poster at the new URL is the one stored; keeping it");
-                    return self.record(event, movie_id, &key, url, &poster).await;
-                }
-                // A new poster: every variant under the movie's prefix is stale (the recorded
-                // ones, and any written and never recorded: a conversion that failed half-way,
-                // another width setting), and conversion probes their keys, so they go first.
-                let prefix = format!("posters/{movie_id}");
-                for stale in self.objects.list(&prefix).await.map_err(HandlerError::retryable)? {
-                    if stale != key {
-                        self.objects.delete(&stale).await.map_err(HandlerError::retryable)?;
+                if self.stored(&key).await?.is_some_and(|stored| stored.bytes == poster.bytes) {
+                    // The bytes stored already (the same poster from a new URL: another host, a
+                    // cache-busting query): the stored poster and its variants stay, and where
+                    // it came from is recorded. Never deleted and written again, which would
+                    // lose variants a record of the same digest keeps listing.
+                    tracing::info!(movie_id, url, "the poster downloaded is the one stored; keeping it");
+                } else {
+                    // A new poster: every variant under the movie's prefix is stale (the
+                    // recorded ones, and any written and never recorded: a conversion that
+                    // failed half-way, another width setting), and conversion probes their keys,
+                    // so they go first.
+                    let prefix = format!("posters/{movie_id}");
+                    for stale in self.objects.list(&prefix).await.map_err(HandlerError::retryable)? {
+                        if stale != key {
+                            self.objects.delete(&stale).await.map_err(HandlerError::retryable)?;
+                        }
                     }
-                }
-                self.objects.put(&key, poster.bytes.clone()).await.map_err(HandlerError::retryable)?;
-                let note = Bytes::from(url.to_owned());
-                self.objects.put(&source_key(movie_id), note).await.map_err(HandlerError::retryable)?;
-                if reelay_kit::failpoint_armed("poster_sync_after_put") {
-                    tracing::error!("failpoint poster_sync_after_put: aborting before RecordPoster");
-                    std::process::abort();
+                    self.objects.put(&key, poster.bytes.clone()).await.map_err(HandlerError::retryable)?;
+                    let note = Bytes::from(url.to_owned());
+                    self.objects.put(&source_key(movie_id), note).await.map_err(HandlerError::retryable)?;
+                    if reelay_kit::failpoint_armed("poster_sync_after_put") {
+                        tracing::error!("failpoint poster_sync_after_put: aborting before RecordPoster");
+                        std::process::abort();
+                    }
                 }
                 poster
             }
@@ -364,8 +373,8 @@ impl Handler for PosterSync {
         self.record(event, movie_id, &key, url, &poster).await?;
         // Recorded: the movie's source URL says where it came from now. A crash before this
         // delete leaves a note that is read only while nothing is recorded, and the next new
-        // poster's clearing of stale keys removes it. (The same poster from a new URL, recorded
-        // above, wrote no note.)
+        // poster's clearing of stale keys removes it; a retry that finds the bytes stored
+        // comes here too.
         self.objects.delete(&source_key(movie_id)).await.map_err(HandlerError::retryable)
     }
 }
