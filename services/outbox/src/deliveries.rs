@@ -1293,9 +1293,9 @@ pub(crate) const STATS: &str = "WITH ordered AS ( \
          SELECT handler, position, ROW_NUMBER() OVER w AS n, LEAD(position) OVER w AS next \
              FROM handler_cursors WINDOW w AS (ORDER BY position, handler)), \
      stretches AS ( \
-         SELECT handler, position, n, (SELECT COUNT(*) FROM event_queue q \
+         SELECT handler, position, n, CASE WHEN ?1 THEN (SELECT COUNT(*) FROM event_queue q \
              WHERE q.status IN ('pending', 'processing', 'done', 'dead_lettered') \
-                 AND q.id > o.position AND q.id <= COALESCE(o.next, 9223372036854775807)) AS rows \
+                 AND q.id > o.position AND q.id <= COALESCE(o.next, 9223372036854775807)) ELSE 0 END AS rows \
          FROM ordered o), \
      cursors AS ( \
          SELECT handler, position, SUM(rows) OVER (ORDER BY n DESC ROWS UNBOUNDED PRECEDING) AS behind \
@@ -1310,8 +1310,11 @@ pub(crate) const STATS: &str = "WITH ordered AS ( \
         (SELECT h.delivered FROM handler_cursors h WHERE h.handler = c.handler) \
      FROM cursors c ORDER BY c.handler";
 
-pub async fn stats(conn: &mut sqlx::SqliteConnection) -> Result<Vec<HandlerStats>, sqlx::Error> {
-    let rows = sqlx::query(STATS).fetch_all(conn).await?;
+/// Where each registered handler stands. `cursors`: the db backend, where a handler's backlog is
+/// the rows after its cursor; on nats the cursors never move (the backlog is its consumer's),
+/// and counting after them would read every retained row for nothing (`behind` is 0 there).
+pub async fn stats(conn: &mut sqlx::SqliteConnection, cursors: bool) -> Result<Vec<HandlerStats>, sqlx::Error> {
+    let rows = sqlx::query(STATS).bind(cursors).fetch_all(conn).await?;
     Ok(rows
         .into_iter()
         .map(|r| HandlerStats {

@@ -37,7 +37,7 @@ pub struct HandlerStatus {
 pub async fn status(conn: &mut SqliteConnection, now: i64, cursors: bool) -> Result<Status, sqlx::Error> {
     let outbox = queue::stats(conn, now, cursors).await?;
     let mut handlers = Vec::new();
-    for h in deliveries::stats(conn).await? {
+    for h in deliveries::stats(conn, cursors).await? {
         let (pending, oldest) = if cursors {
             // The first row after the cursor, or the oldest event among its open deliveries
             // (through the ledger's index of them, then each event's row by its key).

@@ -765,7 +765,7 @@ async fn every_handlers_standing_is_what_counting_its_own_rows_gives() {
     .unwrap();
 
     let mut conn = db.reads.acquire().await.unwrap();
-    let stats = deliveries::stats(&mut conn).await.unwrap();
+    let stats = deliveries::stats(&mut conn, true).await.unwrap();
     assert_eq!(stats.iter().map(|h| h.handler.as_str()).collect::<Vec<_>>(), handlers);
     for h in &stats {
         let (count, first): (i64, Option<i64>) = sqlx::query_as(
@@ -781,6 +781,11 @@ async fn every_handlers_standing_is_what_counting_its_own_rows_gives() {
     let behind: Vec<u64> = stats.iter().map(|h| h.behind).collect();
     assert_eq!(behind, [47, 36, 36, 27, 0, 0]);
     assert_eq!(stats[3].first_behind_at, Some(t0() + 340), "d: the gap's last row is behind its cursor");
+    // On nats the cursors never move, and nothing is counted after them.
+    let on_nats = deliveries::stats(&mut conn, false).await.unwrap();
+    assert!(on_nats.iter().all(|h| h.behind == 0), "{on_nats:?}");
+    let open = |s: &[deliveries::HandlerStats]| s.iter().map(|h| (h.in_progress, h.retrying)).collect::<Vec<_>>();
+    assert_eq!(open(&on_nats), open(&stats), "its open deliveries are counted the same");
 
     // The operator's view: a's oldest is its first row after the cursor (id 11); the outbox's
     // oldest due is the first pending row after the lowest cursor (id 12).

@@ -3,7 +3,8 @@
 //! file validates requests (naming the field) and maps the answers, and samples the same status
 //! into the write service's gauges when Prometheus scrapes.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 
@@ -450,28 +451,53 @@ static FEDERATION_SERVERS: LazyLock<Gauge> = LazyLock::new(|| {
     )
 });
 
+/// How many times its own cost apart two samples of the outbox are taken, at the least, once
+/// one costs [`SPACED_FROM`] or more (a cheaper one is taken at every scrape).
+const SAMPLE_SPACING: u32 = 20;
+const SPACED_FROM: Duration = Duration::from_secs(1);
+
 /// Samples the outbox and every handler's standing into gauges whenever Prometheus scrapes, by
 /// the same query `Admin.Status` answers with (so the two always agree), how long the writer
 /// has been on its batch in hand, and the federation's failing servers (`leaves_servers_out`:
 /// whether unavailable ones are left out of fan-outs, REELAY_FEDERATION_UNAVAILABLE_AFTER_SECS
 /// not 0).
+///
+/// The read by status goes through every retained outbox row (about 0.1 s per million; on db the
+/// handlers' backlog as much again), so a
+/// sample that took `t` of [`SPACED_FROM`] or more is taken again only [`SAMPLE_SPACING`] × `t`
+/// later, the last values served in between: with millions of rows the gauges lag by seconds
+/// rather than the scrapes costing a core.
+/// Whether a sample is due after the last one, taken at `.0` in `.1` (see [`sample_status`]).
+fn sample_due(last: Option<(Instant, Duration)>) -> bool {
+    last.is_none_or(|(at, cost)| cost < SPACED_FROM || at.elapsed() >= cost * SAMPLE_SPACING)
+}
+
 pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
     for gauge in
         [&OUTBOX_ROWS, &OLDEST_DUE, &HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS, &WRITER_BUSY, &FEDERATION_SERVERS]
     {
         LazyLock::force(gauge);
     }
+    let last: Arc<Mutex<Option<(Instant, Duration)>>> = Arc::default();
     metrics::add_sampler(Arc::new(move || -> BoxFuture<'static, ()> {
-        let db = db.clone();
+        let (db, last) = (db.clone(), last.clone());
         Box::pin(async move {
             // First, and read from memory: it must show even when the database cannot be read.
             WRITER_BUSY.set(&[], db.writer.busy_for().as_secs_f64());
+            if !sample_due(*last.lock().unwrap_or_else(PoisonError::into_inner)) {
+                return;
+            }
+            let mut started = Instant::now();
             let status = async {
                 let mut conn = db.reads.acquire().await?;
+                // The cost is the reads', not the wait for a connection.
+                started = Instant::now();
                 let servers = federation_servers(&mut conn, leaves_servers_out).await?;
                 Ok::<_, sqlx::Error>((inspect::status(&mut conn, now_ms(), bus == Bus::Db).await?, servers))
             };
-            let (s, (failing, unavailable)) = match status.await {
+            let status = status.await;
+            *last.lock().unwrap_or_else(PoisonError::into_inner) = Some((started, started.elapsed()));
+            let (s, (failing, unavailable)) = match status {
                 Ok(s) => s,
                 Err(error) => {
                     // Their last values are served (left out, a firing alert on them would
@@ -511,6 +537,16 @@ pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cheap sample is taken at every scrape; a costly one only twenty times its cost later.
+    #[test]
+    fn costly_samples_are_spaced_by_their_cost() {
+        let ago = |secs: u64| Instant::now() - Duration::from_secs(secs);
+        assert!(sample_due(None));
+        assert!(sample_due(Some((Instant::now(), Duration::from_millis(900)))), "under a second: every scrape");
+        assert!(!sample_due(Some((ago(30), Duration::from_secs(2)))), "2 s: 40 s apart");
+        assert!(sample_due(Some((ago(41), Duration::from_secs(2)))));
+    }
 
     /// However many pairs an action changed, its answer names at most 10,000 of each kind, and
     /// counts them all.

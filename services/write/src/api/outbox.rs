@@ -329,7 +329,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
     async fn stats(&self, _request: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
         let mut conn = self.db.reads.acquire().await.map_err(WriteError::from)?;
         let s = queue::stats(&mut conn, now_ms(), self.bus == Bus::Db).await.map_err(WriteError::from)?;
-        let handlers = deliveries::stats(&mut conn)
+        let handlers = deliveries::stats(&mut conn, self.bus == Bus::Db)
             .await
             .map_err(WriteError::from)?
             .into_iter()
