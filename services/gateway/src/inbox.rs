@@ -3,10 +3,12 @@
 //! Checks, in order, each refusing before anything is written:
 //! 1. the body is at most `max_body_bytes` (413; the body limit layer);
 //! 2. a per-user inbox names a local user (404);
-//! 3. a `Signature` header parses, covers `(request-target) host date digest` (401), and the
-//!    `Host` it signs is this server's public one (401);
-//! 4. the `Date` is within the allowed skew: 12 h old at most, 1 h ahead at most, as Mastodon
-//!    allows (401);
+//! 3. a `Signature` header parses, covers `(request-target) host date digest` (401; `(created)`
+//!    may stand for `date`), and the `Host` it signs is this server's public one (401);
+//! 4. the signed time is within the allowed skew: 12 h old at most, 1 h ahead at most, as
+//!    Mastodon allows (401): the `Date` header when the signature covers it, its `created`
+//!    parameter when it has one (and when it covers `(created)` in place of `date`, the `Date`
+//!    header, unsigned, is not looked at);
 //! 5. the `Digest` matches the body (401);
 //! 6. the signer's key (fetched and cached; fetched again once if the cached one fails) verifies
 //!    the signature (401; why a key could not be had is logged, not answered; 503 when a retry
