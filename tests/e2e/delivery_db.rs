@@ -1335,7 +1335,8 @@ async fn one_claim_call_serves_several_handlers() {
     let claimed = query_strings(&db, "SELECT COUNT(*) || '' FROM processed_events").await;
     assert_eq!(claimed, vec![vec!["0".to_owned()]], "bad calls claimed nothing");
     // An instance name whose claims it would refuse (too long for an owner) is refused too.
-    for instance in [String::new(), "n".repeat(reelay_domain::MAX_INSTANCE_BYTES + 1), "a#b".into()] {
+    // ("1-2" is the incarnation: with '#', 4 bytes of the owner.)
+    for instance in [String::new(), "n".repeat(reelay_domain::MAX_OWNER_BYTES - 3), "a#b".into()] {
         let release = v1::ReleaseInstanceRequest { instance, incarnation: "1-2".into() };
         let refused = c.outbox.release_instance(release).await.unwrap_err();
         assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");

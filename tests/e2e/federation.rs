@@ -607,6 +607,20 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await, 0, "nothing came back");
     assert_eq!(events_of(&a.database, "RemoteReviewSaved").await.len(), 2, "the Create and the Update");
+    // An Update making a kept review followers-only deletes it: search shows kept reviews to
+    // everyone.
+    let kept = review_note(&peer, "alice", 4, "Stalker", 1979, "Soon for followers only.");
+    assert_eq!(peer.send("alice", &inbox, &kept).await, 202);
+    wait_until!("the public review is kept", count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await == 1);
+    let mut private = kept.clone();
+    private["type"] = json!("Update");
+    private["id"] = json!(format!("{}/statuses/4#updates/1", peer.actor("alice")));
+    private["object"]["to"] = private["object"]["cc"].clone();
+    assert_eq!(peer.send("alice", &inbox, &private).await, 202);
+    wait_until!(
+        "the review made followers-only is deleted",
+        count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await == 0
+    );
     // Nor can an actor delete, ahead of time, an id of another server.
     let mut elsewhere = delete_of(3, 1);
     elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");

@@ -128,7 +128,7 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
 
 /// Whether `object` is addressed to the public: the public collection among its `to` or `cc`
 /// (one or a list, by id or compacted as `as:Public` or `Public`).
-fn is_public(object: &Value) -> bool {
+pub fn is_public(object: &Value) -> bool {
     let public = |v: &Value| id_of(v).is_some_and(|id| matches!(id, PUBLIC | "as:Public" | "Public"));
     ["to", "cc"].iter().filter_map(|field| object.get(*field)).any(|addressed| match addressed {
         Value::Array(list) => list.iter().any(public),

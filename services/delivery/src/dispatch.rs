@@ -797,7 +797,7 @@ impl Dispatcher {
                             dead.push(v1::LedgerDeadLetter {
                                 key: Some(owned),
                                 attempts: deliveries[d].attempt,
-                                error: error.to_string(),
+                                error: reelay_domain::clip_error(&error.to_string()),
                             });
                         }
                         Err(_) => release.push(owned),

@@ -51,9 +51,11 @@ impl<T> AckHandle<T> {
         Settlement { ack: self, kind: SettleKind::Ack }
     }
 
-    /// Failed: deliver again after `delay`, spending an attempt.
-    pub fn nak(self, delay: Duration, error: impl Into<String>) -> Settlement<T> {
-        Settlement { ack: self, kind: SettleKind::Nak { delay, error: error.into() } }
+    /// Failed: deliver again after `delay`, spending an attempt. The error is kept to
+    /// [`reelay_domain::MAX_ERROR_CHARS`] (the write service keeps no more, and a batch of
+    /// settlements must fit a message).
+    pub fn nak(self, delay: Duration, error: impl AsRef<str>) -> Settlement<T> {
+        Settlement { ack: self, kind: SettleKind::Nak { delay, error: reelay_domain::clip_error(error.as_ref()) } }
     }
 
     /// Not now: deliver again at `until_ms` without spending an attempt (where the backend can).
@@ -61,9 +63,9 @@ impl<T> AckHandle<T> {
         Settlement { ack: self, kind: SettleKind::Defer { until_ms } }
     }
 
-    /// Never deliver again.
-    pub fn term(self, reason: impl Into<String>) -> Settlement<T> {
-        Settlement { ack: self, kind: SettleKind::Term { reason: reason.into() } }
+    /// Never deliver again (the reason kept as [`AckHandle::nak`]'s error is).
+    pub fn term(self, reason: impl AsRef<str>) -> Settlement<T> {
+        Settlement { ack: self, kind: SettleKind::Term { reason: reelay_domain::clip_error(reason.as_ref()) } }
     }
 }
 

@@ -15,6 +15,15 @@ pub use events::{EVENT_TYPES, NewEvent, RetryPolicy, retry_backoff, retry_horizo
 pub use ids::{EventId, MovieId, ReviewId, UserId, WrapUpId};
 pub use validate::ValidationError;
 
+/// The most characters of a failure's text kept (a delivery's, a relay row's, a dead
+/// letter's); a caller sends no more, so a batch of long errors never outgrows a message.
+pub const MAX_ERROR_CHARS: usize = 2000;
+
+/// `error` cut to [`MAX_ERROR_CHARS`] characters.
+pub fn clip_error(error: &str) -> String {
+    error.chars().take(MAX_ERROR_CHARS).collect()
+}
+
 /// The longest claimer name (`<instance>#<incarnation>`) the write service takes, in bytes.
 pub const MAX_OWNER_BYTES: usize = 200;
 /// The longest instance name, in bytes: with `#` and an incarnation (`<pid>-<ms>`, at most 24

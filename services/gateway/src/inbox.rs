@@ -33,7 +33,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use reelay_activitypub::documents::{id_of, same_origin};
-use reelay_activitypub::note::{NoteError, read_review};
+use reelay_activitypub::note::{NoteError, is_public, read_review};
 use reelay_activitypub::signature::{SignatureParams, digest_matches};
 use reelay_activitypub::time::{http_date_age_secs, now_ms};
 use reelay_contracts::v1::{self, get_local_actor_request};
@@ -161,16 +161,24 @@ impl Gateway {
             }
         };
         let was_cached = self.keys.is_cached(&params.key_id);
-        let mut signer = match self.keys.get(&params.key_id, false).await {
-            Ok(signer) => signer,
+        let (mut signer, stand_in) = match self.keys.get(&params.key_id, false).await {
+            Ok(key) => (key.actor, key.stand_in),
             Err(error) => return no_key(error),
         };
         if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
+            if stand_in {
+                // The key that stood in (its server could not be asked) may be an old one: the
+                // sender's retry may find the new one fetched.
+                return Err(Unverified::Refused(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the key of keyId {:?} cannot be fetched again just now", params.key_id),
+                ));
+            }
             if !was_cached {
                 return unauthorized("the signature does not verify with the signer's key".into());
             }
             signer = match self.keys.get(&params.key_id, true).await {
-                Ok(signer) => signer,
+                Ok(key) => key.actor,
                 Err(error) => return no_key(error),
             };
             if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
@@ -365,6 +373,14 @@ impl Gateway {
 
     async fn save_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
         let Some(object) = activity.get("object").filter(|o| o.is_object()) else { return Ok(false) };
+        // A review edited to followers-only or direct is no longer one to keep (search shows
+        // kept reviews to everyone): it goes as at its author's Delete, and stays gone.
+        if activity.get("type").and_then(Value::as_str) == Some("Update")
+            && object.get("film").is_some()
+            && !is_public(object)
+        {
+            return self.delete_review(signer, id, activity).await;
+        }
         let note = match read_review(object) {
             Ok(note) => note,
             Err(NoteError::NotAReview(_)) => return Ok(false),

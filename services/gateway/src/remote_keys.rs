@@ -16,11 +16,14 @@
 //! the id an actor document claims) is at most [`MAX_URI_CHARS`] long, and a failure is kept as
 //! a short reason, so what a failed fetch leaves in memory is small whatever a document says.
 //!
-//! Since anyone can spend a host's share with key ids of their choosing, a key fetched before
-//! stands while its server cannot be asked about it (unreachable, busy, or its share spent):
-//! the key it published last is used past [`RemoteKeys::new`]'s time to live, rather than its
-//! signed requests refused until the fetch passes. The cache starts over only when full, first
-//! dropping what is past that time, then the half least recently used.
+//! Since anyone can spend a host's share with key ids of their choosing, a key id already cached
+//! is fetched again outside that share (its own refetches are bounded: once per time to live,
+//! or per [`MIN_REFETCH`] after a failed signature, or per [`FAILED_FOR`] after a failed fetch).
+//! And while its server cannot be asked (unreachable, failing, busy), the key it published last
+//! stands in for up to [`STAND_IN_FOR`] past [`RemoteKeys::new`]'s time to live, rather than its
+//! signed requests refused until the fetch passes; a signature that fails with a stand-in is
+//! answered 503 (the real key may be fetched on the sender's retry). The cache starts over only
+//! when full, first dropping what is past that time, then the half least recently used.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -44,6 +47,8 @@ const MAX_URI_CHARS: usize = 2048;
 pub const FAILED_FOR: Duration = Duration::from_secs(60);
 /// The least time between two fetches of one key id.
 pub const MIN_REFETCH: Duration = Duration::from_secs(30);
+/// How long past its time to live a cached key stands in while its server cannot be asked.
+pub const STAND_IN_FOR: Duration = Duration::from_secs(3 * 86_400);
 /// The most fetches from one host in a minute (a server's first contact with many of its
 /// actors at once is answered 503 past it, which a sender retries).
 pub const FETCHES_PER_HOST: u32 = 60;
@@ -105,6 +110,15 @@ impl KeyFetchError {
     }
 }
 
+/// A signer's key as [`RemoteKeys::get`] has it.
+#[derive(Debug, Clone)]
+pub struct SignerKey {
+    pub actor: Arc<RemoteActor>,
+    /// Past its time to live, standing in while its server cannot be asked (see the module's
+    /// comment): a signature that fails with it may pass with the key fetched later.
+    pub stand_in: bool,
+}
+
 /// A fetched signer: when it was fetched and last used.
 struct Cached {
     fetched: Instant,
@@ -142,7 +156,7 @@ impl RemoteKeys {
     ///
     /// A cached signer past its time to live is fetched again, and still used when that fetch
     /// fails in a way a later one may pass (see the module's comment).
-    pub async fn get(&self, key_id: &str, refresh: bool) -> Result<Arc<RemoteActor>, KeyFetchError> {
+    pub async fn get(&self, key_id: &str, refresh: bool) -> Result<SignerKey, KeyFetchError> {
         let cached = {
             let mut cache = self.cache.lock().expect("key cache lock");
             cache.get_mut(key_id).map(|entry| {
@@ -150,31 +164,34 @@ impl RemoteKeys {
                 (entry.fetched, entry.actor.clone())
             })
         };
-        let stale = match cached {
-            Some((fetched, actor)) if fetched.elapsed() < if refresh { MIN_REFETCH } else { self.ttl } => {
-                return Ok(actor);
+        let fresh_for = if refresh { MIN_REFETCH } else { self.ttl };
+        let stand_in = match &cached {
+            Some((fetched, actor)) if fetched.elapsed() < fresh_for => {
+                return Ok(SignerKey { actor: actor.clone(), stand_in: false });
             }
             // After a failed signature, the cached key is the one that failed: no stand-in.
-            Some((_, actor)) if !refresh => Some(actor),
+            Some((fetched, actor)) if !refresh && fetched.elapsed() < self.ttl + STAND_IN_FOR => Some(actor.clone()),
             _ => None,
         };
-        match self.fetch_and_keep(key_id).await {
-            Err(error) if error.is_transient() && stale.is_some() => {
-                tracing::info!(key_id, %error, "the signer's key cannot be fetched again now; the one fetched before stands");
-                Ok(stale.expect("checked above"))
+        match (self.fetch_and_keep(key_id, cached.is_some()).await, stand_in) {
+            (Ok(actor), _) => Ok(SignerKey { actor, stand_in: false }),
+            (Err(error), Some(actor)) if error.is_transient() => {
+                tracing::info!(key_id, %error, "the signer's key cannot be fetched again now; the one fetched before stands in");
+                Ok(SignerKey { actor, stand_in: true })
             }
-            fetched => fetched,
+            (Err(error), _) => Err(error),
         }
     }
 
-    /// Fetches the signer of `key_id` (unless its fetch failed a moment ago) and caches it.
-    async fn fetch_and_keep(&self, key_id: &str) -> Result<Arc<RemoteActor>, KeyFetchError> {
+    /// Fetches the signer of `key_id` (unless its fetch failed a moment ago) and caches it;
+    /// `known`: it is cached already, and fetched outside its host's share.
+    async fn fetch_and_keep(&self, key_id: &str, known: bool) -> Result<Arc<RemoteActor>, KeyFetchError> {
         if let Some((at, failure)) = self.fetches.lock().expect("fetches lock").failed.get(key_id)
             && at.elapsed() < FAILED_FOR
         {
             return Err(KeyFetchError::RecentlyFailed(failure.clone()));
         }
-        let actor = match self.fetch(key_id).await {
+        let actor = match self.fetch(key_id, known).await {
             Ok(actor) => Arc::new(actor),
             // Not remembered: a throttled fetch was never made.
             Err(error @ KeyFetchError::Throttled(_)) => return Err(error),
@@ -222,41 +239,45 @@ impl RemoteKeys {
     /// Whether `url` answers 410 Gone now: asked again, not remembered, within its host's share
     /// of fetches.
     pub async fn answers_gone(&self, url: &str) -> bool {
-        matches!(self.fetch_document(url).await, Err(KeyFetchError::Fetch(FetchError::Status { status: 410, .. })))
+        let fetched = self.fetch_document(url, false).await;
+        matches!(fetched, Err(KeyFetchError::Fetch(FetchError::Status { status: 410, .. })))
     }
 
     /// True when a fresh cached key was used (worth a refetch if it fails; a stale one was
-    /// fetched again anyway).
+    /// fetched again, or stood in).
     pub fn is_cached(&self, key_id: &str) -> bool {
         self.cache.lock().expect("key cache lock").get(key_id).is_some_and(|c| c.fetched.elapsed() < self.ttl)
     }
 
-    async fn fetch_document(&self, url: &str) -> Result<Value, KeyFetchError> {
+    /// Fetches `url`, within its host's share unless `known` (see the module's comment).
+    async fn fetch_document(&self, url: &str, known: bool) -> Result<Value, KeyFetchError> {
         bounded("document URL", url)?;
         let request = Outgoing::get(url).map_err(KeyFetchError::Fetch)?;
-        self.may_fetch(url)?;
+        if !known {
+            self.may_fetch(url)?;
+        }
         self.http.fetch_json(request).await.map_err(KeyFetchError::Fetch)
     }
 
     /// The actor `document` fetched from `url`, as its own id's URL serves it: a document may
     /// say it is anyone, so one whose id is not `url` (a key URL that answers with the actor,
     /// as some servers do, or a forgery) is fetched again from its id, which must then match.
-    async fn as_itself(&self, url: &str, document: Value) -> Result<Value, KeyFetchError> {
+    async fn as_itself(&self, url: &str, document: Value, known: bool) -> Result<Value, KeyFetchError> {
         let id = id_of(&document).ok_or_else(|| invalid("the actor has no id"))?;
         if id == url {
             return Ok(document);
         }
-        let own = self.fetch_document(id).await?;
+        let own = self.fetch_document(id, known).await?;
         if id_of(&own) != Some(id) {
             return Err(invalid(format!("the actor document at {url} says it is {id}, whose document does not")));
         }
         Ok(own)
     }
 
-    async fn fetch(&self, key_id: &str) -> Result<RemoteActor, KeyFetchError> {
+    async fn fetch(&self, key_id: &str, known: bool) -> Result<RemoteActor, KeyFetchError> {
         bounded("key id", key_id)?;
         let document_url = key_document(key_id);
-        let document = self.fetch_document(document_url).await?;
+        let document = self.fetch_document(document_url, known).await?;
         let (actor, key) = if document.get("publicKeyPem").is_some() {
             // The key itself: its owner is the actor, which must publish it too (else any key
             // could name anyone as its owner).
@@ -264,14 +285,14 @@ impl RemoteKeys {
                 return Err(invalid("the key document's id is not the key id"));
             }
             let owner = document.get("owner").and_then(Value::as_str).ok_or_else(|| invalid("the key has no owner"))?;
-            let fetched = self.fetch_document(owner).await?;
-            let actor = self.as_itself(owner, fetched).await?;
+            let fetched = self.fetch_document(owner, known).await?;
+            let actor = self.as_itself(owner, fetched, known).await?;
             let published =
                 published_key(&actor, key_id).ok_or_else(|| invalid("the key's owner does not publish that key"))?;
             // The owner's copy of the key counts, when it carries the PEM.
             (actor, if published.get("publicKeyPem").is_some() { published } else { document })
         } else {
-            let actor = self.as_itself(document_url, document).await?;
+            let actor = self.as_itself(document_url, document, known).await?;
             let key = published_key(&actor, key_id).ok_or_else(|| invalid("the actor does not publish that key"))?;
             (actor, key)
         };
@@ -377,8 +398,9 @@ mod tests {
         serving(|_, _| "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into()).await
     }
 
-    /// A key past its time to live whose server cannot answer now (503) is still used, and its
-    /// failed fetch is not repeated within a minute; a key never fetched has no stand-in.
+    /// A key past its time to live is fetched again outside its host's share (which others' key
+    /// ids can spend), and, its server not answering now (503), stands in; its failed fetch is
+    /// not repeated within a minute. A key never fetched has no stand-in.
     #[tokio::test]
     async fn a_stale_key_stands_while_its_server_cannot_answer() {
         use std::sync::atomic::Ordering;
@@ -401,16 +423,29 @@ mod tests {
         let keys = RemoteKeys::new(http, Duration::from_millis(1));
         let key_id = format!("{base}/users/alice#main-key");
         let fetched = keys.get(&key_id, false).await.unwrap();
+        assert!(!fetched.stand_in);
+        // Others' key ids on the host spend its share this minute (a key never fetched has no
+        // stand-in)...
+        let other = |n: u32| format!("{base}/users/u{n}#main-key");
+        for n in 1..FETCHES_PER_HOST {
+            let error = keys.get(&other(n), false).await.unwrap_err();
+            assert!(matches!(error, KeyFetchError::Fetch(_)) && error.is_transient(), "{error}");
+        }
+        assert!(matches!(keys.get(&other(0), false).await, Err(KeyFetchError::Throttled(_))));
+        assert_eq!(requests.load(Ordering::SeqCst), FETCHES_PER_HOST as usize);
+        // ...but a key id cached already is fetched again outside it, and stands in when that
+        // fetch fails.
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!keys.is_cached(&key_id), "past its time to live");
         let stale = keys.get(&key_id, false).await.unwrap();
-        assert!(Arc::ptr_eq(&fetched, &stale), "the key fetched before stands");
-        assert_eq!(requests.load(Ordering::SeqCst), 2, "it was asked for again");
-        assert!(Arc::ptr_eq(&keys.get(&key_id, false).await.unwrap(), &fetched));
-        assert_eq!(requests.load(Ordering::SeqCst), 2, "a failed fetch is not repeated at once");
-        let other = format!("{base}/users/bob#main-key");
-        let error = keys.get(&other, false).await.unwrap_err();
-        assert!(error.is_transient(), "a key never fetched has no stand-in: {error}");
+        assert!(Arc::ptr_eq(&fetched.actor, &stale.actor) && stale.stand_in, "the key fetched before stands in");
+        assert_eq!(requests.load(Ordering::SeqCst), FETCHES_PER_HOST as usize + 1, "it was asked for again");
+        assert!(Arc::ptr_eq(&keys.get(&key_id, false).await.unwrap().actor, &fetched.actor));
+        assert_eq!(
+            requests.load(Ordering::SeqCst),
+            FETCHES_PER_HOST as usize + 1,
+            "a failed fetch is not repeated at once"
+        );
     }
 
     /// A URL a document leads to (here the id an actor document claims) longer than any taken is

@@ -2,6 +2,10 @@
 //! until the work succeeds or, when bounded, until the retries are spent. The consumer pausing
 //! on an unreachable peer, the relay pausing on the broker or the write service, and start-up
 //! work racing other processes on one SQLite file all wait through it.
+//!
+//! Each wait is jittered: between half the delay and the whole of it, at random, so processes
+//! that met one failure together (every consumer when the write service restarts) do not come
+//! back in step, all at once, at every doubling.
 
 use std::fmt;
 use std::time::Duration;
@@ -27,7 +31,7 @@ impl Backoff {
         Self { first, max, max_retries: Some(max_retries), delay: first, retries: 0 }
     }
 
-    /// How long the next wait sleeps.
+    /// How long the next wait sleeps at most (at least half of it).
     pub fn delay(&self) -> Duration {
         self.delay
     }
@@ -54,7 +58,7 @@ impl Backoff {
             return false;
         }
         self.retries += 1;
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(jittered(self.delay)).await;
         self.delay = (self.delay * 2).min(self.max);
         true
     }
@@ -68,6 +72,12 @@ impl Backoff {
     fn spent(&self) -> bool {
         self.max_retries.is_some_and(|max| self.retries >= max)
     }
+}
+
+/// Between half of `delay` and all of it, at random.
+fn jittered(delay: Duration) -> Duration {
+    let half = delay / 2;
+    half + Duration::from_nanos(fastrand::u64(0..=(delay - half).as_nanos().min(u128::from(u64::MAX)) as u64))
 }
 
 #[cfg(test)]
@@ -88,6 +98,16 @@ mod tests {
         assert_eq!((backoff.delay(), backoff.retries()), (Duration::from_millis(100), 0));
     }
 
+    /// A wait is between half its delay and all of it, and waits of one delay differ.
+    #[test]
+    fn waits_are_jittered_within_half_the_delay() {
+        let delay = Duration::from_millis(100);
+        let waits: std::collections::BTreeSet<Duration> = (0..100).map(|_| jittered(delay)).collect();
+        assert!(waits.iter().all(|w| (delay / 2..=delay).contains(w)), "{waits:?}");
+        assert!(waits.len() > 50, "{} distinct waits of 100", waits.len());
+        assert_eq!(jittered(Duration::ZERO), Duration::ZERO);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn bounded_gives_up_after_its_retries() {
         let mut backoff = Backoff::bounded(Duration::from_millis(100), Duration::from_secs(1), 5);
@@ -97,8 +117,9 @@ mod tests {
             waits += 1;
         }
         assert_eq!(waits, 5);
-        // 100 + 200 + 400 + 800 + 1000 ms.
-        assert_eq!(started.elapsed(), Duration::from_millis(2500));
+        // 100 + 200 + 400 + 800 + 1000 ms at most, each wait at least half of its delay.
+        let waited = started.elapsed();
+        assert!((Duration::from_millis(1250)..=Duration::from_millis(2500)).contains(&waited), "{waited:?}");
         assert!(!backoff.sleep().await, "spent retries stay spent");
     }
 }

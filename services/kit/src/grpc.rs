@@ -403,7 +403,7 @@ where
                         Ok(Err(error)) => Err(error),
                         Err(_) => {
                             tracing::error!("handler panicked");
-                            GRPC_REQUESTS.inc(&[&label, "13"]);
+                            count_call(&label, "13", started);
                             Ok(Status::internal("the server failed unexpectedly (see its log)").into_http())
                         }
                     }

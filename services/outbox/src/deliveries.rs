@@ -1090,7 +1090,7 @@ pub async fn settle_many(
                         None => 0,
                         Some(attempts) => {
                             let attempts = attempts as u32 + 1;
-                            let error: String = error.chars().take(2000).collect();
+                            let error = reelay_domain::clip_error(error);
                             let dead = *terminal || attempts >= policy.max_attempts;
                             let (status, due) = if dead {
                                 tracing::error!(event_id = %s.key, handler, attempts, %error, "delivery dead-lettered for this handler");

@@ -335,7 +335,7 @@ pub struct DeadLetter {
 pub async fn dead_letter(tx: &mut WriteTx, dead: &[DeadLetter], now: i64) -> Result<Vec<bool>, sqlx::Error> {
     let mut owned = Vec::with_capacity(dead.len());
     for d in dead {
-        let error: String = d.error.chars().take(2000).collect();
+        let error = reelay_domain::clip_error(&d.error);
         let changed = sqlx::query(
             "UPDATE processed_events SET status = 'dead_lettered', attempts = ?, last_error = ?, processed_at = ?,              owner = NULL WHERE event_id = ? AND handler = ? AND started_at = ? AND status = 'in_progress'",
         )
@@ -418,7 +418,7 @@ pub async fn given_up(
             Some(Standing::Finished) => GivenUpOutcome::Finished,
             Some(Standing::HeldUntil(until)) => GivenUpOutcome::HeldUntil(until),
             Some(Standing::Free) | None => {
-                let error: String = pair.error.chars().take(2000).collect();
+                let error = reelay_domain::clip_error(&pair.error);
                 sqlx::query(
                     "INSERT INTO processed_events (event_id, handler, status, started_at, processed_at, attempts, last_error) \
                      VALUES (?1, ?2, 'dead_lettered', ?3, ?3, ?4, ?5) \

@@ -342,7 +342,7 @@ pub async fn fail(tx: &mut WriteTx, rows: &[FailedRow], now: i64, policy: QueueP
         let Some(held) = held else { continue };
         let attempts = held.get::<i64, _>(0) as u32 + 1;
         let event_id: Option<String> = held.get(1);
-        let error: String = failure.error.chars().take(2000).collect();
+        let error = reelay_domain::clip_error(&failure.error);
         if failure.terminal || attempts >= policy.max_attempts {
             sqlx::query("UPDATE event_queue SET status = 'dead_lettered', attempts = ?, last_error = ? WHERE id = ?")
                 .bind(i64::from(attempts))

@@ -139,9 +139,14 @@ fn slot_name(host: &str, dir: &Path, slot: u32) -> String {
         return name;
     }
     let last = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let last: String = last.chars().take(40).collect();
-    let prefix: String = prefix.chars().take(80).collect();
+    let (prefix, last) = (up_to_bytes(&prefix, 80), up_to_bytes(&last, 40));
     format!("{prefix}:…/{last}~{:016x}", fnv1a(&dir.display().to_string())).replace('#', "_")
+}
+
+/// The longest start of `text` of at most `bytes` bytes that ends on a character's boundary.
+fn up_to_bytes(text: &str, bytes: usize) -> &str {
+    let end = (0..=bytes.min(text.len())).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+    &text[..end]
 }
 
 /// FNV-1a of `text`: stable across builds and processes, which std's hasher does not promise.
@@ -231,6 +236,8 @@ mod tests {
         let c = default_name("host", &PathBuf::from(format!("/x{}", deep("data").display())), 1);
         assert_ne!(a, c, "another dir, another name");
         assert!(default_name(&"h".repeat(255), &deep("data"), 64).len() <= MAX_INSTANCE_BYTES);
+        let wide = default_name(&"é".repeat(100), &deep(&"映".repeat(60)), 64);
+        assert!(wide.len() <= MAX_INSTANCE_BYTES && wide.contains("…/映"), "cut in bytes, on characters: {wide}");
         let dir = tempfile::tempdir().unwrap();
         for name in [String::new(), "n".repeat(MAX_INSTANCE_BYTES + 1)] {
             let error = instance(Some(&name), "host", dir.path()).await.unwrap_err().to_string();

@@ -44,43 +44,45 @@ pub async fn purge_expired(db: Database, retention: Retention, interval: Duratio
             () = tokio::time::sleep(interval) => {}
         }
         let (cutoff, cursors) = (now_ms() - retention.outbox.as_millis() as i64, retention.bus == Bus::Db);
-        purge(&db, "outbox_purge", "outbox rows", move |tx| {
+        purge(&db, &shutdown, "outbox_purge", "outbox rows", move |tx| {
             Box::pin(async move { queue::purge_finished(tx, cutoff, cursors, BATCH).await })
         })
         .await;
         let (policy, abandoned_claims) = (retention.ledger, retention.bus == Bus::Nats);
         // Ledger rows, and handlers' builds long gone, in one job.
-        purge(&db, "ledger_purge", "ledger rows", move |tx| {
+        purge(&db, &shutdown, "ledger_purge", "ledger rows", move |tx| {
             Box::pin(async move { ledger::purge(tx, now_ms(), policy, BATCH, abandoned_claims).await })
         })
         .await;
         let cutoff = now_ms() - retention.request_ids.as_millis() as i64;
-        purge(&db, "request_id_purge", "request ids", move |tx| {
+        purge(&db, &shutdown, "request_id_purge", "request ids", move |tx| {
             Box::pin(async move { request_ids::purge(tx, cutoff, BATCH).await })
         })
         .await;
         let now = now_ms();
         let servers_cutoff = now - retention.failing_servers.as_millis() as i64;
-        purge_federation(&db, now - retention.federation.as_millis() as i64, servers_cutoff, BATCH).await;
+        purge_federation(&db, &shutdown, now - retention.federation.as_millis() as i64, servers_cutoff, BATCH).await;
     }
 }
 
 /// Deletes the federation's dedup records from before `cutoff_ms`, `batch` rows of each table
 /// per job.
-async fn purge_federation(db: &Database, cutoff_ms: i64, servers_cutoff_ms: i64, batch: u32) {
-    purge(db, "federation_purge", "federation dedup records", move |tx| {
+async fn purge_federation(db: &Database, shutdown: &Shutdown, cutoff_ms: i64, servers_cutoff_ms: i64, batch: u32) {
+    purge(db, shutdown, "federation_purge", "federation dedup records", move |tx| {
         Box::pin(async move { store::purge_federation_records(tx, cutoff_ms, servers_cutoff_ms, batch).await })
     })
     .await;
 }
 
-/// Runs `batch` (which deletes up to `BATCH` rows and says how many) until nothing is left.
-async fn purge<F>(db: &Database, job: &'static str, what: &str, batch: F)
+/// Runs `batch` (which deletes up to `BATCH` rows and says how many) until nothing is left, or
+/// until shutdown is asked for (a backlog of millions, after retention was lowered, would
+/// otherwise hold the stop past its grace period; the next start goes on with it).
+async fn purge<F>(db: &Database, shutdown: &Shutdown, job: &'static str, what: &str, batch: F)
 where
     F: for<'t> Fn(&'t mut WriteTx) -> BoxFuture<'t, Result<u64, sqlx::Error>> + Clone + Send + 'static,
 {
     let mut total = 0;
-    loop {
+    while !shutdown.is_requested() {
         let batch = batch.clone();
         let purged = db
             .writer
@@ -144,7 +146,12 @@ mod tests {
             })
             .await
             .unwrap();
-        purge_federation(&db, cutoff, old + 502, 2).await;
+        // Asked to stop, it deletes nothing more (the next start goes on).
+        let stopping = Shutdown::new();
+        stopping.request();
+        purge_federation(&db, &stopping, cutoff, old + 502, 2).await;
+        assert_eq!(count(&db, "federation_inbox").await, 7, "nothing purged once shutdown is asked for");
+        purge_federation(&db, &Shutdown::new(), cutoff, old + 502, 2).await;
         for table in ["federation_inbox", "federation_outbox", "remote_review_tombstones"] {
             assert_eq!(count(&db, table).await, 2, "{table}: the two newer records stay");
             let oldest: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(

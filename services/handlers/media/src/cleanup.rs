@@ -23,14 +23,9 @@ impl Handler for ImageCleanup {
     async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
         let Some(Payload::MovieDeleted(deleted)) = &event.payload else { return Ok(()) };
         let id = deleted.movie_id.as_str();
-        // Never a prefix wider than one movie's folder.
-        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
-            return Err(HandlerError::permanent(format!("MovieDeleted names no usable movie id: {id:?}")));
-        }
-        let prefix = format!("posters/{id}");
         // After a sync or conversion of the movie in flight, which would store objects after it.
         let _turn = crate::lock_movie(id).await;
-        let deleted = self.objects.delete_prefix(&prefix).await.map_err(HandlerError::retryable)?;
+        let deleted = crate::remove_movie_images(&self.objects, id).await?;
         tracing::info!(movie_id = id, deleted, "images of a deleted movie removed");
         Ok(())
     }

@@ -329,9 +329,7 @@ impl Handler for ImageConversion {
             // process's; this one's waits its turn), so they go here, as poster-sync does.
             Err(status) if status.code() == Code::NotFound => {
                 tracing::info!(movie_id, "the movie was deleted meanwhile; its images are removed");
-                let prefix = format!("posters/{movie_id}");
-                self.objects.delete_prefix(&prefix).await.map_err(HandlerError::retryable)?;
-                Ok(())
+                crate::remove_movie_images(&self.objects, movie_id).await.map(drop)
             }
             Err(status) => Err(HandlerError::from_call("RecordPosterVariants", &status)),
         }

@@ -124,6 +124,24 @@ pub(crate) async fn lock_movie(movie_id: &str) -> tokio::sync::OwnedMutexGuard<(
 /// The handlers of this crate, in registry order.
 pub const NAMES: &[&str] = &["poster-sync", "image-conversion", "image-cleanup"];
 
+/// The folder of a movie's images: every key of them starts with it.
+pub fn movie_folder(movie_id: &str) -> String {
+    format!("posters/{movie_id}")
+}
+
+/// Deletes every image of a deleted movie (a key already gone counts as deleted); how many.
+pub(crate) async fn remove_movie_images(
+    objects: &Objects,
+    movie_id: &str,
+) -> Result<usize, reelay_delivery::HandlerError> {
+    use reelay_delivery::HandlerError;
+    // Never a prefix wider than one movie's folder.
+    if movie_id.is_empty() || !movie_id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        return Err(HandlerError::permanent(format!("no usable movie id to remove images of: {movie_id:?}")));
+    }
+    objects.delete_prefix(&movie_folder(movie_id)).await.map_err(HandlerError::retryable)
+}
+
 /// The object key of a movie's downloaded poster.
 pub fn original_key(movie_id: &str) -> String {
     format!("posters/{movie_id}/original")

@@ -161,8 +161,7 @@ impl PosterSync {
 
     /// Deletes every object of a deleted movie (a retry comes back here through its lookup).
     async fn remove_all(&self, movie_id: &str) -> Result<(), HandlerError> {
-        self.objects.delete_prefix(&format!("posters/{movie_id}")).await.map_err(HandlerError::retryable)?;
-        Ok(())
+        crate::remove_movie_images(&self.objects, movie_id).await.map(drop)
     }
 
     /// Downloads `url`, waiting out a few 429s.
@@ -353,8 +352,8 @@ impl Handler for PosterSync {
                     // recorded ones, and any written and never recorded: a conversion that
                     // failed half-way, another width setting), and conversion probes their keys,
                     // so they go first.
-                    let prefix = format!("posters/{movie_id}");
-                    for stale in self.objects.list(&prefix).await.map_err(HandlerError::retryable)? {
+                    let folder = crate::movie_folder(movie_id);
+                    for stale in self.objects.list(&folder).await.map_err(HandlerError::retryable)? {
                         if stale != key {
                             self.objects.delete(&stale).await.map_err(HandlerError::retryable)?;
                         }

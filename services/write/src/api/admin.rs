@@ -478,60 +478,97 @@ pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
     {
         LazyLock::force(gauge);
     }
-    let last: Arc<Mutex<Option<(Instant, Duration)>>> = Arc::default();
+    let state: Arc<Mutex<Sampling>> = Arc::default();
     metrics::add_sampler(Arc::new(move || -> BoxFuture<'static, ()> {
-        let (db, last) = (db.clone(), last.clone());
+        let (db, state) = (db.clone(), state.clone());
         Box::pin(async move {
             // First, and read from memory: it must show even when the database cannot be read.
             WRITER_BUSY.set(&[], db.writer.busy_for().as_secs_f64());
-            if !sample_due(*last.lock().unwrap_or_else(PoisonError::into_inner)) {
-                return;
-            }
-            let mut started = Instant::now();
-            let status = async {
-                let mut conn = db.reads.acquire().await?;
-                // The cost is the reads', not the wait for a connection.
-                started = Instant::now();
-                let servers = federation_servers(&mut conn, leaves_servers_out).await?;
-                Ok::<_, sqlx::Error>((inspect::status(&mut conn, now_ms(), bus == Bus::Db).await?, servers))
-            };
-            let status = status.await;
-            *last.lock().unwrap_or_else(PoisonError::into_inner) = Some((started, started.elapsed()));
-            let (s, (failing, unavailable)) = match status {
-                Ok(s) => s,
-                Err(error) => {
-                    // Their last values are served (left out, a firing alert on them would
-                    // resolve); reelay_metrics_samples_failed_total says they are stale.
-                    tracing::warn!(%error, "cannot sample the outbox for metrics; serving its last values");
-                    metrics::sample_failed();
-                    return;
-                }
-            };
-            for (status, rows) in [
-                ("pending", s.outbox.pending),
-                ("processing", s.outbox.processing),
-                ("done", s.outbox.done),
-                ("dead_lettered", s.outbox.dead_lettered),
-            ] {
-                OUTBOX_ROWS.set(&[status], rows as f64);
-            }
-            OLDEST_DUE.set(&[], s.outbox.oldest_due_age_ms as f64 / 1000.0);
-            FEDERATION_SERVERS.set(&["failing"], failing as f64);
-            FEDERATION_SERVERS.set(&["unavailable"], unavailable as f64);
-            for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
-                gauge.clear();
-            }
-            if bus == Bus::Nats {
-                // Events no handler got: the relay's dead letters, under its name.
-                DEAD_LETTERS.set(&[dead_letters::RELAY], s.outbox.relay_dead_letters as f64);
-            }
-            for h in s.handlers {
-                HANDLER_PENDING.set(&[&h.handler], h.pending as f64);
-                HANDLER_OLDEST.set(&[&h.handler], h.oldest_age_ms as f64 / 1000.0);
-                DEAD_LETTERS.set(&[&h.handler], h.dead_lettered as f64);
+            let Some(running) = Running::start(&state) else { return };
+            // A task of its own: a sample cut by the scrape's 5 s bound still ends, sets the
+            // gauges and notes its cost (a cut one left no cost, and every scrape read again).
+            let sample = tokio::spawn(sample_outbox(db, bus, leaves_servers_out, running));
+            if let Err(error) = sample.await {
+                tracing::warn!(%error, "the outbox sample failed");
             }
         })
     }));
+}
+
+/// Whether a sample is running, and the last one's start and cost.
+#[derive(Default)]
+struct Sampling {
+    running: bool,
+    last: Option<(Instant, Duration)>,
+}
+
+/// A sample running: its cost noted (and the next one let run) when it is dropped.
+struct Running {
+    state: Arc<Mutex<Sampling>>,
+    started: Instant,
+}
+
+impl Running {
+    /// A sample, unless one is running or the last one's cost says to wait.
+    fn start(state: &Arc<Mutex<Sampling>>) -> Option<Self> {
+        let mut sampling = state.lock().unwrap_or_else(PoisonError::into_inner);
+        if sampling.running || !sample_due(sampling.last) {
+            return None;
+        }
+        sampling.running = true;
+        Some(Self { state: state.clone(), started: Instant::now() })
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut sampling = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        *sampling = Sampling { running: false, last: Some((self.started, self.started.elapsed())) };
+    }
+}
+
+/// Reads the outbox and the handlers' standing into the gauges.
+async fn sample_outbox(db: Database, bus: Bus, leaves_servers_out: bool, mut running: Running) {
+    let status = async {
+        let mut conn = db.reads.acquire().await?;
+        // The cost is the reads', not the wait for a connection.
+        running.started = Instant::now();
+        let servers = federation_servers(&mut conn, leaves_servers_out).await?;
+        Ok::<_, sqlx::Error>((inspect::status(&mut conn, now_ms(), bus == Bus::Db).await?, servers))
+    };
+    let (s, (failing, unavailable)) = match status.await {
+        Ok(s) => s,
+        Err(error) => {
+            // Their last values are served (left out, a firing alert on them would
+            // resolve); reelay_metrics_samples_failed_total says they are stale.
+            tracing::warn!(%error, "cannot sample the outbox for metrics; serving its last values");
+            metrics::sample_failed();
+            return;
+        }
+    };
+    for (status, rows) in [
+        ("pending", s.outbox.pending),
+        ("processing", s.outbox.processing),
+        ("done", s.outbox.done),
+        ("dead_lettered", s.outbox.dead_lettered),
+    ] {
+        OUTBOX_ROWS.set(&[status], rows as f64);
+    }
+    OLDEST_DUE.set(&[], s.outbox.oldest_due_age_ms as f64 / 1000.0);
+    FEDERATION_SERVERS.set(&["failing"], failing as f64);
+    FEDERATION_SERVERS.set(&["unavailable"], unavailable as f64);
+    for gauge in [&HANDLER_PENDING, &HANDLER_OLDEST, &DEAD_LETTERS] {
+        gauge.clear();
+    }
+    if bus == Bus::Nats {
+        // Events no handler got: the relay's dead letters, under its name.
+        DEAD_LETTERS.set(&[dead_letters::RELAY], s.outbox.relay_dead_letters as f64);
+    }
+    for h in s.handlers {
+        HANDLER_PENDING.set(&[&h.handler], h.pending as f64);
+        HANDLER_OLDEST.set(&[&h.handler], h.oldest_age_ms as f64 / 1000.0);
+        DEAD_LETTERS.set(&[&h.handler], h.dead_lettered as f64);
+    }
 }
 
 #[cfg(test)]

@@ -480,18 +480,23 @@ impl OutboxApi {
         &self,
         r: v1::ReleaseInstanceRequest,
     ) -> Result<v1::ReleaseInstanceResponse, WriteError> {
-        let longest = reelay_domain::MAX_INSTANCE_BYTES;
-        if r.instance.is_empty() || r.instance.contains('#') || r.instance.len() > longest {
-            return Err(ServiceError::invalid(
-                "instance",
-                format!("is required, at most {longest} bytes, without '#', got {} bytes", r.instance.len()),
-            )
-            .into());
+        if r.instance.is_empty() || r.instance.contains('#') {
+            return Err(ServiceError::invalid("instance", "is required and must not contain '#'").into());
         }
         if r.incarnation.is_empty() {
             return Err(ServiceError::invalid("incarnation", "is required").into());
         }
+        // The name its claims carry: one the claims would refuse is refused here too (an older
+        // build's name within the claims' limit is taken, whatever this build's start-up allows).
         let me = format!("{}#{}", r.instance, r.incarnation);
+        if me.len() > reelay_domain::MAX_OWNER_BYTES {
+            let most = reelay_domain::MAX_OWNER_BYTES.saturating_sub(1 + r.incarnation.len());
+            return Err(ServiceError::invalid(
+                "instance",
+                format!("at most {most} bytes with this incarnation (a claimer's name), got {}", r.instance.len()),
+            )
+            .into());
+        }
         let instance = r.instance.clone();
         // On db the write service keeps each handler's attempts; on nats JetStream counts them.
         let max_attempts = (self.bus == crate::Bus::Db).then_some(self.deliveries.max_attempts);
