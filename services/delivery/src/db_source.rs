@@ -310,6 +310,32 @@ impl EventSource for DeliverySource {
     }
 }
 
+/// The settlements of one SettleDeliveries call, in order: at most 1,000 (the API's limit) and
+/// about 2 MiB of failure texts (2,000 characters each at most, up to four bytes each), so a
+/// call fits a message whatever its errors say.
+fn settle_chunks<T>(settlements: &[Settlement<T>]) -> Vec<&[Settlement<T>]> {
+    const MOST: usize = 1000;
+    const TEXT_BYTES: usize = 2 << 20;
+    let text = |s: &Settlement<T>| match &s.kind {
+        SettleKind::Nak { error, .. } => error.len(),
+        SettleKind::Term { reason } => reason.len(),
+        SettleKind::Ack | SettleKind::Defer { .. } => 0,
+    };
+    let (mut chunks, mut start, mut bytes) = (Vec::new(), 0, 0);
+    for (i, settlement) in settlements.iter().enumerate() {
+        let size = text(settlement);
+        if i > start && (i - start == MOST || bytes + size > TEXT_BYTES) {
+            chunks.push(&settlements[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    if start < settlements.len() {
+        chunks.push(&settlements[start..]);
+    }
+    chunks
+}
+
 /// Settles and renews one handler's deliveries through the Outbox API.
 #[derive(Clone)]
 pub struct DeliverySettler {
@@ -326,7 +352,7 @@ pub struct DeliverySettler {
 impl Settler<DeliveryClaim> for DeliverySettler {
     async fn settle(&mut self, settlements: &[Settlement<DeliveryClaim>]) -> Result<(), SourceError> {
         let mut lost = Vec::new();
-        for chunk in settlements.chunks(1000) {
+        for chunk in settle_chunks(settlements) {
             let settlements = chunk
                 .iter()
                 .map(|s| v1::DeliverySettlement {
@@ -379,5 +405,28 @@ impl Settler<DeliveryClaim> for DeliverySettler {
             }
         }
         Ok(if lost { Renewal::Lost } else { Renewal::Held(granted.lease()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::AckHandle;
+
+    /// A call holds at most 1,000 settlements and about 2 MiB of failure texts, in order, and
+    /// every settlement is in one call.
+    #[test]
+    fn settle_calls_are_bounded_in_count_and_bytes() {
+        let acks = |n: usize| (0..n).map(AckHandle::new).map(|a| a.ack()).collect::<Vec<_>>();
+        let sizes = |chunks: Vec<&[Settlement<usize>]>| chunks.iter().map(|c| c.len()).collect::<Vec<_>>();
+        assert_eq!(sizes(settle_chunks(&acks(2500))), [1000, 1000, 500]);
+        assert!(settle_chunks(&acks(0)).is_empty());
+        // 2,000 four-byte characters each: 8,000 bytes, so 262 to a call.
+        let long = "🎬".repeat(2000);
+        let failed: Vec<_> = (0..600).map(|n| AckHandle::new(n).nak(Duration::ZERO, &long)).collect();
+        let chunks = settle_chunks(&failed);
+        assert_eq!(sizes(chunks.clone()), [262, 262, 76]);
+        let order: Vec<usize> = chunks.iter().flat_map(|c| c.iter().map(|s| *s.ack.token())).collect();
+        assert_eq!(order, (0..600).collect::<Vec<_>>());
     }
 }

@@ -60,6 +60,9 @@ use crate::{Handler, HandlerError, handle_in_span};
 
 /// Keys per Ledger call (the server's limit).
 const LEDGER_BATCH: usize = 1000;
+/// Dead letters per ledger call: each carries its error (2,000 characters, up to 8,000 bytes),
+/// so 250 stay within 2 MiB, well inside a message.
+const DEAD_LETTER_BATCH: usize = 250;
 
 static DELIVERIES: LazyLock<Counter> = LazyLock::new(|| {
     metrics::counter(
@@ -814,7 +817,7 @@ impl Dispatcher {
     pub async fn settle_ledger(&mut self, settlement: LedgerSettlement) {
         let LedgerSettlement { complete, release, dead, in_hand, .. } = settlement;
         let mut given_up = false;
-        for chunk in dead.chunks(LEDGER_BATCH) {
+        for chunk in dead.chunks(DEAD_LETTER_BATCH) {
             let owned = self
                 .until_answered("dead-letter", |mut ledger| {
                     let dead_letters = chunk.to_vec();
