@@ -392,6 +392,16 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 sender_user_id: x.nobody.clone(),
                 activity_json: "{}".into(),
                 audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+                ..Default::default()
+            })),
+        case!("an activity about a review id that is none", InvalidArgument, "live_review_id", |c, x| c
+            .federation
+            .queue_deliveries(v1::QueueDeliveriesRequest {
+                activity_id: "https://reelay.example/activities/2".into(),
+                sender_user_id: x.a.clone(),
+                activity_json: "{}".into(),
+                audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+                live_review_id: "nope".into(),
             })),
         case!("a delivery outcome at an inbox that is no URL", InvalidArgument, "inbox", |c, x| c
             .federation

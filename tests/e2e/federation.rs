@@ -1175,6 +1175,7 @@ async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks(
         sender_user_id: ana.clone(),
         activity_json: "{}".into(),
         audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+        live_review_id: String::new(),
     };
     let skipped = c.federation.queue_deliveries(fan_out(1)).await.unwrap().into_inner();
     assert_eq!((skipped.queued, skipped.skipped_unavailable, skipped.duplicate), (0, 1, false));
@@ -1216,6 +1217,12 @@ async fn a_server_failing_every_delivery_is_left_out_until_it_answers_or_speaks(
         0,
         "nothing was given up"
     );
+    // A Create of a review deleted since it was raised is not queued: its Delete may be gone.
+    let deleted = log(&mut c, &ana, "Mirror", 1975, 8, "The house.").await;
+    delete(&mut c, &ana, &deleted).await;
+    let gone = v1::QueueDeliveriesRequest { live_review_id: deleted.review_id.clone(), ..fan_out(3) };
+    let gone = c.federation.queue_deliveries(gone).await.unwrap().into_inner();
+    assert_eq!((gone.review_gone, gone.queued, gone.skipped_unavailable), (true, 0, 0));
 }
 
 /// An unavailable server gets one delivery of a fan-out every REELAY_FEDERATION_PROBE_EVERY_SECS
@@ -1252,6 +1259,7 @@ async fn an_unavailable_server_is_probed_now_and_then_until_it_is_back() {
         sender_user_id: ana.clone(),
         activity_json: "{}".into(),
         audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+        live_review_id: String::new(),
     };
     let left_out = |r: v1::QueueDeliveriesResponse| (r.queued, r.skipped_unavailable) == (0, 1);
     assert!(left_out(c.federation.queue_deliveries(fan_out(1)).await.unwrap().into_inner()), "no probe due yet");

@@ -129,13 +129,13 @@ impl Handler for ActivitiesHandler {
                 // (the event is stamped when its batch commits, a moment later).
                 let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
                 let activity = documents::create(urls, &review_note!(r, logged, None));
-                self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
+                self.remote.queue_review(&r.user_id, &r.review_id, &activity).await
             }
             Some(Payload::ReviewEdited(r)) => {
                 // An event from before it carried the review's first logging has only the edit's time.
                 let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
                 let activity = documents::update(urls, id, &review_note!(r, logged, Some(at)));
-                self.remote.queue(&r.user_id, &activity, Audience::Followers(true)).await
+                self.remote.queue_review(&r.user_id, &r.review_id, &activity).await
             }
             Some(Payload::ReviewDeleted(r)) => {
                 let activity = documents::delete(urls, id, &r.user_id, &r.review_id);

@@ -128,16 +128,35 @@ impl Remote {
         activity: &Value,
         audience: v1::queue_deliveries_request::Audience,
     ) -> Result<(), HandlerError> {
-        let activity_id = activity_id.to_owned();
         let request = v1::QueueDeliveriesRequest {
-            activity_id: activity_id.clone(),
+            activity_id: activity_id.to_owned(),
             sender_user_id: user_id.to_owned(),
             activity_json: activity.to_string(),
             audience: Some(audience),
+            live_review_id: String::new(),
         };
+        self.send(request).await
+    }
+
+    /// [`Self::queue`] to the followers of `user_id`, of an activity (a Create, an Update) about
+    /// their review `review_id`: queued only while the review exists.
+    pub async fn queue_review(&self, user_id: &str, review_id: &str, activity: &Value) -> Result<(), HandlerError> {
+        let request = v1::QueueDeliveriesRequest {
+            activity_id: activity["id"].as_str().unwrap_or_default().to_owned(),
+            sender_user_id: user_id.to_owned(),
+            activity_json: activity.to_string(),
+            audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+            live_review_id: review_id.to_owned(),
+        };
+        self.send(request).await
+    }
+
+    async fn send(&self, request: v1::QueueDeliveriesRequest) -> Result<(), HandlerError> {
+        let activity_id = request.activity_id.clone();
         let queued = self.write().queue_deliveries(request).await.map_err(write_error)?.into_inner();
         tracing::info!(activity = %activity_id, queued = queued.queued, duplicate = queued.duplicate,
-            skipped_unavailable = queued.skipped_unavailable, "activity queued for delivery");
+            skipped_unavailable = queued.skipped_unavailable, review_gone = queued.review_gone,
+            "activity queued for delivery");
         Ok(())
     }
 }

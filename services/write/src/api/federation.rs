@@ -202,12 +202,17 @@ impl v1::federation_server::Federation for WriteApi {
             Some(queue_deliveries_request::Audience::Inbox(inbox)) => Audience::Inbox(uri("inbox", &inbox)?),
             _ => return Err(ServiceError::invalid("audience", "is required (followers or inbox)").into()),
         };
-        let queued = self.store.queue_deliveries(activity_id, sender, r.activity_json, audience).await?;
+        let review = (!r.live_review_id.is_empty())
+            .then(|| ReviewId::parse("live_review_id", &r.live_review_id))
+            .transpose()
+            .map_err(ServiceError::from)?;
+        let queued = self.store.queue_deliveries(activity_id, sender, r.activity_json, audience, review).await?;
         ok(match queued {
             Some(q) => v1::QueueDeliveriesResponse {
                 queued: q.queued,
                 duplicate: false,
                 skipped_unavailable: q.skipped_unavailable,
+                review_gone: q.review_gone,
             },
             None => v1::QueueDeliveriesResponse { duplicate: true, ..Default::default() },
         })

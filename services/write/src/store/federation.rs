@@ -250,6 +250,8 @@ pub struct Queued {
     pub queued: u32,
     /// Followers' inboxes left out: their server is unavailable.
     pub skipped_unavailable: u32,
+    /// The review the activity is about is gone: nothing queued.
+    pub review_gone: bool,
 }
 
 /// Who receives one activity.
@@ -661,6 +663,7 @@ impl Store {
         sender: UserId,
         activity_json: String,
         audience: Audience,
+        live_review: Option<ReviewId>,
     ) -> Result<Option<Queued>> {
         if matches!(audience, Audience::Followers) {
             // Most reviews are by users nobody elsewhere follows: answer those from a read, with
@@ -682,6 +685,18 @@ impl Store {
         let probe_every = millis(self.servers.probe_every);
         write_job!(self, "queue_deliveries", |tx| {
             ensure_user(tx.conn(), sender).await?;
+            // A review deleted since its Create or Update was raised (the handler behind, or the
+            // event replayed) is not sent: its Delete may have gone already.
+            if let Some(review) = live_review {
+                let live = sqlx::query("SELECT 1 FROM reviews WHERE id = ? AND user_id = ?")
+                    .bind(review.to_string())
+                    .bind(sender.to_string())
+                    .fetch_optional(tx.conn())
+                    .await?;
+                if live.is_none() {
+                    return Ok(Some(Queued { review_gone: true, ..Queued::default() }));
+                }
+            }
             let first = sqlx::query(
                 "INSERT OR IGNORE INTO federation_outbox (activity_id, queued, created_at) VALUES (?, 0, ?)",
             )
@@ -769,7 +784,7 @@ impl Store {
                 .execute(tx.conn())
                 .await?;
             commit_events(tx, events).await?;
-            Ok(Some(Queued { queued, skipped_unavailable: skipped }))
+            Ok(Some(Queued { queued, skipped_unavailable: skipped, review_gone: false }))
         })
         .await
     }
