@@ -19,7 +19,9 @@ use crate::remote::write_error;
 
 /// The items of one page looked at (Mastodon's pages hold 20).
 const ITEMS_PER_PAGE: usize = 100;
-/// How long one backfill walks before it stops with what it saved.
+/// How long one backfill walks, from its start, before it reads no further page: with the
+/// default fetch timeout (10 s) a last page fetched at its end still ends inside the handler's
+/// default timeout (60 s).
 const TIME_BUDGET: std::time::Duration = std::time::Duration::from_secs(40);
 
 pub struct BackfillHandler {
@@ -73,6 +75,8 @@ impl Handler for BackfillHandler {
 
     async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
         let Some(Payload::RemoteFollowAccepted(accepted)) = &event.payload else { return Ok(()) };
+        // From the start: the actor, its outbox and the first page are fetched within it too.
+        let started = std::time::Instant::now();
         let (user, actor_uri) = (accepted.follower_id.as_str(), accepted.actor_uri.as_str());
         let actor = self.remote.fetch(user, actor_uri).await?;
         let Some(outbox) = actor.get("outbox").and_then(Value::as_str) else { return Ok(()) };
@@ -82,7 +86,6 @@ impl Handler for BackfillHandler {
             Some(embedded @ Value::Object(_)) => embedded.clone(),
             _ => collection,
         };
-        let started = std::time::Instant::now();
         let (mut pages, mut saved) = (1, 0);
         loop {
             let items = page.get("orderedItems").or_else(|| page.get("items")).and_then(Value::as_array);
