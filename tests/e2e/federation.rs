@@ -392,6 +392,24 @@ async fn a_mastodon_peer_follows_and_receives_reviews() {
         a.metrics().await.sum("reelay_grpc_requests_total", &[r#"method="/reelay.v1.Federation/QueueDeliveries""#]);
     assert_eq!(queued, 5.0, "two Accepts, then ana's Create, Update and Delete; none for bo");
 
+    // ana blocks carol, a follower: carol's server gets a Reject of her Follow, signed by ana
+    // (how a server learns its follower was removed), and carol follows ana no more.
+    let carol = peer.actor("carol");
+    let block = v1::BlockRequest {
+        actor_user_id: ana.clone(),
+        target: reelay_harness::actor_account(&carol),
+        ..Default::default()
+    };
+    assert!(c.social.block(block).await.unwrap().into_inner().changed);
+    wait_until!("carol's server is told", !peer.received_of("Reject").is_empty());
+    let reject = &peer.received_of("Reject")[0];
+    assert_eq!(reject.verified, Ok(()), "{:?}", reject.activity);
+    assert_eq!(reject.activity["actor"], actor_url.as_str());
+    assert_eq!(reject.activity["object"]["id"], format!("{carol}/follows/1"));
+    assert_eq!(reject.activity["object"]["actor"], carol.as_str());
+    let followers = format!("SELECT COUNT(*) FROM remote_followers WHERE actor_uri = '{carol}'");
+    assert_eq!(count(&a.database, &followers).await, 0);
+
     // Who has followers, asked as the handler asks, and what is refused.
     let followed = |ids: Vec<String>| {
         let mut federation = c.federation.clone();

@@ -231,8 +231,18 @@ pub fn delete(urls: &Urls, event_id: &str, user_id: &str, review_id: &str) -> Va
 
 /// `Accept` of a remote actor's `Follow` of `user_id`.
 pub fn accept(urls: &Urls, event_id: &str, user_id: &str, follower: &str, follow_id: &str) -> Value {
+    answer_follow(urls, "Accept", event_id, user_id, follower, follow_id)
+}
+
+/// The `Reject` of a remote actor's `Follow` of `user_id` (its id `follow_id`): how a server
+/// learns its follower was removed (here, blocked); its id derives from the `Blocked` event.
+pub fn reject(urls: &Urls, event_id: &str, user_id: &str, follower: &str, follow_id: &str) -> Value {
+    answer_follow(urls, "Reject", event_id, user_id, follower, follow_id)
+}
+
+fn answer_follow(urls: &Urls, kind: &str, event_id: &str, user_id: &str, follower: &str, follow_id: &str) -> Value {
     let follow = json!({ "id": follow_id, "type": "Follow", "actor": follower, "object": urls.actor(user_id) });
-    activity(urls, "Accept", event_id, user_id, follow, json!([follower]), json!([]))
+    activity(urls, kind, event_id, user_id, follow, json!([follower]), json!([]))
 }
 
 /// The `Follow` of a remote actor by `user_id`; its id derives from the `Followed` event.

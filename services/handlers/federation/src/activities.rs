@@ -7,7 +7,7 @@ use reelay_delivery::{Handler, HandlerError, handle_in_span};
 use crate::Remote;
 
 const EVENT_TYPES: &[&str] =
-    &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteFollowReceived", "Followed", "Unfollowed"];
+    &["ReviewLogged", "ReviewEdited", "ReviewDeleted", "RemoteFollowReceived", "Followed", "Unfollowed", "Blocked"];
 
 /// The note of a logged or edited review: both events carry the whole review. `$at`: when it
 /// was first logged (its note's `published`).
@@ -148,6 +148,15 @@ impl Handler for ActivitiesHandler {
                 }
                 let activity = documents::accept(urls, id, &f.user_id, &f.actor_uri, &f.activity_uri);
                 self.remote.queue(&f.user_id, &activity, Audience::Inbox(f.inbox.clone())).await
+            }
+            Some(Payload::Blocked(b)) => {
+                // A remote follower blocked: its server is told its follow is gone.
+                let Some(follower) = remote_target(&b.target) else { return Ok(()) };
+                if b.removed_follow_uri.is_empty() || b.removed_follower_inbox.is_empty() {
+                    return Ok(());
+                }
+                let activity = documents::reject(urls, id, &b.blocker_id, follower, &b.removed_follow_uri);
+                self.remote.queue(&b.blocker_id, &activity, Audience::Inbox(b.removed_follower_inbox.clone())).await
             }
             Some(Payload::Followed(f)) => {
                 let Some(target) = remote_target(&f.target) else { return Ok(()) };

@@ -185,10 +185,9 @@ impl Store {
             if !inserted {
                 return Ok(v1::SocialResponse { changed: false });
             }
-            let mut events = vec![NewEvent::new(
-                actor,
-                Payload::Blocked(v1::Blocked { blocker_id: actor.to_string(), target: Some(target.to_proto()) }),
-            )];
+            let mut blocked =
+                v1::Blocked { blocker_id: actor.to_string(), target: Some(target.to_proto()), ..Default::default() };
+            let mut events = Vec::new();
             if let Some(follow_event_id) = delete_follow(tx.conn(), actor, &target).await? {
                 events.push(NewEvent::new(
                     actor,
@@ -221,15 +220,23 @@ impl Store {
                     }
                 }
                 Target::Actor(uri) => {
-                    // The federation handler delivers the Block, which tells the remote server
-                    // its follow is gone; no separate event is needed for the removed row.
-                    sqlx::query("DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ?")
-                        .bind(actor.to_string())
-                        .bind(uri.clone())
-                        .execute(tx.conn())
-                        .await?;
+                    // A follow of the blocker ends, and the Blocked event names it: the
+                    // federation handler sends its server a Reject of it (else that server would
+                    // go on counting it a follower, and showing it what it is sent).
+                    let removed: Option<(String, Option<String>)> = sqlx::query_as(
+                        "DELETE FROM remote_followers WHERE user_id = ? AND actor_uri = ? RETURNING activity_uri, inbox",
+                    )
+                    .bind(actor.to_string())
+                    .bind(uri.clone())
+                    .fetch_optional(tx.conn())
+                    .await?;
+                    if let Some((follow, inbox)) = removed {
+                        blocked.removed_follow_uri = follow;
+                        blocked.removed_follower_inbox = inbox.unwrap_or_default();
+                    }
                 }
             }
+            events.insert(0, NewEvent::new(actor, Payload::Blocked(blocked)));
             commit_events(tx, events).await?;
             Ok(v1::SocialResponse { changed: true })
         })
