@@ -639,6 +639,22 @@ async fn the_inbox_refuses_bad_input_before_writing() {
         "the review made followers-only is deleted",
         count(&a.database, "SELECT COUNT(*) FROM remote_reviews").await == 0
     );
+    // An Update that arrives before its Create (a retried Create lands late): the Create keeps
+    // the edited copy.
+    let mut edited = review_note(&peer, "alice", 5, "Stalker", 1979, "The zone, edited.");
+    edited["type"] = json!("Update");
+    edited["id"] = json!(format!("{}/statuses/5#updates/1", peer.actor("alice")));
+    assert_eq!(peer.send("alice", &inbox, &edited).await, 202);
+    let body = "SELECT body FROM remote_reviews WHERE object_uri LIKE '%/statuses/5'";
+    wait_until!("the edited review is kept", !query_strings(&a.database, body).await.is_empty());
+    let late = review_note(&peer, "alice", 5, "Stalker", 1979, "The zone, first draft.");
+    assert_eq!(peer.send("alice", &inbox, &late).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        query_strings(&a.database, body).await,
+        [["The zone, edited.".to_owned()]],
+        "the late Create changed it"
+    );
     // Nor can an actor delete, ahead of time, an id of another server.
     let mut elsewhere = delete_of(3, 1);
     elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");

@@ -51,6 +51,7 @@ impl RemoteReviewNote {
             body: self.body,
             published_at_ms: self.published_ms,
             received_activity_uri: received.to_owned(),
+            keep_existing: false,
         }
     }
 }

@@ -394,7 +394,10 @@ impl Gateway {
         if !same_origin(&note.object_uri, &signer.actor_uri) {
             return Err(tonic::Status::permission_denied("the review's id is on another server than its author"));
         }
-        let request = note.into_save_request(id);
+        let mut request = note.into_save_request(id);
+        // A Create after the Update that edited it (deliveries come in any order, and a retried
+        // Create may land after the Update): the copy saved from the Update is newer.
+        request.keep_existing = activity.get("type").and_then(Value::as_str) == Some("Create");
         Ok(self.federation.clone().save_remote_review(request).await?.into_inner().changed)
     }
 

@@ -44,7 +44,8 @@ impl BackfillHandler {
             Ok(note) if note.attributed_to == actor && same_origin(&note.object_uri, actor) => note,
             Ok(_) | Err(NoteError::NotAReview(_)) | Err(NoteError::Invalid(_)) => return Ok(false),
         };
-        let request = note.into_save_request("");
+        // An outbox's Creates: a copy saved from an Update meanwhile is as new or newer.
+        let request = v1::SaveRemoteReviewRequest { keep_existing: true, ..note.into_save_request("") };
         match self.remote.write().save_remote_review(request).await {
             Ok(_) => Ok(true),
             // Unfollowed meanwhile, or a review the write service will not take (one it holds

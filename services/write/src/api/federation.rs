@@ -66,7 +66,7 @@ impl v1::federation_server::Federation for WriteApi {
             },
         };
         let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
-        let saved = self.store.save_remote_review(review, received).await?;
+        let saved = self.store.save_remote_review(review, received, r.keep_existing).await?;
         ok(v1::SaveRemoteReviewResponse { remote_review_id: saved.id, created: saved.created, changed: saved.changed })
     }
 

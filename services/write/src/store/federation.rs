@@ -285,6 +285,7 @@ impl Store {
         &self,
         review: RemoteReview,
         received: Option<String>,
+        keep_existing: bool,
     ) -> Result<RemoteReviewSaved> {
         write_job!(self, "save_remote_review", |tx| {
             if !followed_by_anyone(tx.conn(), &review.actor_uri).await? {
@@ -307,6 +308,19 @@ impl Store {
             if deleted.is_some() {
                 tracing::info!(object_uri = %review.object_uri, "a review its author deleted arrived again; not saved");
                 return Ok(unchanged);
+            }
+            // A Create that arrived after an Update of the same note: the Update's copy is newer.
+            if keep_existing {
+                let kept: Option<String> =
+                    sqlx::query_scalar("SELECT id FROM remote_reviews WHERE object_uri = ? AND actor_uri = ?")
+                        .bind(review.object_uri.clone())
+                        .bind(review.actor_uri.clone())
+                        .fetch_optional(tx.conn())
+                        .await?;
+                if let Some(id) = kept {
+                    tracing::info!(object_uri = %review.object_uri, "a Create of a review saved already; the saved copy is kept");
+                    return Ok(RemoteReviewSaved { id, created: false, changed: false });
+                }
             }
             let mut events = Vec::new();
             let (movie, _) = resolve_movie(tx, &review.movie, &mut events).await?;
