@@ -1342,6 +1342,13 @@ async fn one_claim_call_serves_several_handlers() {
         assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
         assert!(refused.message().starts_with("instance: "), "{}", refused.message());
     }
+    // As long as its claims' owner fits, an instance name is taken, whatever start-up allows
+    // (an older build's name, during a rolling update).
+    let longest = v1::ReleaseInstanceRequest {
+        instance: "n".repeat(reelay_domain::MAX_OWNER_BYTES - 4),
+        incarnation: "1-2".into(),
+    };
+    c.outbox.release_instance(longest).await.expect("a name whose owner fits");
 
     // An unknown handler is refused on its own; the others are served in the same answer.
     let answer =

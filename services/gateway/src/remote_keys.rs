@@ -18,7 +18,8 @@
 //!
 //! Since anyone can spend a host's share with key ids of their choosing, a key id already cached
 //! is fetched again outside that share (its own refetches are bounded: once per time to live,
-//! or per [`MIN_REFETCH`] after a failed signature, or per [`FAILED_FOR`] after a failed fetch).
+//! or per [`MIN_REFETCH`] after a failed signature, or per [`FAILED_FOR`] after a failed fetch);
+//! only documents on its own host are, not an owner or id it leads to elsewhere.
 //! And while its server cannot be asked (unreachable, failing, busy), the key it published last
 //! stands in for up to [`STAND_IN_FOR`] past [`RemoteKeys::new`]'s time to live, rather than its
 //! signed requests refused until the fetch passes; a signature that fails with a stand-in is
@@ -220,7 +221,7 @@ impl RemoteKeys {
 
     /// Counts a fetch from `url`'s host, or refuses it when the host had its share this minute.
     fn may_fetch(&self, url: &str) -> Result<(), KeyFetchError> {
-        let host = url::Url::parse(url).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
+        let host = host_of(url).unwrap_or_default();
         let mut fetches = self.fetches.lock().expect("fetches lock");
         if fetches.per_host.len() >= REMEMBERED {
             fetches.per_host.clear();
@@ -239,7 +240,7 @@ impl RemoteKeys {
     /// Whether `url` answers 410 Gone now: asked again, not remembered, within its host's share
     /// of fetches.
     pub async fn answers_gone(&self, url: &str) -> bool {
-        let fetched = self.fetch_document(url, false).await;
+        let fetched = self.fetch_document(url, None).await;
         matches!(fetched, Err(KeyFetchError::Fetch(FetchError::Status { status: 410, .. })))
     }
 
@@ -249,11 +250,12 @@ impl RemoteKeys {
         self.cache.lock().expect("key cache lock").get(key_id).is_some_and(|c| c.fetched.elapsed() < self.ttl)
     }
 
-    /// Fetches `url`, within its host's share unless `known` (see the module's comment).
-    async fn fetch_document(&self, url: &str, known: bool) -> Result<Value, KeyFetchError> {
+    /// Fetches `url`, within its host's share unless that host is `exempt` (a cached key id's:
+    /// see the module's comment; a document it leads to on another host counts there).
+    async fn fetch_document(&self, url: &str, exempt: Option<&str>) -> Result<Value, KeyFetchError> {
         bounded("document URL", url)?;
         let request = Outgoing::get(url).map_err(KeyFetchError::Fetch)?;
-        if !known {
+        if exempt.is_none() || exempt != host_of(url).as_deref() {
             self.may_fetch(url)?;
         }
         self.http.fetch_json(request).await.map_err(KeyFetchError::Fetch)
@@ -262,12 +264,12 @@ impl RemoteKeys {
     /// The actor `document` fetched from `url`, as its own id's URL serves it: a document may
     /// say it is anyone, so one whose id is not `url` (a key URL that answers with the actor,
     /// as some servers do, or a forgery) is fetched again from its id, which must then match.
-    async fn as_itself(&self, url: &str, document: Value, known: bool) -> Result<Value, KeyFetchError> {
+    async fn as_itself(&self, url: &str, document: Value, exempt: Option<&str>) -> Result<Value, KeyFetchError> {
         let id = id_of(&document).ok_or_else(|| invalid("the actor has no id"))?;
         if id == url {
             return Ok(document);
         }
-        let own = self.fetch_document(id, known).await?;
+        let own = self.fetch_document(id, exempt).await?;
         if id_of(&own) != Some(id) {
             return Err(invalid(format!("the actor document at {url} says it is {id}, whose document does not")));
         }
@@ -277,7 +279,9 @@ impl RemoteKeys {
     async fn fetch(&self, key_id: &str, known: bool) -> Result<RemoteActor, KeyFetchError> {
         bounded("key id", key_id)?;
         let document_url = key_document(key_id);
-        let document = self.fetch_document(document_url, known).await?;
+        let exempt = known.then(|| host_of(key_id)).flatten();
+        let exempt = exempt.as_deref();
+        let document = self.fetch_document(document_url, exempt).await?;
         let (actor, key) = if document.get("publicKeyPem").is_some() {
             // The key itself: its owner is the actor, which must publish it too (else any key
             // could name anyone as its owner).
@@ -285,14 +289,14 @@ impl RemoteKeys {
                 return Err(invalid("the key document's id is not the key id"));
             }
             let owner = document.get("owner").and_then(Value::as_str).ok_or_else(|| invalid("the key has no owner"))?;
-            let fetched = self.fetch_document(owner, known).await?;
-            let actor = self.as_itself(owner, fetched, known).await?;
+            let fetched = self.fetch_document(owner, exempt).await?;
+            let actor = self.as_itself(owner, fetched, exempt).await?;
             let published =
                 published_key(&actor, key_id).ok_or_else(|| invalid("the key's owner does not publish that key"))?;
             // The owner's copy of the key counts, when it carries the PEM.
             (actor, if published.get("publicKeyPem").is_some() { published } else { document })
         } else {
-            let actor = self.as_itself(document_url, document, known).await?;
+            let actor = self.as_itself(document_url, document, exempt).await?;
             let key = published_key(&actor, key_id).ok_or_else(|| invalid("the actor does not publish that key"))?;
             (actor, key)
         };
@@ -332,6 +336,11 @@ fn published_key(actor: &Value, key_id: &str) -> Option<Value> {
         Value::Array(keys) => keys.iter().find(|key| id_of(key) == Some(key_id)).cloned(),
         key => (id_of(key) == Some(key_id)).then(|| key.clone()),
     }
+}
+
+/// The host of `url`, when it is a URL with one.
+fn host_of(url: &str) -> Option<String> {
+    url::Url::parse(url).ok()?.host_str().map(str::to_owned)
 }
 
 /// `uri` (the signer's `what`) if it is no longer than [`MAX_URI_CHARS`].

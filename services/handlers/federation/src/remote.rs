@@ -128,27 +128,15 @@ impl Remote {
         activity: &Value,
         audience: v1::queue_deliveries_request::Audience,
     ) -> Result<(), HandlerError> {
-        let request = v1::QueueDeliveriesRequest {
-            activity_id: activity_id.to_owned(),
-            sender_user_id: user_id.to_owned(),
-            activity_json: activity.to_string(),
-            audience: Some(audience),
-            live_review_id: String::new(),
-        };
-        self.send(request).await
+        self.send(queue_request(activity_id, user_id, activity, audience)).await
     }
 
     /// [`Self::queue`] to the followers of `user_id`, of an activity (a Create, an Update) about
     /// their review `review_id`: queued only while the review exists.
     pub async fn queue_review(&self, user_id: &str, review_id: &str, activity: &Value) -> Result<(), HandlerError> {
-        let request = v1::QueueDeliveriesRequest {
-            activity_id: activity["id"].as_str().unwrap_or_default().to_owned(),
-            sender_user_id: user_id.to_owned(),
-            activity_json: activity.to_string(),
-            audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
-            live_review_id: review_id.to_owned(),
-        };
-        self.send(request).await
+        let followers = v1::queue_deliveries_request::Audience::Followers(true);
+        let request = queue_request(activity["id"].as_str().unwrap_or_default(), user_id, activity, followers);
+        self.send(v1::QueueDeliveriesRequest { live_review_id: review_id.to_owned(), ..request }).await
     }
 
     async fn send(&self, request: v1::QueueDeliveriesRequest) -> Result<(), HandlerError> {
@@ -158,6 +146,21 @@ impl Remote {
             skipped_unavailable = queued.skipped_unavailable, review_gone = queued.review_gone,
             "activity queued for delivery");
         Ok(())
+    }
+}
+
+fn queue_request(
+    activity_id: &str,
+    user_id: &str,
+    activity: &Value,
+    audience: v1::queue_deliveries_request::Audience,
+) -> v1::QueueDeliveriesRequest {
+    v1::QueueDeliveriesRequest {
+        activity_id: activity_id.to_owned(),
+        sender_user_id: user_id.to_owned(),
+        activity_json: activity.to_string(),
+        audience: Some(audience),
+        live_review_id: String::new(),
     }
 }
 

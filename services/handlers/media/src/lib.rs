@@ -144,12 +144,12 @@ pub(crate) async fn remove_movie_images(
 
 /// The object key of a movie's downloaded poster.
 pub fn original_key(movie_id: &str) -> String {
-    format!("posters/{movie_id}/original")
+    format!("{}/original", movie_folder(movie_id))
 }
 
 /// The object key of a movie's poster variant `width` pixels wide.
 pub fn variant_key(movie_id: &str, width: u32) -> String {
-    format!("posters/{movie_id}/w{width}.webp")
+    format!("{}/w{width}.webp", movie_folder(movie_id))
 }
 
 /// Builds `poster-sync`, storing posters in `objects`.

@@ -484,28 +484,41 @@ pub fn sample_status(db: Database, bus: Bus, leaves_servers_out: bool) {
         Box::pin(async move {
             // First, and read from memory: it must show even when the database cannot be read.
             WRITER_BUSY.set(&[], db.writer.busy_for().as_secs_f64());
-            let Some(running) = Running::start(&state) else { return };
-            // A task of its own: a sample cut by the scrape's 5 s bound still ends, sets the
-            // gauges and notes its cost (a cut one left no cost, and every scrape read again).
-            let sample = tokio::spawn(sample_outbox(db, bus, leaves_servers_out, running));
-            if let Err(error) = sample.await {
-                tracing::warn!(%error, "the outbox sample failed");
+            // A task of its own: a sample cut by the scrape's 5 s bound still ends and notes its
+            // cost and values (a cut one left no cost, and every scrape read again).
+            if let Some(running) = Running::start(&state) {
+                let sample = tokio::spawn(sample_outbox(db, bus, leaves_servers_out, running));
+                if let Err(error) = sample.await {
+                    tracing::warn!(%error, "the outbox sample failed");
+                }
+            }
+            // Shown here, within the scrape (one scrape renders at a time), not by the task,
+            // whose clearing and setting of gauges could land in another scrape's rendering; a
+            // sample that ended after its scrape was cut is shown by the next.
+            let sampled = state.lock().unwrap_or_else(PoisonError::into_inner).sampled.take();
+            if let Some(sampled) = sampled {
+                show(sampled, bus);
             }
         })
     }));
 }
 
-/// Whether a sample is running, and the last one's start and cost.
+/// Whether a sample is running, the last one's start and cost, and what it read, until shown.
 #[derive(Default)]
 struct Sampling {
     running: bool,
     last: Option<(Instant, Duration)>,
+    sampled: Option<Sampled>,
 }
+
+/// Where the outbox and the handlers stand, and the failing and unavailable servers.
+type Sampled = (inspect::Status, (u64, u64));
 
 /// A sample running: its cost noted (and the next one let run) when it is dropped.
 struct Running {
     state: Arc<Mutex<Sampling>>,
-    started: Instant,
+    /// When its reads began.
+    started: Option<Instant>,
 }
 
 impl Running {
@@ -516,36 +529,43 @@ impl Running {
             return None;
         }
         sampling.running = true;
-        Some(Self { state: state.clone(), started: Instant::now() })
+        Some(Self { state: state.clone(), started: None })
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         let mut sampling = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        *sampling = Sampling { running: false, last: Some((self.started, self.started.elapsed())) };
+        sampling.running = false;
+        // A sample that never read (no connection to be had) has no cost to space the next by.
+        if let Some(started) = self.started {
+            sampling.last = Some((started, started.elapsed()));
+        }
     }
 }
 
-/// Reads the outbox and the handlers' standing into the gauges.
+/// Reads the outbox and the handlers' standing, for the next scrape to show.
 async fn sample_outbox(db: Database, bus: Bus, leaves_servers_out: bool, mut running: Running) {
     let status = async {
         let mut conn = db.reads.acquire().await?;
         // The cost is the reads', not the wait for a connection.
-        running.started = Instant::now();
+        running.started = Some(Instant::now());
         let servers = federation_servers(&mut conn, leaves_servers_out).await?;
         Ok::<_, sqlx::Error>((inspect::status(&mut conn, now_ms(), bus == Bus::Db).await?, servers))
     };
-    let (s, (failing, unavailable)) = match status.await {
-        Ok(s) => s,
+    match status.await {
+        Ok(sampled) => running.state.lock().unwrap_or_else(PoisonError::into_inner).sampled = Some(sampled),
         Err(error) => {
             // Their last values are served (left out, a firing alert on them would
             // resolve); reelay_metrics_samples_failed_total says they are stale.
             tracing::warn!(%error, "cannot sample the outbox for metrics; serving its last values");
             metrics::sample_failed();
-            return;
         }
-    };
+    }
+}
+
+/// Sets the gauges to what a sample read.
+fn show((s, (failing, unavailable)): Sampled, bus: Bus) {
     for (status, rows) in [
         ("pending", s.outbox.pending),
         ("processing", s.outbox.processing),
