@@ -655,6 +655,20 @@ async fn the_inbox_refuses_bad_input_before_writing() {
         [["The zone, edited.".to_owned()]],
         "the late Create changed it"
     );
+    // Two edits arriving newest first: the older is not saved over the newer.
+    let edit_at = |n: u32, at: &str, text: &str| {
+        let mut edit = review_note(&peer, "alice", 5, "Stalker", 1979, text);
+        edit["type"] = json!("Update");
+        edit["id"] = json!(format!("{}/statuses/5#updates/{n}", peer.actor("alice")));
+        edit["object"]["updated"] = json!(at);
+        edit
+    };
+    assert_eq!(peer.send("alice", &inbox, &edit_at(3, "2024-05-03T12:00:00Z", "Third thoughts.")).await, 202);
+    let third = [["Third thoughts.".to_owned()]];
+    wait_until!("the newest edit is kept", query_strings(&a.database, body).await == third);
+    assert_eq!(peer.send("alice", &inbox, &edit_at(2, "2024-05-02T12:00:00Z", "Second thoughts.")).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(query_strings(&a.database, body).await, third, "an older edit replaced a newer one");
     // Nor can an actor delete, ahead of time, an id of another server.
     let mut elsewhere = delete_of(3, 1);
     elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");

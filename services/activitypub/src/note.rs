@@ -27,6 +27,8 @@ pub struct RemoteReviewNote {
     pub rating: u32,
     pub body: String,
     pub published_ms: i64,
+    /// When its author last edited it: its `updated`, else `published_ms`.
+    pub edited_ms: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,6 +54,7 @@ impl RemoteReviewNote {
             published_at_ms: self.published_ms,
             received_activity_uri: received.to_owned(),
             keep_existing: false,
+            edited_at_ms: self.edited_ms,
         }
     }
 }
@@ -115,6 +118,13 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
                 NoteError::Invalid(format!("published: not an RFC 3339 date up to a day from now: {published}"))
             })?,
     };
+    // An edit's date that is not one, or is ahead, counts as the publication's (no edit known).
+    let edited_ms = object
+        .get("updated")
+        .and_then(Value::as_str)
+        .and_then(parse_rfc3339)
+        .filter(|ms| (published_ms..=now_ms() + MAX_AHEAD_MS).contains(ms))
+        .unwrap_or(published_ms);
     Ok(RemoteReviewNote {
         object_uri,
         attributed_to,
@@ -124,6 +134,7 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
         rating,
         body,
         published_ms,
+        edited_ms,
     })
 }
 
@@ -195,6 +206,18 @@ mod tests {
         assert_eq!(read(note(json!("2026-01-02T03:04:05Z"), json!("five"), 1979)).unwrap().rating, 0);
         let before = now_ms();
         assert!(read(note(Value::Null, json!(3), 1979)).unwrap().published_ms >= before, "dated on arrival");
+        // Its last edit: `updated`, else (absent, not a date, before its publication) the
+        // publication.
+        let edited = |updated: Value| {
+            let mut edited = note(json!("2026-01-02T03:04:05Z"), json!(4), 1979);
+            edited["updated"] = updated;
+            read(edited).unwrap().edited_ms
+        };
+        assert_eq!(edited(json!("2026-01-03T03:04:05Z")), 1_767_409_445_000);
+        assert_eq!(good.edited_ms, good.published_ms);
+        for bad in [json!("soon"), json!("2025-01-01T00:00:00Z"), json!(5)] {
+            assert_eq!(edited(bad.clone()), good.published_ms, "{bad}");
+        }
         for (bad, field) in [
             (note(json!(12345), json!(3), 1979), "published"),
             (note(json!("yesterday"), json!(3), 1979), "published"),

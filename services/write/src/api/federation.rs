@@ -64,6 +64,15 @@ impl v1::federation_server::Federation for WriteApi {
             } else {
                 r.published_at_ms
             },
+            edited_at_ms: if !(0..=reelay_kit::now_ms() + DAY_MS).contains(&r.edited_at_ms) {
+                return Err(ServiceError::invalid(
+                    "edited_at_ms",
+                    format!("must be from 0 to a day from now, got {}", r.edited_at_ms),
+                )
+                .into());
+            } else {
+                r.edited_at_ms
+            },
         };
         let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
         let saved = self.store.save_remote_review(review, received, r.keep_existing).await?;

@@ -309,18 +309,19 @@ impl Store {
                 tracing::info!(object_uri = %review.object_uri, "a review its author deleted arrived again; not saved");
                 return Ok(unchanged);
             }
-            // A Create that arrived after an Update of the same note: the Update's copy is newer.
-            if keep_existing {
-                let kept: Option<String> =
-                    sqlx::query_scalar("SELECT id FROM remote_reviews WHERE object_uri = ? AND actor_uri = ?")
-                        .bind(review.object_uri.clone())
-                        .bind(review.actor_uri.clone())
-                        .fetch_optional(tx.conn())
-                        .await?;
-                if let Some(id) = kept {
-                    tracing::info!(object_uri = %review.object_uri, "a Create of a review saved already; the saved copy is kept");
-                    return Ok(RemoteReviewSaved { id, created: false, changed: false });
-                }
+            // A Create that arrived after an Update of the same note, or an Update older than
+            // the edit kept (deliveries come in any order): the copy kept is newer.
+            let kept: Option<(String, i64)> =
+                sqlx::query_as("SELECT id, edited_at FROM remote_reviews WHERE object_uri = ? AND actor_uri = ?")
+                    .bind(review.object_uri.clone())
+                    .bind(review.actor_uri.clone())
+                    .fetch_optional(tx.conn())
+                    .await?;
+            if let Some((id, edited_at)) = kept
+                && (keep_existing || (review.edited_at_ms > 0 && edited_at > review.edited_at_ms))
+            {
+                tracing::info!(object_uri = %review.object_uri, "an older copy of a review kept already; not saved");
+                return Ok(RemoteReviewSaved { id, created: false, changed: false });
             }
             let mut events = Vec::new();
             let (movie, _) = resolve_movie(tx, &review.movie, &mut events).await?;
@@ -345,15 +346,24 @@ impl Store {
                         && row.get::<String, _>("body") == review.body
                         && row.get::<i64, _>("published_at") == review.published_at_ms;
                     if unchanged {
+                        // The same text, maybe from a later edit: an older one must not replace it.
+                        sqlx::query("UPDATE remote_reviews SET edited_at = ? WHERE id = ? AND edited_at < ?")
+                            .bind(review.edited_at_ms)
+                            .bind(id.clone())
+                            .bind(review.edited_at_ms)
+                            .execute(tx.conn())
+                            .await?;
                         commit_events(tx, events).await?;
                         return Ok(RemoteReviewSaved { id, created: false, changed: false });
                     }
-                    sqlx::query("UPDATE remote_reviews SET movie_id = ?, rating = ?, body = ?, published_at = ?, updated_at = ? WHERE id = ?")
+                    sqlx::query("UPDATE remote_reviews SET movie_id = ?, rating = ?, body = ?, published_at = ?, updated_at = ?, \
+                                 edited_at = MAX(edited_at, ?) WHERE id = ?")
                         .bind(movie.id.clone())
                         .bind(i64::from(review.rating))
                         .bind(review.body.clone())
                         .bind(review.published_at_ms)
                         .bind(now)
+                        .bind(review.edited_at_ms)
                         .bind(id.clone())
                         .execute(tx.conn())
                         .await?;
@@ -363,8 +373,8 @@ impl Store {
                 None => {
                     let id = ReviewId::new().to_string();
                     sqlx::query(
-                        "INSERT INTO remote_reviews (id, object_uri, actor_uri, movie_id, rating, body, published_at, updated_at) \
-                         VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        "INSERT INTO remote_reviews (id, object_uri, actor_uri, movie_id, rating, body, published_at, updated_at, \
+                         edited_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     )
                     .bind(id.clone())
                     .bind(review.object_uri.clone())
@@ -374,6 +384,7 @@ impl Store {
                     .bind(review.body.clone())
                     .bind(review.published_at_ms)
                     .bind(now)
+                    .bind(review.edited_at_ms)
                     .execute(tx.conn())
                     .await?;
                     (id, true)

@@ -206,6 +206,8 @@ pub struct RemoteReview {
     pub rating: u32,
     pub body: String,
     pub published_at_ms: i64,
+    /// When its author last edited it (0: unknown).
+    pub edited_at_ms: i64,
 }
 
 /// `SELECT <every review column> FROM reviews <rest>`, as a static string.
