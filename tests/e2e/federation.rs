@@ -669,6 +669,14 @@ async fn the_inbox_refuses_bad_input_before_writing() {
     assert_eq!(peer.send("alice", &inbox, &edit_at(2, "2024-05-02T12:00:00Z", "Second thoughts.")).await, 202);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(query_strings(&a.database, body).await, third, "an older edit replaced a newer one");
+    // A Create known to be newer than the copy kept (an outbox read again after Updates were
+    // refused while nobody here followed) replaces it.
+    let mut newest = edit_at(4, "2024-05-04T12:00:00Z", "Fourth thoughts.");
+    newest["type"] = json!("Create");
+    newest["id"] = json!(format!("{}/statuses/5/activity-again", peer.actor("alice")));
+    assert_eq!(peer.send("alice", &inbox, &newest).await, 202);
+    let fourth = [["Fourth thoughts.".to_owned()]];
+    wait_until!("the newer Create replaces the copy", query_strings(&a.database, body).await == fourth);
     // Nor can an actor delete, ahead of time, an id of another server.
     let mut elsewhere = delete_of(3, 1);
     elsewhere["object"]["id"] = json!("http://elsewhere.example/users/vera/statuses/3");

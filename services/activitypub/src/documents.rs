@@ -5,7 +5,7 @@
 
 use serde_json::{Value, json};
 
-use crate::time::rfc3339;
+use crate::time::{rfc3339, rfc3339_ms};
 use crate::{PUBLIC, Urls};
 
 /// Terms Reelay adds to ActivityStreams.
@@ -183,7 +183,7 @@ pub fn note(urls: &Urls, r: &Review<'_>) -> Value {
         }]);
     }
     if let Some(updated) = r.updated_ms {
-        note["updated"] = json!(rfc3339(updated));
+        note["updated"] = json!(rfc3339_ms(updated));
     }
     note
 }

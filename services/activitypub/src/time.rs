@@ -4,10 +4,21 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// `2024-05-01T12:00:00Z` for milliseconds since the epoch (UTC, whole seconds).
 pub fn rfc3339(ms: i64) -> String {
+    rfc3339_with(ms, false)
+}
+
+/// [`rfc3339`] with milliseconds (`2024-05-01T12:00:00.250Z`): for an edit's `updated`, so two
+/// edits within a second keep their order.
+pub fn rfc3339_ms(ms: i64) -> String {
+    rfc3339_with(ms, true)
+}
+
+fn rfc3339_with(ms: i64, millis: bool) -> String {
     let secs = ms.div_euclid(1000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     let (year, month, day) = reelay_domain::validate::civil_from_days(days);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    let fraction = if millis { format!(".{:03}", ms.rem_euclid(1000)) } else { String::new() };
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}{fraction}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 /// Milliseconds since the epoch of an RFC 3339 timestamp (`Z` or a `±hh:mm` offset, optional
@@ -87,6 +98,9 @@ mod tests {
         assert_eq!(parse_rfc3339("2000-02-29T01:00:00.250+01:00"), Some(951_782_400_250));
         assert_eq!(parse_rfc3339(&rfc3339(1_717_000_123_000)), Some(1_717_000_123_000));
         assert_eq!(parse_rfc3339("yesterday"), None);
+        let edited = rfc3339_ms(1_717_000_123_045);
+        assert_eq!(edited, "2024-05-29T16:28:43.045Z");
+        assert_eq!(parse_rfc3339(&edited), Some(1_717_000_123_045));
     }
 
     #[test]

@@ -317,8 +317,12 @@ impl Store {
                     .bind(review.actor_uri.clone())
                     .fetch_optional(tx.conn())
                     .await?;
+            // A Create keeps the copy unless its own edit is known to be newer (an outbox read
+            // again after Updates were refused while nobody followed); any save is refused by a
+            // copy edited later.
+            let newer = |a: i64, b: i64| a > 0 && b > 0 && a > b;
             if let Some((id, edited_at)) = kept
-                && (keep_existing || (review.edited_at_ms > 0 && edited_at > review.edited_at_ms))
+                && ((keep_existing && !newer(review.edited_at_ms, edited_at)) || newer(edited_at, review.edited_at_ms))
             {
                 tracing::info!(object_uri = %review.object_uri, "an older copy of a review kept already; not saved");
                 return Ok(RemoteReviewSaved { id, created: false, changed: false });
