@@ -45,7 +45,6 @@ impl v1::federation_server::Federation for WriteApi {
         &self,
         request: Request<v1::SaveRemoteReviewRequest>,
     ) -> Reply<v1::SaveRemoteReviewResponse> {
-        const DAY_MS: i64 = 24 * 3600 * 1000;
         let r = request.into_inner();
         let review = RemoteReview {
             object_uri: uri("object_uri", &r.object_uri)?,
@@ -53,26 +52,8 @@ impl v1::federation_server::Federation for WriteApi {
             movie: convert::movie_spec("movie", r.movie).map_err(ServiceError::from)?,
             rating: validate::rating("rating", r.rating).map_err(ServiceError::from)?,
             body: validate::body("body", &r.body).map_err(ServiceError::from)?,
-            // Another server's clock may run ahead, by a day at most (the gateway's bound too):
-            // a date further on would sort first among the film's reviews for ever.
-            published_at_ms: if !(0..=reelay_kit::now_ms() + DAY_MS).contains(&r.published_at_ms) {
-                return Err(ServiceError::invalid(
-                    "published_at_ms",
-                    format!("must be from 0 to a day from now, got {}", r.published_at_ms),
-                )
-                .into());
-            } else {
-                r.published_at_ms
-            },
-            edited_at_ms: if !(0..=reelay_kit::now_ms() + DAY_MS).contains(&r.edited_at_ms) {
-                return Err(ServiceError::invalid(
-                    "edited_at_ms",
-                    format!("must be from 0 to a day from now, got {}", r.edited_at_ms),
-                )
-                .into());
-            } else {
-                r.edited_at_ms
-            },
+            published_at_ms: up_to_a_day_ahead("published_at_ms", r.published_at_ms)?,
+            edited_at_ms: up_to_a_day_ahead("edited_at_ms", r.edited_at_ms)?,
         };
         let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
         let saved = self.store.save_remote_review(review, received, r.keep_existing).await?;
@@ -307,4 +288,15 @@ fn answer_to_follow(r: v1::ReceiveAcceptRequest) -> Result<(String, String, Opti
         reelay_domain::EventId::parse("follow_event_id", &r.follow_event_id).map_err(ServiceError::from)?.to_string();
     let received = optional_uri("received_activity_uri", &r.received_activity_uri)?;
     Ok((actor_uri, follow_event_id, received))
+}
+
+/// A remote date in ms, from 0 to a day ahead of this clock: another server's clock may run
+/// ahead, by a day at most (the gateway's bound too); a date further on would sort first among
+/// the film's reviews, or win over every later edit, for ever.
+fn up_to_a_day_ahead(field: &str, ms: i64) -> Result<i64, ServiceError> {
+    const DAY_MS: i64 = 24 * 3600 * 1000;
+    if !(0..=reelay_kit::now_ms() + DAY_MS).contains(&ms) {
+        return Err(ServiceError::invalid(field, format!("must be from 0 to a day from now, got {ms}")));
+    }
+    Ok(ms)
 }
