@@ -39,7 +39,7 @@ use reelay_activitypub::time::{http_date_age_secs, now_ms};
 use reelay_contracts::v1::{self, get_local_actor_request};
 use serde_json::Value;
 
-use crate::remote_keys::{KeyFetchError, RemoteActor};
+use crate::remote_keys::{KeyFetchError, KeySource, RemoteActor};
 use crate::{Gateway, from_status, refuse};
 
 /// How old a signed request's date may be, and how far ahead of our clock.
@@ -160,22 +160,26 @@ impl Gateway {
                 None => Err(Unverified::Refused(refused.0, refused.1)),
             }
         };
-        let was_cached = self.keys.is_cached(&params.key_id);
-        let (mut signer, stand_in) = match self.keys.get(&params.key_id, false).await {
-            Ok(key) => (key.actor, key.stand_in),
+        let (mut signer, source) = match self.keys.get(&params.key_id, false).await {
+            Ok(key) => (key.actor, key.source),
             Err(error) => return no_key(error),
         };
         if !signer.key.verify(signing_string.as_bytes(), &params.signature) {
-            if stand_in {
+            match source {
                 // The key that stood in (its server could not be asked) may be an old one: the
                 // sender's retry may find the new one fetched.
-                return Err(Unverified::Refused(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("the key of keyId {:?} cannot be fetched again just now", params.key_id),
-                ));
-            }
-            if !was_cached {
-                return unauthorized("the signature does not verify with the signer's key".into());
+                KeySource::StandIn => {
+                    return Err(Unverified::Refused(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("the key of keyId {:?} cannot be fetched again just now", params.key_id),
+                    ));
+                }
+                // Fetched just now: no newer key to be had.
+                KeySource::Fetched => {
+                    return unauthorized("the signature does not verify with the signer's key".into());
+                }
+                // The actor may have rotated it since it was cached.
+                KeySource::Cached => {}
             }
             signer = match self.keys.get(&params.key_id, true).await {
                 Ok(key) => key.actor,

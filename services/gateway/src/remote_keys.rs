@@ -24,7 +24,8 @@
 //! stands in for up to [`STAND_IN_FOR`] past [`RemoteKeys::new`]'s time to live, rather than its
 //! signed requests refused until the fetch passes; a signature that fails with a stand-in is
 //! answered 503 (the real key may be fetched on the sender's retry). The cache starts over only
-//! when full, first dropping what is past that time, then the half least recently used.
+//! when full, first dropping what is past its time to live (stand-ins too), then the half least
+//! recently used.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -115,9 +116,19 @@ impl KeyFetchError {
 #[derive(Debug, Clone)]
 pub struct SignerKey {
     pub actor: Arc<RemoteActor>,
-    /// Past its time to live, standing in while its server cannot be asked (see the module's
-    /// comment): a signature that fails with it may pass with the key fetched later.
-    pub stand_in: bool,
+    pub source: KeySource,
+}
+
+/// Where [`RemoteKeys::get`] had a key from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    /// The cache, within its time to live: worth a refetch if a signature fails with it.
+    Cached,
+    /// Its document, now.
+    Fetched,
+    /// The cache past its time to live, standing in while its server cannot be asked (see the
+    /// module's comment): a signature that fails with it may pass with the key fetched later.
+    StandIn,
 }
 
 /// A fetched signer: when it was fetched and last used.
@@ -168,17 +179,17 @@ impl RemoteKeys {
         let fresh_for = if refresh { MIN_REFETCH } else { self.ttl };
         let stand_in = match &cached {
             Some((fetched, actor)) if fetched.elapsed() < fresh_for => {
-                return Ok(SignerKey { actor: actor.clone(), stand_in: false });
+                return Ok(SignerKey { actor: actor.clone(), source: KeySource::Cached });
             }
             // After a failed signature, the cached key is the one that failed: no stand-in.
             Some((fetched, actor)) if !refresh && fetched.elapsed() < self.ttl + STAND_IN_FOR => Some(actor.clone()),
             _ => None,
         };
         match (self.fetch_and_keep(key_id, cached.is_some()).await, stand_in) {
-            (Ok(actor), _) => Ok(SignerKey { actor, stand_in: false }),
+            (Ok(actor), _) => Ok(SignerKey { actor, source: KeySource::Fetched }),
             (Err(error), Some(actor)) if error.is_transient() => {
                 tracing::info!(key_id, %error, "the signer's key cannot be fetched again now; the one fetched before stands in");
-                Ok(SignerKey { actor, stand_in: true })
+                Ok(SignerKey { actor, source: KeySource::StandIn })
             }
             (Err(error), _) => Err(error),
         }
@@ -242,12 +253,6 @@ impl RemoteKeys {
     pub async fn answers_gone(&self, url: &str) -> bool {
         let fetched = self.fetch_document(url, None).await;
         matches!(fetched, Err(KeyFetchError::Fetch(FetchError::Status { status: 410, .. })))
-    }
-
-    /// True when a fresh cached key was used (worth a refetch if it fails; a stale one was
-    /// fetched again, or stood in).
-    pub fn is_cached(&self, key_id: &str) -> bool {
-        self.cache.lock().expect("key cache lock").get(key_id).is_some_and(|c| c.fetched.elapsed() < self.ttl)
     }
 
     /// Fetches `url`, within its host's share unless that host is `exempt` (a cached key id's:
@@ -373,7 +378,7 @@ mod tests {
         let key_id = format!("http://127.0.0.1:1/users/{}#main-key", "a".repeat(MAX_URI_CHARS));
         let error = keys.get(&key_id, false).await.unwrap_err();
         assert!(matches!(&error, KeyFetchError::Invalid(reason) if reason.contains("key id")), "{error}");
-        assert!(!keys.is_cached(&key_id));
+        assert!(!keys.cache.lock().unwrap().contains_key(&key_id));
         let short = "http://127.0.0.1:1/users/alice#main-key";
         assert!(matches!(keys.get(short, false).await, Err(KeyFetchError::Fetch(_))), "a short one is fetched");
     }
@@ -432,7 +437,7 @@ mod tests {
         let keys = RemoteKeys::new(http, Duration::from_millis(1));
         let key_id = format!("{base}/users/alice#main-key");
         let fetched = keys.get(&key_id, false).await.unwrap();
-        assert!(!fetched.stand_in);
+        assert_eq!(fetched.source, KeySource::Fetched);
         // Others' key ids on the host spend its share this minute (a key never fetched has no
         // stand-in)...
         let other = |n: u32| format!("{base}/users/u{n}#main-key");
@@ -445,9 +450,9 @@ mod tests {
         // ...but a key id cached already is fetched again outside it, and stands in when that
         // fetch fails.
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!keys.is_cached(&key_id), "past its time to live");
         let stale = keys.get(&key_id, false).await.unwrap();
-        assert!(Arc::ptr_eq(&fetched.actor, &stale.actor) && stale.stand_in, "the key fetched before stands in");
+        assert!(Arc::ptr_eq(&fetched.actor, &stale.actor), "the key fetched before stands in");
+        assert_eq!(stale.source, KeySource::StandIn, "past its time to live, and not fetched again");
         assert_eq!(requests.load(Ordering::SeqCst), FETCHES_PER_HOST as usize + 1, "it was asked for again");
         assert!(Arc::ptr_eq(&keys.get(&key_id, false).await.unwrap().actor, &fetched.actor));
         assert_eq!(
@@ -475,8 +480,12 @@ mod tests {
         let error = keys.get(&key_id, false).await.unwrap_err();
         assert!(matches!(&error, KeyFetchError::Invalid(reason) if reason.contains("document URL")), "{error}");
         assert_eq!(requests.load(Ordering::SeqCst), 1, "the long id was not fetched");
-        let remembered = keys.fetches.lock().unwrap().failed[&key_id].1.reason.len();
-        assert!(remembered <= MAX_REASON_CHARS, "{remembered}");
+        // A failure naming a long URL (the 404 of a key id near the longest) is kept short.
+        let (base, _) = answering_404().await;
+        let long = format!("{base}/users/{}#main-key", "a".repeat(1900));
+        assert!(matches!(keys.get(&long, false).await, Err(KeyFetchError::Fetch(_))));
+        let remembered = keys.fetches.lock().unwrap().failed[&long].1.reason.chars().count();
+        assert_eq!(remembered, MAX_REASON_CHARS, "cut to its most");
     }
 
     /// A full cache drops what is past its time to live, then the half least recently used.
