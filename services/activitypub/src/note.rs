@@ -36,14 +36,19 @@ pub enum NoteError {
     /// Well-formed, but nothing Reelay keeps (no film named, another object type).
     #[error("not a film review: {0}")]
     NotAReview(String),
+    /// A film review, but not addressed to the public (followers-only or direct): not kept,
+    /// since search shows every kept review to everyone.
+    #[error("a film review not addressed to the public (followers-only or direct)")]
+    NotPublic,
     #[error("invalid review: {0}")]
     Invalid(String),
 }
 
 impl RemoteReviewNote {
     /// The write service's request to save this review. `received` names the activity that
-    /// carried it (empty for a review read from an outbox).
-    pub fn into_save_request(self, received: &str) -> v1::SaveRemoteReviewRequest {
+    /// carried it (empty for a review read from an outbox); `keep_existing`: it came in a
+    /// Create (see `SaveRemoteReviewRequest`).
+    pub fn into_save_request(self, received: &str, keep_existing: bool) -> v1::SaveRemoteReviewRequest {
         let title_year = v1::TitleYear { title: self.title, year: self.year, external_id: self.external_id };
         v1::SaveRemoteReviewRequest {
             object_uri: self.object_uri,
@@ -53,7 +58,7 @@ impl RemoteReviewNote {
             body: self.body,
             published_at_ms: self.published_ms,
             received_activity_uri: received.to_owned(),
-            keep_existing: false,
+            keep_existing,
             edited_at_ms: self.edited_ms,
         }
     }
@@ -72,7 +77,7 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
         .to_owned();
     let film = object.get("film").ok_or_else(|| NoteError::NotAReview("it names no film".into()))?;
     if !is_public(object) {
-        return Err(NoteError::NotAReview("it is not addressed to the public (followers-only or direct)".into()));
+        return Err(NoteError::NotPublic);
     }
     let title = film.get("name").and_then(Value::as_str).map(str::trim).unwrap_or_default().to_owned();
     let year = film.get("year").and_then(Value::as_i64).unwrap_or_default();
@@ -256,7 +261,7 @@ mod tests {
             (json!(["https://m.example/users/v"]), json!([])),
             (Value::Null, Value::Null),
         ] {
-            assert!(matches!(addressed(to.clone(), cc.clone()), Err(NoteError::NotAReview(_))), "{to} {cc}");
+            assert!(matches!(addressed(to.clone(), cc.clone()), Err(NoteError::NotPublic)), "{to} {cc}");
         }
     }
 

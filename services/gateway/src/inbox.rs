@@ -33,7 +33,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use reelay_activitypub::documents::{id_of, same_origin};
-use reelay_activitypub::note::{NoteError, is_public, read_review};
+use reelay_activitypub::note::{NoteError, read_review};
 use reelay_activitypub::signature::{SignatureParams, digest_matches};
 use reelay_activitypub::time::{http_date_age_secs, now_ms};
 use reelay_contracts::v1::{self, get_local_actor_request};
@@ -230,7 +230,7 @@ impl Gateway {
             "Undo" => self.undo(&signer, user, id, &activity).await,
             "Accept" => self.accept(&signer, id, &activity, false).await,
             "Reject" => self.accept(&signer, id, &activity, true).await,
-            "Create" | "Update" => self.save_review(&signer, id, &activity).await,
+            "Create" | "Update" => self.save_review(&signer, id, &activity, kind == "Create").await,
             "Delete" => self.delete_review(&signer, id, &activity).await,
             _ => Ok(false),
         };
@@ -375,19 +375,21 @@ impl Gateway {
         Ok(answer.into_inner().changed)
     }
 
-    async fn save_review(&self, signer: &RemoteActor, id: &str, activity: &Value) -> Result<bool, tonic::Status> {
+    /// A Create (`create`) or an Update of a review.
+    async fn save_review(
+        &self,
+        signer: &RemoteActor,
+        id: &str,
+        activity: &Value,
+        create: bool,
+    ) -> Result<bool, tonic::Status> {
         let Some(object) = activity.get("object").filter(|o| o.is_object()) else { return Ok(false) };
-        // A review edited to followers-only or direct is no longer one to keep (search shows
-        // kept reviews to everyone): it goes as at its author's Delete, and stays gone.
-        if activity.get("type").and_then(Value::as_str) == Some("Update")
-            && object.get("film").is_some()
-            && !is_public(object)
-        {
-            return self.delete_review(signer, id, activity).await;
-        }
         let note = match read_review(object) {
             Ok(note) => note,
-            Err(NoteError::NotAReview(_)) => return Ok(false),
+            // A review edited to followers-only or direct is no longer one to keep: it goes as
+            // at its author's Delete, and stays gone.
+            Err(NoteError::NotPublic) if !create => return self.delete_review(signer, id, activity).await,
+            Err(NoteError::NotAReview(_) | NoteError::NotPublic) => return Ok(false),
             Err(NoteError::Invalid(reason)) => return Err(tonic::Status::invalid_argument(reason)),
         };
         if note.attributed_to != signer.actor_uri {
@@ -398,10 +400,9 @@ impl Gateway {
         if !same_origin(&note.object_uri, &signer.actor_uri) {
             return Err(tonic::Status::permission_denied("the review's id is on another server than its author"));
         }
-        let mut request = note.into_save_request(id);
         // A Create after the Update that edited it (deliveries come in any order, and a retried
-        // Create may land after the Update): the copy saved from the Update is newer.
-        request.keep_existing = activity.get("type").and_then(Value::as_str) == Some("Create");
+        // Create may land after the Update) keeps the Update's copy.
+        let request = note.into_save_request(id, create);
         Ok(self.federation.clone().save_remote_review(request).await?.into_inner().changed)
     }
 

@@ -42,10 +42,11 @@ impl BackfillHandler {
         let Some(object) = item.get("object").filter(|o| o.is_object()) else { return Ok(false) };
         let note = match read_review(object) {
             Ok(note) if note.attributed_to == actor && same_origin(&note.object_uri, actor) => note,
-            Ok(_) | Err(NoteError::NotAReview(_)) | Err(NoteError::Invalid(_)) => return Ok(false),
+            Ok(_) | Err(NoteError::NotAReview(_) | NoteError::NotPublic | NoteError::Invalid(_)) => return Ok(false),
         };
-        // An outbox's Creates: a copy saved from an Update meanwhile is as new or newer.
-        let request = v1::SaveRemoteReviewRequest { keep_existing: true, ..note.into_save_request("") };
+        // An outbox's Creates: a copy saved meanwhile is kept unless this one's edit is known
+        // to be later.
+        let request = note.into_save_request("", true);
         match self.remote.write().save_remote_review(request).await {
             Ok(_) => Ok(true),
             // Unfollowed meanwhile, or a review the write service will not take (one it holds

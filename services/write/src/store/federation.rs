@@ -309,52 +309,49 @@ impl Store {
                 tracing::info!(object_uri = %review.object_uri, "a review its author deleted arrived again; not saved");
                 return Ok(unchanged);
             }
-            // A Create that arrived after an Update of the same note, or an Update older than
-            // the edit kept (deliveries come in any order): the copy kept is newer.
-            let kept: Option<(String, i64)> =
-                sqlx::query_as("SELECT id, edited_at FROM remote_reviews WHERE object_uri = ? AND actor_uri = ?")
-                    .bind(review.object_uri.clone())
-                    .bind(review.actor_uri.clone())
-                    .fetch_optional(tx.conn())
-                    .await?;
-            // A Create keeps the copy unless its own edit is known to be newer (an outbox read
-            // again after Updates were refused while nobody followed); any save is refused by a
-            // copy edited later.
-            let newer = |a: i64, b: i64| a > 0 && b > 0 && a > b;
-            if let Some((id, edited_at)) = kept
-                && ((keep_existing && !newer(review.edited_at_ms, edited_at)) || newer(edited_at, review.edited_at_ms))
-            {
-                tracing::info!(object_uri = %review.object_uri, "an older copy of a review kept already; not saved");
-                return Ok(RemoteReviewSaved { id, created: false, changed: false });
+            let existing = sqlx::query(
+                "SELECT id, actor_uri, movie_id, rating, body, published_at, edited_at FROM remote_reviews \
+                 WHERE object_uri = ?",
+            )
+            .bind(review.object_uri.clone())
+            .fetch_optional(tx.conn())
+            .await?;
+            if let Some(row) = &existing {
+                if row.get::<String, _>("actor_uri") != review.actor_uri {
+                    return Err(ServiceError::permission_denied(format!(
+                        "object_uri {} belongs to another actor",
+                        review.object_uri
+                    ))
+                    .into());
+                }
+                // Deliveries come in any order. A Create (after an Update of the same note) keeps
+                // the copy unless its own edit is known to be later (an outbox read again after
+                // Updates were refused while nobody followed); any save is refused by a copy
+                // edited later.
+                let edited_at: i64 = row.get("edited_at");
+                let later = |a: i64, b: i64| a > 0 && b > 0 && a > b;
+                if (keep_existing && !later(review.edited_at_ms, edited_at)) || later(edited_at, review.edited_at_ms) {
+                    tracing::info!(object_uri = %review.object_uri, "an older copy of a review kept already; not saved");
+                    return Ok(RemoteReviewSaved { id: row.get("id"), created: false, changed: false });
+                }
             }
             let mut events = Vec::new();
             let (movie, _) = resolve_movie(tx, &review.movie, &mut events).await?;
-            let existing = sqlx::query("SELECT id, actor_uri, movie_id, rating, body, published_at FROM remote_reviews WHERE object_uri = ?")
-                .bind(review.object_uri.clone())
-                .fetch_optional(tx.conn())
-                .await?;
             let now = tx.now_ms();
             // The film the review named before an update that names another.
             let mut left_movie = None;
             let (id, created) = match existing {
                 Some(row) => {
                     let id: String = row.get("id");
-                    if row.get::<String, _>("actor_uri") != review.actor_uri {
-                        return Err(ServiceError::permission_denied(format!(
-                            "object_uri {} belongs to another actor",
-                            review.object_uri
-                        )).into());
-                    }
                     let unchanged = row.get::<String, _>("movie_id") == movie.id
                         && row.get::<i64, _>("rating") == i64::from(review.rating)
                         && row.get::<String, _>("body") == review.body
                         && row.get::<i64, _>("published_at") == review.published_at_ms;
                     if unchanged {
                         // The same text, maybe from a later edit: an older one must not replace it.
-                        sqlx::query("UPDATE remote_reviews SET edited_at = ? WHERE id = ? AND edited_at < ?")
+                        sqlx::query("UPDATE remote_reviews SET edited_at = MAX(edited_at, ?) WHERE id = ?")
                             .bind(review.edited_at_ms)
                             .bind(id.clone())
-                            .bind(review.edited_at_ms)
                             .execute(tx.conn())
                             .await?;
                         commit_events(tx, events).await?;
