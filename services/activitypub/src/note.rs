@@ -27,7 +27,7 @@ pub struct RemoteReviewNote {
     pub rating: u32,
     pub body: String,
     pub published_ms: i64,
-    /// When its author last edited it: its `updated`, else `published_ms`.
+    /// When its author last edited it: its `updated`, else its `published` (0 with neither).
     pub edited_ms: i64,
 }
 
@@ -113,23 +113,29 @@ pub fn read_review(object: &Value) -> Result<RemoteReviewNote, NoteError> {
     // When it was written orders it among the film's reviews: a date that is there must be
     // one, and not ahead of this clock by more than a day; a note without one (rare) is dated
     // when it arrives.
-    let published_ms = match object.get("published") {
-        None | Some(Value::Null) => now_ms(),
-        Some(published) => published
-            .as_str()
-            .and_then(parse_rfc3339)
-            .filter(|ms| (0..=now_ms() + MAX_AHEAD_MS).contains(ms))
-            .ok_or_else(|| {
-                NoteError::Invalid(format!("published: not an RFC 3339 date up to a day from now: {published}"))
-            })?,
+    let (published_ms, dated) = match object.get("published") {
+        None | Some(Value::Null) => (now_ms(), false),
+        Some(published) => (
+            published
+                .as_str()
+                .and_then(parse_rfc3339)
+                .filter(|ms| (0..=now_ms() + MAX_AHEAD_MS).contains(ms))
+                .ok_or_else(|| {
+                    NoteError::Invalid(format!("published: not an RFC 3339 date up to a day from now: {published}"))
+                })?,
+            true,
+        ),
     };
-    // An edit's date that is not one, or is ahead, counts as the publication's (no edit known).
+    // An edit's date that is not one, or is ahead, counts as the publication's (no edit known);
+    // without either, it is unknown (0), not the arrival: a late Create of an undated note
+    // would otherwise count as an edit later than the Update kept.
+    let known = if dated { published_ms } else { 0 };
     let edited_ms = object
         .get("updated")
         .and_then(Value::as_str)
         .and_then(parse_rfc3339)
-        .filter(|ms| (published_ms..=now_ms() + MAX_AHEAD_MS).contains(ms))
-        .unwrap_or(published_ms);
+        .filter(|ms| (known..=now_ms() + MAX_AHEAD_MS).contains(ms))
+        .unwrap_or(known);
     Ok(RemoteReviewNote {
         object_uri,
         attributed_to,
@@ -210,7 +216,9 @@ mod tests {
         assert_eq!(read(note(json!("2026-01-02T03:04:05Z"), json!(0), 1979)).unwrap().rating, 0, "a 0 is unrated");
         assert_eq!(read(note(json!("2026-01-02T03:04:05Z"), json!("five"), 1979)).unwrap().rating, 0);
         let before = now_ms();
-        assert!(read(note(Value::Null, json!(3), 1979)).unwrap().published_ms >= before, "dated on arrival");
+        let undated = read(note(Value::Null, json!(3), 1979)).unwrap();
+        assert!(undated.published_ms >= before, "dated on arrival");
+        assert_eq!(undated.edited_ms, 0, "its edit unknown, not its arrival");
         // Its last edit: `updated`, else (absent, not a date, before its publication) the
         // publication.
         let edited = |updated: Value| {
