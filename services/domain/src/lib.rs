@@ -16,7 +16,8 @@ pub use ids::{EventId, MovieId, ReviewId, UserId, WrapUpId};
 pub use validate::ValidationError;
 
 /// The most characters of a failure's text kept (a delivery's, a relay row's, a dead
-/// letter's); a caller sends no more, so a batch of long errors never outgrows a message.
+/// letter's). Handlers' clients send no more, so a batch of long errors never outgrows a
+/// message; the relay's texts are the broker's own short errors.
 pub const MAX_ERROR_CHARS: usize = 2000;
 
 /// `error` cut to [`MAX_ERROR_CHARS`] characters.

@@ -94,18 +94,12 @@ impl std::fmt::Debug for Objects {
     }
 }
 
-/// An object as read back.
-#[derive(Debug, Clone)]
-pub struct Object {
-    pub bytes: Bytes,
-}
-
 /// An object being read: what the store says of it before its bytes, then its bytes as they
 /// come (a large one is never held whole).
 pub struct Reading {
     pub size: u64,
-    /// Seconds since the epoch of the last write (for `Last-Modified`).
-    pub modified_unix: i64,
+    /// When it was last written (for `Last-Modified`).
+    pub modified: std::time::SystemTime,
     /// The store's tag for this version (for `ETag`), when it has one.
     pub e_tag: Option<String>,
     pub bytes: futures_util::stream::BoxStream<'static, Result<Bytes, ObjectsError>>,
@@ -206,11 +200,10 @@ impl Objects {
         Ok(())
     }
 
-    /// The object under `key`, or `None` when there is none.
-    pub async fn get(&self, key: &str) -> Result<Option<Object>, ObjectsError> {
+    /// The bytes of the object under `key`, or `None` when there is none.
+    pub async fn get(&self, key: &str) -> Result<Option<Bytes>, ObjectsError> {
         let Some(result) = self.get_result(key).await? else { return Ok(None) };
-        let bytes = result.bytes().await.map_err(|e| self.error(e))?;
-        Ok(Some(Object { bytes }))
+        Ok(Some(result.bytes().await.map_err(|e| self.error(e))?))
     }
 
     /// The object under `key` as it is read, or `None` when there is none.
@@ -221,7 +214,7 @@ impl Objects {
         let store = self.clone();
         Ok(Some(Reading {
             size: meta.size,
-            modified_unix: meta.last_modified.timestamp(),
+            modified: meta.last_modified.into(),
             e_tag: meta.e_tag,
             bytes: result.into_stream().map_err(move |e| store.error(e)).boxed(),
         }))
@@ -422,7 +415,7 @@ mod tests {
         objects.put("posters/m2/original", Bytes::from_static(b"three")).await.unwrap();
         assert!(objects.exists("posters/m1/original").await.unwrap());
         assert!(!objects.exists("posters/m3/original").await.unwrap());
-        assert_eq!(objects.get("posters/m2/original").await.unwrap().unwrap().bytes, Bytes::from_static(b"three"));
+        assert_eq!(objects.get("posters/m2/original").await.unwrap().unwrap(), Bytes::from_static(b"three"));
         assert!(objects.get("nothing/here").await.unwrap().is_none());
         let mut keys = objects.list("posters/m1").await.unwrap();
         keys.sort();
@@ -461,8 +454,8 @@ mod tests {
             assert!(!path.exists(), "{} removed", path.display());
         }
         assert!(young.exists(), "a put in flight keeps its staging file");
-        assert_eq!(objects.get("cards/a#b").await.unwrap().unwrap().bytes, Bytes::from_static(b"a key with a hash"));
-        assert_eq!(objects.get("posters/m1/original").await.unwrap().unwrap().bytes, Bytes::from_static(b"kept"));
+        assert_eq!(objects.get("cards/a#b").await.unwrap().unwrap(), Bytes::from_static(b"a key with a hash"));
+        assert_eq!(objects.get("posters/m1/original").await.unwrap().unwrap(), Bytes::from_static(b"kept"));
         assert_eq!(remove_stale_staging(&root, STAGING_ORPHAN_AGE).unwrap(), 0, "nothing more");
     }
 

@@ -1,10 +1,10 @@
 //! The media route: `GET /media/<key>` serves a stored object with the content type its
 //! extension says, an `ETag` and `Last-Modified`, and caching for an hour, after which a client
 //! asks again with `If-None-Match` (answered 304 while unchanged, from what the store says of
-//! the object, its bytes unread). The bytes are sent as they are read: however many clients
-//! fetch large originals at once, none is held whole in memory. Not longer: a key's object
-//! can change (a movie's new poster is stored under the same keys), and a year-long
-//! `immutable` kept the old one in browsers and CDNs.
+//! the object before any of its bytes are read; on S3 the GET's body is dropped unread). Not
+//! longer: a key's object can change (a movie's new poster is stored under the same keys), and
+//! a year-long `immutable` kept the old one in browsers and CDNs. The bytes are sent as they are
+//! read: however many clients fetch large originals at once, none is held whole in memory.
 
 use std::time::UNIX_EPOCH;
 
@@ -67,12 +67,14 @@ async fn serve(State(objects): State<Objects>, Path(key): Path<String>, headers:
         reading
             .e_tag
             .clone()
-            .unwrap_or_else(|| format!("{:x}-{}", reading.modified_unix, reading.size))
+            .unwrap_or_else(|| {
+                let secs = reading.modified.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                format!("{secs:x}-{}", reading.size)
+            })
             .trim_matches('"')
     );
-    let modified = u64::try_from(reading.modified_unix)
-        .ok()
-        .map(|secs| httpdate::fmt_http_date(UNIX_EPOCH + std::time::Duration::from_secs(secs)));
+    // (An HTTP date cannot say a time before 1970: none is sent for one.)
+    let modified = (reading.modified >= UNIX_EPOCH).then(|| httpdate::fmt_http_date(reading.modified));
     let mut out = HeaderMap::new();
     out.insert(header::CACHE_CONTROL, HeaderValue::from_static(CACHE_CONTROL));
     if let Ok(value) = HeaderValue::from_str(&e_tag) {
@@ -120,6 +122,25 @@ fn unchanged(headers: &HeaderMap, e_tag: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client holds this version when its If-None-Match names the tag, weak or strong, alone
+    /// or in a list, or is `*`.
+    #[test]
+    fn if_none_match_names_the_version() {
+        let asking = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            for value in values {
+                headers.append(header::IF_NONE_MATCH, HeaderValue::from_str(value).unwrap());
+            }
+            unchanged(&headers, "\"t\"")
+        };
+        for held in [&["\"t\""][..], &["W/\"t\""], &["\"a\", \"t\""], &["\"a\"", "\"t\""], &["*"]] {
+            assert!(asking(held), "{held:?}");
+        }
+        for other in [&[][..], &["\"a\""], &["\"a\", W/\"b\""], &["t"]] {
+            assert!(!asking(other), "{other:?}");
+        }
+    }
 
     #[test]
     fn content_types() {

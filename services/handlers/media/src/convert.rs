@@ -211,7 +211,7 @@ impl ImageConversion {
         for &width in self.widths.iter() {
             let variant_key = variant_key(movie_id, width);
             match self.objects.get(&variant_key).await.map_err(HandlerError::retryable)? {
-                Some(found) => variants.push(recorded(width, variant_key, &found.bytes)),
+                Some(found) => variants.push(recorded(width, variant_key, &found)),
                 None => missing.push(width),
             }
         }
@@ -222,11 +222,11 @@ impl ImageConversion {
             tracing::info!(movie_id, key, "the original is gone; nothing to convert");
             return Ok(None);
         };
-        if sha256_hex(&original.bytes) != sha256 {
+        if sha256_hex(&original) != sha256 {
             tracing::info!(movie_id, key, "the original was replaced since; its own ImageStored converts it");
             return Ok(None);
         }
-        let made = self.make(key, original.bytes, missing).await?;
+        let made = self.make(key, original, missing).await?;
         for variant in made {
             let variant_key = variant_key(movie_id, variant.width);
             let bytes = Bytes::from(variant.bytes);

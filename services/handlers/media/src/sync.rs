@@ -43,7 +43,7 @@ use crate::{check_image, original_key, sha256_hex};
 
 /// The key of the note naming the URL a movie's stored, not yet recorded original came from.
 fn source_key(movie_id: &str) -> String {
-    format!("posters/{movie_id}/original.from")
+    format!("{}/original.from", crate::movie_folder(movie_id))
 }
 
 /// How often one download waits out a 429 before giving up for now, and for how long at most
@@ -135,9 +135,9 @@ enum DownloadError {
 impl PosterSync {
     /// The usable poster stored under `key`, if there is one.
     async fn stored(&self, key: &str) -> Result<Option<Poster>, HandlerError> {
-        let Some(object) = self.objects.get(key).await.map_err(HandlerError::retryable)? else { return Ok(None) };
-        match check_image(&object.bytes) {
-            Ok(content_type) => Ok(Some(Poster { bytes: object.bytes, content_type })),
+        let Some(bytes) = self.objects.get(key).await.map_err(HandlerError::retryable)? else { return Ok(None) };
+        match check_image(&bytes) {
+            Ok(content_type) => Ok(Some(Poster { bytes, content_type })),
             Err(reason) => {
                 tracing::warn!(key, %reason, "a stored poster is unusable; downloading again");
                 Ok(None)
@@ -150,18 +150,13 @@ impl PosterSync {
     async fn stored_from(&self, movie_id: &str, url: &str) -> Result<Option<Poster>, HandlerError> {
         let note = self.objects.get(&source_key(movie_id)).await.map_err(HandlerError::retryable)?;
         match note {
-            Some(note) if note.bytes == url.as_bytes() => self.stored(&original_key(movie_id)).await,
+            Some(note) if note == url.as_bytes() => self.stored(&original_key(movie_id)).await,
             Some(_) => {
                 tracing::info!(movie_id, url, "an unrecorded poster from another URL is stored; downloading this one");
                 Ok(None)
             }
             None => Ok(None),
         }
-    }
-
-    /// Deletes every object of a deleted movie (a retry comes back here through its lookup).
-    async fn remove_all(&self, movie_id: &str) -> Result<(), HandlerError> {
-        crate::remove_movie_images(&self.objects, movie_id).await.map(drop)
     }
 
     /// Downloads `url`, waiting out a few 429s.
@@ -315,7 +310,9 @@ impl Handler for PosterSync {
         let movie = match self.movies.clone().get_movie(request).await {
             Ok(movie) => movie.into_inner(),
             // Deleted since: nothing to store, and nothing an earlier attempt stored may stay.
-            Err(status) if status.code() == Code::NotFound => return self.remove_all(movie_id).await,
+            Err(status) if status.code() == Code::NotFound => {
+                return crate::remove_movie_images(&self.objects, movie_id).await.map(drop);
+            }
             Err(status) => return Err(HandlerError::from_call("GetMovie", &status)),
         };
         // The profile is written with its event, so one naming another poster (or none) is
@@ -410,7 +407,7 @@ impl PosterSync {
             // MovieDeleted) may have run before the write, so the object goes here.
             Err(status) if status.code() == Code::NotFound => {
                 tracing::info!(movie_id, %key, "the movie was deleted meanwhile; its poster is removed");
-                self.remove_all(movie_id).await
+                crate::remove_movie_images(&self.objects, movie_id).await.map(drop)
             }
             Err(status) => Err(HandlerError::from_call("RecordPoster", &status)),
         }

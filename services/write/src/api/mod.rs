@@ -63,7 +63,8 @@ fn keyed_by_actor<M: prost::Message>(
     RequestKey::of(method, actor(request), &id, request)
 }
 
-/// Mounts every domain service on `server`, each with the server's message-size limit. `keys`
+/// Mounts every domain service on `server`, each with the server's message-size limit (WrapUps
+/// answering up to `WRAP_UP_INPUTS_MAX_BYTES`, a year's inputs in one message). `keys`
 /// signs for the Federation service and hears of new users; `media_url` is where the media route
 /// serves stored objects (wrap-up cards), if anywhere.
 pub fn mount(server: GrpcServer, store: Store, keys: ActorKeys, media_url: Option<String>) -> GrpcServer {
@@ -71,7 +72,10 @@ pub fn mount(server: GrpcServer, store: Store, keys: ActorKeys, media_url: Optio
     let limit = server.config().max_message_bytes;
     macro_rules! limited {
         ($server:ident) => {
-            $server::new(api.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit)
+            limited!($server, limit)
+        };
+        ($server:ident, $encode:expr) => {
+            $server::new(api.clone()).max_decoding_message_size(limit).max_encoding_message_size($encode)
         };
     }
     server
@@ -79,11 +83,7 @@ pub fn mount(server: GrpcServer, store: Store, keys: ActorKeys, media_url: Optio
         .add_service(limited!(MoviesServer))
         .add_service(limited!(ReviewsServer))
         .add_service(limited!(WatchlistServer))
-        .add_service(
-            WrapUpsServer::new(api.clone())
-                .max_decoding_message_size(limit)
-                .max_encoding_message_size(limit.max(reelay_domain::WRAP_UP_INPUTS_MAX_BYTES)),
-        )
+        .add_service(limited!(WrapUpsServer, limit.max(reelay_domain::WRAP_UP_INPUTS_MAX_BYTES)))
         .add_service(limited!(SocialServer))
         .add_service(limited!(IntegrationsServer))
         .add_service(limited!(FederationServer))
