@@ -784,9 +784,10 @@ async fn a_card_is_synced_to_disk_before_its_wrap_up_completes() {
     cluster.stop().await;
 }
 
-/// A year's inputs come in one answer, which may be larger than any other call's: with calls
-/// held to 64 KiB (REELAY_GRPC_MAX_MESSAGE_BYTES), a year of 700 films (over 100 KB of inputs)
-/// still gets its wrap-up.
+/// A year's inputs come in one answer, which may be larger than any other call's: with the
+/// write service's calls held to 64 KiB (REELAY_GRPC_MAX_MESSAGE_BYTES), a year of 700 films
+/// (over 100 KB of inputs) still gets its wrap-up. (This checks the write service's answer
+/// limit; the handler's client taking answers past tonic's 4 MiB default is not reached here.)
 #[tokio::test]
 async fn a_year_larger_than_other_calls_may_be_still_gets_its_wrap_up() {
     let dir = temp_dir();

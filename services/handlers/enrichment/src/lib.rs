@@ -220,14 +220,14 @@ impl Handler for MovieEnrichment {
         let Some(Lookup { movie_id, first, query, keeps_profile_on_miss }) = self.query(event).await? else {
             return Ok(());
         };
-        let found = match &first {
-            Some(first) => self.provider.movie(first).await.map_err(from_provider)?,
-            None => None,
-        };
-        let found = match found {
-            Some(profile) => Some(profile),
-            None => self.provider.movie(&query).await.map_err(from_provider)?,
-        };
+        // Its own id first, when it has one, then the query.
+        let mut found = None;
+        for asked in first.iter().chain([&query]) {
+            found = self.provider.movie(asked).await.map_err(from_provider)?;
+            if found.is_some() {
+                break;
+            }
+        }
         let outcome = match found {
             Some(profile) => {
                 let profile = fit::profile(profile);

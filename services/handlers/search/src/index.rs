@@ -62,12 +62,11 @@ const COMMIT_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
 struct Inner {
     /// To make the writer anew when a rollback could not (it gave the old one up).
     index: Index,
-    /// The writer was given up and no new one could be made yet: the next batch tries again.
-    writer_lost: std::sync::atomic::AtomicBool,
     reader: IndexReader,
     /// Tantivy allows one writer per index; the mutex also makes each batch's read-check-write
-    /// of versions atomic with respect to other batches.
-    writer: Mutex<IndexWriter>,
+    /// of versions atomic with respect to other batches. `None`: the writer was given up and no
+    /// new one could be made yet (the next batch tries again).
+    writer: Mutex<Option<IndexWriter>>,
     /// Batches waiting for a commit. Whoever holds the writer commits every batch queued by then
     /// in one commit (a commit fsyncs several files, so it is the cost worth sharing).
     queue: Mutex<Vec<Queued>>,
@@ -366,9 +365,8 @@ impl SearchIndex {
         Ok(Self {
             inner: Arc::new(Inner {
                 index,
-                writer_lost: Default::default(),
                 reader,
-                writer: Mutex::new(writer),
+                writer: Mutex::new(Some(writer)),
                 queue: Mutex::new(Vec::new()),
                 fields,
             }),
@@ -530,25 +528,26 @@ impl Inner {
         }
     }
 
-    fn write(&self, writer: &mut IndexWriter, changes: Vec<Change>) -> Result<(), IndexError> {
-        if self.writer_lost.load(std::sync::atomic::Ordering::SeqCst) {
-            *writer = new_writer(&self.index)?;
-            self.writer_lost.store(false, std::sync::atomic::Ordering::SeqCst);
-            tracing::info!("search index: a new writer was made");
-        } else if self.writer.is_poisoned() {
+    fn write(&self, slot: &mut Option<IndexWriter>, changes: Vec<Change>) -> Result<(), IndexError> {
+        if self.writer.is_poisoned() {
             // A batch panicked half-staged: drop what it staged before staging anew.
-            let kept = self.roll_back(writer);
+            self.roll_back(slot);
             self.writer.clear_poison();
-            if !kept {
-                return Err(IndexError::from(tantivy::TantivyError::SystemError(
-                    "the search index has no writer (a rollback gave it up)".to_owned(),
-                )));
-            }
         }
-        let staged = self.stage(writer, changes);
-        let committed = staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) });
+        let committed = {
+            let writer = match slot {
+                Some(writer) => writer,
+                None => {
+                    let writer = slot.insert(new_writer(&self.index)?);
+                    tracing::info!("search index: a new writer was made");
+                    writer
+                }
+            };
+            let staged = self.stage(writer, changes);
+            staged.and_then(|written| if written > 0 { writer.commit().map(drop) } else { Ok(()) })
+        };
         if let Err(error) = committed {
-            self.roll_back(writer);
+            self.roll_back(slot);
             return Err(error.into());
         }
         // Still under the lock, so the next batch checks versions against this one.
@@ -557,20 +556,16 @@ impl Inner {
     }
 
     /// Drops what the writer staged. Should the rollback fail, it has given its writer up: a
-    /// new one is made, so the batches after this one can still be written. Whether a writer is
-    /// left (else the next batch tries to make one again).
-    fn roll_back(&self, writer: &mut IndexWriter) -> bool {
-        let Err(rollback) = writer.rollback() else { return true };
+    /// new one is made, so the batches after this one can still be written (none made, the slot
+    /// is left empty and the next batch tries again).
+    fn roll_back(&self, slot: &mut Option<IndexWriter>) {
+        let Some(Err(rollback)) = slot.as_mut().map(IndexWriter::rollback) else { return };
         tracing::error!(%rollback, "search index rollback failed; making a new writer");
-        match new_writer(&self.index) {
-            Ok(fresh) => *writer = fresh,
-            Err(error) => {
+        *slot = new_writer(&self.index)
+            .inspect_err(|error| {
                 tracing::error!(%error, "search index: no new writer either; the next batch tries again");
-                self.writer_lost.store(true, std::sync::atomic::Ordering::SeqCst);
-                return false;
-            }
-        }
-        true
+            })
+            .ok();
     }
 
     /// Stages the changes newer than what is indexed; returns how many it staged.
