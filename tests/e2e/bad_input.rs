@@ -781,20 +781,6 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no other server can reach") && stderr.contains("REELAY_PUBLIC_URL"), "{stderr}");
 
-    // Nor a media URL no client can reach (links to cards and posters are built on it).
-    let out = std::process::Command::new(BIN)
-        .args(["run", "--service", "write", "--dev"])
-        .env("REELAY_DATABASE", dir.path().join("r.db"))
-        .env("REELAY_WRITE_ADDR", format!("127.0.0.1:{}", reelay_harness::free_port()))
-        .env("REELAY_MEDIA_ADDR", "0.0.0.0:50053")
-        .env_remove("REELAY_MEDIA_URL")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("REELAY_MEDIA_URL is unset") && stderr.contains("0.0.0.0:50053"), "{stderr}");
-    assert!(!dir.path().join("r.db").exists(), "nothing is created before the configuration is accepted");
-
     // A write service started with `setting`: refused with exit code 2 and nothing created;
     // what it said.
     let db = dir.path().join("r.db");
@@ -805,6 +791,10 @@ async fn the_write_service_refuses_to_start_without_a_token_unless_in_dev_mode()
         assert!(!db.exists(), "nothing is created before the configuration is accepted");
         stderr
     };
+
+    // Nor a media URL no client can reach (links to cards and posters are built on it).
+    let stderr = refused("REELAY_MEDIA_ADDR", "0.0.0.0:50053").await;
+    assert!(stderr.contains("REELAY_MEDIA_URL is unset") && stderr.contains("0.0.0.0:50053"), "{stderr}");
 
     // An event limit no claim answer could carry is refused at start-up too.
     let stderr = refused("REELAY_MAX_EVENT_BYTES", "5000000").await;

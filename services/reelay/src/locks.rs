@@ -145,8 +145,7 @@ fn slot_name(host: &str, dir: &Path, slot: u32) -> String {
 
 /// The longest start of `text` of at most `bytes` bytes that ends on a character's boundary.
 fn up_to_bytes(text: &str, bytes: usize) -> &str {
-    let end = (0..=bytes.min(text.len())).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
-    &text[..end]
+    &text[..text.floor_char_boundary(bytes)]
 }
 
 /// FNV-1a of `text`: stable across builds and processes, which std's hasher does not promise.

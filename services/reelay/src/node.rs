@@ -224,7 +224,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     // address none of them can reach would make every one wrong.
     let media_url = match &args.handlers.media_url {
         Some(url) => url.clone(),
-        None if services.contains(&Service::Write) && host_is_unspecified(&args.handlers.media_addr.to_string()) => {
+        None if services.contains(&Service::Write) && args.handlers.media_addr.ip().is_unspecified() => {
             anyhow::bail!(
                 "REELAY_MEDIA_URL is unset, and REELAY_MEDIA_ADDR ({}) names no address a client can reach; set \
                  REELAY_MEDIA_URL to the URL clients reach the media route at",

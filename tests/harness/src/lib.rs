@@ -595,12 +595,13 @@ pub async fn refused_at_start(
         .args(["run", "--service", service, "--dev"])
         .env("REELAY_DATABASE", database)
         .env("REELAY_DATA_DIR", data_dir)
-        .envs(env.iter().copied())
         .env("REELAY_WRITE_ADDR", port())
         .env("REELAY_HANDLERS_ADDR", port())
         .env("REELAY_MEDIA_ADDR", port())
         .env("REELAY_GATEWAY_ADDR", port())
         .env("REELAY_METRICS_ADDR", port())
+        // The caller's settings win, an address among them.
+        .envs(env.iter().copied())
         .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(Duration::from_secs(30), process).await.expect("the process exits").unwrap();
