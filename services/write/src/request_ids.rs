@@ -72,9 +72,11 @@ impl RequestKey {
 
     /// The answer recorded for this key, if the call was made before. Runs inside the write job,
     /// so a concurrent retry waits for the first call's transaction and then sees its answer.
+    /// A key [reserved](Self::reserve) by a call still under way (or broken off) answers `None`
+    /// to the same request, and is refused to another.
     pub async fn recorded<R: Message + Default>(&self, tx: &mut WriteTx) -> Result<Option<R>, WriteError> {
         let lookup = |stored: &str| {
-            sqlx::query("SELECT fingerprint, response FROM request_ids WHERE method = ? AND request_id = ?")
+            sqlx::query("SELECT fingerprint, response, pending FROM request_ids WHERE method = ? AND request_id = ?")
                 .bind(self.method)
                 .bind(stored.to_owned())
         };
@@ -95,6 +97,9 @@ impl RequestKey {
             )
             .into());
         }
+        if row.get::<bool, _>(2) {
+            return Ok(None);
+        }
         let response = R::decode(row.get::<Vec<u8>, _>(1).as_slice()).map_err(|e| {
             ServiceError::internal(format!("the answer recorded for a request_id does not decode: {e}"))
         })?;
@@ -102,10 +107,31 @@ impl RequestKey {
         Ok(Some(response))
     }
 
-    /// Records the answer of the call that just wrote, in its transaction.
+    /// Takes the key for a call written in several transactions (a streamed import's chunks),
+    /// in its first one, after [`recorded`](Self::recorded) found nothing: another request under
+    /// it is refused from then on, before it writes anything. Taken already (a retry of the same
+    /// request), it stays as it is.
+    pub async fn reserve(&self, tx: &mut WriteTx) -> Result<(), WriteError> {
+        sqlx::query(
+            "INSERT INTO request_ids (method, request_id, fingerprint, response, created_at, pending) \
+             VALUES (?, ?, ?, x'', ?, 1) ON CONFLICT (method, request_id) DO NOTHING",
+        )
+        .bind(self.method)
+        .bind(&self.stored)
+        .bind(&self.fingerprint)
+        .bind(tx.now_ms())
+        .execute(tx.conn())
+        .await?;
+        Ok(())
+    }
+
+    /// Records the answer of the call that just wrote, in its transaction (in place of its
+    /// reservation, if it made one).
     pub async fn record<R: Message>(&self, tx: &mut WriteTx, response: &R) -> Result<(), WriteError> {
         sqlx::query(
-            "INSERT INTO request_ids (method, request_id, fingerprint, response, created_at) VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO request_ids (method, request_id, fingerprint, response, created_at) VALUES (?, ?, ?, ?, ?) \
+             ON CONFLICT (method, request_id) DO UPDATE SET response = excluded.response, \
+             created_at = excluded.created_at, pending = 0",
         )
         .bind(self.method)
         .bind(&self.stored)

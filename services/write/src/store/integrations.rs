@@ -29,8 +29,10 @@ impl Store {
     /// each row's events and a `DiaryImported` summary. Rows imported before are skipped.
     ///
     /// With a request key, the first chunk's transaction looks for the answer of an earlier call
-    /// (and returns it, writing nothing), and the last chunk's records the answer. A retry of an
-    /// import that broke off half way imports the rest; the rows already in are skipped.
+    /// (and returns it, writing nothing) and otherwise takes the key, so an import of another
+    /// file under it is refused before it writes a row; the last chunk's records the answer. A
+    /// retry of an import that broke off half way imports the rest; the rows already in are
+    /// skipped.
     pub async fn import_diary(
         &self,
         actor: UserId,
@@ -46,10 +48,13 @@ impl Store {
             let (import_id, key) = (import_id.clone(), key.clone());
             let (first, last, so_far) = (chunk_index == 0, chunk_index + 1 == chunks, summary.clone());
             let step = write_job!(self, "import_diary", |tx| {
-                if let Some(key) = key.as_ref().filter(|_| first || last)
-                    && let Some(answer) = key.recorded(tx).await?
-                {
-                    return Ok(ImportStep::Answered(answer));
+                if let Some(key) = key.as_ref().filter(|_| first || last) {
+                    if let Some(answer) = key.recorded(tx).await? {
+                        return Ok(ImportStep::Answered(answer));
+                    }
+                    if first {
+                        key.reserve(tx).await?;
+                    }
                 }
                 ensure_user(tx.conn(), actor).await?;
                 let mut events = Vec::new();
@@ -173,5 +178,87 @@ impl ImportSummary {
             completed: self.completed,
             skipped_without_year: self.without_year,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use reelay_outbox::{Database, DbConfig};
+
+    use super::*;
+    use crate::WriteError;
+
+    /// `count` rows of one export, four chunks' worth for 1,000.
+    fn export(file: &str, count: usize) -> Vec<DiaryRow> {
+        (0..count)
+            .map(|n| DiaryRow {
+                line: n as u64 + 2,
+                title: format!("{file} film {n}"),
+                year: 1990,
+                letterboxd_uri: format!("https://boxd.it/{file}{n}"),
+                rating: 7,
+                rewatch: false,
+                body: String::new(),
+                watched_on: "2024-03-01".into(),
+            })
+            .collect()
+    }
+
+    async fn reviews(store: &Store) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM reviews").fetch_one(&store.db.reads).await.unwrap()
+    }
+
+    /// Two different files imported at once under one request id: one is imported, the other
+    /// is refused before it writes a row (its chunks commit one by one, so a key answered only
+    /// by the last chunk let its middle chunks in). A retry of a file whose import broke off
+    /// half way imports the rest, and a retry after the answer gets the answer.
+    #[tokio::test]
+    async fn one_request_id_imports_one_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap());
+        let actor = UserId::new();
+        let user_id = actor.to_string();
+        store
+            .db
+            .writer
+            .transact::<_, WriteError, _>("fixtures", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES (?, 'ana', 'Ana', 0)")
+                        .bind(user_id)
+                        .execute(tx.conn())
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let key = |request_id: &str, file: &str| {
+            RequestKey::from_parts("ImportDiary", &actor.to_string(), request_id, &[file.as_bytes()]).unwrap()
+        };
+        let import = |id: &str, file: &str, request_id: &str| {
+            store.import_diary(actor, id.into(), export(file, 1000), 0, key(request_id, file))
+        };
+
+        let (a, b) = tokio::join!(import("a", "a", "import-1"), import("b", "b", "import-1"));
+        let (answered, refused) = match (a, b) {
+            (Ok(answer), Err(error)) | (Err(error), Ok(answer)) => (answer, error),
+            other => panic!("one import is answered and one refused, got {other:?}"),
+        };
+        assert_eq!(answered.imported, 1000);
+        assert!(format!("{refused:?}").contains("already used for a different ImportDiary"), "{refused:?}");
+        assert_eq!(reviews(&store).await, 1000, "the refused file wrote nothing");
+        let again = import(&answered.import_id, &answered.import_id, "import-1").await.unwrap();
+        assert_eq!(again, answered, "a retry gets the first call's answer");
+        assert_eq!(reviews(&store).await, 1000);
+
+        // An import dropped once its first chunk is in (a client gone), then retried.
+        tokio::select! {
+            broken = import("c", "c", "import-2") => panic!("the import ended before it was dropped: {broken:?}"),
+            () = async { while reviews(&store).await < 1250 { tokio::task::yield_now().await } } => {}
+        }
+        let retried = import("c2", "c", "import-2").await.unwrap();
+        assert_eq!(retried.imported + retried.skipped_duplicates, 1000);
+        assert!(retried.skipped_duplicates >= 250, "{retried:?}");
+        assert_eq!(reviews(&store).await, 2000);
     }
 }
