@@ -331,11 +331,8 @@ async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused()
     })
     .await;
     let stale_token: i64 = query_strings(&cluster.db, &claim_sql).await[0][1].parse().unwrap();
-    // Renewed while it lives: still its own after twice the lease.
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    assert_eq!(query_strings(&cluster.db, &claim_sql).await[0][1].parse::<i64>().unwrap(), stale_token);
-    cluster.handlers[0].kill();
-
+    // A second consumer asks for the delivery all along (and would take it over once a lease
+    // ran out), so the first's renewals are what keep it: still its own after twice the lease.
     let mut survivor = Reelay::start_handlers(
         BIN,
         &cluster.write,
@@ -343,6 +340,11 @@ async fn a_killed_consumers_delivery_is_taken_over_and_its_late_settle_refused()
         &[("REELAY_PROBE_HANDLERS", "probe-a"), ("REELAY_PROBE_DB", cluster.effects.to_str().unwrap())],
     )
     .await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(query_strings(&cluster.db, &claim_sql).await[0][1].parse::<i64>().unwrap(), stale_token);
+    assert!(effects(&cluster.effects).await.is_empty(), "the second consumer ran nothing");
+    cluster.handlers[0].kill();
+
     delivery_reaches(
         &cluster.db,
         &event_id,
