@@ -168,6 +168,61 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
     reelay.stop().await;
 }
 
+/// The ledger (the write service) goes down while probe-a's process holds an event it fetched:
+/// every claim then fails at once (connection refused), and the batch waits in pauses of at
+/// most 5 s, for longer than the 16 s ack wait. Its progress is reported every third of the ack
+/// wait across those calls (before, each call started its own schedule and none lasted a
+/// third, so JetStream delivered the event again at each ack wait, spending its deliveries
+/// through an outage). Once the ledger is back the event is handled, delivered once.
+#[tokio::test]
+async fn a_ledger_outage_spends_no_delivery_of_the_events_held() {
+    let dir = temp_dir();
+    let mut cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
+        .probes("probe-a")
+        .env("REELAY_ACK_WAIT_MS", "16000")
+        .start(dir.path())
+        .await;
+    // probe-a reaches the ledger through the proxy, the broker directly.
+    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let env = with(&broker, &[("REELAY_PROBE_DELAY_MS", "0"), ("REELAY_ACK_WAIT_MS", "16000")]);
+    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &env).await;
+    let mut c = cluster.write.clients().await;
+    c.user("warm").await;
+    let warm = event_ids(&cluster.db).await.remove(0);
+    eventually("the first event is handled", Duration::from_secs(20), || async {
+        ledger_row(&cluster.db, &warm, "probe-a").await.is_some_and(|r| r[0] == "done")
+    })
+    .await;
+    // The next event's claim is held on its way, then the write service dies under it.
+    proxy.partition();
+    c.user("ana").await;
+    let event_id = event_ids(&cluster.db).await.into_iter().find(|id| *id != warm).unwrap();
+    let js = jetstream::new(async_nats::connect(cluster.nats.as_ref().unwrap().url()).await.unwrap());
+    let consumer = || async {
+        let stream = js.get_stream(STREAM).await.unwrap();
+        stream.consumer_info("handler-probe-a").await.unwrap().clone()
+    };
+    eventually("probe-a's process fetched the event", Duration::from_secs(20), || async {
+        consumer().await.num_ack_pending == 1
+    })
+    .await;
+    cluster.write.kill();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    cluster.write.restart().await;
+    proxy.heal();
+    eventually("the event is handled once the ledger is back", Duration::from_secs(30), || async {
+        ledger_row(&cluster.db, &event_id, "probe-a").await.is_some_and(|r| r[0] == "done")
+    })
+    .await;
+    let delivered = consumer().await.delivered.consumer_sequence;
+    assert_eq!(delivered, 2, "each event delivered once");
+    let key = (event_id, "probe-a".to_owned());
+    assert_eq!(probe_records(&cluster.effects, "effects").await.0.get(&key), Some(&1));
+    handlers.stop().await;
+    cluster.stop().await;
+}
+
 #[tokio::test]
 async fn an_existing_stream_and_consumer_are_updated_in_place() {
     let dir = temp_dir();

@@ -113,8 +113,12 @@ async fn process_batch<T, X>(
 {
     let mut ledger_pause = Pause::new("ledger");
     let mut lease = settler.lease(asked);
+    // Without a lease (JetStream's ack wait), progress is due a period after the fetch, then
+    // after each report, however many calls (dispatches failing fast, pauses) the wait spans.
+    let mut reported = asked;
     let dispatched = loop {
-        let dispatched = with_progress(&settler, &deliveries, &mut lease, dispatcher.dispatch(&deliveries)).await;
+        let dispatch = dispatcher.dispatch(&deliveries);
+        let dispatched = with_progress(&settler, &deliveries, &mut lease, &mut reported, dispatch).await;
         match dispatched {
             Some(Ok(Some(dispatched))) => {
                 ledger_pause.resumed();
@@ -125,29 +129,44 @@ async fn process_batch<T, X>(
             Some(Err(unavailable)) => {
                 // Hold on to the deliveries (reporting progress) rather than failing them:
                 // an outage of any length must not use up their attempts.
-                let waited = with_progress(&settler, &deliveries, &mut lease, ledger_pause.wait(&unavailable.0));
+                let pause = ledger_pause.wait(&unavailable.0);
+                let waited = with_progress(&settler, &deliveries, &mut lease, &mut reported, pause);
                 if waited.await.is_none() {
                     return abandon(deliveries.len());
                 }
             }
         }
     };
-    let (settlements, ledger): (Vec<Settlement<T>>, _) = match dispatched {
-        Some(Dispatched { verdicts, ledger }) => {
-            (deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(), ledger)
-        }
-        // Stopping while the ledger is down: hand the deliveries back for someone else now.
-        None => (deliveries.into_iter().map(|d| d.ack.defer(reelay_kit::now_ms())).collect(), Default::default()),
+    let (verdicts, ledger) = match dispatched {
+        Some(Dispatched { verdicts, ledger }) => (Some(verdicts), ledger),
+        None => (None, Default::default()),
     };
     // The ledger and the deliveries are settled at the same time, so the write service can
     // commit both in one transaction; either order is safe (a redelivery meets a done ledger
     // row, or an idempotent handler). Dead letters and the releases of handed-back claims go
-    // first (see `LedgerSettlement::goes_first`).
-    if ledger.goes_first() {
-        dispatcher.settle_ledger(ledger).await;
-        settle(&mut settler, &settlements, &shutdown).await;
+    // first (see `LedgerSettlement::goes_first`); the deliveries, waiting for them through a
+    // ledger outage, are reported in progress meanwhile (no lease: the claims the ledger
+    // settles are what the wait is for, and a renewal only ever says `Lost` on db, whose
+    // ledger settlement is empty).
+    let ledger = if ledger.goes_first() {
+        let settled = dispatcher.settle_ledger(ledger);
+        if with_progress(&settler, &deliveries, &mut None, &mut reported, settled).await.is_none() {
+            tracing::warn!("deliveries taken over while their ledger claims were settled");
+        }
+        None
     } else {
-        tokio::join!(dispatcher.settle_ledger(ledger), settle(&mut settler, &settlements, &shutdown));
+        Some(ledger)
+    };
+    let settlements: Vec<Settlement<T>> = match verdicts {
+        Some(verdicts) => deliveries.into_iter().zip(verdicts).map(|(d, v)| settlement(d, v)).collect(),
+        // Stopping while the ledger is down: hand the deliveries back for someone else now.
+        None => deliveries.into_iter().map(|d| d.ack.defer(reelay_kit::now_ms())).collect(),
+    };
+    match ledger {
+        None => settle(&mut settler, &settlements, &shutdown).await,
+        Some(ledger) => {
+            tokio::join!(dispatcher.settle_ledger(ledger), settle(&mut settler, &settlements, &shutdown));
+        }
     }
 }
 
@@ -190,6 +209,7 @@ async fn with_progress<T, X, F>(
     source: &X,
     deliveries: &[Delivery<T>],
     lease: &mut Option<LeaseWatch>,
+    reported: &mut tokio::time::Instant,
     work: F,
 ) -> Option<F::Output>
 where
@@ -210,7 +230,7 @@ where
             }
         }
     };
-    while_renewing(work, interval, lease, report).await
+    while_renewing(work, interval, lease, reported, report).await
 }
 
 fn settlement<T>(delivery: Delivery<T>, verdict: Verdict) -> Settlement<T> {

@@ -992,7 +992,8 @@ async fn with_renewals<F: Future>(
     // The claims were asked for at `asked`: the ledger made them no earlier, under `granted`.
     let own = dispatcher.config.ledger_lease;
     let watch = LeaseWatch::start(own, dispatcher.claims.lease.clone(), asked, granted);
-    while_renewing(work, own / 3, &mut Some(watch), || dispatcher.renew(held)).await
+    let mut since = asked;
+    while_renewing(work, own / 3, &mut Some(watch), &mut since, || dispatcher.renew(held)).await
 }
 
 /// The span one event's handling is logged in: the handler, the event, and the trace id the

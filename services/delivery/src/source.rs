@@ -258,7 +258,10 @@ impl Granted {
 /// Runs `work` while `renew` reports it in progress every `every` (with a `lease`, at least
 /// every third of the lease it renews by, see [`LeaseWatch::lease`]: the write service can say
 /// it is shorter while the work runs); the first report is due a period after the claims were
-/// asked for, each next one a period after the last was sent. The work goes on while a report is on its way; a report not
+/// confirmed (with a `lease`), else after `since`: when the last report was sent, or the
+/// deliveries fetched, kept by the caller across the calls one batch's work takes (a batch
+/// whose every call is shorter than a period is still reported); each next one a period after
+/// the last was sent (`since` is moved to it). The work goes on while a report is on its way; a report not
 /// answered within a period counts as unanswered, and the next goes out. The work is dropped
 /// (`None`) when a report says its claims were taken over, or, with a `lease`, when none was
 /// `Held` before the lease's deadline (a report still unanswered then counts as none; work whose
@@ -267,6 +270,7 @@ pub(crate) async fn while_renewing<F, R>(
     work: F,
     every: Duration,
     lease: &mut Option<LeaseWatch>,
+    since: &mut tokio::time::Instant,
     mut renew: impl FnMut() -> R,
 ) -> Option<F::Output>
 where
@@ -276,7 +280,7 @@ where
     tokio::pin!(work);
     let period = |lease: &Option<LeaseWatch>| lease.as_ref().map_or(every, |lease| every.min(lease.lease() / 3));
     // At once when the claims' answer took a period to arrive.
-    let asked = lease.as_ref().map_or_else(tokio::time::Instant::now, |lease| lease.confirmed);
+    let asked = lease.as_ref().map_or(*since, |lease| lease.confirmed);
     let mut next = asked + period(lease);
     let never = || tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
     // The report on its way, and when it was sent.
@@ -309,7 +313,8 @@ where
                 next = sent + period(lease);
             }
             () = tokio::time::sleep_until(next), if idle => {
-                report = Some((Box::pin(tokio::time::timeout(period(lease), renew())), tokio::time::Instant::now()));
+                *since = tokio::time::Instant::now();
+                report = Some((Box::pin(tokio::time::timeout(period(lease), renew())), *since));
             }
         }
     }
@@ -339,10 +344,32 @@ mod tests {
             std::future::pending::<Renewal>()
         };
         let work = tokio::time::sleep(Duration::from_millis(1_500));
-        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, &mut Instant::now(), renew).await;
         assert!(ran.is_none(), "the run was dropped");
         assert_eq!(asked.elapsed(), Duration::from_millis(2_500));
         assert_eq!(renewals.take(), vec![Duration::from_millis(2_400)]);
+    }
+
+    /// Without a lease (JetStream's ack wait), a batch waiting out an outage in calls shorter
+    /// than a period (dispatches failing fast, pauses between them) is still reported a period
+    /// after its fetch and every period after: the schedule is the batch's, not each call's, or
+    /// the broker redelivers the batch at every ack wait and each copy spends an attempt.
+    #[tokio::test(start_paused = true)]
+    async fn progress_without_a_lease_is_due_from_the_last_report_across_calls() {
+        let fetched = Instant::now();
+        let mut since = fetched;
+        let reports = Cell::new(Vec::new());
+        let renew = || {
+            reports.set([reports.take(), vec![fetched.elapsed().as_secs()]].concat());
+            std::future::ready(Renewal::Held(None))
+        };
+        for _ in 0..5 {
+            let work = tokio::time::sleep(Duration::from_secs(6));
+            let ran = while_renewing(work, Duration::from_secs(10), &mut None, &mut since, renew).await;
+            assert!(ran.is_some());
+        }
+        assert_eq!(reports.take(), vec![10, 20], "every 10 s of the 30 s, though no call lasted 10 s");
+        assert_eq!(since - fetched, Duration::from_secs(20));
     }
 
     /// A shorter lease heard while the work runs (the write service restarted with one) applies
@@ -366,7 +393,7 @@ mod tests {
             std::future::ready(if answered { Renewal::Held(None) } else { Renewal::Unanswered })
         };
         let work = tokio::time::sleep(Duration::from_secs(9));
-        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, &mut Instant::now(), renew).await;
         assert!(ran.is_some(), "the run ended");
         let secs = (1..=8).map(Duration::from_secs).collect::<Vec<_>>();
         assert_eq!(renewals.take(), secs, "every third of the lease heard");
@@ -412,7 +439,7 @@ mod tests {
             std::future::ready(Renewal::Held(Some(Duration::from_secs(3))))
         };
         let work = tokio::time::sleep(Duration::from_millis(4_500));
-        let ran = while_renewing(work, Duration::from_secs(10), &mut lease, renew).await;
+        let ran = while_renewing(work, Duration::from_secs(10), &mut lease, &mut Instant::now(), renew).await;
         assert!(ran.is_some(), "the run ended");
         assert_eq!(renewals.get(), 4, "every second (a third of 3 s), not every 10 s");
     }
@@ -428,7 +455,14 @@ mod tests {
             let mut lease = Some(LeaseWatch::start(Duration::from_secs(3), ServerLease::default(), asked, None));
             let started = Cell::new(false);
             let work = async { started.set(true) };
-            let ran = while_renewing(work, Duration::from_secs(20), &mut lease, std::future::pending::<Renewal>).await;
+            let ran = while_renewing(
+                work,
+                Duration::from_secs(20),
+                &mut lease,
+                &mut Instant::now(),
+                std::future::pending::<Renewal>,
+            )
+            .await;
             assert!(ran.is_none() && !started.get(), "work past its deadline started");
         }
     }
@@ -443,7 +477,7 @@ mod tests {
             Renewal::Held(None)
         };
         let work = tokio::time::sleep(Duration::from_millis(1_500));
-        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, &mut Instant::now(), renew).await;
         assert!(ran.is_some(), "the run ended");
         assert_eq!(asked.elapsed(), Duration::from_millis(1_500), "when its own time was up, not after the renewal");
     }
@@ -467,7 +501,7 @@ mod tests {
             }
         };
         let work = tokio::time::sleep(Duration::from_secs(4));
-        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, &mut Instant::now(), renew).await;
         assert!(ran.is_some(), "the run ended");
         let secs = (1..=3).map(Duration::from_secs).collect::<Vec<_>>();
         assert_eq!(renewals.take(), secs);
@@ -486,7 +520,7 @@ mod tests {
             std::future::ready(Renewal::Held(None))
         };
         let work = tokio::time::sleep(Duration::from_millis(4_500));
-        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, renew).await;
+        let ran = while_renewing(work, Duration::from_secs(20), &mut lease, &mut Instant::now(), renew).await;
         assert!(ran.is_some(), "the run ended");
         assert_eq!(asked.elapsed(), Duration::from_millis(4_700));
         assert_eq!(renewals.get(), 4, "renewed at 1, 2, 3 and 4 s after the asking");
