@@ -506,7 +506,15 @@ impl Dispatcher {
             Ok(standing_by) => Ok(self.heard(&standing_by)),
             Err(status) if is_transport_failure(&status) => Err(LedgerUnavailable(status.message().to_owned())),
             // An older write service (it refuses a claim of no key): nothing stands by there.
-            Err(_) => Ok(self.heard(&[])),
+            Err(status) if matches!(status.code(), tonic::Code::InvalidArgument | tonic::Code::Unimplemented) => {
+                Ok(self.heard(&[]))
+            }
+            // Any other refusal (an internal error, a token being rotated) says nothing of who
+            // stands by; taken as "nobody", the messages of types only another build takes
+            // would be acked here unhandled. Wait and ask again, as for an unreachable ledger.
+            Err(status) => {
+                Err(LedgerUnavailable(format!("asking who stands by: {:?}: {}", status.code(), status.message())))
+            }
         }
     }
 
