@@ -50,7 +50,12 @@ pub async fn run_consumer<S: EventSource>(
             }
             continue;
         }
-        let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
+        // Waiting for a batch in hand to end can take as long as that batch: a shutdown asked
+        // meanwhile fetches nothing more (what it fetched, it could only hand back or run past
+        // the grace period).
+        let acquired = permits.clone().acquire_owned();
+        let Some(permit) = shutdown.unless_requested(acquired).await else { break };
+        let permit = permit.expect("the semaphore is never closed");
         while batches.try_join_next().is_some() {}
         // The fetch is not raced against shutdown: dropping a claim in flight could strand rows
         // until their lease ends. Fetches wait only briefly, so shutdown is still prompt.
