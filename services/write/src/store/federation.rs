@@ -277,6 +277,22 @@ pub struct OutboxRow {
     pub movie_external_id: Option<String>,
 }
 
+macro_rules! outbox_page {
+    ($cursor:literal) => {
+        concat!(
+            "SELECT r.id, r.user_id, r.movie_id, r.rating, r.body, r.watched_on, r.rewatch, r.source, \
+                    r.created_at, r.updated_at, m.title, m.year, m.external_id \
+             FROM reviews r JOIN movies m ON m.id = r.movie_id WHERE r.user_id = ?1 AND ",
+            $cursor,
+            " ORDER BY r.id DESC LIMIT ?3"
+        )
+    };
+}
+/// A page of a user's outbox after a cursor, and the first page: two statements, as
+/// [`super::reviews::DIARY_PAGE`].
+pub(super) const OUTBOX_PAGE: &str = outbox_page!("r.id < ?2");
+pub(super) const OUTBOX_FIRST_PAGE: &str = outbox_page!("?2 IS NULL");
+
 impl Store {
     /// Saves a review that arrived over ActivityPub, keyed by its object id: a repeat delivery
     /// with the same content changes nothing, an update rewrites it. Only reviews of actors a
@@ -904,17 +920,13 @@ impl Store {
 
     /// A user's reviews with their movies, newest first; `after` is the last review id seen.
     pub async fn list_outbox(&self, user: UserId, limit: u32, after: Option<ReviewId>) -> Result<Vec<OutboxRow>> {
-        let rows = sqlx::query(
-            "SELECT r.id, r.user_id, r.movie_id, r.rating, r.body, r.watched_on, r.rewatch, r.source, r.created_at, \
-                    r.updated_at, m.title, m.year, m.external_id \
-             FROM reviews r JOIN movies m ON m.id = r.movie_id \
-             WHERE r.user_id = ?1 AND (?2 IS NULL OR r.id < ?2) ORDER BY r.id DESC LIMIT ?3",
-        )
-        .bind(user.to_string())
-        .bind(after.map(|id| id.to_string()))
-        .bind(i64::from(limit))
-        .fetch_all(&self.db.reads)
-        .await?;
+        let sql = if after.is_some() { OUTBOX_PAGE } else { OUTBOX_FIRST_PAGE };
+        let rows = sqlx::query(sql)
+            .bind(user.to_string())
+            .bind(after.map(|id| id.to_string()))
+            .bind(i64::from(limit))
+            .fetch_all(&self.db.reads)
+            .await?;
         let mut outbox = Vec::with_capacity(rows.len());
         for row in rows {
             outbox.push(OutboxRow {

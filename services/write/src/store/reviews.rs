@@ -184,6 +184,13 @@ pub(super) async fn delete_if_orphan(conn: &mut SqliteConnection, movie_id: &str
     Ok(Some(NewEvent::new(movie_id, Payload::MovieDeleted(deleted))))
 }
 
+/// A page of a diary after a cursor, and the first page. Two statements, not one with
+/// `?2 IS NULL OR id < ?2`: SQLite cannot start at the cursor in `reviews_user` for that, so
+/// every page walked the diary from its newest review.
+pub(super) const DIARY_PAGE: &str = select_reviews!("WHERE user_id = ?1 AND id < ?2 ORDER BY id DESC LIMIT ?3");
+pub(super) const DIARY_FIRST_PAGE: &str =
+    select_reviews!("WHERE user_id = ?1 AND ?2 IS NULL ORDER BY id DESC LIMIT ?3");
+
 impl Store {
     pub async fn log_review(
         &self,
@@ -312,7 +319,8 @@ impl Store {
 
     /// Newest first. `after` is the last review id of the previous page.
     pub async fn list_diary(&self, user: UserId, limit: u32, after: Option<ReviewId>) -> Result<Vec<ReviewRow>> {
-        Ok(sqlx::query_as(select_reviews!("WHERE user_id = ?1 AND (?2 IS NULL OR id < ?2) ORDER BY id DESC LIMIT ?3"))
+        let sql = if after.is_some() { DIARY_PAGE } else { DIARY_FIRST_PAGE };
+        Ok(sqlx::query_as(sql)
             .bind(user.to_string())
             .bind(after.map(|id| id.to_string()))
             .bind(i64::from(limit))
@@ -440,6 +448,35 @@ mod tests {
         let mut written: Vec<String> = (0..total).filter(|n| !missing(*n)).map(|n| format!("review {n}")).collect();
         written.sort();
         assert_eq!(bodies, written);
+        db.close().await;
+    }
+
+    /// A page after a cursor starts at the cursor in its index (`id<?`, `(added_at,movie_id)>`),
+    /// not at the start of the user's entries; a first page reads from the start, unsorted.
+    #[tokio::test]
+    async fn pages_start_at_their_cursor_in_the_index() {
+        use sqlx::Row;
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+        let pages = [
+            (DIARY_PAGE, "reviews_user (user_id=? AND id<?)"),
+            (DIARY_FIRST_PAGE, "reviews_user (user_id=?)"),
+            (super::super::federation::OUTBOX_PAGE, "reviews_user (user_id=? AND id<?)"),
+            (super::super::federation::OUTBOX_FIRST_PAGE, "reviews_user (user_id=?)"),
+            (super::super::watchlist::WATCHLIST_PAGE, "watchlist_user_added (user_id=? AND (added_at,movie_id)>(?,?))"),
+            (super::super::watchlist::WATCHLIST_FIRST_PAGE, "watchlist_user_added (user_id=?)"),
+        ];
+        for (sql, index) in pages {
+            let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                .fetch_all(&db.reads)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get::<String, _>(3))
+                .collect();
+            assert!(plan.iter().any(|step| step.ends_with(index)), "{sql}\n{plan:#?}");
+            assert!(!plan.iter().any(|step| step.contains("TEMP B-TREE")), "{sql}\n{plan:#?}");
+        }
         db.close().await;
     }
 }

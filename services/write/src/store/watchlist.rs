@@ -11,6 +11,13 @@ use super::{
 use crate::convert;
 use crate::request_ids::RequestKey;
 
+/// A page of a watchlist after a cursor, and the first page: two statements, as
+/// [`super::reviews::DIARY_PAGE`].
+pub(super) const WATCHLIST_PAGE: &str = "SELECT user_id, movie_id, added_at FROM watchlist \
+     WHERE user_id = ?1 AND (added_at, movie_id) > (?2, ?3) ORDER BY added_at, movie_id LIMIT ?4";
+pub(super) const WATCHLIST_FIRST_PAGE: &str = "SELECT user_id, movie_id, added_at FROM watchlist \
+     WHERE user_id = ?1 AND ?2 IS NULL AND ?3 IS NULL ORDER BY added_at, movie_id LIMIT ?4";
+
 impl Store {
     /// Adds a movie to the actor's watchlist. Adding one already there changes nothing.
     pub async fn add_to_watchlist(
@@ -86,16 +93,13 @@ impl Store {
         after: Option<(i64, MovieId)>,
     ) -> Result<Vec<WatchlistRow>> {
         let (added_at, movie) = after.map_or((None, None), |(at, id)| (Some(at), Some(id.to_string())));
-        Ok(sqlx::query_as(
-            "SELECT user_id, movie_id, added_at FROM watchlist \
-             WHERE user_id = ?1 AND (?2 IS NULL OR (added_at, movie_id) > (?2, ?3)) \
-             ORDER BY added_at, movie_id LIMIT ?4",
-        )
-        .bind(user.to_string())
-        .bind(added_at)
-        .bind(movie)
-        .bind(i64::from(limit))
-        .fetch_all(&self.db.reads)
-        .await?)
+        let sql = if after.is_some() { WATCHLIST_PAGE } else { WATCHLIST_FIRST_PAGE };
+        Ok(sqlx::query_as(sql)
+            .bind(user.to_string())
+            .bind(added_at)
+            .bind(movie)
+            .bind(i64::from(limit))
+            .fetch_all(&self.db.reads)
+            .await?)
     }
 }
