@@ -487,17 +487,26 @@ pub async fn purge_finished(tx: &mut WriteTx, cutoff: i64, cursors: bool, batch:
 /// The statement of [`purge_finished`]. It walks the outbox oldest first by `created_at`, so a
 /// purge reads the rows it deletes (and the few a dead letter holds back), not every row kept:
 /// the `+` keeps SQLite from choosing the status index, through which it read every finished
-/// row of the retained week and sorted them, once a minute in the writer.
+/// row of the retained week and sorted them, once a minute in the writer. On db the walk also
+/// ends at the row of the lowest cursor: the rows after it past the cutoff (a handler stopped
+/// for days holds them back) were read through on every purge, to find none to delete (30 ms
+/// per 500,000 rows measured, in the writer each minute).
 pub(crate) fn purge_finished_sql(cursors: bool) -> String {
-    let finished = if cursors {
-        "+q.status IN ('pending', 'done') AND q.id <= (SELECT COALESCE(MIN(position), 0) FROM handler_cursors)"
+    let (until, finished) = if cursors {
+        let lowest = "(SELECT COALESCE(MIN(position), 0) FROM handler_cursors)";
+        (
+            // When the row at (or last before) the lowest cursor was written: a NULL, no row,
+            // selects nothing.
+            format!("MIN(?1, (SELECT created_at + 1 FROM event_queue WHERE id <= {lowest} ORDER BY id DESC LIMIT 1))"),
+            format!("+q.status IN ('pending', 'done') AND q.id <= {lowest}"),
+        )
     } else {
         // Published, or given up by the relay and discarded by an operator.
-        "+q.status IN ('done', 'discarded')"
+        ("?1".to_owned(), "+q.status IN ('done', 'discarded')".to_owned())
     };
     format!(
         "DELETE FROM event_queue WHERE id IN ( \
-             SELECT q.id FROM event_queue q WHERE q.created_at < ?1 AND {finished} \
+             SELECT q.id FROM event_queue q WHERE q.created_at < {until} AND {finished} \
              AND NOT EXISTS (SELECT 1 FROM processed_events p \
                  WHERE p.event_id = COALESCE(q.event_id, 'row:' || q.id) AND p.status IN ('in_progress', 'retry', 'dead_lettered')) \
              ORDER BY q.created_at LIMIT ?2)"
