@@ -553,6 +553,15 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 until_ms: i64::MAX
             }
         )),
+        // A relay pointed at a write service on db would take the rows from its handlers.
+        case!("a relay's claim on the db backend", FailedPrecondition, "EVENT_BUS_BACKEND=db", |c, x| c
+            .outbox
+            .claim(v1::ClaimRequest { consumer: "test#1".into(), max_rows: 10, ..Default::default() })),
+        case!("a relay's completion on the db backend", FailedPrecondition, "EVENT_BUS_BACKEND=db", |c, x| c
+            .outbox
+            .complete(v1::CompleteRequest {
+                rows: vec![v1::RowClaim { id: 1, claimed_at_ms: 1, stream_sequence: 1 }]
+            })),
         case!("an outbox claim naming 65 unanswered calls", InvalidArgument, "unanswered", |c, x| c.outbox.claim(
             v1::ClaimRequest {
                 consumer: "test#1".into(),

@@ -55,7 +55,7 @@ async fn a_relay_killed_between_puback_and_mark_done_republishes_into_one_messag
     let nats = NatsServer::start(&dir.path().join("nats"));
     let env = nats_env(&nats);
     let db = dir.path().join("reelay.db");
-    let mut write = Reelay::start_write(BIN, &db, &[("REELAY_OUTBOX_LEASE_MS", "1000")]).await;
+    let mut write = Reelay::start_write(BIN, &db, &with(&env, &[("REELAY_OUTBOX_LEASE_MS", "1000")])).await;
     let mut c = write.clients().await;
     for i in 0..25 {
         c.user(&format!("user{i}")).await;
@@ -370,7 +370,7 @@ async fn two_replicas_of_a_handler_share_its_consumer_and_apply_each_effect_once
     let nats = NatsServer::start(&dir.path().join("nats"));
     let env = nats_env(&nats);
     let db = dir.path().join("reelay.db");
-    let mut write = Reelay::start_write(BIN, &db, &[]).await;
+    let mut write = Reelay::start_write(BIN, &db, &with(&env, &[])).await;
     let write_url = format!("http://{}", write.addr);
     let effects_db = dir.path().join("effects.db");
     let effects = effects_db.to_str().unwrap();

@@ -198,6 +198,7 @@ impl OutboxApi {
             max_bytes: self.answer_bytes(r.max_bytes)?,
             call,
         };
+        self.relay_backend()?;
         // Ends after this call's claims are written: a call naming this one waits for that.
         let _running = self.running_rows.running(&r.consumer, call);
         let mut rows = Vec::new();
@@ -251,6 +252,22 @@ impl OutboxApi {
     }
 }
 
+impl OutboxApi {
+    /// Refuses the relay's calls (Claim, Complete, Fail, Defer) on the db backend: there the
+    /// handlers take every row through their cursors, and skip rows marked done, so a relay
+    /// pointed at this service (a deployment half switched to nats) would take the events from
+    /// them for good.
+    fn relay_backend(&self) -> Result<(), ServiceError> {
+        if self.bus == Bus::Db {
+            return Err(ServiceError::failed_precondition(
+                "the outbox is delivered by the handlers on this write service (EVENT_BUS_BACKEND=db): \
+                 a relay takes rows only from one on nats",
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[tonic::async_trait]
 impl v1::outbox_server::Outbox for OutboxApi {
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> Result<Response<v1::ClaimResponse>, Status> {
@@ -275,6 +292,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
 
     async fn complete(&self, request: Request<v1::CompleteRequest>) -> Result<Response<v1::SettleResponse>, Status> {
         let rows = published(request.into_inner().rows)?;
+        self.relay_backend()?;
         let settled = self
             .db
             .writer
@@ -301,6 +319,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
                 })
             })
             .collect::<Result<Vec<_>, ServiceError>>()?;
+        self.relay_backend()?;
         let policy = self.policy;
         let settled = self
             .db
@@ -316,6 +335,7 @@ impl v1::outbox_server::Outbox for OutboxApi {
         let r = request.into_inner();
         let rows = row_claims(r.rows)?;
         check_defer("until_ms", r.until_ms)?;
+        self.relay_backend()?;
         let settled = self
             .db
             .writer
