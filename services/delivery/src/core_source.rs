@@ -43,8 +43,12 @@ impl EventSource for CoreSource {
 
     async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<()>>, SourceError> {
         let mut deliveries = Vec::new();
-        let Ok(Some(first)) = tokio::time::timeout(self.wait, self.subscriber.next()).await else {
-            return Ok(deliveries);
+        let first = match tokio::time::timeout(self.wait, self.subscriber.next()).await {
+            Ok(Some(first)) => first,
+            Err(_) => return Ok(deliveries),
+            // The client closed the subscription: at once, every time asked (not an empty batch,
+            // which the consumer would ask again for at once, spinning).
+            Ok(None) => return Err(SourceError::Rejected(format!("the subscription of {} ended", self.name))),
         };
         let mut next = Some(first);
         while let Some(message) = next.take() {
