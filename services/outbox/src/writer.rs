@@ -114,9 +114,10 @@ const STALL_MS: i64 = 2_000;
 
 /// Since when claims' leases count. A claim is taken over when its owner has not renewed it
 /// for a lease; but an owner can renew only while this service takes writes. After the service
-/// starts, reopens its database after a storage fault, or runs again after not running at all
-/// (stopped, starved, or the clock jumped ahead), a claim renewed before counts as renewed
-/// then: every live owner gets a whole lease to renew before anything of it is taken over.
+/// starts, reopens its database after a storage fault, runs again after not running at all
+/// (stopped, starved, or the clock jumped ahead), or ends a batch that took longer than
+/// `STALL_MS` (its storage stalled), a claim renewed before counts as renewed then: every live
+/// owner gets a whole lease to renew before anything of it is taken over.
 struct LeaseClock {
     since: AtomicI64,
     last_tick: AtomicI64,
@@ -725,6 +726,7 @@ async fn run(
                 continue;
             }
         }
+        let batch_started = Instant::now();
         let Some(connection) = session.connection().await else {
             let error = CommitError::Recovering(session.last_fault.clone());
             for mut job in batch.drain(..) {
@@ -739,6 +741,12 @@ async fn run(
             Ok(_) => {}
             Err(error) if error.distrusts_connection() => session.distrust(&error).await,
             Err(_) => {}
+        }
+        // A batch this slow (a stalled fsync) held every renewal back while it ran, though the
+        // process ran and its ticker ticked: the next batch's claims must not count that time
+        // against their owners, whose renewals are queued behind them.
+        if batch_started.elapsed() > Duration::from_millis(STALL_MS as u64) {
+            session.leases.restart();
         }
         busy.end();
     }
@@ -979,6 +987,28 @@ mod tests {
         assert_eq!(stale_before(0, 100_000, lease), 70_000);
         assert_eq!(stale_before(70_000, 100_000, lease), 70_000);
         assert_eq!(stale_before(70_001, 100_000, lease), i64::MIN, "no claim is stale within a lease of the start");
+    }
+
+    /// A batch that ran longer than `STALL_MS` (a stalled disk) restarts the leases when it
+    /// ends: the renewals queued behind it could not be written meanwhile.
+    #[tokio::test]
+    async fn leases_count_again_after_a_stalled_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(&DbConfig::new(dir.path().join("w.db"))).await.unwrap();
+        let before = db.writer.lease_counted_from();
+        db.writer
+            .transact::<_, TestError, _>("slow", |_tx: &mut WriteTx| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(STALL_MS as u64 + 300)).await;
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let ended = reelay_kit::now_ms();
+        let counted = db.writer.lease_counted_from();
+        assert!(counted >= before + STALL_MS && counted <= ended, "counted from {counted}, started {before}");
+        db.close().await;
     }
 
     /// Counts the batches it rode in.
