@@ -722,10 +722,10 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
     let metrics = reelay.metrics().await;
     assert!(!metrics.0.contains("MadeUp"), "a label value from a caller without the token");
     assert!(metrics.sum("reelay_grpc_requests_total", &[r#"method="unknown""#, r#"code="16""#]) >= 3.0);
-    // Five refusals in a few seconds are one line of the log (a caller without the token
-    // cannot fill it), the metric counting each.
+    // Five refusals are fewer lines of the log (one per 10 s: a caller without the token
+    // cannot fill it; two if a window ended among them), the metric counting each.
     let refusals = reelay.log_text().matches("rejected a call without a valid service token").count();
-    assert_eq!(refusals, 1, "{}", reelay.log_text());
+    assert!((1..5).contains(&refusals), "{refusals} lines for 5 refusals\n{}", reelay.log_text());
     assert_eq!(table_snapshot(&db).await, baseline);
     reelay.stop().await;
 }

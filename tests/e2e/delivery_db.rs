@@ -933,14 +933,15 @@ fn uuid_v4(i: usize) -> String {
     format!("{:08x}-0000-4000-8000-{:012x}", 0x1000 + i, i)
 }
 
-/// `reelay run` with default settings is SIGKILLed during steady writes and restarted at once:
-/// every acknowledged review is searchable within seconds of the restart, each once. The
-/// restarted process recognises its dead predecessor's claims and takes them back at once.
+/// `reelay run` (default settings, but ten-minute leases) is SIGKILLed during steady writes and
+/// restarted at once: every acknowledged review is searchable within seconds of the restart,
+/// each once. The restarted process recognises its dead predecessor's claims and takes them back
+/// at once: waited out, they would hold the reviews back for ten minutes, past every wait here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart() {
     let dir = temp_dir();
     let db = dir.path().join("reelay.db");
-    let mut reelay = Reelay::start_all(BIN, &db, &[]).await;
+    let mut reelay = Reelay::start_all(BIN, &db, &[("REELAY_LEDGER_LEASE_MS", "600000")]).await;
     let mut c = reelay.clients().await;
     let user = c.user("ana").await;
     let movie = c.review(&user, reelay_harness::movie_ref("Heat", 1995), 8).await.movie_id;
@@ -997,11 +998,7 @@ async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart()
         })
         .await;
     }
-    let took = restarted.elapsed();
-    eprintln!("{} acknowledged reviews searchable {took:?} after the restart", acknowledged.len());
-    // Well before the dead run's claims (30 s leases, renewed every few seconds until the kill)
-    // could have run out: they were taken back, not waited out.
-    assert!(took < Duration::from_secs(18), "recovery took {took:?}");
+    eprintln!("{} acknowledged reviews searchable {:?} after the restart", acknowledged.len(), restarted.elapsed());
     reelay.stop().await;
 }
 
@@ -1014,7 +1011,12 @@ async fn a_killed_reelay_run_is_searchable_again_within_seconds_of_its_restart()
 #[tokio::test]
 async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     let dir = temp_dir();
-    let cluster = Cluster::builder(BIN, Backend::Db).probes("probe-a,probe-b").start(dir.path()).await;
+    // Ten-minute leases: a claim taken over within the waits below was taken back, not waited out.
+    let cluster = Cluster::builder(BIN, Backend::Db)
+        .probes("probe-a,probe-b")
+        .env("REELAY_LEDGER_LEASE_MS", "600000")
+        .start(dir.path())
+        .await;
     let mut c = cluster.write.clients().await;
     let shared = dir.path().join("shared");
     let effects_db = cluster.effects.to_str().unwrap();
@@ -1062,7 +1064,7 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     assert_eq!(attempts.get(&(event_id.clone(), "probe-a".into())), Some(&1), "probe-a ran the event once");
 
     // The first is killed inside its run of bob's event; a process started in the dir takes its
-    // name (the second still holds the other) and its claim at once, not after the 30 s lease.
+    // name (the second still holds the other) and its claim at once, not after the lease.
     c.user("bob").await;
     let bobs = event_ids(&cluster.db).await.into_iter().find(|id| *id != event_id).unwrap();
     delivery_reaches(
@@ -1078,16 +1080,13 @@ async fn processes_sharing_a_data_dir_take_no_claims_from_each_other() {
     let bobs_claim = claimed.replace(&event_id, &bobs);
     let killed_token = query_strings(&cluster.db, &bobs_claim).await[0][1].clone();
     first.kill();
-    let restarted = std::time::Instant::now();
     let mut third = Reelay::start_handlers(BIN, &cluster.write, &shared, &env("probe-a")).await;
     assert_eq!(owner(&third), first_name);
-    // Taken back (claimed anew) at once: well before the killed claim's 30 s lease (renewed every
-    // few seconds until the kill) could have run out.
+    // Taken back (claimed anew) at once: the killed claim's ten-minute lease is far off.
     eventually("bob's event is claimed anew", Duration::from_secs(20), || async {
         query_strings(&cluster.db, &bobs_claim).await[0][1] != killed_token
     })
     .await;
-    assert!(restarted.elapsed() < Duration::from_secs(18), "taken back at once: {:?}", restarted.elapsed());
     delivery_reaches(&cluster.db, &bobs, "probe-a", "done", "bob's event is handled again", Duration::from_secs(20))
         .await;
     assert!(third.log_text().contains("took back the claims"), "{}", third.log_text());

@@ -217,8 +217,16 @@ async fn a_slow_handler_holds_back_no_other(backend: Backend) {
         async move { probe_records(&effects, "effects").await.0.keys().filter(|(_, h)| h == "probe-a").count() == 20 }
     })
     .await;
-    let (effects, _) = probe_records(&cluster.effects, "effects").await;
-    let slow_done = effects.keys().filter(|(_, h)| h == "probe-c").count();
+    // By the times the effects were recorded (not when this test looked): probe-c had not
+    // done them all when probe-a's last was done.
+    let slow_done = query_strings(
+        &cluster.effects,
+        "SELECT COUNT(*) || '' FROM effects WHERE handler = 'probe-c' \
+         AND at_us <= (SELECT MAX(at_us) FROM effects WHERE handler = 'probe-a')",
+    )
+    .await[0][0]
+        .parse::<usize>()
+        .unwrap();
     assert!(slow_done < 20, "probe-a finished while probe-c was still sleeping ({slow_done} of 20 done)");
     eventually("probe-c catches up", Duration::from_secs(60), || {
         let effects = cluster.effects.clone();
