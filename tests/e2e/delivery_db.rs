@@ -649,8 +649,10 @@ async fn a_shorter_lease_after_a_restart_takes_no_live_claim_over() {
     cluster.write.restart_with(&[("REELAY_LEDGER_LEASE_MS", "3000")]).await;
     let mut c = cluster.write.clients().await;
     let key = (event_id.clone(), "probe-a".to_owned());
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !effects(&cluster.effects).await.contains_key(&key) {
         assert!(claimed_by_another_replica(&mut c).await.is_empty(), "a live worker's claim was taken over");
+        assert!(std::time::Instant::now() < deadline, "probe-a's 12 s run left no effect within a minute");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     delivery_reaches(&cluster.db, &event_id, "probe-a", "done", "probe-a's delivery is done", Duration::from_secs(10))
