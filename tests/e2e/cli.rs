@@ -59,10 +59,15 @@ async fn a_newcomers_first_run_follows_the_readme() {
         }
     }
     let mut server = Kill(server, dir.path().join("reelay.log"));
-    eventually("reelay run --dev is ready", Duration::from_secs(30), || async {
-        reelay_harness::try_http_get("127.0.0.1:9464".parse().unwrap(), "/readyz")
-            .await
-            .is_some_and(|(code, _)| code == 200)
+    // The README's ports are fixed: the one answering must be this process (not a leftover or
+    // another checkout's run on this machine), so the commands below reach it.
+    let pid = server.0.id();
+    eventually("reelay run --dev is ready on the README's ports", Duration::from_secs(30), || async {
+        reelay_harness::listens_on(pid, 9464)
+            && reelay_harness::listens_on(pid, 50051)
+            && reelay_harness::try_http_get("127.0.0.1:9464".parse().unwrap(), "/readyz")
+                .await
+                .is_some_and(|(code, _)| code == 200)
     })
     .await;
     assert!(dir.path().join("data/reelay.db").exists(), "the data lives in ./data");
