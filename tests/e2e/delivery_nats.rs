@@ -415,7 +415,9 @@ async fn two_replicas_of_a_handler_share_its_consumer_and_apply_each_effect_once
         async move { probe_records(&effects_db, "effects").await.0.len() == expected }
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every message settled: nothing is left to run again.
+    let url = nats.url();
+    eventually("the consumer has every message acked", Duration::from_secs(30), || consumers_idle(&url)).await;
     let (counts, pids) = probe_records(&effects_db, "effects").await;
     assert_eq!(counts.len(), ids.len());
     assert!(counts.values().all(|n| *n == 1), "an effect happened twice");
@@ -688,20 +690,9 @@ async fn out_of_storage(dir: &tempfile::TempDir, nats_config: &str) {
     assert_eq!(spent[0][1..], ["0", "0"], "no attempt spent, nothing dead-lettered: {spent:?}");
 
     // Make room: drop what the handler already took, then everything goes through.
-    let js = jetstream::new(async_nats::connect(cluster.nats.as_ref().unwrap().url()).await.unwrap());
-    eventually("probe-a took everything published", Duration::from_secs(30), || {
-        let js = js.clone();
-        async move {
-            let mut consumers = js.get_stream(STREAM).await.unwrap().consumers();
-            let mut idle = true;
-            while let Some(info) = consumers.next().await {
-                let info = info.unwrap();
-                idle &= info.num_pending == 0 && info.num_ack_pending == 0;
-            }
-            idle
-        }
-    })
-    .await;
+    let url = cluster.nats.as_ref().unwrap().url();
+    eventually("probe-a took everything published", Duration::from_secs(30), || consumers_idle(&url)).await;
+    let js = jetstream::new(async_nats::connect(url).await.unwrap());
     js.get_stream(STREAM).await.unwrap().purge().await.unwrap();
     let events: HashSet<String> = event_ids(&cluster.db).await.into_iter().collect();
     eventually("every event is published and handled once the broker has room", Duration::from_secs(60), || {
@@ -860,6 +851,18 @@ fn probe_a_with_a_3s_ledger_lease() -> reelay_harness::ClusterBuilder {
 }
 
 /// The status, attempts and last error of a pair's ledger row.
+/// Whether every consumer of the event stream has nothing pending and nothing awaiting an ack.
+async fn consumers_idle(url: &str) -> bool {
+    let js = jetstream::new(async_nats::connect(url).await.unwrap());
+    let mut consumers = js.get_stream(STREAM).await.unwrap().consumers();
+    let mut idle = true;
+    while let Some(info) = consumers.next().await {
+        let info = info.unwrap();
+        idle &= info.num_pending == 0 && info.num_ack_pending == 0;
+    }
+    idle
+}
+
 async fn ledger_row(db: &Path, event_id: &str, handler: &str) -> Option<Vec<String>> {
     let sql = format!(
         "SELECT status, attempts || '', COALESCE(last_error, ''), COALESCE(processed_at - started_at, -1) || '' \
