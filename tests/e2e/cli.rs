@@ -153,7 +153,7 @@ fn client_settings_no_call_could_use_are_refused_at_once() {
 }
 
 fn signal_term(child: &std::process::Child) {
-    let _ = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    reelay_harness::signal(child.id(), "TERM");
 }
 
 /// An export shaped like Letterboxd's: a zip of CSVs, with `deleted/` and `likes/` folders

@@ -689,7 +689,7 @@ async fn run_overlay(overlay_name: &str, nats: Option<&NatsServer>, taken: Optio
     assert!(status.ok().contains("search"), "{}", status.stdout);
 
     for mut pod in pods.into_iter().rev() {
-        let _ = Command::new("kill").args(["-TERM", &pod.child.id().to_string()]).status();
+        reelay_harness::signal(pod.child.id(), "TERM");
         let exited = tokio::task::spawn_blocking(move || {
             let status = pod.child.wait();
             (pod, status)
