@@ -243,7 +243,10 @@ impl Tmdb {
             Auth::ApiKey(key) => request.query(&[("api_key", key.as_str())]),
             Auth::Bearer(token) => request.bearer_auth(token),
         };
-        let response = request.send().await.map_err(|e| ProviderError::retryable(format!("TMDB {path}: {e}")))?;
+        // An error's text names its URL, whose query holds an API key: the key must not reach
+        // the delivery's error (kept in the ledger and dead letters, shown by the CLI) or logs.
+        let failed = |e: reqwest::Error| ProviderError::retryable(format!("TMDB {path}: {}", e.without_url()));
+        let response = request.send().await.map_err(failed)?;
         let status = response.status();
         match status {
             s if s.is_success() => {}
@@ -270,9 +273,7 @@ impl Tmdb {
         }
         let mut response = response;
         let mut body = Vec::new();
-        while let Some(chunk) =
-            response.chunk().await.map_err(|e| ProviderError::retryable(format!("TMDB {path}: {e}")))?
-        {
+        while let Some(chunk) = response.chunk().await.map_err(failed)? {
             if body.len() + chunk.len() > MAX_ANSWER_BYTES {
                 return Err(ProviderError::Permanent(format!(
                     "TMDB {path}: an answer over {MAX_ANSWER_BYTES} bytes (REELAY_ENRICHMENT_TMDB_URL is not TMDB?)"
@@ -371,7 +372,12 @@ impl MetadataProvider for Tmdb {
     }
 
     async fn person(&self, person_id: &str) -> Result<Option<v1::Person>, ProviderError> {
-        let Some(id) = person_id.strip_prefix("tmdb:") else { return Ok(None) };
+        // Digits only, as a film's id: the id goes into the URL's path.
+        let Some(id) =
+            person_id.strip_prefix("tmdb:").filter(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            return Ok(None);
+        };
         let Some(details): Option<PersonDetails> =
             self.get(&format!("/person/{id}"), &[("append_to_response", "movie_credits")]).await?
         else {
@@ -424,6 +430,33 @@ mod tests {
         assert!(imdb_title_id("tt0113277"));
         for bad in ["../../account", "tt", "tt12/x", "nm0000001", ""] {
             assert!(!imdb_title_id(bad), "{bad}");
+        }
+    }
+
+    /// A request that fails on its way (here a server that closes every connection) is a
+    /// retryable error whose text names the path but not the API key of its query; a person id
+    /// that is not digits is never put in a path (no request: a closed server would fail it).
+    #[tokio::test]
+    async fn failures_keep_the_api_key_out_and_person_ids_have_their_shape() {
+        // As the binary does at its start (reqwest's TLS needs a provider even for http).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((connection, _)) = listener.accept().await {
+                drop(connection);
+            }
+        });
+        let tmdb = Tmdb::new(&base, Auth::ApiKey("k3y-n0t-t0-l3ak".into()), Duration::from_secs(5)).unwrap();
+        match tmdb.person("tmdb:287").await {
+            Err(ProviderError::Retryable { message, .. }) => {
+                assert!(message.starts_with("TMDB /person/287: "), "{message}");
+                assert!(!message.contains("k3y-n0t-t0-l3ak"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        for bad in ["tmdb:../account", "tmdb:", "tmdb:1/credits", "tmdb:12?x=1"] {
+            assert!(matches!(tmdb.person(bad).await, Ok(None)), "{bad}");
         }
     }
 
