@@ -70,6 +70,10 @@ struct Inner {
     /// Batches waiting for a commit. Whoever holds the writer commits every batch queued by then
     /// in one commit (a commit fsyncs several files, so it is the cost worth sharing).
     queue: Mutex<Vec<Queued>>,
+    /// The reader missed a commit (its reload failed): the next batch reloads it before it
+    /// reads versions, or it would compare them against the index as it was before that commit
+    /// (a late, older change could then replace a newer one, or bring a deleted review back).
+    reader_stale: std::sync::atomic::AtomicBool,
     fields: Fields,
 }
 
@@ -368,6 +372,7 @@ impl SearchIndex {
                 reader,
                 writer: Mutex::new(Some(writer)),
                 queue: Mutex::new(Vec::new()),
+                reader_stale: std::sync::atomic::AtomicBool::new(false),
                 fields,
             }),
         })
@@ -534,6 +539,10 @@ impl Inner {
             self.roll_back(slot);
             self.writer.clear_poison();
         }
+        if self.reader_stale.load(std::sync::atomic::Ordering::SeqCst) {
+            self.reader.reload()?;
+            self.reader_stale.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
         let committed = {
             let writer = match slot {
                 Some(writer) => writer,
@@ -551,7 +560,10 @@ impl Inner {
             return Err(error.into());
         }
         // Still under the lock, so the next batch checks versions against this one.
-        self.reader.reload()?;
+        if let Err(error) = self.reader.reload() {
+            self.reader_stale.store(true, std::sync::atomic::Ordering::SeqCst);
+            return Err(error.into());
+        }
         Ok(())
     }
 
