@@ -384,6 +384,22 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
             tell_builds_before_consuming(&ledger_claims, &handlers, &shutdown).await;
         }
         for BuiltHandler { handler, .. } in built {
+            // On JetStream the consumer's own limits are what the broker applies: another
+            // build's replicas or an operator may have set them otherwise (and an update this
+            // start made may have been refused), so its deliveries are counted by them.
+            let js_consumer = match (&nats_client, args.nats.nats_mode) {
+                (Some(client), NatsMode::Jetstream) => {
+                    let js = async_nats::jetstream::new(client.clone());
+                    let consumer =
+                        jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
+                    Some((js, consumer))
+                }
+                _ => None,
+            };
+            let (max_attempts, ack_wait) = match &js_consumer {
+                Some((_, consumer)) => consumer_limits(consumer, &js_config),
+                None => (args.delivery.max_attempts, js_config.ack_wait),
+            };
             let dispatcher = Dispatcher::new(
                 vec![handler.clone()],
                 write_channel.clone(),
@@ -392,7 +408,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     handler_timeout: Duration::from_millis(args.handlers.handler_timeout_ms),
                     retry_policy: args.delivery.retry(),
                     ledger_lease: Duration::from_millis(args.delivery.ledger_lease_ms),
-                    max_attempts: args.delivery.max_attempts,
+                    max_attempts,
                     record_dead_letters,
                     hand_back,
                 },
@@ -428,12 +444,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                 }
                 (Some(client), NatsMode::Jetstream) => {
-                    let js = async_nats::jetstream::new(client.clone());
-                    let consumer =
-                        jetstream::ensure_consumer(&js, &js_config, handler.name(), handler.event_types()).await?;
+                    let (js, consumer) = js_consumer.expect("made above for JetStream");
                     let name = JetStreamConfig::consumer_name(handler.name());
-                    let source =
-                        JetStreamSource::new(client.clone(), consumer, name, js_config.max_deliver, js_config.ack_wait);
+                    let source = JetStreamSource::new(client.clone(), consumer, name, max_attempts, ack_wait);
                     clients.spawn(run_consumer(source, dispatcher, batch, in_flight, shutdown.clone()));
                     // What JetStream gives up with no outcome recorded becomes a dead letter.
                     match jetstream::ensure_given_up_consumer(&js, &js_config, handler.name()).await {
@@ -701,6 +714,24 @@ async fn tell_builds_before_consuming(claims: &LedgerClaims, handlers: &[Arc<dyn
         }
         backoff.sleep().await;
     }
+}
+
+/// The delivery limits a handler's JetStream consumer has (`max_deliver`, `ack_wait`), which the
+/// broker applies whatever this process's settings say; a difference is said once at start.
+fn consumer_limits(
+    consumer: &async_nats::jetstream::consumer::PullConsumer,
+    config: &JetStreamConfig,
+) -> (u32, Duration) {
+    let actual = &consumer.cached_info().config;
+    // No limit (-1) or one past what an attempt count holds: as many as a count holds.
+    let max_deliver = u32::try_from(actual.max_deliver).ok().filter(|n| *n > 0).unwrap_or(u32::MAX);
+    if max_deliver != config.max_deliver || actual.ack_wait != config.ack_wait {
+        tracing::warn!(consumer = %consumer.cached_info().name, max_deliver, ack_wait = ?actual.ack_wait,
+            configured_max_deliver = config.max_deliver, configured_ack_wait = ?config.ack_wait,
+            "the consumer's max_deliver and ack_wait differ from this process's settings (another build's, an \
+             operator's, or an update refused); its own are used");
+    }
+    (max_deliver, actual.ack_wait)
 }
 
 #[cfg(test)]
