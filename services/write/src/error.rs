@@ -124,7 +124,7 @@ fn commit_answer(error: &CommitError) -> ServiceError {
         CommitError::OutcomeUnknown(_) => ServiceError::new(
             ErrorCode::Unavailable,
             "outcome unknown: the commit failed on a storage error and may or may not have been written; \
-                 retry with the same request_id to apply it at most once",
+                 retry (a write that creates something: with the same request_id, to apply it at most once)",
         ),
         CommitError::Recovering(fault) => ServiceError::new(
             ErrorCode::Unavailable,
