@@ -183,10 +183,7 @@ impl ImportSummary {
 
 #[cfg(test)]
 mod tests {
-    use reelay_outbox::{Database, DbConfig};
-
     use super::*;
-    use crate::WriteError;
 
     /// `count` rows of one export, four chunks' worth for 1,000.
     fn export(file: &str, count: usize) -> Vec<DiaryRow> {
@@ -214,24 +211,7 @@ mod tests {
     /// half way imports the rest, and a retry after the answer gets the answer.
     #[tokio::test]
     async fn one_request_id_imports_one_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::new(Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap());
-        let actor = UserId::new();
-        let user_id = actor.to_string();
-        store
-            .db
-            .writer
-            .transact::<_, WriteError, _>("fixtures", move |tx: &mut WriteTx| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO users (id, handle, display_name, created_at) VALUES (?, 'ana', 'Ana', 0)")
-                        .bind(user_id)
-                        .execute(tx.conn())
-                        .await?;
-                    Ok(())
-                })
-            })
-            .await
-            .unwrap();
+        let (_dir, _db, store, actor) = super::super::store_with_ana().await;
         let key = |request_id: &str, file: &str| {
             RequestKey::from_parts("ImportDiary", &actor.to_string(), request_id, &[file.as_bytes()]).unwrap()
         };

@@ -480,3 +480,14 @@ impl Store {
         &self.db
     }
 }
+
+/// A store on a new database, and its user ana (for the store's tests).
+#[cfg(test)]
+pub(crate) async fn store_with_ana() -> (tempfile::TempDir, Database, Store, UserId) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Database::open(&reelay_outbox::DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
+    let store = Store::new(db.clone());
+    let user = store.create_user("ana".into(), "Ana".into(), None).await.unwrap();
+    let actor = UserId::parse("user_id", &user.user_id).unwrap();
+    (dir, db, store, actor)
+}

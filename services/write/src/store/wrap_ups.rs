@@ -298,16 +298,6 @@ mod tests {
             .unwrap()
     }
 
-    /// A store on a new database, and its user ana.
-    async fn store_with_ana() -> (tempfile::TempDir, Database, Store, UserId) {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
-        let store = Store::new(db.clone());
-        let user = store.create_user("ana".into(), "Ana".into(), None).await.unwrap();
-        let actor = UserId::parse("user_id", &user.user_id).unwrap();
-        (dir, db, store, actor)
-    }
-
     /// Runs `sql` with `value` bound, in a write job of its own.
     async fn execute(db: &Database, sql: &'static str, value: &str) {
         let value = value.to_owned();
@@ -343,7 +333,7 @@ mod tests {
     /// before it), or from inputs read before a change, is made again.
     #[tokio::test]
     async fn asking_again_makes_a_new_wrap_up_once_the_diary_changed() {
-        let (_dir, db, store, actor) = store_with_ana().await;
+        let (_dir, db, store, actor) = super::super::store_with_ana().await;
         let fields = |rating: u32, watched_on: &str, body: &str| ReviewFields {
             rating,
             body: body.into(),
@@ -439,7 +429,7 @@ mod tests {
     /// after an older one was asked for.
     #[tokio::test]
     async fn the_newest_wrap_up_is_the_last_made_whatever_the_clock_said() {
-        let (_dir, db, store, actor) = store_with_ana().await;
+        let (_dir, db, store, actor) = super::super::store_with_ana().await;
         let first = store.request_wrap_up(actor, 2024, None).await.unwrap().wrap_up.unwrap().wrap_up_id;
         complete(&store, &first, None).await;
         // Asked for an hour ahead of the clock that follows.
@@ -518,7 +508,7 @@ mod tests {
     /// asks again (once per request given up); one whose request is under way is not.
     #[tokio::test]
     async fn asking_again_resumes_a_wrap_up_whose_request_was_given_up() {
-        let (_dir, db, store, actor) = store_with_ana().await;
+        let (_dir, db, store, actor) = super::super::store_with_ana().await;
         let first = store.request_wrap_up(actor, 2024, None).await.unwrap();
         assert!(first.created);
         let id = first.wrap_up.unwrap().wrap_up_id;
