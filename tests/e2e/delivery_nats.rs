@@ -182,18 +182,8 @@ async fn a_ledger_outage_spends_no_delivery_of_the_events_held() {
         .env("REELAY_ACK_WAIT_MS", "16000")
         .start(dir.path())
         .await;
-    // probe-a reaches the ledger through the proxy, the broker directly.
-    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
-    let broker = nats_env(cluster.nats.as_ref().unwrap());
-    let env = with(&broker, &[("REELAY_PROBE_DELAY_MS", "0"), ("REELAY_ACK_WAIT_MS", "16000")]);
-    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &env).await;
-    let mut c = cluster.write.clients().await;
-    c.user("warm").await;
-    let warm = event_ids(&cluster.db).await.remove(0);
-    eventually("the first event is handled", Duration::from_secs(20), || async {
-        ledger_row(&cluster.db, &warm, "probe-a").await.is_some_and(|r| r[0] == "done")
-    })
-    .await;
+    let (proxy, mut handlers, mut c, warm) =
+        probe_a_behind_a_proxy(&cluster, dir.path(), &[("REELAY_ACK_WAIT_MS", "16000")]).await;
     // The next event's claim is held on its way, then the write service dies under it.
     proxy.partition();
     c.user("ana").await;
@@ -795,18 +785,7 @@ async fn a_ledger_claim_whose_answer_was_lost_is_handed_back_to_its_owner() {
     let dir = temp_dir();
     let cluster =
         reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats).probes("probe-a").start(dir.path()).await;
-    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
-    let broker = nats_env(cluster.nats.as_ref().unwrap());
-    let env = with(&broker, &[("REELAY_PROBE_DELAY_MS", "0")]);
-    let mut handlers = crate::slow_probe_behind(&proxy, dir.path(), &cluster.effects, &env).await;
-    let mut c = cluster.write.clients().await;
-    // A first event through, so the worker's connection is up and it has nothing else to say.
-    c.user("warm").await;
-    let warm = event_ids(&cluster.db).await.remove(0);
-    eventually("the first event is handled and settled", Duration::from_secs(20), || async {
-        ledger_row(&cluster.db, &warm, "probe-a").await.is_some_and(|row| row[0] == "done")
-    })
-    .await;
+    let (proxy, mut handlers, c, warm) = probe_a_behind_a_proxy(&cluster, dir.path(), &[]).await;
 
     // The answer cut is usually the next event's claim's; now and then it is the idle worker's
     // telling of its build (every quarter lease), and the round is tried again.
@@ -851,6 +830,29 @@ fn probe_a_with_a_3s_ledger_lease() -> reelay_harness::ClusterBuilder {
 }
 
 /// The status, attempts and last error of a pair's ledger row.
+/// A probe-a process (no delay; `extra` on top) that reaches the write service through a proxy
+/// and the broker directly, with a first event through it (its connection up, nothing else to
+/// say): the proxy, the process, clients and that event's id.
+async fn probe_a_behind_a_proxy(
+    cluster: &reelay_harness::Cluster,
+    dir: &Path,
+    extra: &[(&str, &str)],
+) -> (reelay_harness::CuttingProxy, Reelay, Clients, String) {
+    let proxy = reelay_harness::CuttingProxy::start(cluster.write.addr).await;
+    let broker = nats_env(cluster.nats.as_ref().unwrap());
+    let mut env = with(&broker, &[("REELAY_PROBE_DELAY_MS", "0")]);
+    env.extend_from_slice(extra);
+    let handlers = crate::slow_probe_behind(&proxy, dir, &cluster.effects, &env).await;
+    let mut c = cluster.write.clients().await;
+    c.user("warm").await;
+    let warm = event_ids(&cluster.db).await.remove(0);
+    eventually("the first event is handled and settled", Duration::from_secs(20), || async {
+        ledger_row(&cluster.db, &warm, "probe-a").await.is_some_and(|row| row[0] == "done")
+    })
+    .await;
+    (proxy, handlers, c, warm)
+}
+
 /// Whether every consumer of the event stream has nothing pending and nothing awaiting an ack.
 async fn consumers_idle(url: &str) -> bool {
     let js = jetstream::new(async_nats::connect(url).await.unwrap());
