@@ -785,7 +785,7 @@ async fn a_ledger_claim_whose_answer_was_lost_is_handed_back_to_its_owner() {
     let dir = temp_dir();
     let cluster =
         reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats).probes("probe-a").start(dir.path()).await;
-    let (proxy, mut handlers, _, warm) = probe_a_behind_a_proxy(&cluster, dir.path(), &[]).await;
+    let (proxy, mut handlers, _, _) = probe_a_behind_a_proxy(&cluster, dir.path(), &[]).await;
 
     // The answer cut is usually the next event's claim's; now and then it is the idle worker's
     // telling of its build (every quarter lease), and the round is tried again.
