@@ -213,6 +213,32 @@ async fn a_ledger_outage_spends_no_delivery_of_the_events_held() {
     cluster.stop().await;
 }
 
+/// An event stream made with another retention than limits (interest: a message goes once the
+/// consumers there acked it, so a handler that starts later, or a given-up message's dead letter,
+/// finds nothing) cannot be changed in place: the relay refuses to start and says what to do.
+#[tokio::test]
+async fn an_event_stream_without_limits_retention_is_refused_at_start() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(stream::Config {
+        name: STREAM.into(),
+        subjects: vec!["reelay.events.>".into()],
+        retention: stream::RetentionPolicy::Interest,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let env = nats_env(&nats);
+    let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    env.push(("REELAY_WRITE_URL", "http://127.0.0.1:9"));
+    let data = dir.path().join("relay");
+    let (code, stderr) =
+        reelay_harness::refused_at_start(Path::new(BIN), "relay", &data.join("x.db"), &data, &env).await;
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("its retention is Interest; Reelay needs limits retention"), "{stderr}");
+}
+
 #[tokio::test]
 async fn an_existing_stream_and_consumer_are_updated_in_place() {
     let dir = temp_dir();
@@ -222,7 +248,9 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
     // fields an operator set by hand.
     js.create_stream(stream::Config {
         name: STREAM.into(),
-        subjects: vec!["reelay.events.>".into()],
+        // Narrower than every subject the relay publishes (a replay's has more tokens), with one
+        // of the operator's own.
+        subjects: vec!["reelay.events.*".into(), "ops.audit".into()],
         storage: stream::StorageType::File,
         duplicate_window: Duration::from_secs(120),
         max_messages: 1_000_000,
@@ -269,6 +297,7 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
 
     let mut stream = js.get_stream(STREAM).await.unwrap();
     let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(config.subjects, ["ops.audit", "reelay.events.>"], "every event subject, the operator's kept");
     assert_eq!(config.duplicate_window, Duration::from_secs(3600));
     assert_eq!(
         (config.max_messages, config.description.as_deref()),
@@ -293,7 +322,7 @@ async fn an_existing_stream_and_consumer_are_updated_in_place() {
     assert_eq!(subjects.iter().filter(|s| *s == "reelay.events.UserRegistered").count(), 1, "{subjects:?}");
     let log = handlers.log_text();
     assert!(
-        log.contains("updated the existing stream's duplicate_window, replicas and discard policy in place"),
+        log.contains("updated the existing stream's duplicate_window, replicas, discard policy and subjects in place"),
         "{log}"
     );
     assert!(
@@ -1124,7 +1153,7 @@ async fn both_streams_are_brought_to_a_new_replica_count_and_what_handlers_need_
         let relay = &relay;
         eventually(line, Duration::from_secs(10), move || async move { relay.log_text().contains(line) })
     };
-    said("updated the existing stream's duplicate_window, replicas and discard policy in place").await;
+    said("updated the existing stream's duplicate_window, replicas, discard policy and subjects in place").await;
     said("updated the existing stream's replicas, subjects and max age in place").await;
     relay.stop().await;
     write.stop().await;

@@ -274,6 +274,20 @@ async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) 
     match js.get_stream(&config.stream).await {
         Ok(existing) => {
             let current = existing.cached_info().config.clone();
+            if current.retention != stream::RetentionPolicy::Limits {
+                return Err(js_error(
+                    format!("checking stream {}", config.stream),
+                    format!(
+                        "its retention is {:?}; Reelay needs limits retention (an event stays, read or not, for a \
+                         handler that starts later and for a given-up message's dead letter), which cannot be set \
+                         in place: make the stream anew (nats stream rm {}) while nothing is unread",
+                        current.retention, config.stream
+                    ),
+                ));
+            }
+            // Every subject the relay publishes (replays too), if the stream was made narrower.
+            let all = format!("{}.>", config.subject_prefix);
+            let uncovered = !current.subjects.iter().any(|s| s.ends_with('>') && takes(s, &all));
             let limited = current.max_messages > 0 || current.max_bytes > 0 || current.max_messages_per_subject > 0;
             let discard = if limited { stream::DiscardPolicy::New } else { current.discard };
             let per_subject = current.max_messages_per_subject > 0 || current.discard_new_per_subject;
@@ -281,8 +295,14 @@ async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) 
                 || current.num_replicas != config.replicas
                 || current.discard != discard
                 || current.discard_new_per_subject != per_subject
+                || uncovered
             {
                 let mut wanted = current.clone();
+                if uncovered {
+                    // The narrower subjects it covers would overlap it; the operator's others stay.
+                    wanted.subjects.retain(|s| !takes(&all, s));
+                    wanted.subjects.push(all.clone());
+                }
                 wanted.duplicate_window = DUPLICATE_WINDOW;
                 wanted.num_replicas = config.replicas;
                 wanted.discard = discard;
@@ -293,13 +313,14 @@ async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) 
                         from_replicas = current.num_replicas, to_replicas = config.replicas,
                         from_discard = ?current.discard, to_discard = ?discard,
                         from_discard_new_per_subject = current.discard_new_per_subject,
-                        to_discard_new_per_subject = per_subject,
-                        "updated the existing stream's duplicate_window, replicas and discard policy in place")
+                        to_discard_new_per_subject = per_subject, added_subject = uncovered.then_some(all.as_str()),
+                        "updated the existing stream's duplicate_window, replicas, discard policy and subjects in place")
                     }
                     Err(error) => tracing::warn!(stream = %config.stream, %error,
-                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}{}{}",
+                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}{}{}{}",
                         config.stream, config.replicas, if limited { " --discard new" } else { "" },
-                        if per_subject { " --discard-per-subject" } else { "" }),
+                        if per_subject { " --discard-per-subject" } else { "" },
+                        if uncovered { format!(" --subjects '{}'", wanted.subjects.join(",")) } else { String::new() }),
                 }
             }
             if !current.max_age.is_zero() {
