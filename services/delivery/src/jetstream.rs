@@ -269,7 +269,9 @@ pub async fn ensure_given_up_consumer(
 /// of dropping the oldest, which handlers may not have read). A per-subject limit takes
 /// `discard_new_per_subject` too: without it the broker drops a subject's oldest message at
 /// that limit whatever the discard policy (subjects are event types, so one limit there drops
-/// unread events of one type).
+/// unread events of one type). An update the broker refuses fails the start when the stream as
+/// it is could repeat or drop events (a shorter window, the discard policy), and is said
+/// otherwise.
 async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) -> Result<(), SetupError> {
     match js.get_stream(&config.stream).await {
         Ok(existing) => {
@@ -316,11 +318,36 @@ async fn ensure_event_stream(js: &jetstream::Context, config: &JetStreamConfig) 
                         to_discard_new_per_subject = per_subject, added_subject = uncovered.then_some(all.as_str()),
                         "updated the existing stream's duplicate_window, replicas, discard policy and subjects in place")
                     }
-                    Err(error) => tracing::warn!(stream = %config.stream, %error,
-                        "could not update the stream; apply it by hand: nats stream edit {} --dupe-window 1h --replicas {}{}{}{}",
-                        config.stream, config.replicas, if limited { " --discard new" } else { "" },
-                        if per_subject { " --discard-per-subject" } else { "" },
-                        if uncovered { format!(" --subjects '{}'", wanted.subjects.join(",")) } else { String::new() }),
+                    Err(error) => {
+                        let by_hand = format!(
+                            "nats stream edit {} --dupe-window 1h --replicas {}{}{}{}",
+                            config.stream,
+                            config.replicas,
+                            if limited { " --discard new" } else { "" },
+                            if per_subject { " --discard-per-subject" } else { "" },
+                            if uncovered {
+                                format!(" --subjects '{}'", wanted.subjects.join(","))
+                            } else {
+                                String::new()
+                            }
+                        );
+                        // Left as it is, a stream that forgets a publish sooner than a relay may
+                        // repeat it delivers it twice, and one that drops at its limit drops
+                        // unread events: not a stream to run on. Its replicas or a subject of
+                        // a replay only, it can run on, said.
+                        let loses = current.duplicate_window < DUPLICATE_WINDOW
+                            || current.discard != discard
+                            || current.discard_new_per_subject != per_subject;
+                        if loses {
+                            return Err(js_error(
+                                format!("updating stream {}", config.stream),
+                                format!(
+                                    "{error}; as it is, an event could be delivered twice or dropped unread: {by_hand}"
+                                ),
+                            ));
+                        }
+                        tracing::warn!(stream = %config.stream, %error, "could not update the stream; apply it by hand: {by_hand}");
+                    }
                 }
             }
             if !current.max_age.is_zero() {
