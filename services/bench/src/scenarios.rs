@@ -521,7 +521,10 @@ pub async fn relay_drain(b: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let raw = raw_publish(&nats, b.relay_backlog, 256).await?;
     let db = dir.path().join("reelay.db");
     backlog(&db, b.relay_backlog).await?;
-    let mut write = start(b, &db, &["write"], &vec![("RUST_LOG".into(), "warn".into())]).await;
+    // On nats, as the relay is: a write service on db refuses a relay's claims.
+    let mut write_env = nats_env(&nats);
+    write_env.push(("RUST_LOG".into(), "warn".into()));
+    let mut write = start(b, &db, &["write"], &write_env).await;
     let mut c = write.clients().await;
     let mut env = nats_env(&nats);
     env.push(("REELAY_WRITE_URL".into(), format!("http://{}", write.addr)));

@@ -115,18 +115,22 @@ const STALL_MS: i64 = 2_000;
 /// Since when claims' leases count. A claim is taken over when its owner has not renewed it
 /// for a lease; but an owner can renew only while this service takes writes. After the service
 /// starts, reopens its database after a storage fault, runs again after not running at all
-/// (stopped, starved, or the clock jumped ahead), or ends a batch that took longer than
-/// `STALL_MS` (its storage stalled), a claim renewed before counts as renewed then: every live
-/// owner gets a whole lease to renew before anything of it is taken over.
+/// (stopped, starved, or the clock jumped ahead), or ends a batch that ran for a third of the
+/// shortest lease (its storage stalled), a claim renewed before counts as renewed then: every
+/// live owner gets a whole lease to renew before anything of it is taken over.
 struct LeaseClock {
     since: AtomicI64,
     last_tick: AtomicI64,
+    /// How long a batch may run before it counts as a stall: a third of the shortest lease
+    /// claims are held under (an owner renews every third of its lease, so a batch that long
+    /// may have held back a renewal it needed), [`STALL_MS`] until the leases are told.
+    batch_stall_ms: AtomicI64,
 }
 
 impl LeaseClock {
     fn new() -> Self {
         let now = reelay_kit::now_ms();
-        Self { since: AtomicI64::new(now), last_tick: AtomicI64::new(now) }
+        Self { since: AtomicI64::new(now), last_tick: AtomicI64::new(now), batch_stall_ms: AtomicI64::new(STALL_MS) }
     }
 
     /// Leases count from now on.
@@ -497,11 +501,19 @@ impl Writer {
     }
 
     /// Since when claims' leases count (ms): when this writer started, last reopened its
-    /// database after a storage fault, or last ran again after not running for a while. A
-    /// claim whose owner renewed it before counts as renewed then, so it is taken over only once
-    /// its owner has had a whole lease to renew it here (see [`stale_before`]).
+    /// database after a storage fault, last ran again after not running for a while, or last
+    /// ended a batch that ran for a third of the shortest lease (see
+    /// [`Writer::set_shortest_lease`]). A claim whose owner renewed it before counts as renewed
+    /// then, so it is taken over only once its owner has had a whole lease to renew it here (see
+    /// [`stale_before`]).
     pub fn lease_counted_from(&self) -> i64 {
         self.leases.counted_from()
+    }
+
+    /// The shortest lease any claim here is held under: a batch running for a third of it
+    /// restarts the leases (a stalled disk held the renewals back).
+    pub fn set_shortest_lease(&self, lease: Duration) {
+        self.leases.batch_stall_ms.store((lease.as_millis() / 3).max(1) as i64, Ordering::SeqCst);
     }
 
     /// Sets the work that rides in a batch that enqueues events, committed at the configured
@@ -744,8 +756,11 @@ async fn run(
         }
         // A batch this slow (a stalled fsync) held every renewal back while it ran, though the
         // process ran and its ticker ticked: the next batch's claims must not count that time
-        // against their owners, whose renewals are queued behind them.
-        if batch_started.elapsed() > Duration::from_millis(STALL_MS as u64) {
+        // against their owners, whose renewals are queued behind them. (Only a batch as long as
+        // a third of the shortest lease: restarting on shorter ones, a disk slow for good would
+        // put every take-over off for ever.)
+        let stall = Duration::from_millis(session.leases.batch_stall_ms.load(Ordering::SeqCst) as u64);
+        if batch_started.elapsed() > stall {
             session.leases.restart();
         }
         busy.end();
@@ -989,25 +1004,30 @@ mod tests {
         assert_eq!(stale_before(70_001, 100_000, lease), i64::MIN, "no claim is stale within a lease of the start");
     }
 
-    /// A batch that ran longer than `STALL_MS` (a stalled disk) restarts the leases when it
-    /// ends: the renewals queued behind it could not be written meanwhile.
+    /// A batch that ran for a third of the shortest lease (a stalled disk) restarts the leases
+    /// when it ends: the renewals queued behind it could not be written meanwhile. A shorter one
+    /// does not (a slow disk would otherwise put every take-over off for ever).
     #[tokio::test]
     async fn leases_count_again_after_a_stalled_batch() {
         let dir = tempfile::tempdir().unwrap();
         let db = Database::open(&DbConfig::new(dir.path().join("w.db"))).await.unwrap();
+        // Batches of a second count as stalls (a third of a 3 s lease), of 0.5 s not.
+        db.writer.set_shortest_lease(Duration::from_secs(3));
         let before = db.writer.lease_counted_from();
-        db.writer
-            .transact::<_, TestError, _>("slow", |_tx: &mut WriteTx| {
+        let pause = |ms: u64| {
+            db.writer.transact::<_, TestError, _>("slow", move |_tx: &mut WriteTx| {
                 Box::pin(async move {
-                    tokio::time::sleep(Duration::from_millis(STALL_MS as u64 + 300)).await;
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
                     Ok(())
                 })
             })
-            .await
-            .unwrap();
+        };
+        pause(500).await.unwrap();
+        assert_eq!(db.writer.lease_counted_from(), before, "a batch shorter than a third of the lease");
+        pause(1_300).await.unwrap();
         let ended = reelay_kit::now_ms();
         let counted = db.writer.lease_counted_from();
-        assert!(counted >= before + STALL_MS && counted <= ended, "counted from {counted}, started {before}");
+        assert!(counted >= before + 1_300 && counted <= ended, "counted from {counted}, started {before}");
         db.close().await;
     }
 

@@ -63,6 +63,8 @@ pub fn mount_internal(
     shutdown: Shutdown,
 ) -> GrpcServer {
     let limit = server.config().max_message_bytes;
+    // A batch as long as a third of the shortest of them may have held a renewal back.
+    db.writer.set_shortest_lease(policy.queue.lease.min(policy.ledger.lease).min(policy.deliveries.lease));
     let outbox = OutboxApi {
         db: db.clone(),
         policy: policy.queue,
