@@ -1023,8 +1023,11 @@ pub fn trace_id(traceparent: &str) -> &str {
 /// The event id to deduplicate on; `None` for foreign rows, which are delivered without dedup.
 fn deduplicable<T>(delivery: &Delivery<T>) -> Option<&str> {
     let id = delivery.event_id.as_deref()?;
-    if EventId::parse("event_id", id).is_err() {
-        tracing::warn!(event_id = id, "event id is not a UUID; delivering without dedup");
+    // As the ledger takes keys: a UUID in its one spelling (lowercase, hyphenated). Another
+    // spelling (a foreign publisher's) refused there would fail the whole merged claim call,
+    // other batches' keys and asks of who stands by with it.
+    if !EventId::parse("event_id", id).is_ok_and(|parsed| parsed.to_string() == id) {
+        tracing::warn!(event_id = id, "event id is not a UUID in its canonical spelling; delivering without dedup");
         return None;
     }
     Some(id)
@@ -1062,6 +1065,24 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
+
+    /// Only an event id in the ledger's one spelling is claimed by; another spelling would be
+    /// refused there, failing the whole merged claim call.
+    #[test]
+    fn only_canonical_event_ids_are_claimed_by() {
+        let id = "01a242f5-6b87-7089-b22a-188c0639a9c6";
+        let of = |event_id: &str| Delivery {
+            event: v1::Event::default(),
+            event_id: Some(event_id.to_owned()),
+            attempt: 1,
+            claimed: None,
+            ack: crate::source::AckHandle::new(()),
+        };
+        assert_eq!(deduplicable(&of(id)), Some(id));
+        for other in [id.to_uppercase(), id.replace('-', ""), format!("{{{id}}}"), "not-a-uuid".into()] {
+            assert_eq!(deduplicable(&of(&other)), None, "{other}");
+        }
+    }
 
     /// A handler whose events take as long as their payload-less `event_type` says
     /// (`"<ms>"`, or `"panic"`), and that records what it finished.
