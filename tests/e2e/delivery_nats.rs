@@ -168,9 +168,9 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
     reelay.stop().await;
 }
 
-/// The ledger (the write service) goes down while probe-a's process holds an event it fetched:
-/// every claim then fails at once (connection refused), and the batch waits in pauses of at
-/// most 5 s, for longer than the 16 s ack wait. Its progress is reported every third of the ack
+/// The ledger (the write service) goes down while probe-a's process holds an event it fetched
+/// (its claim held on the way, until the kill): every claim after fails at once (connection
+/// refused), and the batch waits in pauses of at most 5 s, for longer than the 16 s ack wait. Its progress is reported every third of the ack
 /// wait across those calls (before, each call started its own schedule and none lasted a
 /// third, so JetStream delivered the event again at each ack wait, spending its deliveries
 /// through an outage). Once the ledger is back the event is handled, delivered once.
@@ -180,10 +180,13 @@ async fn a_ledger_outage_spends_no_delivery_of_the_events_held() {
     let mut cluster = reelay_harness::Cluster::builder(BIN, reelay_harness::Backend::Nats)
         .probes("probe-a")
         .env("REELAY_ACK_WAIT_MS", "16000")
+        .env("REELAY_LEDGER_LEASE_MS", "600000")
         .start(dir.path())
         .await;
-    let (proxy, mut handlers, mut c, warm) =
-        probe_a_behind_a_proxy(&cluster, dir.path(), &[("REELAY_ACK_WAIT_MS", "16000")]).await;
+    // Ten-minute leases: the idle worker tells its build only every 150 s, so its pulls stay
+    // out through the outage (the broker redelivers only to a pull).
+    let extra = [("REELAY_ACK_WAIT_MS", "16000"), ("REELAY_LEDGER_LEASE_MS", "600000")];
+    let (proxy, mut handlers, mut c, warm) = probe_a_behind_a_proxy(&cluster, dir.path(), &extra).await;
     // The next event's claim is held on its way, then the write service dies under it.
     proxy.partition();
     c.user("ana").await;
@@ -858,7 +861,6 @@ fn probe_a_with_a_3s_ledger_lease() -> reelay_harness::ClusterBuilder {
         .env("REELAY_LEDGER_LEASE_MS", "3000")
 }
 
-/// The status, attempts and last error of a pair's ledger row.
 /// A probe-a process (no delay; `extra` on top) that reaches the write service through a proxy
 /// and the broker directly, with a first event through it (its connection up, nothing else to
 /// say): the proxy, the process, clients and that event's id.
@@ -894,6 +896,7 @@ async fn consumers_idle(url: &str) -> bool {
     idle
 }
 
+/// The status, attempts and last error of a pair's ledger row.
 async fn ledger_row(db: &Path, event_id: &str, handler: &str) -> Option<Vec<String>> {
     let sql = format!(
         "SELECT status, attempts || '', COALESCE(last_error, ''), COALESCE(processed_at - started_at, -1) || '' \

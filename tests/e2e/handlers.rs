@@ -63,6 +63,12 @@ async fn failures_stay_with_their_handler(backend: Backend) {
     // The refusals are dead-lettered for probe-a alone, each with its error, in the ledger on
     // both backends (on nats the consumer terminates them too).
     let refused_events: Vec<&String> = events.iter().filter(|(_, u)| refused.contains(u)).map(|(e, _)| e).collect();
+    // The ledger is settled after each effect is recorded.
+    eventually("every delivery is settled in the ledger", Duration::from_secs(20), || async {
+        let sql = "SELECT COUNT(*) || '' FROM processed_events WHERE status IN ('done', 'dead_lettered')";
+        query_strings(&cluster.db, sql).await[0][0] == (21 + refused_events.len()).to_string()
+    })
+    .await;
     let dead = query_strings(
         &cluster.db,
         "SELECT event_id, handler, last_error FROM processed_events WHERE status = 'dead_lettered' ORDER BY event_id",
