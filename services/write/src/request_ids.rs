@@ -160,13 +160,21 @@ fn truncate(value: &str) -> String {
     value.chars().take(40).collect()
 }
 
-/// Deletes up to `batch` keys recorded before `cutoff_ms`; returns how many went.
+/// How long a key taken by an import still under way (pending) is kept at least, whatever the
+/// retention: purged sooner, another file could be imported under it meanwhile.
+const PENDING_KEPT_MS: i64 = 24 * 3600 * 1000;
+
+/// Deletes up to `batch` keys recorded before `cutoff_ms` (pending ones once a day old as well);
+/// returns how many went.
 pub async fn purge(tx: &mut WriteTx, cutoff_ms: i64, batch: u32) -> Result<u64, sqlx::Error> {
+    let pending_cutoff = cutoff_ms.min(tx.now_ms() - PENDING_KEPT_MS);
     Ok(sqlx::query(
         "DELETE FROM request_ids WHERE (method, request_id) IN \
-         (SELECT method, request_id FROM request_ids WHERE created_at < ? LIMIT ?)",
+         (SELECT method, request_id FROM request_ids WHERE created_at < ?1 AND (pending = 0 OR created_at < ?2) \
+          LIMIT ?3)",
     )
     .bind(cutoff_ms)
+    .bind(pending_cutoff)
     .bind(i64::from(batch))
     .execute(tx.conn())
     .await?

@@ -236,9 +236,21 @@ mod tests {
             broken = import("c", "c", "import-2") => panic!("the import ended before it was dropped: {broken:?}"),
             () = async { while reviews(&store).await < 1250 { tokio::task::yield_now().await } } => {}
         }
+        // A retention purge (here of every key) leaves the key of an import under way.
+        let purged = store
+            .db
+            .writer
+            .transact::<_, crate::WriteError, _>("purge", |tx: &mut WriteTx| {
+                Box::pin(async move { Ok(crate::request_ids::purge(tx, reelay_kit::now_ms() + 1_000, 100).await?) })
+            })
+            .await
+            .unwrap();
+        assert_eq!(purged, 1, "the finished import's key went");
+        let other = import("d", "d", "import-2").await.expect_err("another file under the key of one under way");
+        assert!(format!("{other:?}").contains("already used for a different ImportDiary"), "{other:?}");
         let retried = import("c2", "c", "import-2").await.unwrap();
         assert_eq!(retried.imported + retried.skipped_duplicates, 1000);
         assert!(retried.skipped_duplicates >= 250, "{retried:?}");
-        assert_eq!(reviews(&store).await, 2000);
+        assert_eq!(reviews(&store).await, 2000, "the refused file wrote nothing either");
     }
 }
