@@ -430,6 +430,9 @@ pub struct Store {
     review_logs: Merged<reviews::KnownMovieReview, v1::LogReviewResponse>,
     /// When fan-outs leave a failing server out, and how often they probe it.
     servers: ServerPolicy,
+    /// Reads of a year's diary for a wrap-up asked again go one at a time: each can take a
+    /// read connection for a second, and the pool serves every read (diary and outbox pages).
+    year_reads: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 /// Runs a write job; the closure body is an async block over `tx`.
@@ -467,7 +470,12 @@ pub(crate) use keyed_job;
 
 impl Store {
     pub fn new(db: Database) -> Self {
-        Self { db, review_logs: Merged::default(), servers: ServerPolicy::default() }
+        Self {
+            db,
+            review_logs: Merged::default(),
+            servers: ServerPolicy::default(),
+            year_reads: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+        }
     }
 
     /// Sets when a fan-out to followers leaves a failing server's inboxes out.

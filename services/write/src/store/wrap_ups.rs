@@ -127,6 +127,7 @@ impl Store {
         // logged between this read and the job is as if logged just after the call.
         let read_digest = match self.newest_wrap_up_status(actor, year).await?.as_deref() {
             Some("completed") => {
+                let _one_at_a_time = self.year_reads.acquire().await.expect("the semaphore is never closed");
                 let mut conn = self.db.reads.acquire().await?;
                 Some(inputs_digest(&year_entries(&mut conn, &actor.to_string(), year, false).await?))
             }
