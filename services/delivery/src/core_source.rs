@@ -10,6 +10,8 @@ use crate::consumer::event_from_nats;
 use crate::source::{AckHandle, Delivery, EventSource, SettleKind, Settlement, Settler, SourceError};
 
 pub struct CoreSource {
+    client: async_nats::Client,
+    subject: String,
     subscriber: async_nats::Subscriber,
     name: String,
     wait: Duration,
@@ -24,12 +26,21 @@ impl CoreSource {
         handler: &str,
     ) -> Result<Self, SourceError> {
         let name = crate::jetstream::JetStreamConfig::consumer_name(handler);
-        let subscriber = client
-            .queue_subscribe(format!("{subject_prefix}.>"), name.clone())
-            .await
-            .map_err(|e| SourceError::Unavailable(e.to_string()))?;
-        Ok(Self { subscriber, name, wait: Duration::from_secs(5) })
+        let subject = format!("{subject_prefix}.>");
+        let subscriber = subscribe(client, &subject, &name).await?;
+        Ok(Self { client: client.clone(), subject, subscriber, name, wait: Duration::from_secs(5) })
     }
+}
+
+async fn subscribe(
+    client: &async_nats::Client,
+    subject: &str,
+    group: &str,
+) -> Result<async_nats::Subscriber, SourceError> {
+    client
+        .queue_subscribe(subject.to_owned(), group.to_owned())
+        .await
+        .map_err(|e| SourceError::Unavailable(e.to_string()))
 }
 
 #[async_trait::async_trait]
@@ -46,9 +57,13 @@ impl EventSource for CoreSource {
         let first = match tokio::time::timeout(self.wait, self.subscriber.next()).await {
             Ok(Some(first)) => first,
             Err(_) => return Ok(deliveries),
-            // The client closed the subscription: at once, every time asked (not an empty batch,
-            // which the consumer would ask again for at once, spinning).
-            Ok(None) => return Err(SourceError::Rejected(format!("the subscription of {} ended", self.name))),
+            // The subscription ended (the server or the client closed it): subscribed again,
+            // or the consumer pauses on the error (an empty batch at once, every time, spun).
+            Ok(None) => {
+                tracing::warn!(consumer = %self.name, "the core NATS subscription ended; subscribing again");
+                self.subscriber = subscribe(&self.client, &self.subject, &self.name).await?;
+                return Ok(deliveries);
+            }
         };
         let mut next = Some(first);
         while let Some(message) = next.take() {
