@@ -78,6 +78,13 @@ async fn retention_reads_only_what_it_deletes() {
             || step.contains("USING INDEX processed_events_open")
     })
     .await;
+    // On db the walk ends at the lowest cursor's row, found by key.
+    let dir = tempfile::tempdir().unwrap();
+    let db = Database::open(&DbConfig::new(dir.path().join("p.db"))).await.unwrap();
+    let bounded = plan(&mut db.reads.acquire().await.unwrap(), &queue::purge_finished_sql(true)).await;
+    let by_key = "SEARCH event_queue USING INTEGER PRIMARY KEY (rowid<?)";
+    assert!(bounded.iter().any(|step| step == by_key), "{bounded:#?}");
+    db.close().await;
     let outbox = vec![queue::purge_finished_sql(true), queue::purge_finished_sql(false)];
     check_plans(outbox, &["event_queue", "q", "p", "handler_cursors"], false, |step| {
         step.starts_with("SEARCH event_queue USING INTEGER PRIMARY KEY")

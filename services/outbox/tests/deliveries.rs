@@ -677,6 +677,28 @@ async fn outbox_ids(db: &Database) -> Vec<i64> {
     sqlx::query_scalar("SELECT id FROM event_queue ORDER BY id").fetch_all(&db.reads).await.unwrap()
 }
 
+/// Retention stops at the lowest cursor: a handler that looked at the first two rows (done) and
+/// one that looked at none hold the rest back, and a purge past every cutoff deletes nothing
+/// of them, the first two only once both handlers are past them.
+#[tokio::test]
+async fn retention_stops_at_the_lowest_cursor() {
+    let (_dir, db) = open().await;
+    register(&db, &["a", "b"], t0()).await;
+    enqueue(&db, 4).await;
+    let mut two = request("a", &["MovieDeleted", "UserRegistered"], "p#1");
+    two.max_rows = 2;
+    let claimed = claim(&db, &two, t0()).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    settle(&db, "a", claimed.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), t0()).await;
+    assert_eq!(purge(&db, true).await, 0, "b has looked at nothing");
+    let mut b = request("b", &["MovieDeleted", "UserRegistered"], "p#2");
+    b.max_rows = 2;
+    let claimed = claim(&db, &b, t0()).await.unwrap();
+    settle(&db, "b", claimed.iter().map(|d| outcome(d, DeliveryOutcome::Done)).collect(), t0()).await;
+    assert_eq!(purge(&db, true).await, 2, "the rows both are done with");
+    assert_eq!(outbox_ids(&db).await.len(), 2, "the two no handler looked at stay");
+}
+
 /// Retention deletes only what every handler is finished with; a dead letter keeps its event
 /// until it is replayed (once, however often it is asked) and handled, or discarded.
 #[tokio::test]
