@@ -162,3 +162,11 @@ impl Database {
         self.reads.close().await;
     }
 }
+
+/// The steps of `sql`'s plan as the bundled SQLite's `EXPLAIN QUERY PLAN` names them (`SEARCH t
+/// USING INDEX i (a=?)`), for tests that hold a statement to its index.
+pub async fn query_plan(conn: &mut sqlx::SqliteConnection, sql: &str) -> Result<Vec<String>, sqlx::Error> {
+    use sqlx::Row;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}"))).fetch_all(conn).await?;
+    Ok(rows.iter().map(|row| row.get::<String, _>(3)).collect())
+}

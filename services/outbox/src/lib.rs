@@ -19,7 +19,7 @@ pub mod queue;
 mod test_support;
 mod writer;
 
-pub use db::{DEFAULT_MAX_EVENT_BYTES, Database, DbConfig, Synchronous};
+pub use db::{DEFAULT_MAX_EVENT_BYTES, Database, DbConfig, Synchronous, query_plan};
 pub use enqueue::{EnqueueError, EnqueuedEvent, enqueue_events, enqueue_replay};
 pub use migrate::{MIGRATOR, migrate, migrate_to};
 pub use writer::{

@@ -2,18 +2,12 @@
 //! event (the ledger keeps each done pair for 30 days, the outbox each row for a week): each must
 //! find its rows through an index, read from the bundled SQLite's `EXPLAIN QUERY PLAN`.
 
-use sqlx::{AssertSqlSafe, Row, SqliteConnection};
+use sqlx::SqliteConnection;
 
 use crate::{Database, DbConfig, deliveries, ledger, queue};
 
 async fn plan(conn: &mut SqliteConnection, sql: &str) -> Vec<String> {
-    sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
-        .fetch_all(conn)
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get::<String, _>(3))
-        .collect()
+    crate::query_plan(conn, sql).await.unwrap()
 }
 
 /// Reads each statement's plan and checks every step on a table `SQLite` names as one of `tables`,

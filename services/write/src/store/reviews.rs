@@ -455,7 +455,6 @@ mod tests {
     /// not at the start of the user's entries; a first page reads from the start, unsorted.
     #[tokio::test]
     async fn pages_start_at_their_cursor_in_the_index() {
-        use sqlx::Row;
         let dir = tempfile::tempdir().unwrap();
         let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
         let pages = [
@@ -467,13 +466,7 @@ mod tests {
             (super::super::watchlist::WATCHLIST_FIRST_PAGE, "watchlist_user_added (user_id=?)"),
         ];
         for (sql, index) in pages {
-            let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
-                .fetch_all(&db.reads)
-                .await
-                .unwrap()
-                .iter()
-                .map(|row| row.get::<String, _>(3))
-                .collect();
+            let plan = reelay_outbox::query_plan(&mut db.reads.acquire().await.unwrap(), sql).await.unwrap();
             assert!(plan.iter().any(|step| step.ends_with(index)), "{sql}\n{plan:#?}");
             assert!(!plan.iter().any(|step| step.contains("TEMP B-TREE")), "{sql}\n{plan:#?}");
         }
