@@ -240,12 +240,24 @@ async fn pause(process: &Reelay) {
     process.resume();
 }
 
-/// What the clients are told, as it happens: acknowledged writes, and attempts whose outcome
-/// they could not know (a call cut, a service unreachable).
+/// What the clients' single attempts are told, as it happens (before retries hide it): the
+/// run's checks read it between faults, the report at the end.
 #[derive(Default)]
 struct Live {
+    total: AtomicUsize,
+    /// Acknowledged.
     ok: AtomicUsize,
+    /// Told nothing was written.
+    refused: AtomicUsize,
+    /// Whose outcome could not be known (a call cut, a service unreachable).
     unknown: AtomicUsize,
+}
+
+impl Live {
+    fn attempts(&self) -> Attempts {
+        let read = |n: &AtomicUsize| n.load(Ordering::SeqCst);
+        Attempts { total: read(&self.total), refused: read(&self.refused), unknown: read(&self.unknown) }
+    }
 }
 
 /// Answers to single attempts, before retries hid them.
@@ -257,7 +269,7 @@ struct Attempts {
 }
 
 /// One client: writes until told to stop, retrying each write with its request_id as a careful
-/// client would. Returns marker → outcome, and what the attempts were told.
+/// client would, telling `live` what each attempt was told. Returns marker → outcome.
 async fn client(
     mut c: Clients,
     id: usize,
@@ -265,9 +277,8 @@ async fn client(
     movie: String,
     stop: Arc<AtomicBool>,
     live: Arc<Live>,
-) -> (Vec<(String, Outcome)>, Attempts) {
+) -> Vec<(String, Outcome)> {
     let mut calls = Vec::new();
-    let mut attempts = Attempts::default();
     let mut n = 0;
     while !stop.load(Ordering::SeqCst) {
         n += 1;
@@ -284,7 +295,7 @@ async fn client(
         for attempt in 0..8u32 {
             let mut call = tonic::Request::new(request.clone());
             call.set_timeout(Duration::from_secs(4));
-            attempts.total += 1;
+            live.total.fetch_add(1, Ordering::SeqCst);
             let unknown = match c.reviews.log_review(call).await {
                 Ok(_) => {
                     outcome = Some(Outcome::Ok);
@@ -300,18 +311,14 @@ async fn client(
                 },
             };
             any_unknown |= unknown;
-            if unknown {
-                attempts.unknown += 1;
-                live.unknown.fetch_add(1, Ordering::SeqCst);
-            } else {
-                attempts.refused += 1;
-            }
+            let told = if unknown { &live.unknown } else { &live.refused };
+            told.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_millis(100 << attempt.min(4))).await;
         }
         let outcome = outcome.unwrap_or(if any_unknown { Outcome::Unknown } else { Outcome::Failed });
         calls.push((marker, outcome));
     }
-    (calls, attempts)
+    calls
 }
 
 async fn run(backend: Backend) {
@@ -367,20 +374,15 @@ async fn run(backend: Backend) {
     }
     stop.store(true, Ordering::SeqCst);
     let mut calls = BTreeMap::new();
-    let mut attempts = Attempts::default();
     for task in clients {
-        let (made, tried) = task.await.expect("a client panicked");
-        calls.extend(made);
-        attempts.total += tried.total;
-        attempts.refused += tried.refused;
-        attempts.unknown += tried.unknown;
+        calls.extend(task.await.expect("a client panicked"));
     }
     let settled = cluster.settled(Duration::from_secs(120)).await;
     if !settled {
         cluster.explain_unsettled().await;
     }
     let mut report = check(&cluster, &calls).await;
-    report.attempts = attempts;
+    report.attempts = live.attempts();
     eprintln!("{report}");
     assert!(settled, "the system did not settle within 120 s after the faults\n{report}");
     assert!(report.ok(), "chaos on {backend:?} broke the promise\n{report}");
