@@ -201,6 +201,29 @@ async fn tmdb_enriches_films_and_people_through_rate_limits_and_unknown_films() 
     reelay.stop().await;
 }
 
+/// TMDB answers 503 (down behind its gateway) more times than a film's event has attempts:
+/// the enrichment holds the event, spending none, tries again with a backoff, and enriches the
+/// film once TMDB answers; nothing is dead-lettered.
+#[tokio::test]
+async fn a_tmdb_outage_longer_than_the_attempts_holds_the_film_until_it_answers() {
+    let tmdb = TmdbServer::start(vec![films::heat()], films::people()).await;
+    tmdb.fail("/3/search/movie", 4, 503);
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let mut env = tmdb_env(&tmdb);
+    env.extend([("EVENT_QUEUE_MAX_ATTEMPTS", "2"), ("REELAY_RETRY_BASE_MS", "100")].map(|(k, v)| (k.into(), v.into())));
+    let mut reelay = Reelay::start_all(BIN, &db, &borrowed(&env)).await;
+    let mut c = reelay.clients().await;
+    let ana = c.user("ana").await;
+    let heat = c.movie(&ana, "Heat", 1995).await;
+    let movie = settled_movie(&c, &heat).await;
+    assert_eq!(movie.enrichment(), v1::EnrichmentStatus::Enriched);
+    assert_eq!(tmdb.requests("/3/search/movie"), 5, "four 503s, each tried again, then the answer");
+    assert_eq!(reelay_harness::dead_letters(&db, false).await, 0);
+    assert!(reelay.log_text().contains("a dependency of the handler is unavailable"));
+    reelay.stop().await;
+}
+
 #[tokio::test]
 async fn a_crash_between_the_people_and_the_profile_redoes_the_film_once() {
     let tmdb = TmdbServer::start(vec![films::heat()], films::people()).await;
@@ -394,10 +417,10 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
         "{error:?}"
     );
     assert_eq!(tmdb.unauthorized(), 1);
-    // A 5xx is worth retrying.
-    tmdb.fail("/3/movie/949", 1, 503);
+    // A 5xx is worth retrying; a gateway's 503 says TMDB is down, for every film alike.
+    tmdb.fail("/3/movie/949", 1, 500);
     let error = movie_enrichment.handle(&discovered).await.unwrap_err();
-    assert!(matches!(&error, reelay_delivery::HandlerError::Retryable(m) if m.contains("503")), "{error:?}");
+    assert!(matches!(&error, reelay_delivery::HandlerError::Retryable(m) if m.contains("500")), "{error:?}");
 
     let people_before = query_strings(&db, "SELECT person_id, profiled || '' FROM people ORDER BY person_id").await;
     let person_enrichment = handler_here("person-enrichment", &write, settings.clone()).await;
@@ -406,7 +429,7 @@ async fn every_handler_run_twice_on_one_event_leaves_one_effect() {
     tmdb.fail("/3/person/1158", 1, 503);
     tmdb.delay_people(Duration::from_millis(300));
     let error = person_enrichment.handle(&enriched[0]).await.unwrap_err();
-    assert!(matches!(&error, reelay_delivery::HandlerError::Retryable(m) if m.contains("503")), "{error:?}");
+    assert!(matches!(&error, reelay_delivery::HandlerError::Unavailable(m) if m.contains("503")), "{error:?}");
     let profiled = "SELECT person_id FROM people WHERE profiled = 1 ORDER BY person_id";
     let saved = ["tmdb:380", "tmdb:5576", "tmdb:638"].map(|id| vec![id.to_owned()]);
     assert_eq!(query_strings(&db, profiled).await, saved);

@@ -133,9 +133,11 @@ async fn review_lifecycle_reaches_search_on_the_nats_backend() {
 }
 
 /// The search index's disk fills up while reviews are logged: the write service acknowledges
-/// them (its database is elsewhere), the index's commits fail part way and are rolled back and
-/// retried, searches keep answering from what was committed, and once space is freed every
-/// acknowledged review is found, each once.
+/// them (its database is elsewhere), the index's commits fail part way and are rolled back, and
+/// the handler holds the reviews (the index is unavailable, not they at fault) and tries again,
+/// spending no attempt: the disk stays full long past the two attempts each has, and none is
+/// dead-lettered. Searches keep answering from what was committed, and once space is freed
+/// every acknowledged review is found, each once.
 #[tokio::test]
 async fn a_full_disk_under_the_search_index_loses_no_review() {
     let dir = temp_dir();
@@ -145,7 +147,12 @@ async fn a_full_disk_under_the_search_index_loses_no_review() {
     let mut reelay = Reelay::start_all(
         BIN,
         &db,
-        &[("EVENT_BUS_BACKEND", "db"), ("REELAY_SEARCH_DIR", &search_dir), ("REELAY_RETRY_BASE_MS", "200")],
+        &[
+            ("EVENT_BUS_BACKEND", "db"),
+            ("REELAY_SEARCH_DIR", &search_dir),
+            ("REELAY_RETRY_BASE_MS", "200"),
+            ("EVENT_QUEUE_MAX_ATTEMPTS", "2"),
+        ],
     )
     .await;
     let mut c = reelay.clients().await;
@@ -175,6 +182,15 @@ async fn a_full_disk_under_the_search_index_loses_no_review() {
     .await;
     // Searches keep answering from what was indexed before the disk filled.
     assert_eq!(review_hits(&mut search, "diner").await[0].review_id, first.review_id);
+    let held = || async {
+        let metrics = reelay.metrics().await;
+        metrics.value(r#"reelay_handler_events_held_for_dependency{handler="search"}"#).unwrap_or_default()
+    };
+    eventually("the handler holds the reviews it could not index", || async { held().await > 0.0 }).await;
+    // Two attempts with a 200 ms backoff would have been spent in well under a second.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(reelay_harness::dead_letters(&db, false).await, 0, "an index out of disk spends no attempt");
+    assert!(held().await > 0.0, "still held while the disk is full");
 
     disk.drain();
     eventually("every review acknowledged while the disk was full is searchable", || {
@@ -182,6 +198,7 @@ async fn a_full_disk_under_the_search_index_loses_no_review() {
         async move { review_hits(&mut search, "waterfront").await.len() == 12 }
     })
     .await;
+    eventually("the handler holds nothing once the disk has room", || async { held().await == 0.0 }).await;
     for (n, id) in logged.iter().enumerate() {
         let hits = review_hits(&mut search, &format!("word{n}")).await;
         assert_eq!(hits.iter().map(|h| h.review_id.as_str()).collect::<Vec<_>>(), [id.as_str()], "word{n}");

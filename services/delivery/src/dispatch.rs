@@ -40,7 +40,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::hash::{Hash, Hasher};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,9 +48,9 @@ use futures_util::FutureExt;
 
 use reelay_contracts::v1::{self, ledger_claim::Outcome, ledger_client::LedgerClient};
 use reelay_domain::{EventId, RetryPolicy};
-use reelay_kit::Shutdown;
 use reelay_kit::client::{ServiceChannel, is_transport_failure};
-use reelay_kit::metrics::{self, Counter, Histogram};
+use reelay_kit::metrics::{self, Counter, Gauge, Histogram};
+use reelay_kit::{Backoff, Shutdown};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::gather::gather;
@@ -83,6 +83,16 @@ static HANDLER_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
 static HANDLER_BATCH: LazyLock<Histogram> = LazyLock::new(|| {
     metrics::histogram("reelay_handler_batch_events", "Events per handler call.", &["handler"], metrics::BATCH_SIZES)
 });
+static HELD_FOR_DEPENDENCY: LazyLock<Gauge> = LazyLock::new(|| {
+    metrics::gauge(
+        "reelay_handler_events_held_for_dependency",
+        "Events a handler holds, spending no attempt, while it says a dependency is unavailable \
+         (non-zero for long: its provider, object store or the write service is down).",
+        &["handler"],
+    )
+});
+/// A handler said a dependency was unavailable: first wait, doubling to the most.
+const UNAVAILABLE_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
 
 /// What to do with one delivery after dispatch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,6 +166,9 @@ pub struct Dispatcher {
     shutdown: Shutdown,
     /// What the ledger last said of this dispatcher's builds (shared by its clones).
     told: Arc<Mutex<Told>>,
+    /// Events each handler holds while it says a dependency is unavailable (shared by the
+    /// dispatcher's clones, which hold their own batches).
+    held: Arc<[AtomicUsize]>,
 }
 
 /// What the ledger last said of a dispatcher's builds of its handlers.
@@ -404,6 +417,10 @@ pub struct DispatchConfig {
     pub record_dead_letters: bool,
     /// What handing a delivery back costs on the source.
     pub hand_back: HandBack,
+    /// How long a batch's events are held, spending no attempt, while their handler says a
+    /// dependency is unavailable (`REELAY_HANDLER_UNAVAILABLE_WAIT_MS`); past it they fail as
+    /// any retryable failure does.
+    pub unavailable_wait: Duration,
 }
 
 /// What handing a delivery back (deferring it) costs on a source, and so whether the
@@ -474,7 +491,12 @@ impl Dispatcher {
                 DELIVERIES.declare(&[handler.name(), outcome]);
             }
         }
-        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default() }
+        let held = handlers.iter().map(|handler| {
+            HELD_FOR_DEPENDENCY.set(&[handler.name()], 0.0);
+            AtomicUsize::new(0)
+        });
+        let held = held.collect();
+        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default(), held }
     }
 
     fn told(&self) -> std::sync::MutexGuard<'_, Told> {
@@ -706,10 +728,13 @@ impl Dispatcher {
                         .collect(),
                 };
                 let started = Instant::now();
-                let results = run_handler(&*handler, &events, timeout, &stop).await;
+                let mut results = run_handler(&*handler, &events, timeout, &stop).await;
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 let ran = results.iter().filter(|result| result.is_some()).count();
                 HANDLER_BATCH.observe(&[handler.name()], ran as f64);
+                let holding = Holding { handler: handler.name(), held: &self.held[h] };
+                let waiting = Waiting { timeout, stop: &stop, wait: self.config.unavailable_wait, holding };
+                wait_out_unavailable(&*handler, &events, &mut results, waiting, UNAVAILABLE_BACKOFF).await;
                 (h, work, results)
             }
         });
@@ -956,6 +981,108 @@ async fn run_handler(
     results
 }
 
+/// How [`wait_out_unavailable`] runs a handler again, and for how long.
+struct Waiting<'a> {
+    /// Each call's timeout.
+    timeout: Duration,
+    stop: &'a Stop<'a>,
+    /// The longest wait, from the first answer.
+    wait: Duration,
+    holding: Holding<'a>,
+}
+
+/// Counts the events one handler holds for a dependency, in its gauge.
+struct Holding<'a> {
+    handler: &'static str,
+    held: &'a AtomicUsize,
+}
+
+impl Holding<'_> {
+    fn add(&self, events: usize) {
+        let now = self.held.fetch_add(events, Ordering::Relaxed) + events;
+        HELD_FOR_DEPENDENCY.set(&[self.handler], now as f64);
+    }
+
+    fn remove(&self, events: usize) {
+        let now = self.held.fetch_sub(events, Ordering::Relaxed) - events;
+        HELD_FOR_DEPENDENCY.set(&[self.handler], now as f64);
+    }
+}
+
+/// Whether a result says the handler's dependency is unavailable.
+fn unavailable(result: &Option<Result<(), HandlerError>>) -> Option<&str> {
+    match result {
+        Some(Err(HandlerError::Unavailable(error))) => Some(error),
+        _ => None,
+    }
+}
+
+/// Calls `handler` again, backing off, on the events whose `results` say a dependency of it is
+/// unavailable, until it answers otherwise for each, the wait is over or shutdown is asked. The
+/// events stay in hand meanwhile (the caller renews their claims and reports them in
+/// progress), so an outage spends none of their attempts. What is still unavailable at the end
+/// is a retryable failure, except that at shutdown what `stop` lets go is handed back (`None`).
+async fn wait_out_unavailable(
+    handler: &dyn Handler,
+    events: &[&v1::Event],
+    results: &mut [Option<Result<(), HandlerError>>],
+    waiting: Waiting<'_>,
+    mut backoff: Backoff,
+) {
+    let pending = |results: &[Option<Result<(), HandlerError>>]| -> Vec<usize> {
+        (0..results.len()).filter(|&i| unavailable(&results[i]).is_some()).collect()
+    };
+    let Waiting { timeout, stop, wait, holding } = waiting;
+    let mut left = pending(results);
+    let Some(&first) = left.first().filter(|_| !wait.is_zero()) else { return };
+    let (name, held) = (handler.name(), left.len());
+    let deadline = tokio::time::Instant::now() + wait;
+    tracing::warn!(
+        handler = name,
+        events = held,
+        error = unavailable(&results[first]).unwrap_or_default(),
+        wait_ms = wait.as_millis() as u64,
+        "a dependency of the handler is unavailable: holding its events and trying again (no attempt is spent)"
+    );
+    holding.add(held);
+    while !left.is_empty() {
+        let slept = tokio::time::timeout_at(deadline, stop.shutdown.unless_requested(backoff.sleep())).await;
+        if !matches!(slept, Ok(Some(true))) {
+            break;
+        }
+        let again: Vec<&v1::Event> = left.iter().map(|&i| events[i]).collect();
+        let again_stop =
+            Stop { shutdown: stop.shutdown, may_hand_back: left.iter().map(|&i| stop.may_hand_back[i]).collect() };
+        for (&i, result) in left.iter().zip(run_handler(handler, &again, timeout, &again_stop).await) {
+            results[i] = result;
+        }
+        left = pending(results);
+    }
+    holding.remove(held);
+    if left.is_empty() {
+        tracing::info!(
+            handler = name,
+            events = held,
+            tries = backoff.retries(),
+            "the handler's dependency answers again; its held events ran"
+        );
+        return;
+    }
+    if stop.shutdown.is_requested() {
+        for &i in &left {
+            if stop.may_hand_back[i] {
+                results[i] = None;
+            }
+        }
+    }
+    tracing::warn!(
+        handler = name,
+        events = left.len(),
+        stopping = stop.shutdown.is_requested(),
+        "stopped waiting for the handler's dependency (the wait is over, or the process is stopping): the events still held fail as a retryable failure, or are handed back"
+    );
+}
+
 /// Runs a handler call within `timeout`, a panic in it caught.
 async fn guarded<T>(timeout: Duration, call: impl Future<Output = T>) -> Result<T, Unfinished> {
     match tokio::time::timeout(timeout, AssertUnwindSafe(call).catch_unwind()).await {
@@ -1044,7 +1171,9 @@ fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: Retr
             PairState::Ran { result: Err(HandlerError::Permanent(reason)), .. } => {
                 return Verdict::Term { reason: reason.clone() };
             }
-            PairState::Ran { result: Err(HandlerError::Retryable(error)), .. } => retry = Some(error.clone()),
+            PairState::Ran {
+                result: Err(HandlerError::Retryable(error) | HandlerError::Unavailable(error)), ..
+            } => retry = Some(error.clone()),
             PairState::LedgerError(error) => retry = Some(format!("ledger error: {error}")),
             PairState::HeldUntil(until) | PairState::HandedBack { until_ms: until, .. } => {
                 held = Some(held.map_or(*until, |h| h.min(*until)));
@@ -1162,6 +1291,124 @@ mod tests {
             .await
     }
 
+    /// A handler whose `"down"` events find its dependency unavailable for its first `down`
+    /// calls (of any event); `"ok"` events always pass. It records every event it was called on.
+    struct Flaky {
+        batches: bool,
+        down: AtomicUsize,
+        called: Mutex<Vec<String>>,
+    }
+
+    #[async_trait::async_trait]
+    impl Handler for Flaky {
+        fn name(&self) -> &'static str {
+            "flaky"
+        }
+
+        fn event_types(&self) -> &'static [&'static str] {
+            &[]
+        }
+
+        fn batches(&self) -> bool {
+            self.batches
+        }
+
+        async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
+            self.called.lock().unwrap().push(event.event_id.clone());
+            let down = event.event_type == "down"
+                && self.down.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
+            if down { Err(HandlerError::unavailable("the provider: connection refused")) } else { Ok(()) }
+        }
+
+        async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
+            let mut results = Vec::new();
+            for event in events {
+                results.push(self.handle(event).await);
+            }
+            results
+        }
+    }
+
+    /// Runs `handler` over `events`, then waits out what it said was unavailable (for at most
+    /// `wait`), as a dispatch does; `shutdown` is asked after `stop_after`, if given.
+    async fn run_waiting(
+        handler: &Flaky,
+        events: &[&v1::Event],
+        wait: Duration,
+        may_hand_back: bool,
+        stop_after: Option<Duration>,
+    ) -> (Vec<Option<Result<(), HandlerError>>>, usize) {
+        let shutdown = Shutdown::new();
+        if let Some(after) = stop_after {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                shutdown.request();
+            });
+        }
+        let stop = Stop { shutdown: &shutdown, may_hand_back: vec![may_hand_back; events.len()] };
+        let timeout = Duration::from_secs(1);
+        let mut results = run_handler(handler, events, timeout, &stop).await;
+        let held = AtomicUsize::new(0);
+        let holding = Holding { handler: handler.name(), held: &held };
+        let waiting = Waiting { timeout, stop: &stop, wait, holding };
+        wait_out_unavailable(handler, events, &mut results, waiting, UNAVAILABLE_BACKOFF).await;
+        (results, held.load(Ordering::Relaxed))
+    }
+
+    /// A dependency down for five calls: the events it failed are called again, alone, until it
+    /// answers (over 30 s of backoff, no attempt spent); the one that passed is not run again.
+    /// On either kind of handler.
+    #[tokio::test(start_paused = true)]
+    async fn events_a_dependency_failed_run_again_once_it_is_back() {
+        for batches in [false, true] {
+            let handler = Flaky { batches, down: AtomicUsize::new(5), called: Mutex::default() };
+            let events = events(&["down", "ok", "down"]);
+            let events: Vec<&v1::Event> = events.iter().collect();
+            let started = tokio::time::Instant::now();
+            let (results, held) = run_waiting(&handler, &events, Duration::from_secs(600), true, None).await;
+            assert_eq!(outcomes(&results), ["ok", "ok", "ok"], "batches: {batches}");
+            assert_eq!(held, 0, "the gauge's count is back to 0");
+            let called = handler.called.lock().unwrap().clone();
+            assert_eq!(called.iter().filter(|id| *id == "e1").count(), 1, "{called:?}");
+            assert_eq!(called.len(), 3 + 5, "each of five unavailable answers called again: {called:?}");
+            assert!(started.elapsed() >= Duration::from_secs(3), "backed off: {:?}", started.elapsed());
+        }
+    }
+
+    /// Past the wait, what is still unavailable fails as a retryable failure would; at
+    /// shutdown it is handed back when it may be, and fails when it may not.
+    #[tokio::test(start_paused = true)]
+    async fn the_wait_ends_with_its_limit_or_shutdown() {
+        let never = || Flaky { batches: false, down: AtomicUsize::new(usize::MAX), called: Mutex::default() };
+        let events = events(&["down", "ok"]);
+        let events: Vec<&v1::Event> = events.iter().collect();
+        let started = tokio::time::Instant::now();
+        let (results, held) = run_waiting(&never(), &events, Duration::from_secs(120), true, None).await;
+        assert!(matches!(&results[0], Some(Err(HandlerError::Unavailable(m))) if m.contains("refused")), "{results:?}");
+        assert_eq!((outcomes(&results)[1], held), ("ok", 0));
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_secs(120) && waited < Duration::from_secs(121), "{waited:?}");
+        let verdict_of = |results: &[Option<Result<(), HandlerError>>]| {
+            let delivery = Delivery {
+                event: v1::Event::default(),
+                event_id: None,
+                attempt: 1,
+                claimed: None,
+                ack: crate::source::AckHandle::new(()),
+            };
+            let result = results[0].clone().expect("ran");
+            verdict(&delivery, &[(0, PairState::Ran { token: None, result })], RetryPolicy::default())
+        };
+        assert!(matches!(verdict_of(&results), Verdict::Nak { .. }), "retried later, as a failure");
+
+        let wait = Duration::from_secs(3600);
+        let (results, held) = run_waiting(&never(), &events, wait, true, Some(Duration::from_secs(10))).await;
+        assert_eq!((outcomes(&results), held), (vec!["handed back", "ok"], 0));
+        let (results, _) = run_waiting(&never(), &events, wait, false, Some(Duration::from_secs(10))).await;
+        assert_eq!(outcomes(&results), ["failed", "ok"], "it may not be handed back: a failure");
+    }
+
     /// A batch longer than the timeout (40 events of 20 ms against 500 ms) with one event that
     /// hangs: the hanging one fails alone, every other finishes, on either kind of handler.
     #[tokio::test(start_paused = true)]
@@ -1243,6 +1490,7 @@ mod tests {
             max_attempts: 5,
             record_dead_letters: false,
             hand_back,
+            unavailable_wait: Duration::from_secs(60),
         };
         let after = Duration::from_secs(5);
         let now = reelay_kit::now_ms();

@@ -20,6 +20,14 @@ pub enum HandlerError {
     /// Retrying cannot help (the event cannot be understood): the delivery is terminated.
     #[error("{0}")]
     Permanent(String),
+    /// Something the handler needs for every event is down (its provider unreachable or
+    /// overloaded, the write service unavailable), not this event at fault: the runtime holds
+    /// the events and calls the handler on them again, backing off, spending no attempt, for up
+    /// to the handler's wait for a dependency (`REELAY_HANDLER_UNAVAILABLE_WAIT_MS`); past it,
+    /// or when stopping, it is a retryable failure. Say it only of what fails every event
+    /// alike: an event that alone fails this way is held that long each time it comes.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl HandlerError {
@@ -31,16 +39,34 @@ impl HandlerError {
         Self::Permanent(message.to_string())
     }
 
+    pub fn unavailable(message: impl fmt::Display) -> Self {
+        Self::Unavailable(message.to_string())
+    }
+
     /// A failed call of a handler's follow-up write (`what`: the method): a refusal of the
-    /// request itself (invalid, failed precondition, denied) cannot pass on a retry; anything
-    /// else (unreachable, busy, an unknown outcome) may.
+    /// request itself (invalid, failed precondition, denied) cannot pass on a retry; a service
+    /// that is unreachable, busy or out of disk fails every event alike, and is waited out;
+    /// anything else (a deadline, an internal error) may pass on a retry.
     pub fn from_call(what: &str, status: &tonic::Status) -> Self {
         let message = format!("{what}: {:?}: {}", status.code(), status.message());
         match status.code() {
             tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::PermissionDenied => {
                 Self::Permanent(message)
             }
+            _ if Self::says_service_down(status) => Self::Unavailable(message),
             _ => Self::Retryable(message),
+        }
+    }
+
+    /// Whether a failed call says the service is down for every request (unreachable, busy,
+    /// its disk full), whichever event it was for.
+    pub fn says_service_down(status: &tonic::Status) -> bool {
+        match status.code() {
+            tonic::Code::Unavailable => true,
+            // The write service's full disk; the code also answers a request over the size
+            // limit, which is this event's own.
+            tonic::Code::ResourceExhausted => status.message().contains("disk is full"),
+            _ => false,
         }
     }
 }

@@ -78,6 +78,14 @@ pub enum ObjectsError {
     },
 }
 
+impl ObjectsError {
+    /// Whether the store itself failed (unreachable, erring, its disk full or failing), as it
+    /// would for any key, not this key or this request.
+    pub fn store_unavailable(&self) -> bool {
+        matches!(self, Self::Store { source: object_store::Error::Generic { .. }, .. } | Self::Sync { .. })
+    }
+}
+
 /// A handle on the object store. Cheap to clone.
 #[derive(Clone)]
 pub struct Objects {

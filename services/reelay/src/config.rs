@@ -367,6 +367,13 @@ pub struct HandlerArgs {
     /// fails (and is retried). 1 s to a day.
     #[arg(long, env = "REELAY_HANDLER_TIMEOUT_MS", default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
     pub handler_timeout_ms: u64,
+
+    /// How long a batch's events are held, spending no attempt, while their handler says a
+    /// dependency of it is down (its provider, the object store, the write service), trying
+    /// again with a backoff from 1 s to 30 s; past it they fail as a retryable failure (an
+    /// attempt spent). 0 (fail at once) to a week.
+    #[arg(long, env = "REELAY_HANDLER_UNAVAILABLE_WAIT_MS", default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(0..=604_800_000))]
+    pub unavailable_wait_ms: u64,
 }
 
 /// The ActivityPub gateway (its public origin is `REELAY_PUBLIC_URL`, shared with the

@@ -411,6 +411,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     max_attempts,
                     record_dead_letters,
                     hand_back,
+                    unavailable_wait: Duration::from_millis(args.handlers.unavailable_wait_ms),
                 },
                 shutdown.clone(),
             );

@@ -144,7 +144,8 @@ pub fn build_person_enrichment(
 
 fn from_provider(error: ProviderError) -> HandlerError {
     match error {
-        ProviderError::Retryable { message, .. } => HandlerError::Retryable(message),
+        ProviderError::Retryable(message) => HandlerError::Retryable(message),
+        ProviderError::Unavailable { message, .. } => HandlerError::Unavailable(message),
         ProviderError::Permanent(message) => HandlerError::Permanent(message),
     }
 }
@@ -313,10 +314,10 @@ impl Handler for PersonEnrichment {
         for answer in fetched {
             match answer {
                 Ok(person) => people.extend(person.and_then(fit::person)),
-                // A failure worth retrying decides: the retry fetches the others again too.
+                // The failure retrying helps most decides (an unavailable provider holds
+                // them all): the retry fetches the others again too.
                 Err(error) => {
-                    let retryable = |e: &ProviderError| matches!(e, ProviderError::Retryable { .. });
-                    if failed.as_ref().is_none_or(|first| !retryable(first) && retryable(&error)) {
+                    if failed.as_ref().is_none_or(|first: &ProviderError| first.rank() < error.rank()) {
                         failed = Some(error);
                     }
                 }

@@ -26,9 +26,14 @@ impl MovieQuery {
 /// Why a provider could not answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
-    /// Worth retrying: a timeout, a 5xx, a rate limit (`after`: when the provider asks).
+    /// Worth retrying: a timeout, an internal error of the provider.
+    #[error("{0}")]
+    Retryable(String),
+    /// The provider cannot answer any question now (unreachable, overloaded, out of its rate
+    /// limit; `after`: when it asks to be asked again): the handler's events are held until it
+    /// answers.
     #[error("{message}")]
-    Retryable { message: String, after: Option<Duration> },
+    Unavailable { message: String, after: Option<Duration> },
     /// Retrying cannot help (a bad key, a malformed answer).
     #[error("{0}")]
     Permanent(String),
@@ -36,7 +41,20 @@ pub enum ProviderError {
 
 impl ProviderError {
     pub fn retryable(message: impl Into<String>) -> Self {
-        Self::Retryable { message: message.into(), after: None }
+        Self::Retryable(message.into())
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::Unavailable { message: message.into(), after: None }
+    }
+
+    /// How much retrying may help: none, after a while, or once the provider is back.
+    pub fn rank(&self) -> u8 {
+        match self {
+            Self::Permanent(_) => 0,
+            Self::Retryable(_) => 1,
+            Self::Unavailable { .. } => 2,
+        }
     }
 }
 

@@ -1,8 +1,10 @@
 //! The Movie Database (TMDB) API v3 over HTTP: `/movie/{id}?append_to_response=credits`,
 //! `/find/{imdb id}`, `/search/movie` by title and year, `/person/{id}`, and `/configuration`
 //! for where posters live. Directors are the crew whose job is "Director" (the Directing
-//! department also holds assistants). A 429 is retried after its `Retry-After`; 5xx and timeouts
-//! are retryable; a 404 means the provider does not know the film.
+//! department also holds assistants). A 429 is retried after its `Retry-After`; a refused
+//! connection, a 502/503/504 or a 429 that goes on say TMDB is unavailable (the handler's events
+//! are held until it answers); other 5xx and timeouts are retryable; a 404 means the provider
+//! does not know the film.
 
 use std::time::Duration;
 
@@ -215,12 +217,12 @@ impl Tmdb {
 
     /// GETs `path` (with `query`), decoding a 2xx body; `None` on 404. A 429 is retried after
     /// the wait its `Retry-After` asks for (a few times, [`MAX_RATE_LIMIT_WAIT`] in all); past
-    /// that the error is retryable and the delivery comes back later.
+    /// that TMDB is unavailable for now.
     async fn get<T: DeserializeOwned>(&self, path: &str, query: &[(&str, &str)]) -> Result<Option<T>, ProviderError> {
         let (mut tries, mut waited) = (0, Duration::ZERO);
         loop {
             match self.get_once(path, query).await {
-                Err(ProviderError::Retryable { after: Some(after), .. })
+                Err(ProviderError::Unavailable { after: Some(after), .. })
                     if tries < RATE_LIMIT_RETRIES && waited + after <= MAX_RATE_LIMIT_WAIT =>
                 {
                     tries += 1;
@@ -245,7 +247,12 @@ impl Tmdb {
         };
         // An error's text names its URL, whose query holds an API key: the key must not reach
         // the delivery's error (kept in the ledger and dead letters, shown by the CLI) or logs.
-        let failed = |e: reqwest::Error| ProviderError::retryable(format!("TMDB {path}: {}", e.without_url()));
+        let failed = |e: reqwest::Error| {
+            // Not connected: TMDB (or the way there) is down for every request alike.
+            let down = e.is_connect();
+            let message = format!("TMDB {path}: {}", e.without_url());
+            if down { ProviderError::unavailable(message) } else { ProviderError::retryable(message) }
+        };
         let response = request.send().await.map_err(failed)?;
         let status = response.status();
         match status {
@@ -258,7 +265,11 @@ impl Tmdb {
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.trim().parse::<u64>().ok())
                     .map(Duration::from_secs);
-                return Err(ProviderError::Retryable { message: format!("TMDB {path}: rate limited (429)"), after });
+                return Err(ProviderError::Unavailable { message: format!("TMDB {path}: rate limited (429)"), after });
+            }
+            // A gateway's answers: TMDB behind it is down or overloaded, for every request.
+            StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => {
+                return Err(ProviderError::unavailable(format!("TMDB {path}: {status}")));
             }
             // 408 and 425 (too early) say to try again, as a 5xx does.
             s if s.is_server_error() || matches!(s.as_u16(), 408 | 425) => {
@@ -434,7 +445,7 @@ mod tests {
     }
 
     /// A request that fails on its way (here a server that closes every connection) is a
-    /// retryable error whose text names the path but not the API key of its query; a person id
+    /// retryable error, one that cannot connect says TMDB is unavailable; either's text names the path but not the API key of its query; a person id
     /// that is not digits is never put in a path (no request: a closed server would fail it).
     #[tokio::test]
     async fn failures_keep_the_api_key_out_and_person_ids_have_their_shape() {
@@ -449,7 +460,7 @@ mod tests {
         });
         let tmdb = Tmdb::new(&base, Auth::ApiKey("k3y-n0t-t0-l3ak".into()), Duration::from_secs(5)).unwrap();
         match tmdb.person("tmdb:287").await {
-            Err(ProviderError::Retryable { message, .. }) => {
+            Err(ProviderError::Retryable(message)) => {
                 assert!(message.starts_with("TMDB /person/287: "), "{message}");
                 assert!(!message.contains("k3y-n0t-t0-l3ak"), "{message}");
             }
@@ -457,6 +468,17 @@ mod tests {
         }
         for bad in ["tmdb:../account", "tmdb:", "tmdb:1/credits", "tmdb:12?x=1"] {
             assert!(matches!(tmdb.person(bad).await, Ok(None)), "{bad}");
+        }
+        // Nobody listening: TMDB is unavailable, for every request alike.
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let tmdb = Tmdb::new(&base, Auth::ApiKey("k3y-n0t-t0-l3ak".into()), Duration::from_secs(5)).unwrap();
+        match tmdb.person("tmdb:287").await {
+            Err(ProviderError::Unavailable { message, .. }) => {
+                assert!(!message.contains("k3y-n0t-t0-l3ak"), "{message}")
+            }
+            other => panic!("{other:?}"),
         }
     }
 

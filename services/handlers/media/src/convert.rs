@@ -210,7 +210,7 @@ impl ImageConversion {
         let mut missing = Vec::new();
         for &width in self.widths.iter() {
             let variant_key = variant_key(movie_id, width);
-            match self.objects.get(&variant_key).await.map_err(HandlerError::retryable)? {
+            match self.objects.get(&variant_key).await.map_err(crate::store_failed)? {
                 Some(found) => variants.push(recorded(width, variant_key, &found)),
                 None => missing.push(width),
             }
@@ -218,7 +218,7 @@ impl ImageConversion {
         if missing.is_empty() {
             return Ok(Some(variants));
         }
-        let Some(original) = self.objects.get(key).await.map_err(HandlerError::retryable)? else {
+        let Some(original) = self.objects.get(key).await.map_err(crate::store_failed)? else {
             tracing::info!(movie_id, key, "the original is gone; nothing to convert");
             return Ok(None);
         };
@@ -230,7 +230,7 @@ impl ImageConversion {
         for variant in made {
             let variant_key = variant_key(movie_id, variant.width);
             let bytes = Bytes::from(variant.bytes);
-            self.objects.put(&variant_key, bytes.clone()).await.map_err(HandlerError::retryable)?;
+            self.objects.put(&variant_key, bytes.clone()).await.map_err(crate::store_failed)?;
             if reelay_kit::failpoint_armed("image_conversion_after_put") {
                 tracing::error!("failpoint image_conversion_after_put: aborting before the other variants");
                 std::process::abort();

@@ -129,6 +129,13 @@ pub fn movie_folder(movie_id: &str) -> String {
     format!("posters/{movie_id}")
 }
 
+/// A failed object store call: the store unavailable holds the handler's events until it
+/// answers; another failure is retried later.
+pub(crate) fn store_failed(error: reelay_objects::ObjectsError) -> reelay_delivery::HandlerError {
+    use reelay_delivery::HandlerError;
+    if error.store_unavailable() { HandlerError::unavailable(error) } else { HandlerError::retryable(error) }
+}
+
 /// Deletes every image of a deleted movie (a key already gone counts as deleted); how many.
 pub(crate) async fn remove_movie_images(
     objects: &Objects,
@@ -139,7 +146,7 @@ pub(crate) async fn remove_movie_images(
     if movie_id.is_empty() || !movie_id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
         return Err(HandlerError::permanent(format!("no usable movie id to remove images of: {movie_id:?}")));
     }
-    objects.delete_prefix(&movie_folder(movie_id)).await.map_err(HandlerError::retryable)
+    objects.delete_prefix(&movie_folder(movie_id)).await.map_err(store_failed)
 }
 
 /// The object key of a movie's downloaded poster.

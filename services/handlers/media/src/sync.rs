@@ -135,7 +135,7 @@ enum DownloadError {
 impl PosterSync {
     /// The usable poster stored under `key`, if there is one.
     async fn stored(&self, key: &str) -> Result<Option<Poster>, HandlerError> {
-        let Some(bytes) = self.objects.get(key).await.map_err(HandlerError::retryable)? else { return Ok(None) };
+        let Some(bytes) = self.objects.get(key).await.map_err(crate::store_failed)? else { return Ok(None) };
         match check_image(&bytes) {
             Ok(content_type) => Ok(Some(Poster { bytes, content_type })),
             Err(reason) => {
@@ -148,7 +148,7 @@ impl PosterSync {
     /// The unrecorded poster stored under the movie's original key, if the note beside it says
     /// it came from `url`.
     async fn stored_from(&self, movie_id: &str, url: &str) -> Result<Option<Poster>, HandlerError> {
-        let note = self.objects.get(&source_key(movie_id)).await.map_err(HandlerError::retryable)?;
+        let note = self.objects.get(&source_key(movie_id)).await.map_err(crate::store_failed)?;
         match note {
             Some(note) if note == url.as_bytes() => self.stored(&original_key(movie_id)).await,
             Some(_) => {
@@ -350,14 +350,14 @@ impl Handler for PosterSync {
                     // failed half-way, another width setting), and conversion probes their keys,
                     // so they go first.
                     let folder = crate::movie_folder(movie_id);
-                    for stale in self.objects.list(&folder).await.map_err(HandlerError::retryable)? {
+                    for stale in self.objects.list(&folder).await.map_err(crate::store_failed)? {
                         if stale != key {
-                            self.objects.delete(&stale).await.map_err(HandlerError::retryable)?;
+                            self.objects.delete(&stale).await.map_err(crate::store_failed)?;
                         }
                     }
-                    self.objects.put(&key, poster.bytes.clone()).await.map_err(HandlerError::retryable)?;
+                    self.objects.put(&key, poster.bytes.clone()).await.map_err(crate::store_failed)?;
                     let note = Bytes::from(url.to_owned());
-                    self.objects.put(&source_key(movie_id), note).await.map_err(HandlerError::retryable)?;
+                    self.objects.put(&source_key(movie_id), note).await.map_err(crate::store_failed)?;
                     if reelay_kit::failpoint_armed("poster_sync_after_put") {
                         tracing::error!("failpoint poster_sync_after_put: aborting before RecordPoster");
                         std::process::abort();
@@ -371,7 +371,7 @@ impl Handler for PosterSync {
         // delete leaves a note that is read only while nothing is recorded, and the next new
         // poster's clearing of stale keys removes it; a retry that finds the bytes stored
         // comes here too.
-        self.objects.delete(&source_key(movie_id)).await.map_err(HandlerError::retryable)
+        self.objects.delete(&source_key(movie_id)).await.map_err(crate::store_failed)
     }
 }
 

@@ -385,8 +385,9 @@ impl SearchIndex {
 
     /// Applies the events of one batch with a single commit, returning one result per event in
     /// order. Events the index does not index are `Ok` no-ops; an event missing its id is a
-    /// permanent error; a failed commit is a retryable error for every event it would have
-    /// written. Searches see the batch once this returns.
+    /// permanent error; a failed commit (a full disk, an I/O error) says the index is
+    /// unavailable, for every event it would have written, and they are held until a commit
+    /// passes. Searches see the batch once this returns.
     pub async fn apply(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
         let mut results = Vec::with_capacity(events.len());
         let mut changes = Vec::new();
@@ -416,14 +417,20 @@ impl SearchIndex {
         tokio::time::sleep(COMMIT_LINGER).await;
         let inner = Arc::clone(&self.inner);
         let drained = tokio::task::spawn_blocking(move || inner.commit_queued()).await;
-        let written = match drained {
-            Ok(()) => committed.await.unwrap_or_else(|_| Err("the index writer stopped".to_owned())),
-            Err(error) => Err(IndexError::from(error).to_string()),
+        // The commit's failure is the index's, whichever events it held; a panic (the task
+        // failed) may be an event's doing, and is retried as a failure of them.
+        let failed = match drained {
+            Ok(()) => committed
+                .await
+                .unwrap_or_else(|_| Err("the index writer stopped".to_owned()))
+                .err()
+                .map(HandlerError::unavailable),
+            Err(error) => Some(HandlerError::retryable(IndexError::from(error))),
         };
-        if let Err(error) = written {
+        if let Some(error) = failed {
             tracing::warn!(events = changed.len(), %error, "search index batch failed");
             for position in changed {
-                results[position] = Err(HandlerError::retryable(&error));
+                results[position] = Err(error.clone());
             }
         }
         results

@@ -70,10 +70,10 @@ impl Handler for WrapUp {
         let summary = figures::summarize(&inputs.entries);
         let key = card_key(&wrap_up.wrap_up_id, &inputs.inputs_digest);
         let svg = card::render(wrap_up.year, &summary);
-        self.objects
-            .put(&key, Bytes::from(svg))
-            .await
-            .map_err(|e| HandlerError::retryable(format!("storing the card: {e}")))?;
+        self.objects.put(&key, Bytes::from(svg)).await.map_err(|e| {
+            let message = format!("storing the card: {e}");
+            if e.store_unavailable() { HandlerError::unavailable(message) } else { HandlerError::retryable(message) }
+        })?;
         let complete = v1::CompleteWrapUpRequest {
             wrap_up_id: wrap_up.wrap_up_id.clone(),
             summary: Some(summary),
