@@ -386,6 +386,60 @@ async fn a_handler_that_always_fails_stops_after_max_deliver_on_the_backoff_sche
     reelay.stop().await;
 }
 
+/// probe-a's dependency is down (it says so while a file exists) for four ack waits, long past
+/// the two deliveries the event has: the event is held (its progress reported, so JetStream
+/// does not deliver it again), tried again with a backoff, and once the dependency is back it is
+/// handled: delivered once, nothing dead-lettered.
+#[tokio::test]
+async fn a_handler_dependency_outage_spends_no_delivery() {
+    let dir = temp_dir();
+    let nats = NatsServer::start(&dir.path().join("nats"));
+    let env = nats_env(&nats);
+    let effects_db = dir.path().join("effects.db");
+    let down = dir.path().join("probe-a-dependency-down");
+    std::fs::write(&down, b"").unwrap();
+    let rule = format!("probe-a=unavailable:{}", down.display());
+    let all_env = with(
+        &env,
+        &[
+            ("REELAY_PROBE_HANDLERS", "probe-a"),
+            ("REELAY_PROBE_DB", effects_db.to_str().unwrap()),
+            ("REELAY_PROBE_FAIL", &rule),
+            ("REELAY_ACK_WAIT_MS", "2000"),
+            ("EVENT_QUEUE_MAX_ATTEMPTS", "2"),
+            ("REELAY_RETRY_BASE_MS", "100"),
+        ],
+    );
+    let db = dir.path().join("reelay.db");
+    let mut reelay = Reelay::start_all(BIN, &db, &all_env).await;
+    let mut c = reelay.clients().await;
+    c.user("ana").await;
+    let event_id = event_ids(&db).await.remove(0);
+    let key = (event_id.clone(), "probe-a".to_owned());
+    eventually("probe-a is told its dependency is down, twice", Duration::from_secs(20), || async {
+        probe_records(&effects_db, "attempts").await.0.get(&key).is_some_and(|n| *n >= 2)
+    })
+    .await;
+    let held = reelay.metrics().await.value(r#"reelay_handler_events_held_for_dependency{handler="probe-a"}"#);
+    assert_eq!(held, Some(1.0));
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(probe_records(&effects_db, "effects").await.0.is_empty());
+    std::fs::remove_file(&down).unwrap();
+    eventually("the event is handled once the dependency is back", Duration::from_secs(60), || async {
+        probe_records(&effects_db, "effects").await.0.get(&key) == Some(&1)
+    })
+    .await;
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let stream = js.get_stream(STREAM).await.unwrap();
+    let consumer = stream.consumer_info("handler-probe-a").await.unwrap().clone();
+    let events = event_ids(&db).await.len() as u64;
+    assert_eq!(consumer.delivered.consumer_sequence, events, "each event delivered once");
+    assert_eq!(reelay_harness::dead_letters(&db, true).await, 0);
+    let held = reelay.metrics().await.value(r#"reelay_handler_events_held_for_dependency{handler="probe-a"}"#);
+    assert_eq!(held, Some(0.0));
+    reelay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_of_a_handler_share_its_consumer_and_apply_each_effect_once() {
     let dir = temp_dir();

@@ -848,7 +848,7 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
     let queued = events_of(&a.database, "ActivityQueued").await;
     assert_eq!(queued.iter().filter(|e| e_activity_id(e) == create_id).count(), 1);
     // With the write service unreachable, neither the lookup of followed authors nor the event's
-    // own queueing can happen: the event is held until the write service answers.
+    // own queueing can happen: the event is left to be retried.
     let unreachable = reelay_delivery::HandlerContext {
         write: reelay_kit::client::connect_lazy(
             "http://127.0.0.1:1",
@@ -860,7 +860,7 @@ async fn redelivery_is_a_replay_and_a_gone_inbox_is_dropped() {
     };
     let offline = handler_reaching(&a, "federation", &unreachable);
     let results = offline.handle_batch(&[&logged]).await;
-    assert!(matches!(results[..], [Err(reelay_delivery::HandlerError::Unavailable(_))]), "{results:?}");
+    assert!(matches!(results[..], [Err(reelay_delivery::HandlerError::Retryable(_))]), "{results:?}");
 
     // The delivery handler, twice on the same ActivityQueued: the same activity, twice.
     let delivery_event = queued.into_iter().find(|e| e_activity_id(e) == create_id).unwrap();

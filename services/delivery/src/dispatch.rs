@@ -40,7 +40,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::hash::{Hash, Hasher};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -168,7 +168,7 @@ pub struct Dispatcher {
     told: Arc<Mutex<Told>>,
     /// Events each handler holds while it says a dependency is unavailable (shared by the
     /// dispatcher's clones, which hold their own batches).
-    held: Arc<[AtomicUsize]>,
+    held: Arc<[Mutex<usize>]>,
 }
 
 /// What the ledger last said of a dispatcher's builds of its handlers.
@@ -493,7 +493,7 @@ impl Dispatcher {
         }
         let held = handlers.iter().map(|handler| {
             HELD_FOR_DEPENDENCY.set(&[handler.name()], 0.0);
-            AtomicUsize::new(0)
+            Mutex::new(0)
         });
         let held = held.collect();
         Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default(), held }
@@ -994,20 +994,46 @@ struct Waiting<'a> {
 /// Counts the events one handler holds for a dependency, in its gauge.
 struct Holding<'a> {
     handler: &'static str,
-    held: &'a AtomicUsize,
+    held: &'a Mutex<usize>,
 }
 
-impl Holding<'_> {
-    fn add(&self, events: usize) {
-        let now = self.held.fetch_add(events, Ordering::Relaxed) + events;
-        HELD_FOR_DEPENDENCY.set(&[self.handler], now as f64);
-    }
-
-    fn remove(&self, events: usize) {
-        let now = self.held.fetch_sub(events, Ordering::Relaxed) - events;
-        HELD_FOR_DEPENDENCY.set(&[self.handler], now as f64);
+impl<'a> Holding<'a> {
+    /// Counts `events` as held until the guard is dropped (with the wait, or with the work
+    /// when its claims cannot be held).
+    fn hold(&self, events: usize) -> Held<'a> {
+        let held = Held { handler: self.handler, held: self.held, events };
+        held.count(|now| now + events);
+        held
     }
 }
+
+struct Held<'a> {
+    handler: &'static str,
+    held: &'a Mutex<usize>,
+    events: usize,
+}
+
+impl Held<'_> {
+    /// Changes the count and sets the gauge under one lock, so two batches' changes cannot
+    /// leave the gauge at a count other than the last.
+    fn count(&self, change: impl FnOnce(usize) -> usize) {
+        let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *held = change(*held);
+        HELD_FOR_DEPENDENCY.set(&[self.handler], *held as f64);
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.count(|now| now.saturating_sub(self.events));
+    }
+}
+
+/// Rounds in which a held event still says the dependency is down after it answered another
+/// held event, before that event is let go as a failure of its own (its batch-mates' outcomes
+/// are not held up by it until the wait ends; a dependency just back and throttling the burst
+/// has these rounds, backing off, to settle).
+const UNAVAILABLE_STRIKES: u8 = 3;
 
 /// Whether a result says the handler's dependency is unavailable.
 fn unavailable(result: &Option<Result<(), HandlerError>>) -> Option<&str> {
@@ -1020,7 +1046,10 @@ fn unavailable(result: &Option<Result<(), HandlerError>>) -> Option<&str> {
 /// Calls `handler` again, backing off, on the events whose `results` say a dependency of it is
 /// unavailable, until it answers otherwise for each, the wait is over or shutdown is asked. The
 /// events stay in hand meanwhile (the caller renews their claims and reports them in
-/// progress), so an outage spends none of their attempts. What is still unavailable at the end
+/// progress), so an outage spends none of their attempts. Each round sends one held event
+/// first, a different one each round, and the others only once it passes, so a dependency that
+/// is down is asked once a round; an event that still says it is down in rounds after it
+/// answered another ([`UNAVAILABLE_STRIKES`]) is let go. What is still unavailable at the end
 /// is a retryable failure, except that at shutdown what `stop` lets go is handed back (`None`).
 async fn wait_out_unavailable(
     handler: &dyn Handler,
@@ -1029,58 +1058,95 @@ async fn wait_out_unavailable(
     waiting: Waiting<'_>,
     mut backoff: Backoff,
 ) {
-    let pending = |results: &[Option<Result<(), HandlerError>>]| -> Vec<usize> {
-        (0..results.len()).filter(|&i| unavailable(&results[i]).is_some()).collect()
-    };
     let Waiting { timeout, stop, wait, holding } = waiting;
-    let mut left = pending(results);
+    let mut left: Vec<usize> = (0..results.len()).filter(|&i| unavailable(&results[i]).is_some()).collect();
     let Some(&first) = left.first().filter(|_| !wait.is_zero()) else { return };
-    let (name, held) = (handler.name(), left.len());
+    let name = handler.name();
     let deadline = tokio::time::Instant::now() + wait;
     tracing::warn!(
         handler = name,
-        events = held,
+        events = left.len(),
         error = unavailable(&results[first]).unwrap_or_default(),
         wait_ms = wait.as_millis() as u64,
         "a dependency of the handler is unavailable: holding its events and trying again (no attempt is spent)"
     );
-    holding.add(held);
-    while !left.is_empty() {
+    let _held = holding.hold(left.len());
+    let (mut strikes, mut answered) = (vec![0u8; results.len()], false);
+    for round in 0.. {
+        if left.is_empty() {
+            break;
+        }
         let slept = tokio::time::timeout_at(deadline, stop.shutdown.unless_requested(backoff.sleep())).await;
         if !matches!(slept, Ok(Some(true))) {
             break;
         }
-        let again: Vec<&v1::Event> = left.iter().map(|&i| events[i]).collect();
-        let again_stop =
-            Stop { shutdown: stop.shutdown, may_hand_back: left.iter().map(|&i| stop.may_hand_back[i]).collect() };
-        for (&i, result) in left.iter().zip(run_handler(handler, &again, timeout, &again_stop).await) {
-            results[i] = result;
+        let mut ran = vec![left[round % left.len()]];
+        run_again(handler, events, results, &ran, timeout, stop).await;
+        if unavailable(&results[ran[0]]).is_none() {
+            let others: Vec<usize> = left.iter().copied().filter(|&i| i != ran[0]).collect();
+            run_again(handler, events, results, &others, timeout, stop).await;
+            ran.extend(others);
         }
-        left = pending(results);
+        answered |= ran.iter().any(|&i| unavailable(&results[i]).is_none());
+        for &i in ran.iter().filter(|&&i| answered && unavailable(&results[i]).is_some()) {
+            strikes[i] += 1;
+        }
+        left.retain(|&i| unavailable(&results[i]).is_some() && strikes[i] < UNAVAILABLE_STRIKES);
     }
-    holding.remove(held);
-    if left.is_empty() {
-        tracing::info!(
+    let let_go = (0..results.len()).filter(|&i| strikes[i] >= UNAVAILABLE_STRIKES).count();
+    if let_go > 0 {
+        tracing::warn!(
             handler = name,
-            events = held,
-            tries = backoff.retries(),
-            "the handler's dependency answers again; its held events ran"
+            events = let_go,
+            "events still said the handler's dependency was down while it answered others: they fail as a retryable failure (an attempt spent)"
         );
+    }
+    if left.is_empty() {
+        if let_go == 0 {
+            tracing::info!(
+                handler = name,
+                tries = backoff.retries(),
+                "the handler's dependency answers again; its held events ran"
+            );
+        }
         return;
     }
-    if stop.shutdown.is_requested() {
+    let stopping = stop.shutdown.is_requested();
+    if stopping {
         for &i in &left {
             if stop.may_hand_back[i] {
                 results[i] = None;
             }
         }
     }
+    let failed = left.iter().filter(|&&i| results[i].is_some()).count();
     tracing::warn!(
         handler = name,
-        events = left.len(),
-        stopping = stop.shutdown.is_requested(),
-        "stopped waiting for the handler's dependency (the wait is over, or the process is stopping): the events still held fail as a retryable failure, or are handed back"
+        stopping,
+        handed_back = left.len() - failed,
+        failed,
+        "stopped waiting for the handler's dependency (the wait is over, or the process is stopping): the events still held are handed back, or fail as a retryable failure"
     );
+}
+
+/// Runs `handler` again on the events at `indices`, putting their results in place.
+async fn run_again(
+    handler: &dyn Handler,
+    events: &[&v1::Event],
+    results: &mut [Option<Result<(), HandlerError>>],
+    indices: &[usize],
+    timeout: Duration,
+    stop: &Stop<'_>,
+) {
+    if indices.is_empty() {
+        return;
+    }
+    let again: Vec<&v1::Event> = indices.iter().map(|&i| events[i]).collect();
+    let stop =
+        Stop { shutdown: stop.shutdown, may_hand_back: indices.iter().map(|&i| stop.may_hand_back[i]).collect() };
+    for (&i, result) in indices.iter().zip(run_handler(handler, &again, timeout, &stop).await) {
+        results[i] = result;
+    }
 }
 
 /// Runs a handler call within `timeout`, a panic in it caught.
@@ -1192,6 +1258,7 @@ fn verdict<T>(delivery: &Delivery<T>, pairs: &[(usize, PairState)], policy: Retr
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
+    use std::sync::atomic::AtomicUsize;
 
     use super::*;
 
@@ -1292,7 +1359,9 @@ mod tests {
     }
 
     /// A handler whose `"down"` events find its dependency unavailable for its first `down`
-    /// calls (of any event); `"ok"` events always pass. It records every event it was called on.
+    /// calls (of any event); `"ok"` events always pass, `"stuck"` ones always say it is
+    /// unavailable (an event-specific failure said wrongly). It records every event it was
+    /// called on.
     struct Flaky {
         batches: bool,
         down: AtomicUsize,
@@ -1315,8 +1384,9 @@ mod tests {
 
         async fn handle(&self, event: &v1::Event) -> Result<(), HandlerError> {
             self.called.lock().unwrap().push(event.event_id.clone());
-            let down = event.event_type == "down"
-                && self.down.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
+            let down = event.event_type == "stuck"
+                || event.event_type == "down"
+                    && self.down.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
             if down { Err(HandlerError::unavailable("the provider: connection refused")) } else { Ok(()) }
         }
 
@@ -1349,16 +1419,17 @@ mod tests {
         let stop = Stop { shutdown: &shutdown, may_hand_back: vec![may_hand_back; events.len()] };
         let timeout = Duration::from_secs(1);
         let mut results = run_handler(handler, events, timeout, &stop).await;
-        let held = AtomicUsize::new(0);
+        let held = Mutex::new(0);
         let holding = Holding { handler: handler.name(), held: &held };
         let waiting = Waiting { timeout, stop: &stop, wait, holding };
         wait_out_unavailable(handler, events, &mut results, waiting, UNAVAILABLE_BACKOFF).await;
-        (results, held.load(Ordering::Relaxed))
+        let held = *held.lock().unwrap();
+        (results, held)
     }
 
-    /// A dependency down for five calls: the events it failed are called again, alone, until it
-    /// answers (over 30 s of backoff, no attempt spent); the one that passed is not run again.
-    /// On either kind of handler.
+    /// A dependency down for five calls: each round, backing off, one held event is sent (a
+    /// different one each round) until one passes, then the others; the event that passed at
+    /// first is not run again, and nothing counts as a failure. On either kind of handler.
     #[tokio::test(start_paused = true)]
     async fn events_a_dependency_failed_run_again_once_it_is_back() {
         for batches in [false, true] {
@@ -1370,10 +1441,48 @@ mod tests {
             assert_eq!(outcomes(&results), ["ok", "ok", "ok"], "batches: {batches}");
             assert_eq!(held, 0, "the gauge's count is back to 0");
             let called = handler.called.lock().unwrap().clone();
-            assert_eq!(called.iter().filter(|id| *id == "e1").count(), 1, "{called:?}");
-            assert_eq!(called.len(), 3 + 5, "each of five unavailable answers called again: {called:?}");
-            assert!(started.elapsed() >= Duration::from_secs(3), "backed off: {:?}", started.elapsed());
+            assert_eq!(called, ["e0", "e1", "e2", "e0", "e2", "e0", "e2", "e0"], "batches: {batches}");
+            // Four waits of 1, 2, 4 and 8 s, each at least half its length.
+            assert!(started.elapsed() >= Duration::from_millis(7500), "backed off: {:?}", started.elapsed());
         }
+    }
+
+    /// An event that says the dependency is down after it answered another is let go, a failure
+    /// of its own, after three such rounds: its batch-mates' outcomes are not held for the
+    /// hour. The gauge's count is back to 0.
+    #[tokio::test(start_paused = true)]
+    async fn an_event_still_unavailable_once_the_dependency_answers_is_let_go() {
+        let handler = Flaky { batches: false, down: AtomicUsize::new(1), called: Mutex::default() };
+        let events = events(&["stuck", "down", "ok"]);
+        let events: Vec<&v1::Event> = events.iter().collect();
+        let started = tokio::time::Instant::now();
+        let (results, held) = run_waiting(&handler, &events, Duration::from_secs(3600), true, None).await;
+        assert!(matches!(&results[0], Some(Err(HandlerError::Unavailable(_)))), "{results:?}");
+        assert_eq!((&outcomes(&results)[1..], held), (&["ok", "ok"][..], 0));
+        let called = handler.called.lock().unwrap().clone();
+        assert_eq!(called, ["e0", "e1", "e2", "e0", "e1", "e0", "e0", "e0"]);
+        assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
+    }
+
+    /// A wait dropped with its work (its claims could not be held) takes its events off the
+    /// gauge: the count is the guard's, not the end of the wait's.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_dropped_takes_its_events_off_the_gauge() {
+        let handler = Flaky { batches: false, down: AtomicUsize::new(usize::MAX), called: Mutex::default() };
+        let events = events(&["down", "down"]);
+        let events: Vec<&v1::Event> = events.iter().collect();
+        let shutdown = Shutdown::new();
+        let stop = Stop { shutdown: &shutdown, may_hand_back: vec![true; 2] };
+        let timeout = Duration::from_secs(1);
+        let mut results = run_handler(&handler, &events, timeout, &stop).await;
+        let held = Mutex::new(0);
+        let holding = Holding { handler: handler.name(), held: &held };
+        let waiting = Waiting { timeout, stop: &stop, wait: Duration::from_secs(3600), holding };
+        let mut wait = Box::pin(wait_out_unavailable(&handler, &events, &mut results, waiting, UNAVAILABLE_BACKOFF));
+        assert!(tokio::time::timeout(Duration::from_secs(10), &mut wait).await.is_err(), "still waiting");
+        assert_eq!(*held.lock().unwrap(), 2);
+        drop(wait);
+        assert_eq!(*held.lock().unwrap(), 0);
     }
 
     /// Past the wait, what is still unavailable fails as a retryable failure would; at

@@ -21,11 +21,14 @@ pub enum HandlerError {
     #[error("{0}")]
     Permanent(String),
     /// Something the handler needs for every event is down (its provider unreachable or
-    /// overloaded, the write service unavailable), not this event at fault: the runtime holds
+    /// overloaded, its object store or disk failing), not this event at fault: the runtime holds
     /// the events and calls the handler on them again, backing off, spending no attempt, for up
     /// to the handler's wait for a dependency (`REELAY_HANDLER_UNAVAILABLE_WAIT_MS`); past it,
     /// or when stopping, it is a retryable failure. Say it only of what fails every event
-    /// alike: an event that alone fails this way is held that long each time it comes.
+    /// alike: an event that still says so once the dependency answered others is let go as a
+    /// retryable failure after a few rounds, its batch-mates held up meanwhile. Not for the
+    /// write service: the claims and leases a hold needs are renewed there, so its outage is
+    /// waited out by the consumer instead (see `from_call`).
     #[error("{0}")]
     Unavailable(String),
 }
@@ -44,29 +47,17 @@ impl HandlerError {
     }
 
     /// A failed call of a handler's follow-up write (`what`: the method): a refusal of the
-    /// request itself (invalid, failed precondition, denied) cannot pass on a retry; a service
-    /// that is unreachable, busy or out of disk fails every event alike, and is waited out;
-    /// anything else (a deadline, an internal error) may pass on a retry.
+    /// request itself (invalid, failed precondition, denied) cannot pass on a retry; anything
+    /// else (unreachable, busy, an unknown outcome) may. (Not `Unavailable`: a hold could not
+    /// outlast the write service's outage, its claims being renewed there; the consumer pauses
+    /// on an unreachable ledger before it claims, spending nothing.)
     pub fn from_call(what: &str, status: &tonic::Status) -> Self {
         let message = format!("{what}: {:?}: {}", status.code(), status.message());
         match status.code() {
             tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::PermissionDenied => {
                 Self::Permanent(message)
             }
-            _ if Self::says_service_down(status) => Self::Unavailable(message),
             _ => Self::Retryable(message),
-        }
-    }
-
-    /// Whether a failed call says the service is down for every request (unreachable, busy,
-    /// its disk full), whichever event it was for.
-    pub fn says_service_down(status: &tonic::Status) -> bool {
-        match status.code() {
-            tonic::Code::Unavailable => true,
-            // The write service's full disk; the code also answers a request over the size
-            // limit, which is this event's own.
-            tonic::Code::ResourceExhausted => status.message().contains("disk is full"),
-            _ => false,
         }
     }
 }

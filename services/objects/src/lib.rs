@@ -78,11 +78,33 @@ pub enum ObjectsError {
     },
 }
 
+/// Errors of a local store's disk that every write meets alike until an operator acts: EIO,
+/// ENOSPC, EROFS, EDQUOT (Linux's numbers).
+const DISK_DOWN: [i32; 4] = [5, 28, 30, 122];
+
 impl ObjectsError {
-    /// Whether the store itself failed (unreachable, erring, its disk full or failing), as it
-    /// would for any key, not this key or this request.
+    /// Whether the store itself is down, as it would be for any key, not this key or this
+    /// request: it cannot be reached or did not answer in time (after the client's own
+    /// retries), or the disk of a local store is full or failing. An answer about the request
+    /// (a 4xx, a path that cannot be made) is not.
     pub fn store_unavailable(&self) -> bool {
-        matches!(self, Self::Store { source: object_store::Error::Generic { .. }, .. } | Self::Sync { .. })
+        use object_store::client::{HttpError, HttpErrorKind};
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = match self {
+            Self::BadKey { .. } => return false,
+            Self::Store { source, .. } => Some(source),
+            Self::Sync { source, .. } => Some(source),
+        };
+        while let Some(error) = cause {
+            if let Some(http) = error.downcast_ref::<HttpError>() {
+                let kind = http.kind();
+                return matches!(kind, HttpErrorKind::Connect | HttpErrorKind::Timeout | HttpErrorKind::Interrupted);
+            }
+            if let Some(io) = error.downcast_ref::<std::io::Error>() {
+                return io.raw_os_error().is_some_and(|code| DISK_DOWN.contains(&code));
+            }
+            cause = error.source();
+        }
+        false
     }
 }
 

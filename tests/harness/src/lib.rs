@@ -468,10 +468,12 @@ impl Reelay {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Whether the process logged a failed run of `handler` (one to be retried or given up).
+    /// Whether the process logged a failed run of `handler` (one to be retried or given up), or
+    /// its saying a dependency of it is unavailable (its events then held).
     pub fn logged_handler_failure(&self, handler: &str) -> bool {
         let span = format!("handler=\"{handler}\"");
-        self.log_text().lines().any(|l| l.contains(&span) && l.contains("handler failed"))
+        let failed = |l: &str| l.contains("handler failed") || l.contains("a dependency of the handler is unavailable");
+        self.log_text().lines().any(|l| l.contains(&span) && failed(l))
     }
 
     /// GETs `path` from the process's admin HTTP port: the status code and the body.

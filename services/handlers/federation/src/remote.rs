@@ -23,9 +23,7 @@ pub struct Remote {
 /// inside (`INTERNAL`: a write job that panicked, a storage error it does not classify), given
 /// up when it refused the request.
 pub fn write_error(status: tonic::Status) -> HandlerError {
-    if HandlerError::says_service_down(&status) {
-        HandlerError::unavailable(format!("write service: {}", status.message()))
-    } else if is_transport_failure(&status) || status.code() == tonic::Code::Internal {
+    if is_transport_failure(&status) || status.code() == tonic::Code::Internal {
         HandlerError::retryable(format!("write service: {}", status.message()))
     } else {
         HandlerError::permanent(format!("write service refused: {:?}: {}", status.code(), status.message()))
@@ -173,11 +171,9 @@ mod tests {
     #[test]
     fn a_write_service_failing_inside_is_retried_and_a_refusal_is_not() {
         let retried = |status: tonic::Status| matches!(write_error(status), HandlerError::Retryable(_));
-        let waited = |status: tonic::Status| matches!(write_error(status), HandlerError::Unavailable(_));
         assert!(retried(tonic::Status::internal("database error: disk I/O error")));
-        assert!(waited(tonic::Status::unavailable("write service down")));
-        assert!(waited(tonic::Status::resource_exhausted("the database disk is full; nothing was written")));
-        assert!(retried(tonic::Status::resource_exhausted("the request could not be read: too large")));
+        assert!(retried(tonic::Status::unavailable("write service down")));
+        assert!(retried(tonic::Status::resource_exhausted("database or disk is full")));
         assert!(!retried(tonic::Status::invalid_argument("inbox: must be an https URL")));
         assert!(!retried(tonic::Status::failed_precondition("nobody here follows")));
         assert!(!retried(tonic::Status::not_found("user_id: no such user")));

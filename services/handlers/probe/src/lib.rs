@@ -13,8 +13,9 @@
 //!   or per probe, `probe-a=permanent:<text>` (a permanent failure for events whose encoded
 //!   payload contains `<text>`), `probe-a=panic:<text>` (the probe panics on such events),
 //!   `probe-a=abort:<text>` (the whole process aborts on such events, as an out-of-memory kill
-//!   would end it) and `probe-b=times:<n>` (each event fails its first `n` attempts, then
-//!   succeeds), comma-separated.
+//!   would end it), `probe-b=times:<n>` (each event fails its first `n` attempts, then
+//!   succeeds) and `probe-a=unavailable:<path>` (while the file `<path>` exists, the probe says
+//!   its dependency is unavailable), comma-separated.
 //! - `REELAY_PROBE_DELAY_MS` — `500`: every probe sleeps that long before its effect (to be
 //!   killed there); or per probe, `probe-c=2000`.
 //! - `REELAY_PROBE_ONE_BY_ONE` — `1`: the probes do not batch, so the runtime gives them one
@@ -131,6 +132,8 @@ mod enabled {
         AbortIf(String),
         /// Each event fails its first n attempts.
         Times(u32),
+        /// The probe's dependency is down while this file exists.
+        UnavailableWhile(std::path::PathBuf),
     }
 
     struct Probe {
@@ -243,8 +246,10 @@ mod enabled {
                 Some(("times", n)) => {
                     Failure::Times(n.parse().with_context(|| format!("REELAY_PROBE_FAIL: {rule:?}"))?)
                 }
+                Some(("unavailable", path)) => Failure::UnavailableWhile(path.into()),
                 _ => bail!(
-                    "REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text>, panic:<text>, abort:<text> or times:<n>"
+                    "REELAY_PROBE_FAIL: {rule:?} is not 1, permanent:<text>, panic:<text>, abort:<text>, times:<n> \
+                     or unavailable:<path>"
                 ),
             },
         };
@@ -315,6 +320,10 @@ mod enabled {
                     }
                     Ok(())
                 }
+                Failure::UnavailableWhile(path) => match path.exists() {
+                    true => Err(HandlerError::unavailable(format!("probe {}: its dependency is down", self.name))),
+                    false => Ok(()),
+                },
                 Failure::Times(n) => {
                     let attempts: i64 = sqlx::query("SELECT COUNT(*) FROM attempts WHERE event_id = ? AND handler = ?")
                         .bind(event.event_id.clone())
