@@ -87,7 +87,7 @@ static HELD_FOR_DEPENDENCY: LazyLock<Gauge> = LazyLock::new(|| {
     metrics::gauge(
         "reelay_handler_events_held_for_dependency",
         "Events a handler holds, spending no attempt, while it says a dependency is unavailable \
-         (non-zero for long: its provider, object store or the write service is down).",
+         (non-zero for long: its provider, object store or disk is down).",
         &["handler"],
     )
 });
@@ -1029,12 +1029,6 @@ impl Drop for Held<'_> {
     }
 }
 
-/// Rounds in which a held event still says the dependency is down after it answered another
-/// held event, before that event is let go as a failure of its own (its batch-mates' outcomes
-/// are not held up by it until the wait ends; a dependency just back and throttling the burst
-/// has these rounds, backing off, to settle).
-const UNAVAILABLE_STRIKES: u8 = 3;
-
 /// Whether a result says the handler's dependency is unavailable.
 fn unavailable(result: &Option<Result<(), HandlerError>>) -> Option<&str> {
     match result {
@@ -1048,9 +1042,11 @@ fn unavailable(result: &Option<Result<(), HandlerError>>) -> Option<&str> {
 /// events stay in hand meanwhile (the caller renews their claims and reports them in
 /// progress), so an outage spends none of their attempts. Each round sends one held event
 /// first, a different one each round, and the others only once it passes, so a dependency that
-/// is down is asked once a round; an event that still says it is down in rounds after it
-/// answered another ([`UNAVAILABLE_STRIKES`]) is let go. What is still unavailable at the end
-/// is a retryable failure, except that at shutdown what `stop` lets go is handed back (`None`).
+/// is down is asked once a round. An event that still says it is down in the round the
+/// dependency answered just before is down alone (a failure of its own said wrongly, or a
+/// dependency failing again at once): it is let go, so its batch-mates' outcomes are not held
+/// up by it until the wait ends. What is still unavailable at the end is a retryable failure,
+/// except that at shutdown what `stop` lets go is handed back (`None`).
 async fn wait_out_unavailable(
     handler: &dyn Handler,
     events: &[&v1::Event],
@@ -1071,7 +1067,7 @@ async fn wait_out_unavailable(
         "a dependency of the handler is unavailable: holding its events and trying again (no attempt is spent)"
     );
     let _held = holding.hold(left.len());
-    let (mut strikes, mut answered) = (vec![0u8; results.len()], false);
+    let mut let_go = Vec::new();
     for round in 0.. {
         if left.is_empty() {
             break;
@@ -1080,20 +1076,18 @@ async fn wait_out_unavailable(
         if !matches!(slept, Ok(Some(true))) {
             break;
         }
-        let mut ran = vec![left[round % left.len()]];
-        run_again(handler, events, results, &ran, timeout, stop).await;
-        if unavailable(&results[ran[0]]).is_none() {
-            let others: Vec<usize> = left.iter().copied().filter(|&i| i != ran[0]).collect();
+        let probe = left[round % left.len()];
+        run_again(handler, events, results, &[probe], timeout, stop).await;
+        // Only a pass says the dependency answers: a probe that timed out or failed otherwise
+        // (or was handed back) leaves the hold, and the others wait for the next round.
+        if matches!(results[probe], Some(Ok(()))) {
+            let others: Vec<usize> = left.iter().copied().filter(|&i| i != probe).collect();
             run_again(handler, events, results, &others, timeout, stop).await;
-            ran.extend(others);
+            let_go.extend(others.into_iter().filter(|&i| unavailable(&results[i]).is_some()));
         }
-        answered |= ran.iter().any(|&i| unavailable(&results[i]).is_none());
-        for &i in ran.iter().filter(|&&i| answered && unavailable(&results[i]).is_some()) {
-            strikes[i] += 1;
-        }
-        left.retain(|&i| unavailable(&results[i]).is_some() && strikes[i] < UNAVAILABLE_STRIKES);
+        left.retain(|&i| unavailable(&results[i]).is_some() && !let_go.contains(&i));
     }
-    let let_go = (0..results.len()).filter(|&i| strikes[i] >= UNAVAILABLE_STRIKES).count();
+    let let_go = let_go.len();
     if let_go > 0 {
         tracing::warn!(
             handler = name,
@@ -1447,9 +1441,9 @@ mod tests {
         }
     }
 
-    /// An event that says the dependency is down after it answered another is let go, a failure
-    /// of its own, after three such rounds: its batch-mates' outcomes are not held for the
-    /// hour. The gauge's count is back to 0.
+    /// An event that says the dependency is down in the round it answered another is let go, a
+    /// failure of its own: its batch-mates' outcomes are not held for the hour. The gauge's
+    /// count is back to 0.
     #[tokio::test(start_paused = true)]
     async fn an_event_still_unavailable_once_the_dependency_answers_is_let_go() {
         let handler = Flaky { batches: false, down: AtomicUsize::new(1), called: Mutex::default() };
@@ -1460,7 +1454,7 @@ mod tests {
         assert!(matches!(&results[0], Some(Err(HandlerError::Unavailable(_)))), "{results:?}");
         assert_eq!((&outcomes(&results)[1..], held), (&["ok", "ok"][..], 0));
         let called = handler.called.lock().unwrap().clone();
-        assert_eq!(called, ["e0", "e1", "e2", "e0", "e1", "e0", "e0", "e0"]);
+        assert_eq!(called, ["e0", "e1", "e2", "e0", "e1", "e0"], "e0 first alone, then after e1 passed");
         assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     }
 

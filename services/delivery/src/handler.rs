@@ -25,8 +25,8 @@ pub enum HandlerError {
     /// the events and calls the handler on them again, backing off, spending no attempt, for up
     /// to the handler's wait for a dependency (`REELAY_HANDLER_UNAVAILABLE_WAIT_MS`); past it,
     /// or when stopping, it is a retryable failure. Say it only of what fails every event
-    /// alike: an event that still says so once the dependency answered others is let go as a
-    /// retryable failure after a few rounds, its batch-mates held up meanwhile. Not for the
+    /// alike: an event that still says so in the round the dependency answered another is let
+    /// go as a retryable failure, its batch-mates held up until then. Not for the
     /// write service: the claims and leases a hold needs are renewed there, so its outage is
     /// waited out by the consumer instead (see `from_call`).
     #[error("{0}")]

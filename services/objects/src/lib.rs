@@ -8,6 +8,7 @@
 
 use std::path::Path as FsPath;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -78,6 +79,9 @@ pub enum ObjectsError {
     },
 }
 
+/// How long an S3 call retries, and how long one request may take.
+const S3_RETRY_FOR: Duration = Duration::from_secs(20);
+
 /// Errors of a local store's disk that every write meets alike until an operator acts: EIO,
 /// ENOSPC, EROFS, EDQUOT (Linux's numbers).
 const DISK_DOWN: [i32; 4] = [5, 28, 30, 122];
@@ -147,6 +151,16 @@ impl Objects {
             }
             let mut builder =
                 object_store::aws::AmazonS3Builder::new().with_bucket_name(bucket).with_region(&settings.s3_region);
+            // A store that does not answer is known within about 25 s (the client's default
+            // tries for 3 minutes): inside a handler's timeout (60 s by default), so the handler
+            // says its store is down (its events held, no attempt spent) rather than timing out
+            // (an attempt spent), and a media request is answered 503 while its client waits.
+            let retry = object_store::RetryConfig { max_retries: 3, retry_timeout: S3_RETRY_FOR, ..Default::default() };
+            let options = object_store::ClientOptions::new()
+                .with_connect_timeout(Duration::from_secs(5))
+                .with_timeout(S3_RETRY_FOR);
+            // Before the endpoint: the client options hold its allow-http.
+            builder = builder.with_retry(retry).with_client_options(options);
             if let Some(endpoint) = &settings.s3_endpoint {
                 builder = builder.with_endpoint(endpoint).with_allow_http(endpoint.starts_with("http://"));
             }
@@ -435,6 +449,43 @@ pub fn install_tls_provider() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only the store being down says so: unreachable (a real S3 client against a port nobody
+    /// listens on), or a local disk full or failing; not an answer about the key or request.
+    #[tokio::test]
+    async fn a_store_is_unavailable_when_unreachable_or_its_disk_fails() {
+        let generic = |code: i32| ObjectsError::Store {
+            store: "file:///x".into(),
+            source: object_store::Error::Generic {
+                store: "LocalFileSystem",
+                source: Box::new(std::io::Error::from_raw_os_error(code)),
+            },
+        };
+        assert!(generic(28).store_unavailable(), "ENOSPC");
+        assert!(generic(5).store_unavailable(), "EIO");
+        assert!(!generic(13).store_unavailable(), "EACCES: this path's");
+        assert!(!generic(20).store_unavailable(), "ENOTDIR: this path's");
+        let sync = ObjectsError::Sync { path: "/x".into(), source: std::io::Error::from_raw_os_error(5) };
+        assert!(sync.store_unavailable());
+        assert!(!ObjectsError::BadKey { key: "".into(), reason: "empty".into() }.store_unavailable());
+        let missing = object_store::Error::NotFound { path: "k".into(), source: "gone".into() };
+        assert!(!ObjectsError::Store { store: "s3://b".into(), source: missing }.store_unavailable());
+
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let settings = ObjectsSettings {
+            url: Some("s3://bucket".into()),
+            s3_endpoint: Some(endpoint),
+            s3_access_key_id: Some("id".into()),
+            s3_secret_access_key: Some("secret".into()),
+            ..Default::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let objects = Objects::open(&settings, dir.path()).unwrap();
+        let error = objects.get("posters/m1/original").await.unwrap_err();
+        assert!(error.store_unavailable(), "{error:?}");
+    }
 
     #[tokio::test]
     async fn local_store_round_trip() {

@@ -369,7 +369,7 @@ pub struct HandlerArgs {
     pub handler_timeout_ms: u64,
 
     /// How long a batch's events are held, spending no attempt, while their handler says a
-    /// dependency of it is down (its provider, the object store, the write service), trying
+    /// dependency of it is down (its provider, the object store, its disk), trying
     /// again with a backoff from 1 s to 30 s; past it they fail as a retryable failure (an
     /// attempt spent). 0 (fail at once) to a week.
     #[arg(long, env = "REELAY_HANDLER_UNAVAILABLE_WAIT_MS", default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(0..=604_800_000))]

@@ -1,10 +1,10 @@
 //! The Movie Database (TMDB) API v3 over HTTP: `/movie/{id}?append_to_response=credits`,
 //! `/find/{imdb id}`, `/search/movie` by title and year, `/person/{id}`, and `/configuration`
 //! for where posters live. Directors are the crew whose job is "Director" (the Directing
-//! department also holds assistants). A 429 is retried after its `Retry-After`; a refused
-//! connection, a 502/503/504 or a 429 that goes on say TMDB is unavailable (the handler's events
-//! are held until it answers); other 5xx and timeouts are retryable; a 404 means the provider
-//! does not know the film.
+//! department also holds assistants). A 429 is retried after its `Retry-After`; a connection
+//! not made, a timeout, a 502/503/504 or a 429 that goes on say TMDB is unavailable (the
+//! handler's events are held until it answers); other 5xx are retryable; a 404 means the
+//! provider does not know the film.
 
 use std::time::Duration;
 
@@ -209,6 +209,9 @@ impl Tmdb {
         };
         let http = reqwest::Client::builder()
             .timeout(timeout)
+            // A TMDB that does not take the connection (blackholed) is told apart from one slow
+            // to answer, and soon: reqwest reports this as a connect error.
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
             .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| format!("cannot build the TMDB client: {e}"))?;
@@ -248,8 +251,9 @@ impl Tmdb {
         // An error's text names its URL, whose query holds an API key: the key must not reach
         // the delivery's error (kept in the ledger and dead letters, shown by the CLI) or logs.
         let failed = |e: reqwest::Error| {
-            // Not connected: TMDB (or the way there) is down for every request alike.
-            let down = e.is_connect();
+            // Not connected, or no answer in time: TMDB (or the way there) is down for every
+            // request alike. (A film that alone times out is let go by the runtime's hold.)
+            let down = e.is_connect() || e.is_timeout();
             let message = format!("TMDB {path}: {}", e.without_url());
             if down { ProviderError::unavailable(message) } else { ProviderError::retryable(message) }
         };
