@@ -166,9 +166,6 @@ pub struct Dispatcher {
     shutdown: Shutdown,
     /// What the ledger last said of this dispatcher's builds (shared by its clones).
     told: Arc<Mutex<Told>>,
-    /// Events each handler holds while it says a dependency is unavailable (shared by the
-    /// dispatcher's clones, which hold their own batches).
-    held: Arc<[Mutex<usize>]>,
 }
 
 /// What the ledger last said of a dispatcher's builds of its handlers.
@@ -490,13 +487,9 @@ impl Dispatcher {
             for outcome in Self::OUTCOMES {
                 DELIVERIES.declare(&[handler.name(), outcome]);
             }
+            HELD_FOR_DEPENDENCY.add(&[handler.name()], 0.0);
         }
-        let held = handlers.iter().map(|handler| {
-            HELD_FOR_DEPENDENCY.set(&[handler.name()], 0.0);
-            Mutex::new(0)
-        });
-        let held = held.collect();
-        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default(), held }
+        Self { handlers, ledger: LedgerClient::new(ledger), claims, config, shutdown, told: Arc::default() }
     }
 
     fn told(&self) -> std::sync::MutexGuard<'_, Told> {
@@ -732,9 +725,8 @@ impl Dispatcher {
                 HANDLER_SECONDS.observe_duration(&[handler.name()], started.elapsed());
                 let ran = results.iter().filter(|result| result.is_some()).count();
                 HANDLER_BATCH.observe(&[handler.name()], ran as f64);
-                let holding = Holding { handler: handler.name(), held: &self.held[h] };
-                let waiting = Waiting { timeout, stop: &stop, wait: self.config.unavailable_wait, holding };
-                wait_out_unavailable(&*handler, &events, &mut results, waiting, UNAVAILABLE_BACKOFF).await;
+                let wait = self.config.unavailable_wait;
+                wait_out_unavailable(&*handler, &events, &mut results, timeout, &stop, wait).await;
                 (h, work, results)
             }
         });
@@ -981,51 +973,23 @@ async fn run_handler(
     results
 }
 
-/// How [`wait_out_unavailable`] runs a handler again, and for how long.
-struct Waiting<'a> {
-    /// Each call's timeout.
-    timeout: Duration,
-    stop: &'a Stop<'a>,
-    /// The longest wait, from the first answer.
-    wait: Duration,
-    holding: Holding<'a>,
-}
-
-/// Counts the events one handler holds for a dependency, in its gauge.
-struct Holding<'a> {
+/// Counts events as held for a dependency, in the handler's gauge, until dropped (with the
+/// wait, or with the work when its claims cannot be held).
+struct Held {
     handler: &'static str,
-    held: &'a Mutex<usize>,
-}
-
-impl<'a> Holding<'a> {
-    /// Counts `events` as held until the guard is dropped (with the wait, or with the work
-    /// when its claims cannot be held).
-    fn hold(&self, events: usize) -> Held<'a> {
-        let held = Held { handler: self.handler, held: self.held, events };
-        held.count(|now| now + events);
-        held
-    }
-}
-
-struct Held<'a> {
-    handler: &'static str,
-    held: &'a Mutex<usize>,
     events: usize,
 }
 
-impl Held<'_> {
-    /// Changes the count and sets the gauge under one lock, so two batches' changes cannot
-    /// leave the gauge at a count other than the last.
-    fn count(&self, change: impl FnOnce(usize) -> usize) {
-        let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        *held = change(*held);
-        HELD_FOR_DEPENDENCY.set(&[self.handler], *held as f64);
+impl Held {
+    fn new(handler: &'static str, events: usize) -> Self {
+        HELD_FOR_DEPENDENCY.add(&[handler], events as f64);
+        Self { handler, events }
     }
 }
 
-impl Drop for Held<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
-        self.count(|now| now.saturating_sub(self.events));
+        HELD_FOR_DEPENDENCY.add(&[self.handler], -(self.events as f64));
     }
 }
 
@@ -1046,18 +1010,23 @@ fn unavailable(result: &Option<Result<(), HandlerError>>) -> Option<&str> {
 /// dependency answered just before is down alone (a failure of its own said wrongly, or a
 /// dependency failing again at once): it is let go, so its batch-mates' outcomes are not held
 /// up by it until the wait ends. What is still unavailable at the end is a retryable failure,
-/// except that at shutdown what `stop` lets go is handed back (`None`).
+/// except that at shutdown what `stop` lets go is handed back (`None`). Each call has
+/// `timeout`; the wait lasts at most `wait` from the first answer.
 async fn wait_out_unavailable(
     handler: &dyn Handler,
     events: &[&v1::Event],
     results: &mut [Option<Result<(), HandlerError>>],
-    waiting: Waiting<'_>,
-    mut backoff: Backoff,
+    timeout: Duration,
+    stop: &Stop<'_>,
+    wait: Duration,
 ) {
-    let Waiting { timeout, stop, wait, holding } = waiting;
-    let mut left: Vec<usize> = (0..results.len()).filter(|&i| unavailable(&results[i]).is_some()).collect();
-    let Some(&first) = left.first().filter(|_| !wait.is_zero()) else { return };
-    let name = handler.name();
+    // Nothing to hold (nearly every call): no allocation.
+    let Some(first) = results.iter().position(|result| unavailable(result).is_some()) else { return };
+    if wait.is_zero() {
+        return;
+    }
+    let mut left: Vec<usize> = (first..results.len()).filter(|&i| unavailable(&results[i]).is_some()).collect();
+    let (name, mut backoff) = (handler.name(), UNAVAILABLE_BACKOFF);
     let deadline = tokio::time::Instant::now() + wait;
     tracing::warn!(
         handler = name,
@@ -1066,7 +1035,7 @@ async fn wait_out_unavailable(
         wait_ms = wait.as_millis() as u64,
         "a dependency of the handler is unavailable: holding its events and trying again (no attempt is spent)"
     );
-    let _held = holding.hold(left.len());
+    let _held = Held::new(name, left.len());
     let mut let_go = Vec::new();
     for round in 0.. {
         if left.is_empty() {
@@ -1261,16 +1230,20 @@ mod tests {
     #[test]
     fn only_canonical_event_ids_are_claimed_by() {
         let id = "01a242f5-6b87-7089-b22a-188c0639a9c6";
-        let of = |event_id: &str| Delivery {
+        assert_eq!(deduplicable(&delivery(Some(id))), Some(id));
+        for other in [id.to_uppercase(), id.replace('-', ""), format!("{{{id}}}"), "not-a-uuid".into()] {
+            assert_eq!(deduplicable(&delivery(Some(&other))), None, "{other}");
+        }
+    }
+
+    /// A first delivery of an empty event under `event_id`.
+    fn delivery(event_id: Option<&str>) -> Delivery<()> {
+        Delivery {
             event: v1::Event::default(),
-            event_id: Some(event_id.to_owned()),
+            event_id: event_id.map(str::to_owned),
             attempt: 1,
             claimed: None,
             ack: crate::source::AckHandle::new(()),
-        };
-        assert_eq!(deduplicable(&of(id)), Some(id));
-        for other in [id.to_uppercase(), id.replace('-', ""), format!("{{{id}}}"), "not-a-uuid".into()] {
-            assert_eq!(deduplicable(&of(&other)), None, "{other}");
         }
     }
 
@@ -1356,16 +1329,29 @@ mod tests {
     /// calls (of any event); `"ok"` events always pass, `"stuck"` ones always say it is
     /// unavailable (an event-specific failure said wrongly). It records every event it was
     /// called on.
+    /// Each test's has a name of its own: the gauge of held events is per name, and tests run
+    /// at once.
     struct Flaky {
+        name: &'static str,
         batches: bool,
         down: AtomicUsize,
         called: Mutex<Vec<String>>,
     }
 
+    impl Flaky {
+        fn new(name: &'static str, batches: bool, down: usize) -> Self {
+            Self { name, batches, down: AtomicUsize::new(down), called: Mutex::default() }
+        }
+
+        fn held(&self) -> f64 {
+            HELD_FOR_DEPENDENCY.get(&[self.name])
+        }
+    }
+
     #[async_trait::async_trait]
     impl Handler for Flaky {
         fn name(&self) -> &'static str {
-            "flaky"
+            self.name
         }
 
         fn event_types(&self) -> &'static [&'static str] {
@@ -1383,14 +1369,6 @@ mod tests {
                     && self.down.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
             if down { Err(HandlerError::unavailable("the provider: connection refused")) } else { Ok(()) }
         }
-
-        async fn handle_batch(&self, events: &[&v1::Event]) -> Vec<Result<(), HandlerError>> {
-            let mut results = Vec::new();
-            for event in events {
-                results.push(self.handle(event).await);
-            }
-            results
-        }
     }
 
     /// Runs `handler` over `events`, then waits out what it said was unavailable (for at most
@@ -1401,7 +1379,7 @@ mod tests {
         wait: Duration,
         may_hand_back: bool,
         stop_after: Option<Duration>,
-    ) -> (Vec<Option<Result<(), HandlerError>>>, usize) {
+    ) -> (Vec<Option<Result<(), HandlerError>>>, f64) {
         let shutdown = Shutdown::new();
         if let Some(after) = stop_after {
             let shutdown = shutdown.clone();
@@ -1413,12 +1391,8 @@ mod tests {
         let stop = Stop { shutdown: &shutdown, may_hand_back: vec![may_hand_back; events.len()] };
         let timeout = Duration::from_secs(1);
         let mut results = run_handler(handler, events, timeout, &stop).await;
-        let held = Mutex::new(0);
-        let holding = Holding { handler: handler.name(), held: &held };
-        let waiting = Waiting { timeout, stop: &stop, wait, holding };
-        wait_out_unavailable(handler, events, &mut results, waiting, UNAVAILABLE_BACKOFF).await;
-        let held = *held.lock().unwrap();
-        (results, held)
+        wait_out_unavailable(handler, events, &mut results, timeout, &stop, wait).await;
+        (results, handler.held())
     }
 
     /// A dependency down for five calls: each round, backing off, one held event is sent (a
@@ -1427,13 +1401,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn events_a_dependency_failed_run_again_once_it_is_back() {
         for batches in [false, true] {
-            let handler = Flaky { batches, down: AtomicUsize::new(5), called: Mutex::default() };
+            let handler = Flaky::new(if batches { "flaky-batches" } else { "flaky-alone" }, batches, 5);
             let events = events(&["down", "ok", "down"]);
             let events: Vec<&v1::Event> = events.iter().collect();
             let started = tokio::time::Instant::now();
             let (results, held) = run_waiting(&handler, &events, Duration::from_secs(600), true, None).await;
             assert_eq!(outcomes(&results), ["ok", "ok", "ok"], "batches: {batches}");
-            assert_eq!(held, 0, "the gauge's count is back to 0");
+            assert_eq!(held, 0.0, "the gauge's count is back to 0");
             let called = handler.called.lock().unwrap().clone();
             assert_eq!(called, ["e0", "e1", "e2", "e0", "e2", "e0", "e2", "e0"], "batches: {batches}");
             // Four waits of 1, 2, 4 and 8 s, each at least half its length.
@@ -1446,13 +1420,13 @@ mod tests {
     /// count is back to 0.
     #[tokio::test(start_paused = true)]
     async fn an_event_still_unavailable_once_the_dependency_answers_is_let_go() {
-        let handler = Flaky { batches: false, down: AtomicUsize::new(1), called: Mutex::default() };
+        let handler = Flaky::new("flaky-let-go", false, 1);
         let events = events(&["stuck", "down", "ok"]);
         let events: Vec<&v1::Event> = events.iter().collect();
         let started = tokio::time::Instant::now();
         let (results, held) = run_waiting(&handler, &events, Duration::from_secs(3600), true, None).await;
         assert!(matches!(&results[0], Some(Err(HandlerError::Unavailable(_)))), "{results:?}");
-        assert_eq!((&outcomes(&results)[1..], held), (&["ok", "ok"][..], 0));
+        assert_eq!((&outcomes(&results)[1..], held), (&["ok", "ok"][..], 0.0));
         let called = handler.called.lock().unwrap().clone();
         assert_eq!(called, ["e0", "e1", "e2", "e0", "e1", "e0"], "e0 first alone, then after e1 passed");
         assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
@@ -1462,53 +1436,43 @@ mod tests {
     /// gauge: the count is the guard's, not the end of the wait's.
     #[tokio::test(start_paused = true)]
     async fn a_wait_dropped_takes_its_events_off_the_gauge() {
-        let handler = Flaky { batches: false, down: AtomicUsize::new(usize::MAX), called: Mutex::default() };
+        let handler = Flaky::new("flaky-dropped", false, usize::MAX);
         let events = events(&["down", "down"]);
         let events: Vec<&v1::Event> = events.iter().collect();
         let shutdown = Shutdown::new();
         let stop = Stop { shutdown: &shutdown, may_hand_back: vec![true; 2] };
         let timeout = Duration::from_secs(1);
         let mut results = run_handler(&handler, &events, timeout, &stop).await;
-        let held = Mutex::new(0);
-        let holding = Holding { handler: handler.name(), held: &held };
-        let waiting = Waiting { timeout, stop: &stop, wait: Duration::from_secs(3600), holding };
-        let mut wait = Box::pin(wait_out_unavailable(&handler, &events, &mut results, waiting, UNAVAILABLE_BACKOFF));
+        let hour = Duration::from_secs(3600);
+        let mut wait = Box::pin(wait_out_unavailable(&handler, &events, &mut results, timeout, &stop, hour));
         assert!(tokio::time::timeout(Duration::from_secs(10), &mut wait).await.is_err(), "still waiting");
-        assert_eq!(*held.lock().unwrap(), 2);
+        assert_eq!(handler.held(), 2.0);
         drop(wait);
-        assert_eq!(*held.lock().unwrap(), 0);
+        assert_eq!(handler.held(), 0.0);
     }
 
     /// Past the wait, what is still unavailable fails as a retryable failure would; at
     /// shutdown it is handed back when it may be, and fails when it may not.
     #[tokio::test(start_paused = true)]
     async fn the_wait_ends_with_its_limit_or_shutdown() {
-        let never = || Flaky { batches: false, down: AtomicUsize::new(usize::MAX), called: Mutex::default() };
+        let never = |name| Flaky::new(name, false, usize::MAX);
         let events = events(&["down", "ok"]);
         let events: Vec<&v1::Event> = events.iter().collect();
         let started = tokio::time::Instant::now();
-        let (results, held) = run_waiting(&never(), &events, Duration::from_secs(120), true, None).await;
+        let (results, held) = run_waiting(&never("flaky-limit"), &events, Duration::from_secs(120), true, None).await;
         assert!(matches!(&results[0], Some(Err(HandlerError::Unavailable(m))) if m.contains("refused")), "{results:?}");
-        assert_eq!((outcomes(&results)[1], held), ("ok", 0));
+        assert_eq!((outcomes(&results)[1], held), ("ok", 0.0));
         let waited = started.elapsed();
         assert!(waited >= Duration::from_secs(120) && waited < Duration::from_secs(121), "{waited:?}");
-        let verdict_of = |results: &[Option<Result<(), HandlerError>>]| {
-            let delivery = Delivery {
-                event: v1::Event::default(),
-                event_id: None,
-                attempt: 1,
-                claimed: None,
-                ack: crate::source::AckHandle::new(()),
-            };
-            let result = results[0].clone().expect("ran");
-            verdict(&delivery, &[(0, PairState::Ran { token: None, result })], RetryPolicy::default())
-        };
-        assert!(matches!(verdict_of(&results), Verdict::Nak { .. }), "retried later, as a failure");
+        let ran = PairState::Ran { token: None, result: results[0].clone().expect("ran") };
+        let verdict = verdict(&delivery(None), &[(0, ran)], RetryPolicy::default());
+        assert!(matches!(verdict, Verdict::Nak { .. }), "retried later, as a failure");
 
         let wait = Duration::from_secs(3600);
-        let (results, held) = run_waiting(&never(), &events, wait, true, Some(Duration::from_secs(10))).await;
-        assert_eq!((outcomes(&results), held), (vec!["handed back", "ok"], 0));
-        let (results, _) = run_waiting(&never(), &events, wait, false, Some(Duration::from_secs(10))).await;
+        let stop_after = Some(Duration::from_secs(10));
+        let (results, held) = run_waiting(&never("flaky-stop"), &events, wait, true, stop_after).await;
+        assert_eq!((outcomes(&results), held), (vec!["handed back", "ok"], 0.0));
+        let (results, _) = run_waiting(&never("flaky-stop-last"), &events, wait, false, stop_after).await;
         assert_eq!(outcomes(&results), ["failed", "ok"], "it may not be handed back: a failure");
     }
 

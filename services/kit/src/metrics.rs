@@ -177,6 +177,17 @@ impl Gauge {
         self.0.with(labels, |s| s.value = value);
     }
 
+    /// Moves one series by `delta` (what several tasks count up and down together; a 0 makes
+    /// the series scraped).
+    pub fn add(&self, labels: &[&str], delta: f64) {
+        self.0.with(labels, |s| s.value += delta);
+    }
+
+    /// The current value of one series (tests).
+    pub fn get(&self, labels: &[&str]) -> f64 {
+        self.0.with(labels, |s| s.value)
+    }
+
     /// Drops every series (before a sampler sets the current ones, so a handler that went away
     /// does not linger).
     pub fn clear(&self) {
