@@ -27,8 +27,8 @@ pub enum HandlerError {
     /// or when stopping, it is a retryable failure. Say it only of what fails every event
     /// alike: an event that still says so in the round the dependency answered another is let
     /// go as a retryable failure, its batch-mates held up until then. Not for the
-    /// write service: the claims and leases a hold needs are renewed there, so its outage is
-    /// waited out by the consumer instead (see `from_call`).
+    /// write service: the claims and leases a hold needs are renewed there, so a hold could not
+    /// outlast its outage (a follow-up write it fails is retryable, see `from_call`).
     #[error("{0}")]
     Unavailable(String),
 }
@@ -44,6 +44,12 @@ impl HandlerError {
 
     pub fn unavailable(message: impl fmt::Display) -> Self {
         Self::Unavailable(message.to_string())
+    }
+
+    /// A failure worth retrying, which is [`HandlerError::Unavailable`] when `dependency_down`
+    /// (the call failed for want of the dependency, not for this event).
+    pub fn retryable_or_unavailable(message: impl fmt::Display, dependency_down: bool) -> Self {
+        if dependency_down { Self::unavailable(message) } else { Self::retryable(message) }
     }
 
     /// A failed call of a handler's follow-up write (`what`: the method): a refusal of the

@@ -132,8 +132,8 @@ pub fn movie_folder(movie_id: &str) -> String {
 /// A failed object store call: the store unavailable holds the handler's events until it
 /// answers; another failure is retried later.
 pub(crate) fn store_failed(error: reelay_objects::ObjectsError) -> reelay_delivery::HandlerError {
-    use reelay_delivery::HandlerError;
-    if error.store_unavailable() { HandlerError::unavailable(error) } else { HandlerError::retryable(error) }
+    let down = error.store_unavailable();
+    reelay_delivery::HandlerError::retryable_or_unavailable(error, down)
 }
 
 /// Deletes every image of a deleted movie (a key already gone counts as deleted); how many.

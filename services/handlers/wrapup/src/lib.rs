@@ -71,8 +71,7 @@ impl Handler for WrapUp {
         let key = card_key(&wrap_up.wrap_up_id, &inputs.inputs_digest);
         let svg = card::render(wrap_up.year, &summary);
         self.objects.put(&key, Bytes::from(svg)).await.map_err(|e| {
-            let message = format!("storing the card: {e}");
-            if e.store_unavailable() { HandlerError::unavailable(message) } else { HandlerError::retryable(message) }
+            HandlerError::retryable_or_unavailable(format!("storing the card: {e}"), e.store_unavailable())
         })?;
         let complete = v1::CompleteWrapUpRequest {
             wrap_up_id: wrap_up.wrap_up_id.clone(),
