@@ -168,12 +168,13 @@ async fn a_broker_outage_loses_nothing_and_spends_no_attempt() {
     reelay.stop().await;
 }
 
-/// The ledger (the write service) goes down while probe-a's process holds an event it fetched
-/// (its claim held on the way, until the kill): every claim after fails at once (connection
-/// refused), and the batch waits in pauses of at most 5 s, for longer than the 16 s ack wait. Its progress is reported every third of the ack
-/// wait across those calls (before, each call started its own schedule and none lasted a
-/// third, so JetStream delivered the event again at each ack wait, spending its deliveries
-/// through an outage). Once the ledger is back the event is handled, delivered once.
+/// The ledger (the write service) goes down while probe-a's process holds an event it fetched (its
+/// claim held on the way, until the kill): every claim after fails at once (connection refused),
+/// and the batch waits in pauses of at most 5 s, for longer than the 16 s ack wait. Its progress is
+/// reported every third of the ack wait across those calls (before, each call started its own
+/// schedule and none lasted a third, so JetStream delivered the event again at each ack wait,
+/// spending its deliveries through an outage). Once the ledger is back the event is handled,
+/// delivered once.
 #[tokio::test]
 async fn a_ledger_outage_spends_no_delivery_of_the_events_held() {
     let dir = temp_dir();
