@@ -497,20 +497,31 @@ impl SearchIndex {
     }
 }
 
+/// Between two entries of a movie document's lists: a control character, which no name or genre
+/// holds (the write API refuses them, the enrichment handlers make them spaces). Documents
+/// written before it have no leading one and `|` between entries, which a name may hold.
+const ENTRY: char = '\u{1f}';
+
 /// A movie document keeps its directors and genres in `body` (a movie has no text of its own):
-/// `<director>|<director>\t<genre>|<genre>`, which the tokenizer splits into words.
+/// `␟<director>␟<director>\t<genre>␟<genre>` (␟ is [`ENTRY`]), which the tokenizer splits into
+/// words.
 fn movie_body(movie: &v1::MovieHit) -> String {
-    format!("{}\t{}", movie.directors.join("|"), movie.genres.join("|"))
+    let entry = ENTRY.to_string();
+    format!("{ENTRY}{}\t{}", movie.directors.join(&entry), movie.genres.join(&entry))
 }
 
 fn movie_credits(body: &str) -> (Vec<String>, Vec<String>) {
+    let (body, entry) = match body.strip_prefix(ENTRY) {
+        Some(body) => (body, ENTRY),
+        None => (body, '|'),
+    };
     let (directors, genres) = body.split_once('\t').unwrap_or((body, ""));
-    (split(directors), split(genres))
+    (entries(directors, entry), entries(genres, entry))
 }
 
-/// The parts of a `|`-joined list.
-fn split(list: &str) -> Vec<String> {
-    list.split('|').filter(|p| !p.is_empty()).map(str::to_owned).collect()
+/// The entries of a list joined by `between`.
+fn entries(list: &str, between: char) -> Vec<String> {
+    list.split(between).filter(|p| !p.is_empty()).map(str::to_owned).collect()
 }
 
 fn text(doc: &TantivyDocument, field: Field) -> String {
@@ -622,7 +633,7 @@ impl Inner {
     /// The poster sizes stored for `movie_id` (none when no poster is).
     fn poster_sizes(&self, searcher: &Searcher, movie_id: &str) -> tantivy::Result<Vec<String>> {
         let doc = self.keyed(searcher, &format!("posters:{movie_id}"))?;
-        Ok(doc.map(|doc| split(&text(&doc, self.fields.body))).unwrap_or_default())
+        Ok(doc.map(|doc| entries(&text(&doc, self.fields.body), '|')).unwrap_or_default())
     }
 
     fn indexed_stamp(&self, searcher: &Searcher, key: &str) -> tantivy::Result<Option<Stamp>> {
@@ -1139,6 +1150,11 @@ mod tests {
         assert_eq!(hits.total_hits, 1);
         assert_eq!(hits.hits[0].directors, ["Michael Mann"]);
         assert_eq!(hits.hits[0].genres, ["Crime", "Drama"]);
+        // Written before the entries were kept apart by a control character: read as then.
+        assert_eq!(
+            movie_credits("Michael Mann|Ridley Scott\tCrime|"),
+            (vec!["Michael Mann".to_owned(), "Ridley Scott".to_owned()], vec!["Crime".to_owned()])
+        );
         assert_eq!(index.search_movies("crime heat", 0, 10).await.unwrap().total_hits, 1);
         assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().hits[0].title, "Heat");
         // The provider no longer knows it: a MovieEnriched without a profile takes the
@@ -1150,6 +1166,18 @@ mod tests {
         apply_ok(&index, &[&cleared]).await;
         assert_eq!(index.search_movies("michael mann", 0, 10).await.unwrap().total_hits, 0);
         assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().total_hits, 1);
+    }
+
+    #[tokio::test]
+    async fn a_name_holding_a_bar_stays_one_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = SearchIndex::open(dir.path()).unwrap();
+        let enriched = movie_enriched("m1", 200, "Class Relations", 1984, &["Straub|Huillet"], &["Drama|Crime"]);
+        apply_ok(&index, &[&enriched]).await;
+        let hits = index.search_movies("huillet", 0, 10).await.unwrap();
+        assert_eq!(hits.total_hits, 1);
+        assert_eq!(hits.hits[0].directors, ["Straub|Huillet"]);
+        assert_eq!(hits.hits[0].genres, ["Drama|Crime"]);
     }
 
     #[tokio::test]
