@@ -1050,6 +1050,50 @@ async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_wi
     assert_eq!(events_of(&db, "RemoteReviewDeleted").await.len(), 2, "the repeats wrote nothing more");
 }
 
+/// Every actor of a server can sign an activity under any id there, and a Delete of any note
+/// there: mallory follows ana under the id alice's account Delete will have, and deletes alice's
+/// note before it arrives. Neither touches alice: her note is kept when it comes, and her Delete,
+/// under the id mallory used, takes it away.
+#[tokio::test]
+async fn an_actor_cannot_take_a_colleagues_activity_id_or_delete_its_note_ahead() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let (db, ana_actor) = (a.database.clone(), a.actor_url(&ana));
+    let inbox = format!("{ana_actor}/inbox");
+    let (alice, mallory) = (peer.actor("alice"), peer.actor("mallory"));
+    for (n, actor) in [(1, &alice), (2, &mallory)] {
+        follow(&mut c, &ana, actor).await;
+        wait_until!("the Follow arrives", peer.received_of("Follow").len() == n);
+    }
+    let mut taken = follow_of(&peer, "mallory", 1, &ana_actor);
+    taken["id"] = json!(format!("{alice}#delete"));
+    assert_eq!(peer.send("mallory", &inbox, &taken).await, 202);
+    wait_until!("mallory's Follow is accepted", peer.received_of("Accept").len() == 1);
+    let delete = |actor: &str, object: &str, id: String| {
+        json!({
+            "@context": "https://www.w3.org/ns/activitystreams",
+            "id": id,
+            "type": "Delete",
+            "actor": actor,
+            "object": object,
+        })
+    };
+    let ahead = delete(&mallory, &format!("{alice}/statuses/1"), format!("{mallory}#delete-ahead"));
+    assert_eq!(peer.send("mallory", &inbox, &ahead).await, 202);
+    let note = review_note(&peer, "alice", 1, "Stalker", 1979, "The zone.");
+    assert_eq!(peer.send("alice", &inbox, &note).await, 202);
+    let kept = "SELECT COUNT(*) FROM remote_reviews";
+    wait_until!("alice's note is kept", count(&db, kept).await == 1);
+
+    assert_eq!(peer.send("alice", &inbox, &delete(&alice, &alice, format!("{alice}#delete"))).await, 202);
+    wait_until!("alice's account Delete took her review", count(&db, kept).await == 0);
+    assert_eq!(
+        query_strings(&db, "SELECT target FROM follows").await,
+        [[format!("actor:{mallory}")]],
+        "ana's follow of alice ended with her account"
+    );
+}
+
 /// An account with more reviews than one write job deletes goes in several jobs, all of it.
 #[tokio::test]
 async fn a_deleted_account_with_many_reviews_goes_in_several_jobs() {

@@ -130,7 +130,8 @@ mod tests {
                         let at = if n < 5 { old + n } else { new + n };
                         let id = format!("https://peer.example/activities/{n}");
                         for sql in [
-                            "INSERT INTO federation_inbox (activity_id, received_at) VALUES (?1, ?2)",
+                            "INSERT INTO federation_inbox (activity_id, actor_uri, received_at) \
+                             VALUES (?1, 'https://peer.example/users/a', ?2)",
                             "INSERT INTO federation_outbox (activity_id, queued, created_at) VALUES (?1, 1, ?2)",
                             "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) \
                              VALUES (?1, 'https://peer.example/users/a', ?2)",

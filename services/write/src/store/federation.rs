@@ -23,16 +23,25 @@ use super::{
     resolve_movie, write_job,
 };
 
-/// Records that the inbox took in `activity`; false when it had already (the caller then
-/// changes nothing). No activity id: always true.
-async fn first_delivery(tx: &mut WriteTx, activity: &Option<String>) -> Result<bool> {
+/// Records that the inbox took in `activity` from `actor_uri`; false when it had already (the
+/// caller then changes nothing). No activity id: always true.
+///
+/// A repeat is the same actor's: any actor of a server can sign an activity under any id there,
+/// so one actor sending another's coming activity id (a Mastodon account's Delete is
+/// `<actor>#delete`) must not make that activity a repeat. Records from before they had an
+/// actor (`''`) count as any actor's.
+async fn first_delivery(tx: &mut WriteTx, actor_uri: &str, activity: &Option<String>) -> Result<bool> {
     let Some(activity) = activity else { return Ok(true) };
-    let inserted = sqlx::query("INSERT OR IGNORE INTO federation_inbox (activity_id, received_at) VALUES (?, ?)")
-        .bind(activity.clone())
-        .bind(tx.now_ms())
-        .execute(tx.conn())
-        .await?
-        .rows_affected();
+    let inserted = sqlx::query(
+        "INSERT INTO federation_inbox (activity_id, actor_uri, received_at) SELECT ?1, ?2, ?3 \
+         WHERE NOT EXISTS (SELECT 1 FROM federation_inbox WHERE activity_id = ?1 AND actor_uri IN (?2, ''))",
+    )
+    .bind(activity.clone())
+    .bind(actor_uri.to_owned())
+    .bind(tx.now_ms())
+    .execute(tx.conn())
+    .await?
+    .rows_affected();
     if inserted > 0
         && let Some(server) = server_of(activity)
     {
@@ -121,12 +130,14 @@ impl FailingServer {
 /// when they find what they name (an Undo, an Accept, a Reject, a Delete of nothing kept): they
 /// look first and record themselves only once they changed something, so any signer cannot
 /// fill `federation_inbox` with ids that change nothing.
-async fn seen_before(tx: &mut WriteTx, activity: &Option<String>) -> Result<bool> {
+async fn seen_before(tx: &mut WriteTx, actor_uri: &str, activity: &Option<String>) -> Result<bool> {
     let Some(activity) = activity else { return Ok(false) };
-    let seen: Option<i64> = sqlx::query_scalar("SELECT 1 FROM federation_inbox WHERE activity_id = ?")
-        .bind(activity.clone())
-        .fetch_optional(tx.conn())
-        .await?;
+    let seen: Option<i64> =
+        sqlx::query_scalar("SELECT 1 FROM federation_inbox WHERE activity_id = ?1 AND actor_uri IN (?2, '') LIMIT 1")
+            .bind(activity.clone())
+            .bind(actor_uri.to_owned())
+            .fetch_optional(tx.conn())
+            .await?;
     Ok(seen.is_some())
 }
 
@@ -144,13 +155,13 @@ pub(crate) async fn purge_records(
 ) -> std::result::Result<u64, sqlx::Error> {
     let mut purged = 0;
     for (table, key, at, cutoff) in [
-        ("federation_inbox", "activity_id", "received_at", cutoff_ms),
+        ("federation_inbox", "activity_id, actor_uri", "received_at", cutoff_ms),
         ("federation_outbox", "activity_id", "created_at", cutoff_ms),
-        ("remote_review_tombstones", "object_uri", "deleted_at", cutoff_ms),
+        ("remote_review_tombstones", "object_uri, actor_uri", "deleted_at", cutoff_ms),
         ("federation_failing_hosts", "host", "last_failure_at", servers_cutoff_ms),
     ] {
         purged += sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {at} < ?1 ORDER BY {at} LIMIT ?2)"
+            "DELETE FROM {table} WHERE ({key}) IN (SELECT {key} FROM {table} WHERE {at} < ?1 ORDER BY {at} LIMIT ?2)"
         )))
         .bind(cutoff)
         .bind(i64::from(batch))
@@ -170,11 +181,12 @@ async fn followed_by_anyone(conn: &mut SqliteConnection, actor_uri: &str) -> Res
 }
 
 /// Records that `actor_uri`'s remote review `object_uri` is deleted, so a Create or Update of it
-/// arriving later is not saved.
+/// by that actor arriving later is not saved. (Another actor of its server deleting it first
+/// keeps nothing out: only its author's Delete does.)
 async fn tombstone(tx: &mut WriteTx, object_uri: &str, actor_uri: &str) -> Result<()> {
     sqlx::query(
         "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) VALUES (?, ?, ?) \
-         ON CONFLICT (object_uri) DO NOTHING",
+         ON CONFLICT (object_uri, actor_uri) DO NOTHING",
     )
     .bind(object_uri.to_owned())
     .bind(actor_uri.to_owned())
@@ -312,15 +324,17 @@ impl Store {
                 .into());
             }
             let unchanged = RemoteReviewSaved { id: String::new(), created: false, changed: false };
-            if !first_delivery(tx, &received).await? {
+            if !first_delivery(tx, &review.actor_uri, &received).await? {
                 return Ok(unchanged);
             }
             // Deleted by its author already (that Delete came first): a late Create or Update
             // must not bring it back.
-            let deleted: Option<i64> = sqlx::query_scalar("SELECT 1 FROM remote_review_tombstones WHERE object_uri = ?")
-                .bind(review.object_uri.clone())
-                .fetch_optional(tx.conn())
-                .await?;
+            let deleted: Option<i64> =
+                sqlx::query_scalar("SELECT 1 FROM remote_review_tombstones WHERE object_uri = ? AND actor_uri = ?")
+                    .bind(review.object_uri.clone())
+                    .bind(review.actor_uri.clone())
+                    .fetch_optional(tx.conn())
+                    .await?;
             if deleted.is_some() {
                 tracing::info!(object_uri = %review.object_uri, "a review its author deleted arrived again; not saved");
                 return Ok(unchanged);
@@ -438,7 +452,7 @@ impl Store {
         received: Option<String>,
     ) -> Result<bool> {
         write_job!(self, "delete_remote_review", |tx| {
-            if seen_before(tx, &received).await? {
+            if seen_before(tx, &actor_uri, &received).await? {
                 return Ok(false);
             }
             let row = sqlx::query("SELECT id, actor_uri, movie_id FROM remote_reviews WHERE object_uri = ?")
@@ -456,7 +470,7 @@ impl Store {
             if row.is_none() && !followed_by_anyone(tx.conn(), &actor_uri).await? {
                 return Ok(false);
             }
-            first_delivery(tx, &received).await?;
+            first_delivery(tx, &actor_uri, &received).await?;
             // Found or not (its Create may still be on its way), it stays deleted.
             tombstone(tx, &object_uri, &actor_uri).await?;
             let Some(row) = row else { return Ok(false) };
@@ -481,7 +495,7 @@ impl Store {
         loop {
             let (actor_uri, received) = (actor_uri.clone(), received.clone());
             let (changed_now, done) = write_job!(self, "delete_remote_actor", |tx| {
-                if seen_before(tx, &received).await? {
+                if seen_before(tx, &actor_uri, &received).await? {
                     return Ok((false, true));
                 }
                 let (mut events, deleted) = delete_reviews_of(tx, &actor_uri).await?;
@@ -510,7 +524,7 @@ impl Store {
                 // Every deletion raised an event: whether this job changed anything.
                 let changed_now = !events.is_empty();
                 if changed_now || changed {
-                    first_delivery(tx, &received).await?;
+                    first_delivery(tx, &actor_uri, &received).await?;
                 }
                 commit_events(tx, events).await?;
                 Ok((changed_now, true))
@@ -541,7 +555,7 @@ impl Store {
                 ))
                 .into());
             }
-            if !first_delivery(tx, &Some(activity_uri.clone())).await? {
+            if !first_delivery(tx, &actor_uri, &Some(activity_uri.clone())).await? {
                 return Ok(false);
             }
             sqlx::query(
@@ -587,7 +601,7 @@ impl Store {
             if let Some(user) = user {
                 ensure_user(tx.conn(), user).await?;
             }
-            if seen_before(tx, &received).await? {
+            if seen_before(tx, &actor_uri, &received).await? {
                 return Ok(false);
             }
             let removed: Vec<String> = sqlx::query(
@@ -609,7 +623,7 @@ impl Store {
             if removed.is_empty() {
                 return Ok(false);
             }
-            first_delivery(tx, &received).await?;
+            first_delivery(tx, &actor_uri, &received).await?;
             commit_events(tx, events).await?;
             Ok(true)
         })
@@ -625,7 +639,7 @@ impl Store {
         received: Option<String>,
     ) -> Result<bool> {
         write_job!(self, "receive_accept", |tx| {
-            if seen_before(tx, &received).await? {
+            if seen_before(tx, &actor_uri, &received).await? {
                 return Ok(false);
             }
             let accepted: Option<String> = sqlx::query(
@@ -639,7 +653,7 @@ impl Store {
             .await?
             .map(|row| row.get(0));
             let Some(follower_id) = accepted else { return Ok(false) };
-            first_delivery(tx, &received).await?;
+            first_delivery(tx, &actor_uri, &received).await?;
             let event = NewEvent::new(
                 &follower_id,
                 Payload::RemoteFollowAccepted(v1::RemoteFollowAccepted { follower_id: follower_id.clone(), actor_uri }),
@@ -659,7 +673,7 @@ impl Store {
         received: Option<String>,
     ) -> Result<bool> {
         write_job!(self, "receive_reject", |tx| {
-            if seen_before(tx, &received).await? {
+            if seen_before(tx, &actor_uri, &received).await? {
                 return Ok(false);
             }
             let target = Target::Actor(actor_uri.clone());
@@ -671,7 +685,7 @@ impl Store {
                     .await?
                     .map(|row| row.get(0));
             let Some(follower_id) = removed else { return Ok(false) };
-            first_delivery(tx, &received).await?;
+            first_delivery(tx, &actor_uri, &received).await?;
             tracing::info!(%follower_id, %actor_uri, "a remote actor rejected a follow; it is removed");
             commit_events(tx, vec![follow_ended_by_remote(&follower_id, &target, follow_event_id)]).await?;
             Ok(true)
@@ -942,9 +956,61 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
+    use reelay_outbox::{Database, DbConfig};
+
+    use crate::WriteError;
+
     use super::*;
 
     const HOUR: i64 = 3_600_000;
+
+    /// An activity id is a repeat only from the actor that sent it first; one recorded before
+    /// records had an actor (the table's rebuild) is a repeat from anyone, as it was.
+    #[tokio::test]
+    async fn an_activity_is_a_repeat_only_from_the_actor_that_sent_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DbConfig::new(dir.path().join("reelay.db"));
+        let mut old = config.connect_and_migrate(Some(137)).await.unwrap();
+        for sql in [
+            "INSERT INTO federation_inbox (activity_id, received_at) VALUES ('https://peer.example/old', 5)",
+            "INSERT INTO remote_review_tombstones (object_uri, actor_uri, deleted_at) \
+             VALUES ('https://peer.example/users/a/statuses/1', 'https://peer.example/users/a', 5)",
+        ] {
+            sqlx::query(sql).execute(&mut old).await.unwrap();
+        }
+        drop(old);
+        let db = Database::open(&config).await.unwrap();
+        let (a, b) = ("https://peer.example/users/a", "https://peer.example/users/b");
+        let id = |path: &str| Some(format!("https://peer.example/{path}"));
+        let firsts = db
+            .writer
+            .transact::<_, WriteError, _>("test", move |tx: &mut WriteTx| {
+                Box::pin(async move {
+                    let mut firsts = Vec::new();
+                    for (actor, activity) in [(b, id("old")), (a, id("users/a#delete")), (b, id("users/a#delete"))] {
+                        firsts.push(first_delivery(tx, actor, &activity).await?);
+                    }
+                    for (actor, activity) in [(a, id("users/a#delete")), (b, id("users/a#delete"))] {
+                        firsts.push(first_delivery(tx, actor, &activity).await?);
+                        firsts.push(!seen_before(tx, actor, &activity).await?);
+                    }
+                    Ok(firsts)
+                })
+            })
+            .await
+            .unwrap();
+        assert_eq!(firsts, [false, true, true, false, false, false, false]);
+        let tombstones: Vec<(String, String, i64)> =
+            sqlx::query_as("SELECT object_uri, actor_uri, deleted_at FROM remote_review_tombstones")
+                .fetch_all(&db.reads)
+                .await
+                .unwrap();
+        assert_eq!(
+            tombstones,
+            [("https://peer.example/users/a/statuses/1".to_owned(), a.to_owned(), 5)],
+            "kept through the rebuild"
+        );
+    }
 
     #[test]
     fn a_server_turns_unavailable_only_after_failing_without_a_long_gap() {
