@@ -394,6 +394,15 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
                 ..Default::default()
             })),
+        case!("an activity larger than an event may be", InvalidArgument, "activity_json", |c, x| c
+            .federation
+            .queue_deliveries(v1::QueueDeliveriesRequest {
+                activity_id: "https://reelay.example/activities/3".into(),
+                sender_user_id: x.a.clone(),
+                activity_json: format!("{{\"content\": \"{}\"}}", "x".repeat(1_100_000)),
+                audience: Some(v1::queue_deliveries_request::Audience::Followers(true)),
+                ..Default::default()
+            })),
         case!("an activity about a review id that is none", InvalidArgument, "live_review_id", |c, x| c
             .federation
             .queue_deliveries(v1::QueueDeliveriesRequest {
@@ -562,6 +571,12 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
             .complete(v1::CompleteRequest {
                 rows: vec![v1::RowClaim { id: 1, claimed_at_ms: 1, stream_sequence: 1 }]
             })),
+        case!("an outbox claim by a consumer named at length", InvalidArgument, "consumer", |c, x| c
+            .outbox
+            .claim(v1::ClaimRequest { consumer: "r".repeat(201), max_rows: 10, ..Default::default() })),
+        case!("an outbox claim naming its call without a consumer", InvalidArgument, "consumer", |c, x| c
+            .outbox
+            .claim(v1::ClaimRequest { max_rows: 10, call_id: 7, ..Default::default() })),
         case!("an outbox claim naming 65 unanswered calls", InvalidArgument, "unanswered", |c, x| c.outbox.claim(
             v1::ClaimRequest {
                 consumer: "test#1".into(),

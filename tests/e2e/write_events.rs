@@ -136,6 +136,34 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
         }],
         ..Default::default()
     };
+    // A profile's texts are single lines within their limits: each refused, naming the field,
+    // and nothing written.
+    let credit =
+        |name: &str, role: &str| v1::PersonCredit { person_id: "tmdb:1".into(), name: name.into(), role: role.into() };
+    let refused = [
+        ("profile.genres[1]", v1::MovieProfile { genres: vec!["Horror".into(), "Sci\tFi".into()], ..profile.clone() }),
+        (
+            "profile.directors[0].name",
+            v1::MovieProfile { directors: vec![credit("\u{2066}Ridley", "")], ..profile.clone() },
+        ),
+        (
+            "profile.cast[0].role",
+            v1::MovieProfile { cast: vec![credit("Sigourney Weaver", "Rip\nley")], ..profile.clone() },
+        ),
+        ("profile.title", v1::MovieProfile { title: " \u{200b} ".into(), ..profile.clone() }),
+        ("profile.year", v1::MovieProfile { year: 19_790, ..profile.clone() }),
+        ("profile.provider_id", v1::MovieProfile { provider_id: "348".into(), ..profile.clone() }),
+    ];
+    for (field, bad) in refused {
+        let status =
+            c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::Profile(bad))).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}: {status:?}");
+        assert!(status.message().starts_with(field), "{field}: {}", status.message());
+    }
+    let long_reason = v1::save_enrichment_request::Outcome::NotFound("x".repeat(1_001));
+    let status = c.movies.save_enrichment(save(long_reason)).await.unwrap_err();
+    assert!(status.message().starts_with("not_found"), "{status:?}");
+    outbox.expect(&[]).await;
     c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::Profile(profile))).await.unwrap();
     outbox.expect(&["MovieEnriched"]).await;
     for _ in 0..2 {

@@ -58,10 +58,23 @@ fn is_bidi_control(c: char) -> bool {
     matches!(c as u32, 0x202A..=0x202E | 0x2066..=0x2069)
 }
 
+/// A control character, or a line or paragraph separator (U+2028, U+2029: not controls, but
+/// they break a line where they stand).
+fn breaks_or_controls(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+}
+
 fn no_control_chars(field: &str, value: &str, allow_newlines: bool) -> Result<(), ValidationError> {
-    let bad = value.chars().any(|c| c.is_control() && !(allow_newlines && matches!(c, '\n' | '\r' | '\t')));
+    let bad = value.chars().any(|c| {
+        if allow_newlines { c.is_control() && !matches!(c, '\n' | '\r' | '\t') } else { breaks_or_controls(c) }
+    });
     if bad {
-        return Err(ValidationError::new(field, "must not contain control characters"));
+        let reason = if allow_newlines {
+            "must not contain control characters"
+        } else {
+            "must be one line, without control characters"
+        };
+        return Err(ValidationError::new(field, reason));
     }
     Ok(())
 }
@@ -90,7 +103,7 @@ pub fn required_text(field: &str, value: &str, max: usize) -> Result<String, Val
 /// (a metadata provider's names), where one odd character must not cost the whole record.
 pub fn fitted_text(value: &str, max: usize) -> Option<String> {
     let cleaned: String =
-        value.chars().filter(|c| !is_bidi_control(*c)).map(|c| if c.is_control() { ' ' } else { c }).collect();
+        value.chars().filter(|c| !is_bidi_control(*c)).map(|c| if breaks_or_controls(c) { ' ' } else { c }).collect();
     let cut: String = required_text("", &cleaned, usize::MAX).ok()?.chars().take(max).collect();
     required_text("", &cut, max).ok()
 }
@@ -308,6 +321,10 @@ mod tests {
         // A joiner inside an emoji sequence is kept: it is part of what is drawn.
         assert_eq!(required_text("display_name", "Ana \u{1F469}\u{200D}\u{1F4BB}", 10).unwrap().chars().count(), 7);
         assert!(body("body", "line one\nline two").is_ok());
+        // A line or paragraph separator breaks a line without being a control character.
+        assert!(required_text("display_name", "Ana\u{2028}Admin", 20).unwrap_err().reason.contains("one line"));
+        assert!(body("body", "one\u{2029}two").is_ok());
+        assert_eq!(fitted_text("Ana\u{2029}Admin", 20).as_deref(), Some("Ana Admin"));
         assert!(body("body", &"x".repeat(MAX_BODY_CHARS + 1)).is_err());
     }
 

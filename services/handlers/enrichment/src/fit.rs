@@ -20,6 +20,19 @@ pub(crate) fn profile(mut profile: v1::MovieProfile) -> v1::MovieProfile {
         tracing::info!(provider_id = %id, runtime = profile.runtime_minutes, "a runtime over {MAX_RUNTIME_MINUTES} minutes is not kept");
         profile.runtime_minutes = 0;
     }
+    for (what, value) in [("title", &mut profile.title), ("IMDb id", &mut profile.imdb_id)] {
+        if !value.is_empty() {
+            let fitted = validate::fitted_text(value, validate::MAX_TITLE_CHARS).unwrap_or_default();
+            if fitted.is_empty() {
+                tracing::info!(provider_id = %id, value = %value, "the profile's {what} has nothing visible; not kept");
+            }
+            *value = fitted;
+        }
+    }
+    if profile.year != 0 && validate::year("year", profile.year).is_err() {
+        tracing::info!(provider_id = %id, year = profile.year, "a year out of range is not kept");
+        profile.year = 0;
+    }
     profile.directors = credits(&id, std::mem::take(&mut profile.directors));
     profile.cast = credits(&id, std::mem::take(&mut profile.cast));
     profile.genres.retain_mut(|genre| match validate::fitted_text(genre, MAX_NAME_CHARS) {
@@ -52,6 +65,7 @@ fn credits(provider_id: &str, list: Vec<v1::PersonCredit>) -> Vec<v1::PersonCred
         .filter(|credit| profiles::person_id_shaped(&credit.person_id))
         .filter_map(|mut credit| {
             credit.name = validate::fitted_text(&credit.name, MAX_NAME_CHARS)?;
+            credit.role = validate::fitted_text(&credit.role, MAX_NAME_CHARS).unwrap_or_default();
             Some(credit)
         })
         .take(MAX_CREDITS)
@@ -110,16 +124,26 @@ mod tests {
                 credit("tmdb:3", " \u{200b} "),
                 credit("nocolon", "Rasmus Nielsen"),
             ],
-            cast: (0..600).map(|n| credit(&format!("tmdb:{n}"), &"x".repeat(400))).collect(),
+            cast: (0..600)
+                .map(|n| v1::PersonCredit {
+                    role: "Vincent\tHanna ".into(),
+                    ..credit(&format!("tmdb:{n}"), &"x".repeat(400))
+                })
+                .collect(),
             poster_url: "https://image.example/p/a poster.jpg".into(),
             overview: "ø".repeat(12_000),
+            title: "Heat\u{7}".into(),
+            imdb_id: "\u{200b}".into(),
+            year: 19_950,
             ..Default::default()
         });
+        assert_eq!((fitted.title.as_str(), fitted.imdb_id.as_str(), fitted.year), ("Heat", "", 0));
         assert_eq!(fitted.runtime_minutes, 0);
         assert_eq!(fitted.genres.len(), MAX_GENRES);
         assert_eq!(fitted.directors, [credit("tmdb:2", "Jakob Fenger")]);
         assert_eq!(fitted.cast.len(), MAX_CREDITS);
         assert_eq!(fitted.cast[0].name.chars().count(), MAX_NAME_CHARS);
+        assert_eq!(fitted.cast[0].role, "Vincent Hanna");
         assert_eq!(fitted.poster_url, "");
         assert_eq!(fitted.overview.chars().count(), MAX_OVERVIEW_CHARS);
 

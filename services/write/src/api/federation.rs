@@ -184,6 +184,19 @@ impl v1::federation_server::Federation for WriteApi {
         let r = request.into_inner();
         let activity_id = uri("activity_id", &r.activity_id)?;
         let sender = user_id("sender_user_id", &r.sender_user_id)?;
+        // Each delivery's event carries the activity: one over the events' limit could never be
+        // queued, and is refused here, by its own name.
+        let max = self.store.database().writer.max_event_bytes();
+        if r.activity_json.len() > max {
+            return Err(ServiceError::invalid(
+                "activity_json",
+                format!(
+                    "is {} bytes, more than an event may carry (REELAY_MAX_EVENT_BYTES, {max})",
+                    r.activity_json.len()
+                ),
+            )
+            .into());
+        }
         if serde_json_is_object(&r.activity_json).is_none() {
             return Err(ServiceError::invalid("activity_json", "must be a JSON object").into());
         }

@@ -72,7 +72,16 @@ impl v1::movies_server::Movies for WriteApi {
         let movie = MovieId::parse("movie_id", &r.movie_id).map_err(ServiceError::from)?;
         let outcome = match r.outcome {
             Some(save_enrichment_request::Outcome::Profile(profile)) => Enrichment::Profile(checked_profile(profile)?),
-            Some(save_enrichment_request::Outcome::NotFound(reason)) => Enrichment::NotFound(reason),
+            Some(save_enrichment_request::Outcome::NotFound(reason)) => {
+                if reason.chars().count() > MAX_NOT_FOUND_CHARS {
+                    return Err(ServiceError::invalid(
+                        "not_found",
+                        format!("is longer than {MAX_NOT_FOUND_CHARS} characters"),
+                    )
+                    .into());
+                }
+                Enrichment::NotFound(reason)
+            }
             None => return Err(ServiceError::invalid("outcome", "is required (profile or not_found)").into()),
         };
         ok(self.store.save_enrichment(movie, outcome, key).await?)
@@ -208,10 +217,36 @@ fn person_id(field: &str, id: &str) -> Result<(), ServiceError> {
     Ok(())
 }
 
-/// A provider's profile, checked field by field before it is stored.
-fn checked_profile(profile: v1::MovieProfile) -> Result<v1::MovieProfile, ServiceError> {
+/// The longest reason a provider gives for not knowing a film, in characters.
+const MAX_NOT_FOUND_CHARS: usize = 1_000;
+
+/// A provider's profile, checked field by field before it is stored: its texts are single lines
+/// within their limits (stored trimmed and composed, as every other name), so what reads them
+/// (search keeps a film's names apart by a control character) can rely on it.
+fn checked_profile(mut profile: v1::MovieProfile) -> Result<v1::MovieProfile, ServiceError> {
+    let text =
+        |field: &str, value: &str, max: usize| validate::required_text(field, value, max).map_err(ServiceError::from);
     if profile.provider.is_empty() || profile.provider_id.is_empty() {
         return Err(ServiceError::invalid("profile.provider", "provider and provider_id are required"));
+    }
+    profile.provider = text("profile.provider", &profile.provider, profiles::MAX_PERSON_ID_BYTES)?;
+    if !profiles::person_id_shaped(&profile.provider_id) || text("", &profile.provider_id, usize::MAX).is_err() {
+        return Err(ServiceError::invalid(
+            "profile.provider_id",
+            format!(
+                "must be <provider>:<id> (at most {} bytes), got {:?}",
+                profiles::MAX_PERSON_ID_BYTES,
+                profile.provider_id
+            ),
+        ));
+    }
+    for (field, value) in [("profile.title", &mut profile.title), ("profile.imdb_id", &mut profile.imdb_id)] {
+        if !value.is_empty() {
+            *value = text(field, value, validate::MAX_TITLE_CHARS)?;
+        }
+    }
+    if profile.year != 0 {
+        validate::year("profile.year", profile.year).map_err(ServiceError::from)?;
     }
     if profile.runtime_minutes > profiles::MAX_RUNTIME_MINUTES {
         return Err(ServiceError::invalid(
@@ -219,19 +254,26 @@ fn checked_profile(profile: v1::MovieProfile) -> Result<v1::MovieProfile, Servic
             format!("{} is not a film's runtime", profile.runtime_minutes),
         ));
     }
-    for (field, list) in [("profile.directors", &profile.directors), ("profile.cast", &profile.cast)] {
+    for (field, list) in [("profile.directors", &mut profile.directors), ("profile.cast", &mut profile.cast)] {
         if list.len() > profiles::MAX_CREDITS {
             return Err(ServiceError::invalid(
                 field,
                 format!("at most {} people, got {}", profiles::MAX_CREDITS, list.len()),
             ));
         }
-        for credit in list {
-            person_id(&format!("{field}.person_id"), &credit.person_id)?;
+        for (n, credit) in list.iter_mut().enumerate() {
+            person_id(&format!("{field}[{n}].person_id"), &credit.person_id)?;
+            credit.name = text(&format!("{field}[{n}].name"), &credit.name, profiles::MAX_NAME_CHARS)?;
+            if !credit.role.is_empty() {
+                credit.role = text(&format!("{field}[{n}].role"), &credit.role, profiles::MAX_NAME_CHARS)?;
+            }
         }
     }
     if profile.genres.len() > profiles::MAX_GENRES {
         return Err(ServiceError::invalid("profile.genres", format!("at most {} genres", profiles::MAX_GENRES)));
+    }
+    for (n, genre) in profile.genres.iter_mut().enumerate() {
+        *genre = text(&format!("profile.genres[{n}]"), genre, profiles::MAX_NAME_CHARS)?;
     }
     if !profile.poster_url.is_empty() {
         validate::uri("profile.poster_url", &profile.poster_url).map_err(ServiceError::from)?;

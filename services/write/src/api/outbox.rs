@@ -285,6 +285,22 @@ impl v1::outbox_server::Outbox for OutboxApi {
             .into());
         }
         check_unanswered(&r.unanswered)?;
+        if r.consumer.is_empty() {
+            // Calls are told apart by their consumer: without one there is nothing to name.
+            if r.call_id != 0 || !r.unanswered.is_empty() {
+                return Err(ServiceError::invalid("consumer", "is required with call_id or unanswered").into());
+            }
+        } else if r.consumer.len() > reelay_domain::MAX_OWNER_BYTES {
+            return Err(ServiceError::invalid(
+                "consumer",
+                format!(
+                    "is at most {} bytes (<instance>#<incarnation>), got {}",
+                    reelay_domain::MAX_OWNER_BYTES,
+                    r.consumer.len()
+                ),
+            )
+            .into());
+        }
         let this = self.clone();
         let rows = to_the_end(&self.shutdown, move |stop| async move { this.claim_rows(r, stop).await }).await?;
         Ok(Response::new(v1::ClaimResponse { rows }))
