@@ -691,8 +691,13 @@ async fn a_rejected_follow_ends_and_can_be_asked_again() {
     let dir = temp_dir();
     let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
     let inbox = format!("{}/inbox", a.actor_url(&ana));
-    follow(&mut c, &ana, &peer.actor("bob")).await;
+    // Typed with its scheme upper-cased: the same actor, whose Reject (naming him as his server
+    // does) finds the follow.
+    let typed = peer.actor("bob").replacen("http://127.0.0.1:", "HTTP://127.0.0.1:", 1);
+    follow(&mut c, &ana, &typed).await;
     wait_until!("bob gets ana's Follow", peer.received_of("Follow").len() == 1);
+    let targets = query_strings(&a.database, "SELECT target FROM follows").await;
+    assert_eq!(targets, [[format!("actor:{}", peer.actor("bob"))]]);
     let follow_activity = peer.received_of("Follow")[0].activity.clone();
     let reject = |by: &str| {
         json!({

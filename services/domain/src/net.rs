@@ -41,7 +41,8 @@ pub fn not_public_in(error: &(dyn std::error::Error + 'static)) -> Option<String
 
 /// Whether `ip` is an address of the public internet: not loopback, unspecified, private,
 /// link-local, shared (carrier NAT), multicast, broadcast, documentation, benchmarking or
-/// reserved; an IPv4 address inside IPv6 (mapped, compatible, NAT64) as that address.
+/// reserved; an IPv4 address inside IPv6 (mapped, compatible, NAT64, 6to4) as that address, and
+/// Teredo and site-local addresses not at all.
 pub fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
@@ -69,10 +70,18 @@ pub fn is_public(ip: IpAddr) -> bool {
                 let v4 = std::net::Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
                 return is_public(IpAddr::V4(v4));
             }
+            if s[0] == 0x2002 {
+                // 6to4: the IPv4 address its tunnel relays to follows the prefix.
+                let v4 = std::net::Ipv4Addr::new((s[1] >> 8) as u8, s[1] as u8, (s[2] >> 8) as u8, s[2] as u8);
+                return is_public(IpAddr::V4(v4));
+            }
             !(v6.is_multicast()
                 || (s[0] & 0xfe00) == 0xfc00
                 || (s[0] & 0xffc0) == 0xfe80
-                || (s[0] == 0x2001 && s[1] == 0x0db8))
+                // Site-local (deprecated, still routed inside some networks).
+                || (s[0] & 0xffc0) == 0xfec0
+                // Documentation, and Teredo (its server and client addresses are IPv4 inside).
+                || (s[0] == 0x2001 && (s[1] == 0x0db8 || s[1] == 0)))
         }
     }
 }
@@ -100,7 +109,9 @@ mod tests {
 
     #[test]
     fn public_addresses() {
-        for public in ["1.1.1.1", "93.184.215.14", "2606:4700::1111", "::ffff:1.1.1.1", "64:ff9b::101:101"] {
+        for public in
+            ["1.1.1.1", "93.184.215.14", "2606:4700::1111", "::ffff:1.1.1.1", "64:ff9b::101:101", "2002:101:101::1"]
+        {
             assert!(is_public(public.parse().unwrap()), "{public}");
         }
         for private in [
@@ -118,6 +129,10 @@ mod tests {
             "240.0.0.1",
             "::1",
             "::",
+            "2002:7f00:1::1",
+            "2002:a00:1::",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "fec0::1",
             "fd00::1",
             "fe80::1",
             "ff02::1",

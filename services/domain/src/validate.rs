@@ -249,7 +249,10 @@ pub fn external_id(field: &str, value: &str) -> Result<Option<String>, Validatio
     Ok(Some(value.to_owned()))
 }
 
-/// An ActivityPub id: an absolute `https://` (or `http://`) URI without spaces.
+/// An ActivityPub id: an absolute `https://` (or `http://`) URI without spaces, in one spelling
+/// of what is case-insensitive in it: its scheme and host lower-cased, and the scheme's default
+/// port dropped (`HTTPS://Mastodon.Social:443/users/Bob` is `https://mastodon.social/users/Bob`,
+/// as the server itself names it), so a follow typed either way is the one its Accept names.
 pub fn uri(field: &str, value: &str) -> Result<String, ValidationError> {
     if value.is_empty() {
         return Err(ValidationError::new(field, "is required"));
@@ -257,12 +260,24 @@ pub fn uri(field: &str, value: &str) -> Result<String, ValidationError> {
     if chars(value) > MAX_URI_CHARS {
         return Err(ValidationError::new(field, format!("is longer than {MAX_URI_CHARS} characters")));
     }
-    let rest = value.strip_prefix("https://").or_else(|| value.strip_prefix("http://"));
-    let ok = rest.is_some_and(|r| !r.is_empty() && !r.starts_with('/')) && value.chars().all(|c| c.is_ascii_graphic());
-    if !ok {
-        return Err(ValidationError::new(field, format!("must be an absolute http(s) URI, got {value:?}")));
+    let parts = value.split_once("://").and_then(|(scheme, rest)| {
+        let scheme = scheme.to_ascii_lowercase();
+        let default_port = match scheme.as_str() {
+            "https" => ":443",
+            "http" => ":80",
+            _ => return None,
+        };
+        let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+        let authority = authority.to_ascii_lowercase();
+        let authority = authority.strip_suffix(default_port).unwrap_or(&authority).to_owned();
+        Some((scheme, authority, tail))
+    });
+    match parts {
+        Some((scheme, authority, tail)) if !authority.is_empty() && value.chars().all(|c| c.is_ascii_graphic()) => {
+            Ok(format!("{scheme}://{authority}{tail}"))
+        }
+        _ => Err(ValidationError::new(field, format!("must be an absolute http(s) URI, got {value:?}"))),
     }
-    Ok(value.to_owned())
 }
 
 /// A key in object storage: a relative path of `A-Z a-z 0-9 / . _ -`, at most 500 bytes, with no
@@ -385,6 +400,17 @@ mod tests {
         assert!(external_id("external_id", "603").is_err());
         assert!(uri("actor_uri", "https://example.social/users/ana").is_ok());
         assert!(uri("actor_uri", "ftp://x").is_err());
+        for (typed, stored) in [
+            ("HTTPS://Mastodon.Social:443/users/Bob", "https://mastodon.social/users/Bob"),
+            ("http://Peer.Example:80?Q#F", "http://peer.example?Q#F"),
+            ("https://peer.example:8443/users/a", "https://peer.example:8443/users/a"),
+            ("https://[::1]:443/u", "https://[::1]/u"),
+        ] {
+            assert_eq!(uri("actor_uri", typed).unwrap(), stored, "{typed}");
+        }
+        for refused in ["https://", "https:///users/a", "https://:443/a", "https://a b/c", "mailto:a@b"] {
+            assert!(uri("actor_uri", refused).is_err(), "{refused}");
+        }
         assert_eq!(page_size(0).unwrap(), DEFAULT_PAGE_SIZE);
         assert!(page_size(MAX_PAGE_SIZE + 1).is_err());
         assert_eq!(title_key("  The   Thing "), "the thing");

@@ -210,7 +210,14 @@ impl RemoteKeys {
             Err(error) => {
                 let mut fetches = self.fetches.lock().expect("fetches lock");
                 if fetches.failed.len() >= REMEMBERED {
-                    fetches.failed.clear();
+                    // Only what is past its time goes: clearing all would let whoever fills
+                    // the map (key ids that never resolve) have every failed fetch made again.
+                    fetches.failed.retain(|_, (at, _)| at.elapsed() < FAILED_FOR);
+                }
+                if fetches.failed.len() >= REMEMBERED {
+                    // Full of failures this minute: this one is not remembered (its host's
+                    // share of fetches still bounds how often it is tried).
+                    return Err(error);
                 }
                 let failure = Failure {
                     reason: error.to_string().chars().take(MAX_REASON_CHARS).collect(),
@@ -234,8 +241,14 @@ impl RemoteKeys {
     fn may_fetch(&self, url: &str) -> Result<(), KeyFetchError> {
         let host = host_of(url).unwrap_or_default();
         let mut fetches = self.fetches.lock().expect("fetches lock");
-        if fetches.per_host.len() >= REMEMBERED {
-            fetches.per_host.clear();
+        if fetches.per_host.len() >= REMEMBERED && !fetches.per_host.contains_key(&host) {
+            // Only the hosts whose minute is over go: clearing all would give every host its
+            // share again to whoever fills the map with hosts of its own.
+            fetches.per_host.retain(|_, (since, _)| since.elapsed() < Duration::from_secs(60));
+            if fetches.per_host.len() >= REMEMBERED {
+                // As many hosts fetched from this minute as are counted: a new one waits.
+                return Err(KeyFetchError::Throttled(host));
+            }
         }
         let (since, count) = fetches.per_host.entry(host.clone()).or_insert((Instant::now(), 0));
         if since.elapsed() >= Duration::from_secs(60) {
@@ -533,5 +546,47 @@ mod tests {
         let throttled = keys.get(&key_id(FETCHES_PER_HOST), false).await.unwrap_err();
         assert!(matches!(throttled, KeyFetchError::Throttled(_)) && throttled.is_transient(), "{throttled}");
         assert_eq!(requests.load(Ordering::SeqCst), FETCHES_PER_HOST as usize);
+    }
+
+    /// The counts of hosts and of failed key ids are bounded, and filling either (hosts and key
+    /// ids are the signer's to choose) gives nobody's share back: only what is past its minute
+    /// goes, and while they are full of this minute's, a new host waits and a new failure is
+    /// not remembered.
+    #[tokio::test]
+    async fn filling_the_counts_gives_no_host_its_share_again() {
+        use std::sync::atomic::Ordering;
+        let (base, requests) = answering_404().await;
+        let http = FederationClient::new(Duration::from_secs(5), 1024, true).unwrap();
+        let keys = RemoteKeys::new(http, Duration::from_secs(60));
+        let key_id = |n: u32| format!("{base}/users/u{n}#main-key");
+        assert!(matches!(keys.get(&key_id(0), false).await, Err(KeyFetchError::Fetch(_))));
+        let minute_ago = Instant::now().checked_sub(Duration::from_secs(61)).unwrap();
+        {
+            let mut fetches = keys.fetches.lock().unwrap();
+            let failure = fetches.failed[&key_id(0)].clone();
+            for n in 1..REMEMBERED {
+                fetches.per_host.insert(format!("h{n}.example"), (Instant::now(), 1));
+                fetches.failed.insert(format!("https://h{n}.example/k"), failure.clone());
+            }
+        }
+        // The host fetched from already keeps counting; its failure is remembered still.
+        assert!(matches!(keys.get(&key_id(0), true).await, Err(KeyFetchError::RecentlyFailed(_))));
+        assert!(matches!(keys.get(&key_id(1), false).await, Err(KeyFetchError::Fetch(_))));
+        {
+            let fetches = keys.fetches.lock().unwrap();
+            assert_eq!((fetches.per_host.len(), fetches.failed.len()), (REMEMBERED, REMEMBERED));
+            assert!(!fetches.failed.contains_key(&key_id(1)), "not remembered: the failures are full");
+            assert!(fetches.failed.contains_key(&key_id(0)));
+        }
+        // A new host waits while every counted one is within its minute...
+        let elsewhere = "http://127.0.0.2:9/users/a#main-key";
+        assert!(matches!(keys.get(elsewhere, false).await, Err(KeyFetchError::Throttled(_))));
+        // ...and is counted once some minute is over, the others' counts kept.
+        keys.fetches.lock().unwrap().per_host.insert("h1.example".into(), (minute_ago, 1));
+        assert!(matches!(keys.get(elsewhere, false).await, Err(KeyFetchError::Fetch(_))));
+        let fetches = keys.fetches.lock().unwrap();
+        assert_eq!(fetches.per_host.len(), REMEMBERED);
+        assert!(!fetches.per_host.contains_key("h1.example") && fetches.per_host.contains_key("h2.example"));
+        assert_eq!(requests.load(Ordering::SeqCst), 2);
     }
 }
