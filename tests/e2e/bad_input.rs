@@ -457,6 +457,26 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 }],
             }
         )),
+        case!("a person's birthday no day of the calendar", InvalidArgument, "people[0].birthday", |c, x| c
+            .movies
+            .save_people(v1::SavePeopleRequest {
+                people: vec![v1::Person {
+                    person_id: "tmdb:1".into(),
+                    name: "Chantal Akerman".into(),
+                    birthday: "1950-02-30".into(),
+                    ..Default::default()
+                }],
+            })),
+        case!("a person's film with a line break", InvalidArgument, "people[0].known_for[1]", |c, x| c
+            .movies
+            .save_people(v1::SavePeopleRequest {
+                people: vec![v1::Person {
+                    person_id: "tmdb:1".into(),
+                    name: "Chantal Akerman".into(),
+                    known_for: vec!["Jeanne Dielman (1975)".into(), "News from\nHome (1977)".into()],
+                    ..Default::default()
+                }],
+            })),
         case!("a watch date in the future", InvalidArgument, "watched_on", |c, x| c.reviews.log_review(log(
             &x.a,
             movie_ref("Heat", 1995),

@@ -166,6 +166,15 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     outbox.expect(&[]).await;
     c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::Profile(profile))).await.unwrap();
     outbox.expect(&["MovieEnriched"]).await;
+    // One person named twice in a call (the director of two films enriched together) is saved
+    // once, as first named.
+    let named = |name: &str| v1::Person { person_id: "tmdb:578".into(), name: name.into(), ..Default::default() };
+    let people = vec![named("Ridley Scott"), named("R. Scott")];
+    let saved = c.movies.save_people(v1::SavePeopleRequest { people }).await.unwrap().into_inner();
+    assert_eq!(saved.changed, 1);
+    let person = c.movies.get_person(v1::GetPersonRequest { person_id: "tmdb:578".into() }).await.unwrap();
+    assert_eq!(person.into_inner().name, "Ridley Scott");
+    outbox.new_rows().await;
     for _ in 0..2 {
         c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::NotFound("gone".into()))).await.unwrap();
     }

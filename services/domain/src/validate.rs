@@ -157,12 +157,18 @@ pub fn rating(field: &str, value: u32) -> Result<u32, ValidationError> {
 
 /// Review text: optional, multi-line, at most 10,000 characters; stored composed (NFC).
 pub fn body(field: &str, value: &str) -> Result<String, ValidationError> {
+    text_block(field, value, MAX_BODY_CHARS)
+}
+
+/// An optional multi-line text of at most `max` characters (newlines and tabs allowed, other
+/// control characters not); stored composed (NFC).
+pub fn text_block(field: &str, value: &str, max: usize) -> Result<String, ValidationError> {
     use unicode_normalization::UnicodeNormalization;
     // Composed (NFC), as names are: the same text has one form, and search finds its words.
     // Counted composed too: what is stored is what an edit sends back.
     let composed: String = value.nfc().collect();
-    if chars(&composed) > MAX_BODY_CHARS {
-        return Err(ValidationError::new(field, format!("is longer than {MAX_BODY_CHARS} characters")));
+    if chars(&composed) > max {
+        return Err(ValidationError::new(field, format!("is longer than {max} characters")));
     }
     no_control_chars(field, &composed, true)?;
     Ok(composed)

@@ -93,13 +93,22 @@ pub(crate) fn person(mut person: v1::Person) -> Option<v1::Person> {
             *text = text.chars().take(max).collect();
         }
     };
+    // Lines are kept in a biography; other control characters become spaces.
+    person.biography = person
+        .biography
+        .chars()
+        .map(|c| if c.is_control() && !matches!(c, '\n' | '\r' | '\t') { ' ' } else { c })
+        .collect();
     cut(&mut person.biography, MAX_BIOGRAPHY_CHARS);
-    cut(&mut person.place_of_birth, MAX_PLACE_CHARS);
+    person.place_of_birth = validate::fitted_text(&person.place_of_birth, MAX_PLACE_CHARS).unwrap_or_default();
     if !profiles::birthday_shaped(&person.birthday) {
         person.birthday.clear();
     }
-    person.known_for.truncate(MAX_KNOWN_FOR);
-    person.known_for.iter_mut().for_each(|film| cut(film, MAX_KNOWN_FOR_CHARS));
+    person.known_for = std::mem::take(&mut person.known_for)
+        .into_iter()
+        .filter_map(|film| validate::fitted_text(&film, MAX_KNOWN_FOR_CHARS))
+        .take(MAX_KNOWN_FOR)
+        .collect();
     Some(person)
 }
 
@@ -164,12 +173,14 @@ mod tests {
             person_id: "tmdb:6".into(),
             name: "Chantal Akerman".into(),
             biography: "b".repeat(30_000),
-            birthday: "June 1950".into(),
+            birthday: "1950-02-30".into(),
+            place_of_birth: "Brussels\u{2028}Belgium".into(),
             known_for: vec!["t".repeat(500); 60],
             ..Default::default()
         })
         .unwrap();
         assert_eq!((fitted.biography.len(), fitted.birthday.as_str()), (MAX_BIOGRAPHY_CHARS, ""));
+        assert_eq!(fitted.place_of_birth, "Brussels Belgium");
         assert_eq!((fitted.known_for.len(), fitted.known_for[0].len()), (MAX_KNOWN_FOR, MAX_KNOWN_FOR_CHARS));
     }
 }

@@ -63,6 +63,10 @@ impl v1::movies_server::Movies for WriteApi {
                 .map_err(ServiceError::from)?;
             checked_person_details(n, person)?;
         }
+        // One person named twice (the director of two films enriched together) is saved once,
+        // as first named, and counted once.
+        let mut named = std::collections::HashSet::new();
+        people.retain(|person| named.insert(person.person_id.clone()));
         ok(self.store.save_people(people).await?)
     }
 
@@ -178,21 +182,21 @@ pub(super) fn sha256(field: &str, digest: &str) -> Result<(), ServiceError> {
     Ok(())
 }
 
-/// A person's profile beyond the name: bounded, and the birthday a date's shape.
-fn checked_person_details(n: usize, person: &v1::Person) -> Result<(), ServiceError> {
+/// A person's profile beyond the name: its texts bounded (the biography may hold lines, the
+/// place and the films are one line each; stored as checked), and the birthday a day.
+fn checked_person_details(n: usize, person: &mut v1::Person) -> Result<(), ServiceError> {
     let field = |name: &str| format!("people[{n}].{name}");
-    let longer =
-        |name: &str, max: usize| ServiceError::invalid(&field(name), format!("is longer than {max} characters"));
-    if person.biography.chars().count() > profiles::MAX_BIOGRAPHY_CHARS {
-        return Err(longer("biography", profiles::MAX_BIOGRAPHY_CHARS));
-    }
-    if person.place_of_birth.chars().count() > profiles::MAX_PLACE_CHARS {
-        return Err(longer("place_of_birth", profiles::MAX_PLACE_CHARS));
+    person.biography = validate::text_block(&field("biography"), &person.biography, profiles::MAX_BIOGRAPHY_CHARS)
+        .map_err(ServiceError::from)?;
+    if !person.place_of_birth.is_empty() {
+        person.place_of_birth =
+            validate::required_text(&field("place_of_birth"), &person.place_of_birth, profiles::MAX_PLACE_CHARS)
+                .map_err(ServiceError::from)?;
     }
     if !profiles::birthday_shaped(&person.birthday) {
         return Err(ServiceError::invalid(
             &field("birthday"),
-            format!("must be empty or YYYY-MM-DD, got {:?}", person.birthday),
+            format!("must be empty or a day as YYYY-MM-DD, got {:?}", person.birthday),
         ));
     }
     if person.known_for.len() > profiles::MAX_KNOWN_FOR {
@@ -201,8 +205,9 @@ fn checked_person_details(n: usize, person: &v1::Person) -> Result<(), ServiceEr
             format!("at most {} films, got {}", profiles::MAX_KNOWN_FOR, person.known_for.len()),
         ));
     }
-    if person.known_for.iter().any(|film| film.chars().count() > profiles::MAX_KNOWN_FOR_CHARS) {
-        return Err(longer("known_for", profiles::MAX_KNOWN_FOR_CHARS));
+    for (i, film) in person.known_for.iter_mut().enumerate() {
+        *film = validate::required_text(&field(&format!("known_for[{i}]")), film, profiles::MAX_KNOWN_FOR_CHARS)
+            .map_err(ServiceError::from)?;
     }
     Ok(())
 }
