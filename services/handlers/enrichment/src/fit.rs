@@ -144,7 +144,6 @@ mod tests {
             title: "Heat\u{7}".into(),
             imdb_id: "\u{200b}".into(),
             year: 19_950,
-            ..Default::default()
         });
         assert_eq!((fitted.title.as_str(), fitted.imdb_id.as_str(), fitted.year), ("Heat", "", 0));
         assert_eq!(fitted.runtime_minutes, 0);
