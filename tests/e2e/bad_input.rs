@@ -382,6 +382,11 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
                 ..Default::default()
             }
         )),
+        case!("a local actor by a handle that is none", InvalidArgument, "handle", |c, x| c
+            .federation
+            .get_local_actor(v1::GetLocalActorRequest {
+                by: Some(v1::get_local_actor_request::By::Handle("ana-b".into()))
+            })),
         case!("the outbox of an unknown user", NotFound, "user", |c, x| c
             .federation
             .list_outbox(v1::ListOutboxRequest { user_id: x.nobody.clone(), ..Default::default() })),

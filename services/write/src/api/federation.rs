@@ -115,7 +115,11 @@ impl v1::federation_server::Federation for WriteApi {
 
     async fn get_local_actor(&self, request: Request<v1::GetLocalActorRequest>) -> Reply<v1::LocalActor> {
         let (handle, user) = match request.into_inner().by {
-            Some(get_local_actor_request::By::Handle(handle)) => (Some(handle), None),
+            // Handles are lower-case; an address typed otherwise (`acct:Ana@…`) names the same
+            // user, as on other servers.
+            Some(get_local_actor_request::By::Handle(handle)) => {
+                (Some(validate::handle(&handle.to_ascii_lowercase()).map_err(ServiceError::from)?), None)
+            }
             Some(get_local_actor_request::By::UserId(id)) => (None, Some(user_id("user_id", &id)?)),
             None => return Err(ServiceError::invalid("by", "is required (handle or user_id)").into()),
         };
