@@ -132,7 +132,8 @@ async fn dead_letter_then_replay(backend: Backend) {
     assert!(a.contains("done") && a.contains("replayed 1x"), "{explained}");
     assert!(explained.contains("replay for probe-a by test-operator"), "{explained}");
     let again = cluster.cli(&["dead-letters", "replay", &event_id]).await;
-    assert!(again.ok().contains("0 replayed, 1 unchanged"), "nothing left to replay: {}", again.stdout);
+    assert!(again.stdout.contains("0 replayed, 1 unchanged"), "nothing left to replay: {}", again.stdout);
+    assert!(!again.success && again.stderr.contains("nothing replayed"), "a script is told: {}", again.stderr);
     cluster.stop().await;
 }
 
@@ -301,7 +302,8 @@ async fn discard_and_bad_requests() {
         status.stdout
     );
     let replay = cluster.cli(&["dead-letters", "replay", &event_id]).await;
-    assert!(replay.ok().contains("0 replayed, 1 unchanged"), "a discarded letter is not replayed: {}", replay.stdout);
+    assert!(replay.stdout.contains("0 replayed, 1 unchanged"), "a discarded letter is not replayed: {}", replay.stdout);
+    assert!(!replay.success, "{}", replay.stderr);
 
     let mut admin = AdminClient::new(cluster.write.channel().await);
     let refused = |r: Result<tonic::Response<v1::DeadLetterActionResponse>, tonic::Status>| r.unwrap_err();

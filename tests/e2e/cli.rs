@@ -111,15 +111,21 @@ async fn a_newcomers_first_run_follows_the_readme() {
 /// here), with exit 2 and the flag or variable named: a deadline of 0 (every call was
 /// cancelled), a --limit the help does not allow (0 meant 100, 5000 was the service's error), a
 /// --since before 1970 (it panicked, wrapped into the future, or reached the service as a
-/// negative since_ms), a URL without a scheme (every call failed with "transport error").
+/// negative since_ms), a URL without a scheme (every call failed with "transport error"), a
+/// REELAY_HANDLERS_ADDR that is no address (search reads it, as the other commands read
+/// REELAY_WRITE_ADDR). A value refused that came from a variable names the variable too.
 #[test]
 fn client_settings_no_call_could_use_are_refused_at_once() {
     let dead_letters = ["dead-letters", "list"];
     // The command line, a variable set for it, and what its refusal must name.
     type Case<'a> = (Vec<&'a str>, Option<(&'a str, &'a str)>, &'a [&'a str]);
-    let cases: [Case; 10] = [
+    let cases: [Case; 11] = [
         (vec!["status", "--grpc-timeout-ms", "0"], None, &["--grpc-timeout-ms", "2000"]),
-        (vec!["status"], Some(("REELAY_GRPC_TIMEOUT_MS", "0")), &["--grpc-timeout-ms", "2000"]),
+        (
+            vec!["status"],
+            Some(("REELAY_GRPC_TIMEOUT_MS", "0")),
+            &["--grpc-timeout-ms", "2000", "the environment variable REELAY_GRPC_TIMEOUT_MS"],
+        ),
         ([&dead_letters[..], &["--limit", "0"]].concat(), None, &["--limit", "1000"]),
         ([&dead_letters[..], &["--limit", "5000"]].concat(), None, &["--limit", "1000"]),
         ([&dead_letters[..], &["--since", "999999999999999d"]].concat(), None, &["--since", "too long"]),
@@ -138,10 +144,18 @@ fn client_settings_no_call_could_use_are_refused_at_once() {
             Some(("REELAY_HANDLERS_URL", "127.0.0.1:1")),
             &["REELAY_HANDLERS_URL", "\"127.0.0.1:1\"", "no scheme"],
         ),
+        (
+            vec!["search", "reviews", "heat"],
+            Some(("REELAY_HANDLERS_ADDR", "handlers:50052")),
+            &["REELAY_HANDLERS_ADDR", "\"handlers:50052\"", "--handlers-url"],
+        ),
     ];
     for (args, env, named) in cases {
         let mut command = std::process::Command::new(BIN);
-        command.args(&args).env_remove("REELAY_GRPC_TIMEOUT_MS").env_remove("REELAY_HANDLERS_URL");
+        for name in ["REELAY_GRPC_TIMEOUT_MS", "REELAY_HANDLERS_URL", "REELAY_HANDLERS_ADDR"] {
+            command.env_remove(name);
+        }
+        command.args(&args);
         if let Some((name, value)) = env {
             command.env(name, value);
         }
@@ -149,6 +163,9 @@ fn client_settings_no_call_could_use_are_refused_at_once() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {stderr}");
         assert!(named.iter().all(|n| stderr.contains(n)), "{args:?} {env:?} names {named:?}: {stderr}");
+        if env.is_none() {
+            assert!(!stderr.contains("environment variable"), "typed, not from a variable: {stderr}");
+        }
     }
 }
 
@@ -364,4 +381,239 @@ async fn a_letterboxd_zip_brings_the_diary_with_its_reviews_and_the_watchlist() 
         "the token is required: {}",
         refused.stderr
     );
+}
+
+/// `reelay run` with the environment cleared but for PATH, and `env` on top, in `dir`; its
+/// stderr when it exits within 30 s.
+fn run_exits(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut command = std::process::Command::new(BIN);
+    command
+        .arg("run")
+        .args(args)
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let read = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("reelay run {args:?} did not exit in 30 s: {}", read.join().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status.code(), read.join().unwrap())
+}
+
+/// A port another process holds is refused naming the listener and the setting that moves it
+/// (it said "cannot listen on 127.0.0.1:8080: Address already in use", which of five?), said
+/// once (it was said twice, logged and printed). REELAY_DEV takes the switch words the other
+/// switches take (1, on, yes: it took only true/false), and a value it refuses names it.
+#[test]
+fn a_taken_port_names_its_setting_and_reelay_dev_takes_switch_words() {
+    let dir = temp_dir();
+    let listeners = [
+        ("--write-addr", "REELAY_WRITE_ADDR", "the write service's gRPC", "1"),
+        ("--handlers-addr", "REELAY_HANDLERS_ADDR", "the handlers service's gRPC", "on"),
+        ("--media-addr", "REELAY_MEDIA_ADDR", "the handlers service's media route", "yes"),
+        ("--gateway-addr", "REELAY_GATEWAY_ADDR", "the ActivityPub gateway", "TRUE"),
+        ("--metrics-addr", "REELAY_METRICS_ADDR", "the admin HTTP port", "Y"),
+    ];
+    for (flag, variable, what, dev) in listeners {
+        // Fresh ports each try: another test may take one of the free ones meanwhile, which
+        // names another listener.
+        let (code, stderr) = (0..3)
+            .map(|_| {
+                let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                let taken_addr = taken.local_addr().unwrap().to_string();
+                let mut args = vec!["--data-dir".to_owned(), "data".to_owned()];
+                for (other, ..) in listeners {
+                    let addr = if other == flag {
+                        taken_addr.clone()
+                    } else {
+                        format!("127.0.0.1:{}", reelay_harness::free_port())
+                    };
+                    args.extend([other.to_owned(), addr]);
+                }
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let (code, stderr) = run_exits(dir.path(), &args, &[("REELAY_DEV", dev)]);
+                let named = stderr.contains(&format!("cannot listen on {taken_addr} ({variable} / {flag}, {what}"));
+                (code, stderr, named)
+            })
+            .find(|(_, _, named)| *named)
+            .map(|(code, stderr, _)| (code, stderr))
+            .unwrap_or_else(|| panic!("{flag}: never refused naming it"));
+        assert_eq!(code, Some(2), "{flag}: {stderr}");
+        assert!(stderr.contains("Address already in use"), "{flag}: the cause is kept: {stderr}");
+        assert_eq!(stderr.matches("cannot listen on").count(), 1, "{flag}: said once: {stderr}");
+        assert!(stderr.contains("development mode: no service token"), "REELAY_DEV={dev} is on: {stderr}");
+    }
+    // Off reads as off: the token is required.
+    let (code, stderr) = run_exits(dir.path(), &["--data-dir", "data"], &[("REELAY_DEV", "off")]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(!stderr.contains("development mode"), "{stderr}");
+    assert_eq!(stderr.matches("no service token: set REELAY_SERVICE_TOKEN").count(), 1, "said once: {stderr}");
+    let (code, stderr) = run_exits(dir.path(), &["--data-dir", "data"], &[("REELAY_DEV", "maybe")]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("'maybe' for '--dev'") && stderr.contains("the environment variable REELAY_DEV"),
+        "{stderr}"
+    );
+}
+
+/// A data dir this process cannot write: the write service's lock file could not be made, and
+/// it said "No such file or directory" (of the read-only open it fell back to); it now says the
+/// dir is not writable and which settings move it. A process that only needs an instance name
+/// there warns the same way and runs on. (As root the processes run as `nobody`, for whom the
+/// dir is read-only.)
+#[tokio::test]
+async fn a_data_dir_that_cannot_be_written_is_named_with_its_setting() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    use tokio::io::AsyncBufReadExt;
+    let dir = temp_dir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let read_only = dir.path().join("read-only");
+    std::fs::create_dir(&read_only).unwrap();
+    std::fs::set_permissions(&read_only, std::fs::Permissions::from_mode(0o555)).unwrap();
+    // SAFETY: geteuid only reads this process's effective user id.
+    let root = unsafe { libc::geteuid() } == 0;
+    // `nobody` may not reach the build dir: a copy of the binary (a link) it can run.
+    let bin = dir.path().join("reelay");
+    std::fs::hard_link(BIN, &bin).or_else(|_| std::fs::copy(BIN, &bin).map(drop)).unwrap();
+    let command = |service: &str| {
+        let mut command = std::process::Command::new(&bin);
+        command
+            .args(["run", "--dev", "--service", service, "--data-dir", read_only.to_str().unwrap()])
+            .current_dir(dir.path())
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("REELAY_WRITE_URL", "http://127.0.0.1:1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (variable, port) in ["REELAY_WRITE_ADDR", "REELAY_METRICS_ADDR", "REELAY_GATEWAY_ADDR"]
+            .map(|v| (v, reelay_harness::free_port()))
+        {
+            command.env(variable, format!("127.0.0.1:{port}"));
+        }
+        if root {
+            command.uid(65534).gid(65534);
+        }
+        let mut command = tokio::process::Command::from(command);
+        command.kill_on_drop(true);
+        command
+    };
+
+    let out = tokio::time::timeout(Duration::from_secs(30), command("write").output()).await.unwrap().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let dir_named = format!("make {} writable", read_only.display());
+    assert!(stderr.contains(&dir_named) && stderr.contains("REELAY_DATA_DIR"), "{stderr}");
+    assert!(stderr.contains("Permission denied") && !stderr.contains("No such file"), "{stderr}");
+    assert_eq!(stderr.matches("cannot lock its database").count(), 1, "said once: {stderr}");
+
+    // The gateway claims under an instance name, which it cannot lock there: a warning.
+    let mut gateway = command("gateway").spawn().unwrap();
+    let mut lines = tokio::io::BufReader::new(gateway.stderr.take().unwrap()).lines();
+    let warning = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if line.contains("cannot lock the instance name") {
+                return line;
+            }
+        }
+        panic!("the gateway exited without the warning");
+    })
+    .await
+    .expect("the warning within 30 s");
+    assert!(warning.contains("REELAY_DATA_DIR") && warning.contains("Permission denied"), "{warning}");
+    assert!(!warning.contains("No such file"), "{warning}");
+    assert!(gateway.try_wait().unwrap().is_none(), "it runs on: {warning}");
+    gateway.kill().await.unwrap();
+}
+
+/// A client pointed at the write service that answers: output read by a reader that goes away
+/// early ends quietly with the command's own status (println! panicked: "failed printing to
+/// stdout: Broken pipe", exit 101); a replay or discard of ids none of which changed exits 1
+/// saying so (it exited 0); a port of something else is answered with a hint at the URL's
+/// variable; search finds the handlers service through REELAY_HANDLERS_ADDR.
+#[tokio::test]
+async fn clients_end_quietly_when_their_reader_goes_and_say_what_went_wrong() {
+    let dir = temp_dir();
+    let reelay = Reelay::start_all(BIN, &dir.path().join("reelay.db"), &[]).await;
+    let client = |args: &[&str], env: &[(&str, String)]| {
+        let mut command = tokio::process::Command::new(BIN);
+        for name in ["REELAY_WRITE_URL", "REELAY_WRITE_ADDR", "REELAY_HANDLERS_URL", "REELAY_HANDLERS_ADDR"] {
+            command.env_remove(name);
+        }
+        command
+            .args(args)
+            .env("REELAY_WRITE_URL", format!("http://{}", reelay.addr))
+            .env("REELAY_SERVICE_TOKEN", reelay_harness::TEST_TOKEN)
+            .env("REELAY_OPERATOR", "test-operator")
+            .env("RUST_LOG", "warn")
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        command
+    };
+    let unknown = "00000000-0000-7000-8000-000000000000";
+
+    // The reader gone before the command writes a line.
+    for (args, code) in [
+        (&["status"][..], 0),
+        (&["dead-letters", "list"], 0),
+        (&["users", "create", "piped"], 0),
+        (&["dead-letters", "replay", unknown], 1),
+    ] {
+        let mut child = client(args, &[]).spawn().unwrap();
+        drop(child.stdout.take());
+        let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await.unwrap().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+    }
+    let users = query_strings(&reelay.database, "SELECT handle FROM users").await;
+    assert_eq!(users, vec![vec!["piped".to_owned()]], "the command ran to its end");
+
+    // Ids named, none changed: exit 1, said on stderr; the summary still on stdout.
+    for (verb, done) in [("replay", "replayed"), ("discard", "discarded")] {
+        let out = client(&["dead-letters", verb, unknown], &[]).output().await.unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(1), "{verb}: {stdout}{stderr}");
+        assert!(stdout.contains(&format!("0 {done}, 1 unchanged")), "{verb}: {stdout}");
+        assert!(stderr.contains(&format!("nothing {done}: none of the named events")), "{verb}: {stderr}");
+        assert_eq!(stderr.matches("nothing").count(), 1, "said once: {stderr}");
+    }
+    // --all with nothing to change is done: exit 0.
+    let out = client(&["dead-letters", "replay", "--handler", "search", "--all"], &[]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // Ports of something else: an HTTP server (the gateway, the admin port) or another gRPC
+    // service (the handlers').
+    for addr in [reelay.gateway_addr, reelay.metrics_addr, reelay.handlers_addr] {
+        let out = client(&["status", "--write-url", &format!("http://{addr}")], &[]).output().await.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{addr}: {stderr}");
+        assert!(stderr.contains("(is REELAY_WRITE_URL the write service's gRPC address?)"), "{addr}: {stderr}");
+    }
+
+    // search reaches the handlers service at REELAY_HANDLERS_ADDR (as the services read it:
+    // an unspecified address is this machine), with no REELAY_HANDLERS_URL.
+    let any = format!("0.0.0.0:{}", reelay.handlers_addr.port());
+    let out = client(&["search", "reviews", "heat"], &[("REELAY_HANDLERS_ADDR", any)]).output().await.unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("0 review(s) found"), "{stdout}{stderr}");
 }

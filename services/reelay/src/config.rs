@@ -1,5 +1,6 @@
 //! Command line and environment. Every setting can come from an environment variable (the same
-//! names in every service and in `k8s/`); a flag overrides it.
+//! names in every service and in `k8s/`); a flag overrides it. `run --service`, which picks
+//! what a process is rather than how it behaves, is a flag only.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -96,7 +97,7 @@ impl DatabaseArgs {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// A service to run; repeat for several. None means all the backend's services (the relay
-    /// only on nats), in one process.
+    /// only on nats), in one process. (No variable: the command line says what a process is.)
     #[arg(long = "service", value_name = "SERVICE")]
     pub services: Vec<Service>,
 
@@ -116,7 +117,8 @@ pub struct RunArgs {
     pub service_token_file: Option<PathBuf>,
 
     /// Development mode: allow running without a service token (calls are not authenticated).
-    #[arg(long, env = "REELAY_DEV")]
+    /// The variable takes true/false, 1/0, yes/no or on/off, as the other switches do.
+    #[arg(long, env = "REELAY_DEV", value_parser = clap::builder::BoolishValueParser::new())]
     pub dev: bool,
 
     /// Where this process serves `/metrics` (Prometheus), `/healthz` and `/readyz` over HTTP.
@@ -373,7 +375,7 @@ pub struct HandlerArgs {
     /// again with a backoff from 1 s to 30 s; past it they fail as a retryable failure (an
     /// attempt spent). 0 (fail at once) to a week.
     #[arg(long, env = "REELAY_HANDLER_UNAVAILABLE_WAIT_MS", default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(0..=604_800_000))]
-    pub unavailable_wait_ms: u64,
+    pub handler_unavailable_wait_ms: u64,
 }
 
 /// The ActivityPub gateway (its public origin is `REELAY_PUBLIC_URL`, shared with the

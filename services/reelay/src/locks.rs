@@ -45,9 +45,22 @@ fn holder(path: &Path) -> String {
 fn try_take(path: &Path, what: &str) -> io::Result<Option<Held>> {
     let (mut file, writable) = match OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path) {
         Ok(file) => (file, true),
-        // Another user's lock file (a process run as someone else): a lock is taken on a
-        // file opened for reading as well, it just cannot say who holds it.
-        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => (File::open(path)?, false),
+        // Another user's lock file (a process run as someone else), or one on a filesystem
+        // mounted read-only since: a lock is taken on a file opened for reading as well, it
+        // just cannot say who holds it.
+        Err(error) if cannot_write(&error) && path.try_exists().unwrap_or(false) => (File::open(path)?, false),
+        // No file, and none can be made here: the dir is not this user's to write, which is
+        // what to say (not the NotFound of opening a file that is not there).
+        Err(error) if cannot_write(&error) => {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            return Err(io::Error::new(
+                error.kind(),
+                format!(
+                    "{error}: this process cannot write to {}, so the lock file cannot be made there",
+                    dir.display()
+                ),
+            ));
+        }
         Err(error) => return Err(error),
     };
     match file.try_lock() {
@@ -61,6 +74,10 @@ fn try_take(path: &Path, what: &str) -> io::Result<Option<Held>> {
         writeln!(file, "pid {}\n{what}", std::process::id())?;
     }
     Ok(Some(Held(file)))
+}
+
+fn cannot_write(error: &io::Error) -> bool {
+    matches!(error.kind(), io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem)
 }
 
 /// How long a lock that is held is asked for again before giving up: a process restarted the
@@ -98,7 +115,17 @@ pub async fn database_writer(database: &Path) -> anyhow::Result<Held> {
     let mut name = database.file_name().unwrap_or_default().to_owned();
     name.push(".writer.lock");
     let path = dir.join(name);
-    match take_waiting(&path, &format!("the write service of {}", database.display())).await? {
+    let taken = take_waiting(&path, &format!("the write service of {}", database.display())).await.map_err(
+        |error| match error.root_cause().downcast_ref::<io::Error>() {
+            Some(io) if cannot_write(io) => error.context(format!(
+                "the write service cannot lock its database (with a file beside it): make {} writable by this \
+                 user, or set REELAY_DATA_DIR (or REELAY_DATABASE) to a directory it can write",
+                dir.display()
+            )),
+            _ => error,
+        },
+    )?;
+    match taken {
         Ok(held) => Ok(held),
         Err(holder) => bail!(
             "the database {} is in use by another write service ({holder}); a database has one write service: \
@@ -187,7 +214,7 @@ pub async fn instance(explicit: Option<&str>, host: &str, data_dir: &Path) -> an
                 "the instance name {name:?} (REELAY_INSTANCE) is in use by a live process on this machine ({holder}); \
                  every live process needs a name of its own, or it would take back the other's claims"
             ),
-            Err(error) => Ok(unchecked(name, data_dir, &error)),
+            Err(error) => Ok(unchecked(name, data_dir, &format!("{error:#}"))),
         };
     }
     let full = full_path(data_dir);
@@ -214,8 +241,9 @@ pub async fn instance(explicit: Option<&str>, host: &str, data_dir: &Path) -> an
 
 fn unchecked(name: &str, dir: &Path, error: &dyn std::fmt::Display) -> (String, Option<Held>) {
     tracing::warn!(instance = %name, data_dir = %dir.display(), %error,
-        "cannot lock the instance name in the data dir, so it is not checked against the other live processes \
-         here: make sure no other live process runs under it");
+        "cannot lock the instance name in the data dir (REELAY_DATA_DIR), so it is not checked against the other \
+         live processes here: make sure no other live process runs under it, or give this process a data dir it \
+         can write");
     (name.to_owned(), None)
 }
 

@@ -251,21 +251,27 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
         call_timeout: args.call_timeout(),
         ..GrpcConfig::default()
     };
-    // Bind before the slow start-up work so a port clash fails fast.
-    let bind = |addr: SocketAddr| async move {
-        TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))
+    // Bind before the slow start-up work so a port clash fails fast, naming the listener and
+    // the setting that moves it.
+    let bind = |addr: SocketAddr, listener: Listener| async move {
+        TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} ({listener})"))
     };
-    let write_listener = if services.contains(&Service::Write) { Some(bind(args.write_addr).await?) } else { None };
-    let handlers_listener =
-        if services.contains(&Service::Handlers) { Some(bind(args.handlers.handlers_addr).await?) } else { None };
+    let write_listener =
+        if services.contains(&Service::Write) { Some(bind(args.write_addr, WRITE).await?) } else { None };
+    let handlers_listener = if services.contains(&Service::Handlers) {
+        Some(bind(args.handlers.handlers_addr, HANDLERS).await?)
+    } else {
+        None
+    };
     let media_listener =
-        if services.contains(&Service::Handlers) { Some(bind(args.handlers.media_addr).await?) } else { None };
-    let gateway_listener = if services.contains(&Service::Gateway) { Some(bind(gateway_addr).await?) } else { None };
+        if services.contains(&Service::Handlers) { Some(bind(args.handlers.media_addr, MEDIA).await?) } else { None };
+    let gateway_listener =
+        if services.contains(&Service::Gateway) { Some(bind(gateway_addr, GATEWAY).await?) } else { None };
     // Metrics and probes: every service of this process is registered not ready until it is.
     let readiness = Readiness::new();
     let ready: std::collections::BTreeMap<Service, ReadyFlag> =
         services.iter().map(|s| (*s, readiness.service(s.as_str()))).collect();
-    tokio::spawn(reelay_kit::admin_http::serve_admin(bind(args.metrics_addr).await?, readiness.clone()));
+    tokio::spawn(reelay_kit::admin_http::serve_admin(bind(args.metrics_addr, ADMIN).await?, readiness.clone()));
     register_metrics(&services);
 
     // A signal makes the process not ready at once; it stops serving after the shutdown delay
@@ -411,7 +417,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
                     max_attempts,
                     record_dead_letters,
                     hand_back,
-                    unavailable_wait: Duration::from_millis(args.handlers.unavailable_wait_ms),
+                    unavailable_wait: Duration::from_millis(args.handlers.handler_unavailable_wait_ms),
                 },
                 shutdown.clone(),
             );
@@ -604,6 +610,37 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<()> {
     tracing::info!("stopped");
     result
 }
+
+/// A port this process listens on: what serves there, and the setting that moves it.
+#[derive(Clone, Copy)]
+struct Listener {
+    variable: &'static str,
+    flag: &'static str,
+    what: &'static str,
+}
+
+impl std::fmt::Display for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} / {}, {}", self.variable, self.flag, self.what)
+    }
+}
+
+const WRITE: Listener =
+    Listener { variable: "REELAY_WRITE_ADDR", flag: "--write-addr", what: "the write service's gRPC" };
+const HANDLERS: Listener = Listener {
+    variable: "REELAY_HANDLERS_ADDR",
+    flag: "--handlers-addr",
+    what: "the handlers service's gRPC, the Search API",
+};
+const MEDIA: Listener =
+    Listener { variable: "REELAY_MEDIA_ADDR", flag: "--media-addr", what: "the handlers service's media route" };
+const GATEWAY: Listener =
+    Listener { variable: "REELAY_GATEWAY_ADDR", flag: "--gateway-addr", what: "the ActivityPub gateway" };
+const ADMIN: Listener = Listener {
+    variable: "REELAY_METRICS_ADDR",
+    flag: "--metrics-addr",
+    what: "the admin HTTP port: /metrics, /healthz, /readyz",
+};
 
 /// Whether `host_port` (`host`, `host:port`, `[v6]:port`) names the unspecified address
 /// (0.0.0.0, ::), which a server listens on but nobody can reach.

@@ -1,11 +1,13 @@
 //! `reelay dead-letters list|replay|discard`: the deliveries handlers gave up on. Replaying and
 //! discarding change only what is still dead-lettered (two operators at once act once), and
-//! each change is recorded with the operator's name (`REELAY_OPERATOR`, else `$USER`).
+//! each change is recorded with the operator's name (`REELAY_OPERATOR`, else `$USER`). Replay
+//! and discard exit 0 when they changed something (or, with --all, found nothing to change), 1
+//! when event ids were named and none of them changed, 2 when refused or failed.
 
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 
-use super::{ClientArgs, call_failed, operator_name, parse_since, since_ms, utc};
+use super::{ClientArgs, call_failed, operator_name, outln, parse_since, since_ms, utc};
 
 #[derive(Debug, Subcommand)]
 pub enum DeadLettersCommand {
@@ -84,12 +86,12 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
         .map_err(|s| call_failed("dead-letters list", s))?
         .into_inner();
     if listed.dead_letters.is_empty() {
-        println!("no dead letters");
+        outln!("no dead letters");
         return Ok(());
     }
-    println!("{:<38} {:<16} {:<20} {:>8} {:<20} LAST ERROR", "EVENT", "HANDLER", "TYPE", "ATTEMPTS", "GIVEN UP (UTC)");
+    outln!("{:<38} {:<16} {:<20} {:>8} {:<20} LAST ERROR", "EVENT", "HANDLER", "TYPE", "ATTEMPTS", "GIVEN UP (UTC)");
     for d in &listed.dead_letters {
-        println!(
+        outln!(
             "{:<38} {:<16} {:<20} {:>8} {:<20} {}",
             d.event_id,
             d.handler,
@@ -100,7 +102,7 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
         );
     }
     if listed.total > listed.dead_letters.len() as u64 {
-        println!("({} of {} shown; raise --limit or narrow the filters)", listed.dead_letters.len(), listed.total);
+        outln!("({} of {} shown; raise --limit or narrow the filters)", listed.dead_letters.len(), listed.total);
     }
     Ok(())
 }
@@ -111,12 +113,9 @@ async fn act(args: ActArgs, replay: bool) -> anyhow::Result<()> {
     }
     let operator = operator_name()?;
     let mut admin = AdminClient::new(args.client.write()?);
-    let request = v1::DeadLetterActionRequest {
-        event_ids: args.event_ids,
-        handler: args.handler.unwrap_or_default(),
-        all: args.all,
-        operator,
-    };
+    let handler = args.handler.unwrap_or_default();
+    let request =
+        v1::DeadLetterActionRequest { event_ids: args.event_ids, handler: handler.clone(), all: args.all, operator };
     let (verb, answer) = if replay {
         ("replayed", admin.replay_dead_letters(request).await.map_err(|s| call_failed("dead-letters replay", s))?)
     } else {
@@ -124,18 +123,31 @@ async fn act(args: ActArgs, replay: bool) -> anyhow::Result<()> {
     };
     let answer = answer.into_inner();
     for k in &answer.changed {
-        println!("{verb} {} for {}", k.event_id, k.handler);
+        outln!("{verb} {} for {}", k.event_id, k.handler);
     }
     if answer.changed_total > answer.changed.len() as u64 {
-        println!("(and {} more {verb})", answer.changed_total - answer.changed.len() as u64);
+        outln!("(and {} more {verb})", answer.changed_total - answer.changed.len() as u64);
     }
     for k in &answer.unchanged {
         let whom = if k.handler.is_empty() { String::new() } else { format!(" for {}", k.handler) };
-        println!("unchanged {}{whom}: not a dead letter (now)", k.event_id);
+        outln!("unchanged {}{whom}: not a dead letter (now)", k.event_id);
     }
     if answer.unchanged_total > answer.unchanged.len() as u64 {
-        println!("(and {} more unchanged)", answer.unchanged_total - answer.unchanged.len() as u64);
+        outln!("(and {} more unchanged)", answer.unchanged_total - answer.unchanged.len() as u64);
     }
-    println!("{} {verb}, {} unchanged", answer.changed_total, answer.unchanged_total);
+    outln!("{} {verb}, {} unchanged", answer.changed_total, answer.unchanged_total);
+    // Event ids named and none of them changed: a typo, or someone else acted first. A script
+    // must not take that for done. (With --all, a handler with no dead letters left is.)
+    if !args.all && answer.changed_total == 0 {
+        let whose = if handler.is_empty() { String::new() } else { format!(" of {handler}") };
+        return Err(super::Exit {
+            status: 1,
+            message: format!(
+                "nothing {verb}: none of the named events has a dead letter{whose} now (a mistyped id, or one \
+                 replayed or discarded already; `reelay dead-letters list` lists them)"
+            ),
+        }
+        .into());
+    }
     Ok(())
 }

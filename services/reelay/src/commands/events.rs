@@ -5,7 +5,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 
-use super::{ClientArgs, call_failed, utc};
+use super::{ClientArgs, call_failed, outln, utc};
 
 #[derive(Debug, Subcommand)]
 pub enum EventsCommand {
@@ -30,12 +30,12 @@ pub async fn run(command: EventsCommand) -> anyhow::Result<()> {
         .await
         .map_err(|s| call_failed("events explain", s))?
         .into_inner();
-    println!("event {} (backend: {}; times in UTC)", args.event_id, explained.backend);
+    outln!("event {} (backend: {}; times in UTC)", args.event_id, explained.backend);
     match &explained.outbox {
         Some(row) => print_row("outbox", row),
-        None => println!("outbox: no row (deleted by retention after every handler finished with it)"),
+        None => outln!("outbox: no row (deleted by retention after every handler finished with it)"),
     }
-    println!("handlers:");
+    outln!("handlers:");
     for h in &explained.handlers {
         let mut line = format!("  {:<20} {}", h.handler, h.state);
         if h.attempts > 0 {
@@ -56,16 +56,16 @@ pub async fn run(command: EventsCommand) -> anyhow::Result<()> {
         if h.replays > 0 {
             line.push_str(&format!(", replayed {}x", h.replays));
         }
-        println!("{line}");
+        outln!("{line}");
         if !h.last_error.is_empty() {
-            println!("  {:<20} last error: {}", "", h.last_error);
+            outln!("  {:<20} last error: {}", "", h.last_error);
         }
     }
     for replay in &explained.replays {
         print_row(&format!("replay for {}", replay.replay_handler), replay);
     }
     for a in &explained.actions {
-        println!(
+        outln!(
             "action: {} {} for {} by {} (it had {} attempt(s); last error: {})",
             utc(a.at_ms),
             a.action,
@@ -96,8 +96,8 @@ fn print_row(what: &str, row: &v1::OutboxRowState) {
     if !row.claimed_by.is_empty() && row.status == "processing" {
         line.push_str(&format!(", claimed by {} at {}", row.claimed_by, utc(row.claimed_at_ms)));
     }
-    println!("{line}");
+    outln!("{line}");
     if !row.last_error.is_empty() {
-        println!("  last error: {}", row.last_error);
+        outln!("  last error: {}", row.last_error);
     }
 }

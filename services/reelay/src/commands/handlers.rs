@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 use reelay_delivery::jetstream::JetStreamConfig;
 
-use super::{ClientArgs, call_failed, operator_name};
+use super::{ClientArgs, call_failed, operator_name, outln};
 
 #[derive(Debug, Subcommand)]
 pub enum HandlersCommand {
@@ -44,11 +44,13 @@ async fn retire(args: RetireArgs) -> anyhow::Result<()> {
         .await
         .map_err(|s| call_failed("handlers retire", s))?
         .into_inner();
-    println!(
+    outln!(
         "retired {}: {} dead letter(s) and {} open deliveries discarded, its cursor dropped",
-        args.handler, retired.dead_letters_discarded, retired.open_discarded
+        args.handler,
+        retired.dead_letters_discarded,
+        retired.open_discarded
     );
-    println!("{}", consumer_left(&args.stream, &args.handler));
+    outln!("{}", consumer_left(&args.stream, &args.handler));
     Ok(())
 }
 

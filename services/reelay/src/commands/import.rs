@@ -19,7 +19,7 @@ use reelay_contracts::v1::{self, integrations_client::IntegrationsClient, watchl
 use reelay_domain::letterboxd;
 use reelay_kit::client::ServiceChannel;
 
-use super::{ClientArgs, MAX_INPUT_FILE_BYTES, call_failed, movie_by_title, read_file};
+use super::{ClientArgs, MAX_INPUT_FILE_BYTES, call_failed, errln, movie_by_title, outln, read_file};
 
 /// Diary rows per ImportDiary call (the server commits this many per transaction too), so the
 /// progress bar moves as rows are written.
@@ -69,7 +69,7 @@ pub async fn run(command: ImportCommand) -> anyhow::Result<()> {
             None => e,
         })?);
     }
-    println!("imported {}: {}", args.path.display(), summary.join("; "));
+    outln!("imported {}: {}", args.path.display(), summary.join("; "));
     Ok(())
 }
 
@@ -173,7 +173,7 @@ fn say_left_out(name: &str, parsed: &letterboxd::Parsed, line: bool) {
     if left_out.len() > NAMED {
         named.push(format!("{} more", left_out.len() - NAMED));
     }
-    eprintln!(
+    errln!(
         "{name}: {} row(s) name no year and are left out, as no film can be found without one ({})",
         left_out.len(),
         named.join("; ")
@@ -342,9 +342,9 @@ impl Progress {
 
     fn finish(self) {
         if self.terminal {
-            eprintln!();
+            errln!();
         } else {
-            eprintln!("{}: {}/{} rows", self.label, self.done, self.total);
+            errln!("{}: {}/{} rows", self.label, self.done, self.total);
         }
     }
 }

@@ -15,7 +15,9 @@ pub mod status;
 pub mod users;
 pub mod wrap_ups;
 
+use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -23,6 +25,62 @@ use clap::Args;
 use reelay_kit::client::{ServiceChannel, check_service_url, connect_lazy};
 
 use crate::config::{Command, read_service_token};
+
+/// `println!` for a command's output. A reader that goes away before the end (`reelay status |
+/// head -1`) is no failure: what is left is not written, and the command ends as it would have
+/// (`println!` panicked, "failed printing to stdout", exit 101).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::commands::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use outln;
+
+/// `eprintln!` for what a command says on stderr: said if it can be (a closed stderr is no
+/// reason to panic).
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+pub(crate) use errln;
+
+/// Whether stdout's reader went away: nothing more is written to it.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// Writes `text` to stdout (see [`outln`]). Any other failure to write (a full disk) ends the
+/// process with status 2, as the output is lost.
+pub fn write_out(text: std::fmt::Arguments<'_>) {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    match out.write_fmt(text).and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => STDOUT_CLOSED.store(true, Ordering::Relaxed),
+        Err(error) => {
+            errln!("reelay: cannot write the output: {error}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// A command that ran but did not do what it was asked, with its exit status (a failure to
+/// run it exits 2): said as an error, on stderr.
+#[derive(Debug)]
+pub struct Exit {
+    pub status: u8,
+    pub message: String,
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Exit {}
 
 /// How a command reaches the services (the same variables the services use).
 #[derive(Debug, Clone, Args)]
@@ -66,27 +124,64 @@ impl ClientArgs {
 
     /// The write service's URL: `--write-url`, else the one `REELAY_WRITE_ADDR` implies.
     pub fn write_url(&self) -> anyhow::Result<String> {
-        if let Some(url) = &self.write_url {
-            return Ok(url.clone());
+        match &self.write_url {
+            Some(url) => Ok(url.clone()),
+            None => url_of_addr(self.write_addr.as_deref(), WRITE_SERVICE),
         }
-        let mut addr = match &self.write_addr {
-            None => std::net::SocketAddr::from(([127, 0, 0, 1], 50051)),
-            Some(addr) => addr.trim().parse::<std::net::SocketAddr>().map_err(|_| {
-                anyhow::anyhow!(
-                    "REELAY_WRITE_ADDR: {addr:?} is not an IP address and port (as 127.0.0.1:50051); set \
-                     --write-url (REELAY_WRITE_URL) to reach the write service by name"
-                )
-            })?,
-        };
-        if addr.ip().is_unspecified() {
-            addr.set_ip(if addr.is_ipv4() {
-                std::net::Ipv4Addr::LOCALHOST.into()
-            } else {
-                std::net::Ipv6Addr::LOCALHOST.into()
-            });
-        }
-        Ok(format!("http://{addr}"))
     }
+}
+
+/// A service a client command calls: its name, the variables that say where it is, and where
+/// it listens by default.
+pub struct ServiceAddr {
+    pub name: &'static str,
+    pub url_var: &'static str,
+    pub url_flag: &'static str,
+    pub addr_var: &'static str,
+    pub default_addr: ([u8; 4], u16),
+}
+
+pub const WRITE_SERVICE: ServiceAddr = ServiceAddr {
+    name: "write service",
+    url_var: "REELAY_WRITE_URL",
+    url_flag: "--write-url",
+    addr_var: "REELAY_WRITE_ADDR",
+    default_addr: ([127, 0, 0, 1], 50051),
+};
+
+pub const HANDLERS_SERVICE: ServiceAddr = ServiceAddr {
+    name: "handlers service",
+    url_var: "REELAY_HANDLERS_URL",
+    url_flag: "--handlers-url",
+    addr_var: "REELAY_HANDLERS_ADDR",
+    default_addr: ([127, 0, 0, 1], 50052),
+};
+
+/// The URL a service's listen address implies, as the services read it (`addr`: its
+/// `*_ADDR` variable, when set): an unspecified address as loopback; the default address when
+/// unset.
+pub fn url_of_addr(addr: Option<&str>, service: ServiceAddr) -> anyhow::Result<String> {
+    let default = std::net::SocketAddr::from(service.default_addr);
+    let mut addr = match addr {
+        None => default,
+        Some(addr) => addr.trim().parse::<std::net::SocketAddr>().map_err(|_| {
+            anyhow::anyhow!(
+                "{}: {addr:?} is not an IP address and port (as {default}); set {} ({}) to reach the {} by name",
+                service.addr_var,
+                service.url_flag,
+                service.url_var,
+                service.name
+            )
+        })?,
+    };
+    if addr.ip().is_unspecified() {
+        addr.set_ip(if addr.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        });
+    }
+    Ok(format!("http://{addr}"))
 }
 
 /// Who acts, and the film named by title and year (found, or created when new).
@@ -125,17 +220,25 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
 /// A refused or failed call to the write service, said plainly: the code and the server's
 /// message (which names the field for bad input).
 pub fn call_failed(what: &str, status: tonic::Status) -> anyhow::Error {
-    call_failed_at(what, status, "REELAY_WRITE_URL")
+    call_failed_at(what, status, WRITE_SERVICE)
 }
 
-/// [`call_failed`] for a service reached through the variable `url_var`.
-pub fn call_failed_at(what: &str, status: tonic::Status, url_var: &str) -> anyhow::Error {
+/// [`call_failed`] for a call to `service`.
+pub fn call_failed_at(what: &str, status: tonic::Status, service: ServiceAddr) -> anyhow::Error {
+    let url_var = service.url_var;
     let hint = match status.code() {
         tonic::Code::Unavailable => format!(" (is the service running, and is {url_var} right?)"),
         tonic::Code::Unauthenticated => " (set REELAY_SERVICE_TOKEN or REELAY_SERVICE_TOKEN_FILE)".to_owned(),
+        // What a port of something else answers: an HTTP server ("transport error", "h2
+        // protocol error"), or another gRPC service ("Unimplemented").
+        tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Unimplemented => {
+            format!(" (is {url_var} the {}'s gRPC address?)", service.name)
+        }
         _ => String::new(),
     };
-    anyhow::anyhow!("{what} failed: {:?}: {}{hint}", status.code(), status.message())
+    // Another gRPC service answers an unknown method with no message at all.
+    let message = if status.message().is_empty() { String::new() } else { format!(": {}", status.message()) };
+    anyhow::anyhow!("{what} failed: {:?}{message}{hint}", status.code())
 }
 
 /// A write's idempotency key: `--request-id` when given, else a new one for this run.
@@ -361,6 +464,40 @@ mod tests {
         assert_eq!(url(Some("http://w:1"), Some("write:50051")), "http://w:1");
         let error = args(None, Some("write:50051")).write_url().unwrap_err().to_string();
         assert!(error.contains("REELAY_WRITE_ADDR") && error.contains("--write-url"), "{error}");
+    }
+
+    /// search's default follows REELAY_HANDLERS_ADDR as the write service's follows
+    /// REELAY_WRITE_ADDR.
+    #[test]
+    fn the_handlers_url_defaults_to_the_handlers_address() {
+        let url = |addr: Option<&str>| url_of_addr(addr, HANDLERS_SERVICE);
+        assert_eq!(url(None).unwrap(), "http://127.0.0.1:50052");
+        assert_eq!(url(Some("0.0.0.0:6002")).unwrap(), "http://127.0.0.1:6002");
+        let error = url(Some("handlers:50052")).unwrap_err().to_string();
+        assert!(error.contains("REELAY_HANDLERS_ADDR") && error.contains("--handlers-url"), "{error}");
+    }
+
+    /// What another port answers (an HTTP server, another gRPC service) is said with a hint at
+    /// the URL's variable, as a refused connection is.
+    #[test]
+    fn a_call_answered_by_something_else_hints_at_the_url() {
+        let said = |status: tonic::Status, service| format!("{:#}", call_failed_at("status", status, service));
+        for status in [
+            tonic::Status::unknown("transport error"),
+            tonic::Status::internal("h2 protocol error: http2 error"),
+            tonic::Status::unimplemented(""),
+        ] {
+            let code = status.code();
+            let error = said(status, WRITE_SERVICE);
+            assert!(error.ends_with("(is REELAY_WRITE_URL the write service's gRPC address?)"), "{error}");
+            assert!(error.starts_with(&format!("status failed: {code:?}")), "{error}");
+        }
+        assert_eq!(
+            said(tonic::Status::unimplemented(""), HANDLERS_SERVICE),
+            "status failed: Unimplemented (is REELAY_HANDLERS_URL the handlers service's gRPC address?)"
+        );
+        let refused = said(tonic::Status::invalid_argument("handle: taken"), WRITE_SERVICE);
+        assert_eq!(refused, "status failed: InvalidArgument: handle: taken");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, movies_client::MoviesClient};
 
-use super::{ClientArgs, UserAndFilm, call_failed};
+use super::{ClientArgs, UserAndFilm, call_failed, outln};
 
 #[derive(Debug, Subcommand)]
 pub enum MoviesCommand {
@@ -35,23 +35,23 @@ pub async fn run(command: MoviesCommand) -> anyhow::Result<()> {
         .map_err(|s| call_failed("movies show", s))?
         .into_inner();
     let movie = discovered.movie.unwrap_or_default();
-    println!("{} ({}) — movie {}", movie.title, movie.year, movie.movie_id);
+    outln!("{} ({}) — movie {}", movie.title, movie.year, movie.movie_id);
     match (movie.enrichment(), movie.profile) {
         (v1::EnrichmentStatus::Enriched, Some(p)) => {
             let names = |credits: &[v1::PersonCredit], n: usize| {
                 credits.iter().take(n).map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
             };
-            println!("  runtime    {} min", p.runtime_minutes);
-            println!("  genres     {}", p.genres.join(", "));
-            println!("  directed   {}", names(&p.directors, 5));
-            println!("  cast       {}", names(&p.cast, 6));
+            outln!("  runtime    {} min", p.runtime_minutes);
+            outln!("  genres     {}", p.genres.join(", "));
+            outln!("  directed   {}", names(&p.directors, 5));
+            outln!("  cast       {}", names(&p.cast, 6));
             if !p.poster_url.is_empty() {
-                println!("  poster     {}", p.poster_url);
+                outln!("  poster     {}", p.poster_url);
             }
-            println!("  source     {} {}", p.provider, p.provider_id);
+            outln!("  source     {} {}", p.provider, p.provider_id);
         }
-        (v1::EnrichmentStatus::NotFound, _) => println!("  the metadata provider does not know this film"),
-        _ => println!("  not enriched yet (a moment after it is first seen)"),
+        (v1::EnrichmentStatus::NotFound, _) => outln!("  the metadata provider does not know this film"),
+        _ => outln!("  not enriched yet (a moment after it is first seen)"),
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, reviews_client::ReviewsClient};
 
-use super::{ClientArgs, UserAndFilm, keyed_write, movie_by_title, request_id_or_new};
+use super::{ClientArgs, UserAndFilm, keyed_write, movie_by_title, outln, request_id_or_new};
 
 #[derive(Debug, Subcommand)]
 pub enum ReviewsCommand {
@@ -69,6 +69,6 @@ pub async fn run(command: ReviewsCommand) -> anyhow::Result<()> {
     .await?;
     let review = logged.review.unwrap_or_default();
     let new = if logged.movie_created { " (a film new to Reelay)" } else { "" };
-    println!("logged {} ({}){new}: review {}", args.film.movie, args.film.year, review.review_id);
+    outln!("logged {} ({}){new}: review {}", args.film.movie, args.film.year, review.review_id);
     Ok(())
 }

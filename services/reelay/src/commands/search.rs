@@ -1,11 +1,12 @@
 //! `reelay search reviews <query>`: full-text search over reviews, served by the handlers
-//! service that hosts the search handler (`REELAY_HANDLERS_URL`). A review is searchable once
-//! the search handler has applied its event, a moment after it was logged.
+//! service that hosts the search handler (`REELAY_HANDLERS_URL`, else the one
+//! `REELAY_HANDLERS_ADDR` implies). A review is searchable once the search handler has applied
+//! its event, a moment after it was logged.
 
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, search_client::SearchClient};
 
-use super::{ClientArgs, call_failed_at};
+use super::{ClientArgs, HANDLERS_SERVICE, call_failed_at, outln, url_of_addr};
 
 #[derive(Debug, Subcommand)]
 pub enum SearchCommand {
@@ -22,9 +23,16 @@ pub struct ReviewsArgs {
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub limit: u32,
 
-    /// The handlers service hosting the search handler.
-    #[arg(long, env = "REELAY_HANDLERS_URL", default_value = "http://127.0.0.1:50052")]
-    pub handlers_url: String,
+    /// The handlers service hosting the search handler; defaults to
+    /// `http://<REELAY_HANDLERS_ADDR>` as the services read it (an unspecified address as
+    /// loopback), else http://127.0.0.1:50052.
+    #[arg(long, env = "REELAY_HANDLERS_URL")]
+    pub handlers_url: Option<String>,
+
+    /// Where the handlers service listens, when it was started with REELAY_HANDLERS_ADDR (read
+    /// for the default of --handlers-url only).
+    #[arg(long, env = "REELAY_HANDLERS_ADDR", hide = true)]
+    pub handlers_addr: Option<String>,
 
     #[command(flatten)]
     pub client: ClientArgs,
@@ -32,8 +40,11 @@ pub struct ReviewsArgs {
 
 pub async fn run(command: SearchCommand) -> anyhow::Result<()> {
     let SearchCommand::Reviews(args) = command;
-    let mut search =
-        SearchClient::new(args.client.channel_to(&args.handlers_url, "--handlers-url (REELAY_HANDLERS_URL)")?);
+    let url = match &args.handlers_url {
+        Some(url) => url.clone(),
+        None => url_of_addr(args.handlers_addr.as_deref(), HANDLERS_SERVICE)?,
+    };
+    let mut search = SearchClient::new(args.client.channel_to(&url, "--handlers-url (REELAY_HANDLERS_URL)")?);
     let found = search
         .search_reviews(v1::SearchReviewsRequest {
             query: args.query,
@@ -41,18 +52,18 @@ pub async fn run(command: SearchCommand) -> anyhow::Result<()> {
             page_token: String::new(),
         })
         .await
-        .map_err(|s| call_failed_at("search reviews", s, "REELAY_HANDLERS_URL"))?
+        .map_err(|s| call_failed_at("search reviews", s, HANDLERS_SERVICE))?
         .into_inner();
-    println!("{} review(s) found", found.total_hits);
+    outln!("{} review(s) found", found.total_hits);
     for hit in &found.hits {
         let stars = if hit.rating == 0 { "unrated".to_owned() } else { format!("{}★", f64::from(hit.rating) / 2.0) };
         let author = if hit.remote { hit.actor_uri.as_str() } else { hit.user_id.as_str() };
         // One line per hit: a review's own line breaks are shown as spaces.
         let body = hit.body.split_whitespace().collect::<Vec<_>>().join(" ");
-        println!("{} ({}) {stars} by {author}: {body}", hit.movie_title, hit.movie_year);
+        outln!("{} ({}) {stars} by {author}: {body}", hit.movie_title, hit.movie_year);
     }
     if found.total_hits > found.hits.len() as u64 {
-        println!("({} of {} shown; raise --limit, at most 100)", found.hits.len(), found.total_hits);
+        outln!("({} of {} shown; raise --limit, at most 100)", found.hits.len(), found.total_hits);
     }
     Ok(())
 }

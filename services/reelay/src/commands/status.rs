@@ -9,7 +9,7 @@ use clap::Args;
 use reelay_contracts::v1::{self, admin_client::AdminClient};
 use reelay_delivery::jetstream::{self, JetStreamConfig};
 
-use super::{ClientArgs, age, call_failed};
+use super::{ClientArgs, age, call_failed, outln};
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
@@ -54,8 +54,8 @@ impl Consumer {
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     let mut admin = AdminClient::new(args.client.write()?);
     let status = admin.status(v1::StatusRequest {}).await.map_err(|s| call_failed("status", s))?.into_inner();
-    println!("backend: {}", status.backend);
-    println!(
+    outln!("backend: {}", status.backend);
+    outln!(
         "outbox: {} pending, {} processing, {} done, {} dead-lettered; oldest waiting: {}",
         status.outbox_pending,
         status.outbox_processing,
@@ -65,15 +65,21 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         if status.oldest_due_age_ms > 0 { age(status.oldest_due_age_ms) } else { "-".to_owned() }
     );
     if status.federation_servers_failing + status.federation_servers_unavailable > 0 {
-        println!(
+        outln!(
             "federation: {} server(s) failing deliveries, {} unavailable (left out of fan-outs but for a probe now and then)",
-            status.federation_servers_failing, status.federation_servers_unavailable
+            status.federation_servers_failing,
+            status.federation_servers_unavailable
         );
     }
     let nats = if status.backend == "nats" { Some(nats_backlogs(&args, &status.handlers).await) } else { None };
-    println!(
+    outln!(
         "{:<24} {:>10} {:>12} {:>12} {:>10} {:>14}",
-        "HANDLER", "PENDING", "OLDEST", "IN PROGRESS", "RETRYING", "DEAD LETTERS"
+        "HANDLER",
+        "PENDING",
+        "OLDEST",
+        "IN PROGRESS",
+        "RETRYING",
+        "DEAD LETTERS"
     );
     for (i, h) in status.handlers.iter().enumerate() {
         let (pending, oldest) = match &nats {
@@ -89,9 +95,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             },
             Some(Err(_)) => ("unknown".to_owned(), "-".to_owned()),
         };
-        println!(
+        outln!(
             "{:<24} {:>10} {:>12} {:>12} {:>10} {:>14}",
-            h.handler, pending, oldest, h.in_progress, h.retrying, h.dead_lettered
+            h.handler,
+            pending,
+            oldest,
+            h.in_progress,
+            h.retrying,
+            h.dead_lettered
         );
     }
     // During a rolling update: which build of a handler is handed work, which stand by.
@@ -113,11 +124,11 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                 format!("{role} {types} (heard {} ago)", age(b.last_seen_age_ms))
             })
             .collect();
-        println!("{}: {} builds live (a rolling update?): {}", h.handler, live.len(), described.join("; "));
+        outln!("{}: {} builds live (a rolling update?): {}", h.handler, live.len(), described.join("; "));
     }
     let retired: Vec<&str> = status.handlers.iter().filter(|h| !h.delivered).map(|h| h.handler.as_str()).collect();
     if !retired.is_empty() {
-        println!(
+        outln!(
             "not delivered by this write service (not in its build or --handler list): {}; on db each cursor holds \
              outbox retention back: reelay handlers retire <name>",
             retired.join(", ")
@@ -125,12 +136,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     }
     match nats {
         Some(Err(error)) => {
-            println!("(pending on nats is each handler's JetStream consumer backlog; cannot read it: {error})");
+            outln!("(pending on nats is each handler's JetStream consumer backlog; cannot read it: {error})");
         }
         Some(Ok(backlogs)) => {
             for (h, backlog) in status.handlers.iter().zip(&backlogs) {
                 if let Consumer::Unreadable(error) = backlog {
-                    println!("({}: pending unknown, cannot read its JetStream consumer: {error})", h.handler);
+                    outln!("({}: pending unknown, cannot read its JetStream consumer: {error})", h.handler);
                 }
             }
         }

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, users_client::UsersClient};
 
-use super::{ClientArgs, keyed_write, request_id_or_new};
+use super::{ClientArgs, errln, keyed_write, outln, request_id_or_new};
 
 #[derive(Debug, Subcommand)]
 pub enum UsersCommand {
@@ -44,7 +44,7 @@ pub async fn run(command: UsersCommand) -> anyhow::Result<()> {
         async move { users.create_user(request).await }
     })
     .await?;
-    eprintln!("created user @{} ({})", user.handle, user.display_name);
-    println!("{}", user.user_id);
+    errln!("created user @{} ({})", user.handle, user.display_name);
+    outln!("{}", user.user_id);
     Ok(())
 }

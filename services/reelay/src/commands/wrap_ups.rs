@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Subcommand};
 use reelay_contracts::v1::{self, wrap_ups_client::WrapUpsClient};
 
-use super::{ClientArgs, call_failed};
+use super::{ClientArgs, call_failed, outln};
 
 #[derive(Debug, Subcommand)]
 pub enum WrapUpsCommand {
@@ -55,7 +55,7 @@ pub async fn run(command: WrapUpsCommand) -> anyhow::Result<()> {
             break current;
         }
         if args.wait_secs == 0 {
-            println!("wrap-up {} of {}: still being generated (not waited for)", current.wrap_up_id, current.year);
+            outln!("wrap-up {} of {}: still being generated (not waited for)", current.wrap_up_id, current.year);
             return Ok(());
         }
         anyhow::ensure!(
@@ -68,29 +68,29 @@ pub async fn run(command: WrapUpsCommand) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let s = wrap_up.summary.unwrap_or_default();
-    println!("{} in film — wrap-up {}", wrap_up.year, wrap_up.wrap_up_id);
+    outln!("{} in film — wrap-up {}", wrap_up.year, wrap_up.wrap_up_id);
     if !wrap_up.previous_wrap_up_id.is_empty() {
-        println!("  (replaces wrap-up {}: the diary changed since)", wrap_up.previous_wrap_up_id);
+        outln!("  (replaces wrap-up {}: the diary changed since)", wrap_up.previous_wrap_up_id);
     }
-    println!("  {} films, {} diary entries, {} rewatches", s.films, s.entries, s.rewatches);
-    println!("  {:.1} hours watched", f64::from(s.minutes_watched) / 60.0);
+    outln!("  {} films, {} diary entries, {} rewatches", s.films, s.entries, s.rewatches);
+    outln!("  {:.1} hours watched", f64::from(s.minutes_watched) / 60.0);
     if s.mean_rating > 0.0 {
-        println!("  average rating {:.2} stars", s.mean_rating / 2.0);
+        outln!("  average rating {:.2} stars", s.mean_rating / 2.0);
     }
     let top = |list: &[v1::NameCount]| list.iter().map(|n| format!("{} ({})", n.name, n.count)).collect::<Vec<_>>();
     if !s.top_genres.is_empty() {
-        println!("  top genres     {}", top(&s.top_genres).join(", "));
+        outln!("  top genres     {}", top(&s.top_genres).join(", "));
     }
     if !s.top_directors.is_empty() {
-        println!("  top directors  {}", top(&s.top_directors).join(", "));
+        outln!("  top directors  {}", top(&s.top_directors).join(", "));
     }
     for film in &s.highest_rated {
-        println!("  ★ {:.1}  {} ({})", f64::from(film.rating) / 2.0, film.title, film.year);
+        outln!("  ★ {:.1}  {} ({})", f64::from(film.rating) / 2.0, film.title, film.year);
     }
     let months: Vec<String> = s.per_month.iter().map(u32::to_string).collect();
-    println!("  month by month {}", months.join(" "));
+    outln!("  month by month {}", months.join(" "));
     if !wrap_up.card_url.is_empty() {
-        println!("  card           {}", wrap_up.card_url);
+        outln!("  card           {}", wrap_up.card_url);
     }
     Ok(())
 }
