@@ -254,6 +254,50 @@ async fn a_movie_deleted_while_its_poster_downloads_keeps_no_object() {
     write.stop().await;
 }
 
+/// A poster replacing a recorded one, stored by a try that stopped before its record (its
+/// bytes and note as that try leaves them, the old poster's variants deleted), is recorded by
+/// the next try from what was stored, though its URL no longer answers: the record does not go
+/// on naming the poster it replaced, and conversion makes the new one's variants.
+#[tokio::test]
+async fn a_replacing_poster_stored_before_its_record_is_recorded_from_the_store() {
+    let dir = temp_dir();
+    let posters = Posters::new();
+    let host = PosterHost::start(posters.clone()).await;
+    let db = dir.path().join("reelay.db");
+    let mut write = Reelay::start_write(BIN, &db, &[]).await;
+    let mut c = write.clients().await;
+    let ana = c.user("ana").await;
+    let media = InProcess::build(&write, ObjectsSettings::default()).await;
+    let heat = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 8).await.movie_id;
+    let first = enrich(&mut c, &db, &heat, &host.url("/poster.jpg")).await;
+    media.sync.handle(&first).await.unwrap();
+    let stored = events(&db, "ImageStored", &heat).await.remove(0);
+    media.conversion.handle(&stored).await.unwrap();
+    assert_eq!(poster_sizes(&mut c, &heat).await, sizes_of(600));
+
+    let gone = host.url("/gone.png");
+    let second = enrich(&mut c, &db, &heat, &gone).await;
+    let folder = format!("posters/{heat}");
+    for key in media.objects.list(&folder).await.unwrap() {
+        media.objects.delete(&key).await.unwrap();
+    }
+    media.objects.put(&format!("{folder}/original"), posters.png.clone().into()).await.unwrap();
+    media.objects.put(&format!("{folder}/original.from"), gone.clone().into()).await.unwrap();
+    media.sync.handle(&second).await.expect("recorded from the store, not downloaded");
+    assert_eq!(host.downloads.load(Ordering::SeqCst), 1, "only the first poster was downloaded");
+    let movie = c.movies.get_movie(v1::GetMovieRequest { movie_id: heat.clone() }).await.unwrap().into_inner();
+    assert_eq!(
+        (movie.poster_source_url.as_str(), movie.poster_sizes.as_slice()),
+        (gone.as_str(), &["original".to_owned()][..])
+    );
+    let stored = events(&db, "ImageStored", &heat).await;
+    assert_eq!(stored.len(), 2, "the new poster is announced");
+    media.conversion.handle(&stored[1]).await.unwrap();
+    assert_eq!(poster_sizes(&mut c, &heat).await, sizes_of(400), "the new poster's variants");
+    assert!(!media.objects.list(&folder).await.unwrap().iter().any(|k| k.ends_with(".from")), "the note went");
+    write.stop().await;
+}
+
 /// Runs `handler` on `event` twice at once and once more after: it must succeed each time.
 async fn thrice(handler: &Arc<dyn reelay_delivery::Handler>, event: &v1::Event) {
     let (a, b) = tokio::join!(handler.handle(event), handler.handle(event));

@@ -115,7 +115,9 @@ pub(crate) fn download_client(timeout: Duration, allow_private: bool) -> Result<
         .redirect(redirects)
         .user_agent(concat!("reelay/", env!("CARGO_PKG_VERSION")));
     if !allow_private {
-        builder = builder.dns_resolver(PublicOnly);
+        // Every address is checked, so nothing goes through a proxy (HTTPS_PROXY and the like):
+        // a proxy resolves the poster's host itself, and would reach what the check keeps out.
+        builder = builder.dns_resolver(PublicOnly).no_proxy();
     }
     builder.build()
 }
@@ -145,8 +147,8 @@ impl PosterSync {
         }
     }
 
-    /// The unrecorded poster stored under the movie's original key, if the note beside it says
-    /// it came from `url`.
+    /// The poster stored under the movie's original key and not recorded as from `url`, if the
+    /// note beside it says it came from there.
     async fn stored_from(&self, movie_id: &str, url: &str) -> Result<Option<Poster>, HandlerError> {
         let note = self.objects.get(&source_key(movie_id)).await.map_err(crate::store_failed)?;
         match note {
@@ -330,10 +332,12 @@ impl Handler for PosterSync {
             return Ok(());
         }
         let key = original_key(movie_id);
-        // Nothing recorded yet but the object is there with a note naming this URL: a crash
-        // after the write and before RecordPoster. Record what was stored rather than
-        // downloading again.
-        let found = if recorded { None } else { self.stored_from(movie_id, url).await? };
+        // The object is there with a note naming this URL, and the record names another poster
+        // or none: an earlier try stored it and stopped before RecordPoster (a crash, the
+        // write service down past its attempts). Record what was stored rather than download
+        // again, which may no longer pass: the record would go on naming the poster it
+        // replaced, whose variants that try deleted.
+        let found = self.stored_from(movie_id, url).await?;
         let poster = match found {
             Some(poster) => poster,
             None => {
@@ -368,9 +372,9 @@ impl Handler for PosterSync {
         };
         self.record(event, movie_id, &key, url, &poster).await?;
         // Recorded: the movie's source URL says where it came from now. A crash before this
-        // delete leaves a note that is read only while nothing is recorded, and the next new
-        // poster's clearing of stale keys removes it; a retry that finds the bytes stored
-        // comes here too.
+        // delete leaves a note naming the recorded URL (read only for another one), and the
+        // next new poster's clearing of stale keys removes it; a retry that finds the bytes
+        // stored comes here too.
         self.objects.delete(&source_key(movie_id)).await.map_err(crate::store_failed)
     }
 }
