@@ -1099,6 +1099,34 @@ async fn an_actor_cannot_take_a_colleagues_activity_id_or_delete_its_note_ahead(
     );
 }
 
+/// An imported diary is history: its entries are not pushed to followers, and neither is an
+/// import of its reviews filling in their text (an Update of a note never sent). Its author's
+/// own edit of one afterwards is news, and goes out.
+#[tokio::test]
+async fn an_import_filling_in_entries_sends_followers_nothing() {
+    let dir = temp_dir();
+    let (peer, a, mut c, ana) = peer_and_ana(&dir.path().join("reelay.db")).await;
+    let ana_actor = a.actor_url(&ana);
+    assert_eq!(peer.send("alice", &format!("{ana_actor}/inbox"), &follow_of(&peer, "alice", 1, &ana_actor)).await, 202);
+    wait_until!("alice is accepted", peer.received_of("Accept").len() == 1);
+    let header = "Date,Name,Year,Letterboxd URI,Rating,Rewatch,Review,Tags,Watched Date\n";
+    let diary = format!("{header}2021-01-04,Heat,1995,https://boxd.it/d1,5,,,,2021-01-03\n");
+    let reviews = format!("{header}2021-01-04,Heat,1995,https://boxd.it/d1,5,,The diner scene.,,2021-01-03\n");
+    assert_eq!(c.import(&ana, diary.as_bytes()).await.unwrap().imported, 1);
+    assert_eq!(c.import(&ana, reviews.as_bytes()).await.unwrap().skipped_duplicates, 1);
+    let edited = events_of(&a.database, "ReviewEdited").await;
+    let Some(v1::event::Payload::ReviewEdited(filled)) = &edited[0].payload else { panic!("{edited:?}") };
+    assert_eq!((filled.body.as_str(), filled.source), ("The diner scene.", v1::ReviewSource::Import as i32));
+
+    let review = c.reviews.get_review(v1::GetReviewRequest { review_id: filled.review_id.clone() }).await;
+    edit(&mut c, &ana, &review.unwrap().into_inner(), 9, "The diner scene, again.").await;
+    wait_until!("her own edit reaches alice", !peer.received_of("Update").is_empty());
+    let updates = peer.received_of("Update");
+    assert_eq!(updates.len(), 1, "only her own edit: {updates:?}");
+    assert!(updates[0].activity.to_string().contains("again."), "{:?}", updates[0].activity);
+    assert!(peer.received_of("Create").is_empty(), "the imported entry was never pushed");
+}
+
 /// An account with more reviews than one write job deletes goes in several jobs, all of it.
 #[tokio::test]
 async fn a_deleted_account_with_many_reviews_goes_in_several_jobs() {

@@ -54,7 +54,8 @@ fn is_invisible(c: char) -> bool {
 
 /// The bidirectional embeddings, overrides and isolates, which reorder what follows them (a
 /// name that reads as another).
-fn is_bidi_control(c: char) -> bool {
+/// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069).
+pub fn is_bidi_control(c: char) -> bool {
     matches!(c as u32, 0x202A..=0x202E | 0x2066..=0x2069)
 }
 

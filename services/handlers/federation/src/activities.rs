@@ -132,6 +132,11 @@ impl Handler for ActivitiesHandler {
                 self.remote.queue_review(&r.user_id, &r.review_id, &activity).await
             }
             Some(Payload::ReviewEdited(r)) => {
+                // An import filling in what an imported entry lacked is history too (followers
+                // were never sent the entry); its author's edits are news.
+                if r.source == v1::ReviewSource::Import as i32 {
+                    return Ok(());
+                }
                 // An event from before it carried the review's first logging has only the edit's time.
                 let logged = if r.logged_at_ms > 0 { r.logged_at_ms } else { at };
                 let activity = documents::update(urls, id, &review_note!(r, logged, Some(at)));

@@ -67,8 +67,14 @@ struct PageRequest {
 impl PageRequest {
     /// `scope` separates the tokens of the two methods.
     fn parse(scope: &str, query: &str, page_size: u32, page_token: &str) -> Result<Self, ServiceError> {
-        // Pasted text brings tabs and line breaks: spaces between words, like any other.
-        let spaced: String = query.chars().map(|c| if matches!(c, '\t' | '\n' | '\r') { ' ' } else { c }).collect();
+        // Pasted text brings tabs and line breaks (U+2028 and U+2029 among them): spaces between
+        // words, like any other; and, from right-to-left text, direction marks, which say
+        // nothing of the words and go.
+        let spaced: String = query
+            .chars()
+            .filter(|&c| !validate::is_bidi_control(c))
+            .map(|c| if matches!(c, '\t' | '\n' | '\r' | '\u{2028}' | '\u{2029}') { ' ' } else { c })
+            .collect();
         let query = validate::required_text("query", &spaced, MAX_QUERY_CHARS)?;
         let size = match page_size {
             0 => DEFAULT_PAGE_SIZE,
@@ -218,6 +224,8 @@ mod tests {
         assert!(api.search_movies(movies(&"x".repeat(MAX_QUERY_CHARS), MAX_PAGE_SIZE, "")).await.is_ok());
         // Pasted with a tab and a line break: spaces, not refused.
         assert!(api.search_reviews(reviews("heat\tdiner\r\nscene", 0, "")).await.is_ok());
+        // Line separators and direction marks from pasted right-to-left text.
+        assert!(api.search_reviews(reviews("\u{202B}היט\u{202C}\u{2028}heat", 0, "")).await.is_ok());
         assert_invalid(api.search_reviews(reviews("\t\n", 0, "")).await.unwrap_err(), "query");
 
         // A movies token is not a reviews token for the same query.

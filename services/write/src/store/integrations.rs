@@ -156,7 +156,7 @@ async fn complete(tx: &mut WriteTx, mut review: ReviewRow, row: &DiaryRow) -> Re
     if rating {
         review.rating = i64::from(row.rating);
     }
-    Ok(Some(save_edit(tx, &mut review).await?))
+    Ok(Some(save_edit(tx, &mut review, v1::ReviewSource::Import).await?))
 }
 
 /// What one chunk's transaction did.

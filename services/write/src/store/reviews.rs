@@ -33,8 +33,9 @@ async fn owned_review(conn: &mut SqliteConnection, actor: UserId, id: ReviewId) 
     Ok(review)
 }
 
-/// Writes `review`'s values as they now are, edited now, and returns its `ReviewEdited`.
-pub(super) async fn save_edit(tx: &mut WriteTx, review: &mut ReviewRow) -> Result<NewEvent> {
+/// Writes `review`'s values as they now are, edited now (by `source`: its author, or an import),
+/// and returns its `ReviewEdited`.
+pub(super) async fn save_edit(tx: &mut WriteTx, review: &mut ReviewRow, source: v1::ReviewSource) -> Result<NewEvent> {
     review.updated_at = tx.now_ms();
     sqlx::query("UPDATE reviews SET rating = ?, body = ?, watched_on = ?, rewatch = ?, updated_at = ? WHERE id = ?")
         .bind(review.rating)
@@ -48,11 +49,11 @@ pub(super) async fn save_edit(tx: &mut WriteTx, review: &mut ReviewRow) -> Resul
     let movie = movie_by_id(tx.conn(), &review.movie_id)
         .await?
         .ok_or_else(|| ServiceError::internal(format!("review {} references a missing movie", review.id)))?;
-    Ok(review_edited(review, &movie))
+    Ok(review_edited(review, &movie, source))
 }
 
 /// The `ReviewEdited` of `review` (as it now is) of `movie`.
-fn review_edited(review: &ReviewRow, movie: &MovieRow) -> NewEvent {
+fn review_edited(review: &ReviewRow, movie: &MovieRow, source: v1::ReviewSource) -> NewEvent {
     NewEvent::new(
         &review.id,
         Payload::ReviewEdited(v1::ReviewEdited {
@@ -67,6 +68,7 @@ fn review_edited(review: &ReviewRow, movie: &MovieRow) -> NewEvent {
             movie_year: movie.year as i32,
             movie_external_id: movie.external_id.clone().unwrap_or_default(),
             logged_at_ms: review.created_at,
+            source: source as i32,
         }),
     )
 }
@@ -262,7 +264,7 @@ impl Store {
             review.body = fields.body;
             review.watched_on = fields.watched_on;
             review.rewatch = fields.rewatch;
-            let edited = save_edit(tx, &mut review).await?;
+            let edited = save_edit(tx, &mut review, v1::ReviewSource::Local).await?;
             commit_events(tx, vec![edited]).await?;
             Ok(convert::review(review))
         })
