@@ -8,6 +8,7 @@ use reelay_contracts::v1::{self, search_client::SearchClient};
 use reelay_delivery::Handler;
 use reelay_harness::{
     Clients, MastodonPeer, Reelay, Spoil, actor_account, events_of, get_json, movie_ref, query_strings, temp_dir,
+    user_account,
 };
 use serde_json::{Value, json};
 
@@ -1125,6 +1126,27 @@ async fn an_import_filling_in_entries_sends_followers_nothing() {
     assert_eq!(updates.len(), 1, "only her own edit: {updates:?}");
     assert!(updates[0].activity.to_string().contains("again."), "{:?}", updates[0].activity);
     assert!(peer.received_of("Create").is_empty(), "the imported entry was never pushed");
+}
+
+/// A user following another user of the same server by actor URI (one who blocked them), or
+/// themselves: the Follow delivered to this server's own inbox is refused, so neither becomes a
+/// remote follower past the block or the refusal of a self-follow.
+#[tokio::test]
+async fn a_local_actor_followed_by_its_uri_gains_no_remote_follower() {
+    let dir = temp_dir();
+    let db = dir.path().join("reelay.db");
+    let a = Reelay::start_all(BIN, &db, FAST).await;
+    let mut c = a.clients().await;
+    let (ana, ben) = (c.user("ana").await, c.user("ben").await);
+    let block = v1::BlockRequest { actor_user_id: ben.clone(), target: user_account(&ana), ..Default::default() };
+    c.social.block(block).await.unwrap();
+    follow(&mut c, &ana, &a.actor_url(&ben)).await;
+    follow(&mut c, &ana, &a.actor_url(&ana)).await;
+    let settled = "SELECT COUNT(*) FROM processed_events WHERE handler = 'federation-delivery' \
+                   AND status IN ('done', 'dead_lettered')";
+    wait_until!("both Follows were delivered or given up", count(&db, settled).await == 2);
+    assert_eq!(count(&db, "SELECT COUNT(*) FROM remote_followers").await, 0);
+    assert!(a.log_text().contains("refused an activity of this server's own actor"));
 }
 
 /// An account with more reviews than one write job deletes goes in several jobs, all of it.

@@ -207,6 +207,13 @@ impl Gateway {
                 return self.take_in_from_gone(&url, &key_id, &body, refused).await;
             }
         };
+        // This server's own actors are its users: they follow, block and review through its
+        // API, where a block and a follow of oneself are refused. Taken in over federation (a
+        // user following another, or themselves, by actor URI), they would pass those checks.
+        if self.config.urls.is_local(&signer.actor_uri) {
+            tracing::info!(actor = %signer.actor_uri, "refused an activity of this server's own actor");
+            return refuse(StatusCode::FORBIDDEN, "actor: an actor of this server sends it nothing over federation");
+        }
         let activity: Value = match serde_json::from_slice(&body) {
             Ok(Value::Object(object)) => Value::Object(object),
             Ok(_) => return refuse(StatusCode::BAD_REQUEST, "an activity must be a JSON object"),
