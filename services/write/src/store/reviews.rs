@@ -120,6 +120,13 @@ fn log_known_movie_reviews(
     requests: Vec<KnownMovieReview>,
 ) -> BoxFuture<'_, Result<Vec<Result<v1::LogReviewResponse>>>> {
     Box::pin(async move {
+        // Ids are minted here, in the writer's order: a review's id (v7, by time) then sorts
+        // as the reviews commit, so a diary page's cursor (`id <`) never passes one that
+        // commits after the page was read.
+        let mut requests = requests;
+        for request in &mut requests {
+            request.review.id = ReviewId::new().to_string();
+        }
         let mut inserted: HashMap<String, MovieRow> = HashMap::with_capacity(requests.len());
         for chunk in requests.chunks(REVIEWS_PER_INSERT) {
             let mut query = sqlx::query(AssertSqlSafe(insert_reviews_sql(chunk.len())));
@@ -203,7 +210,7 @@ impl Store {
     ) -> Result<v1::LogReviewResponse> {
         let now = now_ms();
         let mut review = ReviewRow {
-            id: ReviewId::new().to_string(),
+            id: String::new(), // minted in the write job
             user_id: actor.to_string(),
             movie_id: String::new(),
             rating: i64::from(fields.rating),
@@ -234,6 +241,8 @@ impl Store {
         keyed_job!(self, "log_review", key, |tx| {
             let mut events = Vec::new();
             let (movie, movie_created) = actor_and_resolved_movie(tx, actor, &spec, &mut events).await?;
+            // Minted in the writer's order, as [`log_known_movie_reviews`] does.
+            review.id = ReviewId::new().to_string();
             review.movie_id = movie.id.clone();
             insert_review(tx.conn(), &review, None).await?;
             events.push(review_logged(&review, &movie, v1::ReviewSource::Local));
@@ -356,12 +365,8 @@ mod tests {
         KnownMovieReview { review, actor, movie, traceparent: String::new() }
     }
 
-    /// More reviews than one insert statement takes, with missing users and movies among them
-    /// on both sides of the statement boundary: every review is answered by its own outcome, and
-    /// exactly the ones whose user and movie exist are written, each with its event.
-    #[tokio::test]
-    async fn a_job_larger_than_one_statement_answers_every_review() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A database with one user and one movie.
+    async fn ana_and_heat(dir: &tempfile::TempDir) -> (Database, UserId, MovieId) {
         let db = Database::open(&DbConfig::new(dir.path().join("reelay.db"))).await.unwrap();
         let (user, movie) = (UserId::new(), MovieId::new());
         let (user_id, movie_id) = (user.to_string(), movie.to_string());
@@ -384,6 +389,42 @@ mod tests {
             })
             .await
             .unwrap();
+        (db, user, movie)
+    }
+
+    /// Ids are minted in the write job, in the writer's order: a review asked for first and
+    /// written second sorts after the one written first, so a diary page's cursor (`id <`)
+    /// never passes a review that commits after the page was read.
+    #[tokio::test]
+    async fn a_review_id_follows_the_order_reviews_are_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, user, movie) = ana_and_heat(&dir).await;
+        let asked_first = review(0, user, movie);
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        let asked_second = review(1, user, movie);
+        for request in [asked_second, asked_first] {
+            db.writer
+                .transact::<_, WriteError, _>("log_review", move |tx: &mut WriteTx| {
+                    Box::pin(async move { log_known_movie_reviews(tx, vec![request]).await })
+                })
+                .await
+                .unwrap()
+                .pop()
+                .unwrap()
+                .unwrap();
+        }
+        let by_id: Vec<i64> =
+            sqlx::query_scalar("SELECT created_at FROM reviews ORDER BY id").fetch_all(&db.reads).await.unwrap();
+        assert_eq!(by_id, [1, 0], "the review written first has the lower id");
+    }
+
+    /// More reviews than one insert statement takes, with missing users and movies among them
+    /// on both sides of the statement boundary: every review is answered by its own outcome, and
+    /// exactly the ones whose user and movie exist are written, each with its event.
+    #[tokio::test]
+    async fn a_job_larger_than_one_statement_answers_every_review() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, user, movie) = ana_and_heat(&dir).await;
         let total = REVIEWS_PER_INSERT * 2 + 7;
         let missing = |n: usize| n % 97 == 5 || n == REVIEWS_PER_INSERT || n == REVIEWS_PER_INSERT - 1;
         let requests: Vec<KnownMovieReview> = (0..total)
