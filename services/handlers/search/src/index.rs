@@ -395,6 +395,16 @@ impl SearchIndex {
         for (position, event) in events.iter().enumerate() {
             match Change::from_event(event) {
                 Ok(Some(change)) => {
+                    // A deleted movie's poster sizes go with it.
+                    if change.entry.is_none()
+                        && let Some(movie_id) = change.key.strip_prefix("movie:")
+                    {
+                        changes.push(Change {
+                            key: format!("posters:{movie_id}"),
+                            version: change.version,
+                            entry: None,
+                        });
+                    }
                     changes.push(change);
                     changed.push(position);
                     results.push(Ok(()));
@@ -1196,5 +1206,12 @@ mod tests {
         let hits = index.search_movies("heat", 0, 10).await.unwrap();
         assert_eq!(hits.total_hits, 1, "the posters document is not a movie hit");
         assert_eq!(hits.hits[0].poster_sizes, ["original", "w92", "w185"]);
+        // Deleted, its poster sizes go with it: a document of its id written after (only a test
+        // makes one) lists none.
+        let deleted = event("m1", 600, Payload::MovieDeleted(v1::MovieDeleted { movie_id: "m1".into() }));
+        apply_ok(&index, &[&deleted]).await;
+        assert_eq!(index.search_movies("heat", 0, 10).await.unwrap().total_hits, 0);
+        apply_ok(&index, &[&movie_discovered("m1", 700, "Heat", 1995)]).await;
+        assert!(index.search_movies("heat", 0, 10).await.unwrap().hits[0].poster_sizes.is_empty());
     }
 }
