@@ -230,8 +230,9 @@ pub fn call_failed_at(what: &str, status: tonic::Status, service: ServiceAddr) -
         tonic::Code::Unavailable => format!(" (is the service running, and is {url_var} right?)"),
         tonic::Code::Unauthenticated => " (set REELAY_SERVICE_TOKEN or REELAY_SERVICE_TOKEN_FILE)".to_owned(),
         // What a port of something else answers: an HTTP server ("transport error", "h2
-        // protocol error"), or another gRPC service ("Unimplemented").
-        tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Unimplemented => {
+        // protocol error", or the connection closed under the call: "operation was canceled"),
+        // or another gRPC service ("Unimplemented").
+        tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled | tonic::Code::Unimplemented => {
             format!(" (is {url_var} the {}'s gRPC address?)", service.name)
         }
         _ => String::new(),
@@ -485,6 +486,7 @@ mod tests {
         for status in [
             tonic::Status::unknown("transport error"),
             tonic::Status::internal("h2 protocol error: http2 error"),
+            tonic::Status::cancelled("operation was canceled"),
             tonic::Status::unimplemented(""),
         ] {
             let code = status.code();
