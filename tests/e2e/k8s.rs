@@ -27,14 +27,21 @@ const BIN: &str = env!("CARGO_BIN_EXE_reelay");
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// The dir `scripts/install-k8s-tools` installed kubectl and kubernetes-validate in
-/// (`scripts/test` exports it; run here otherwise).
+/// (`scripts/test` exports it; run here otherwise, once per test process).
 fn tools() -> PathBuf {
     if let Some(dir) = std::env::var_os("REELAY_K8S_TOOLS") {
         return dir.into();
     }
-    let out = Command::new(Path::new(ROOT).join("scripts/install-k8s-tools")).output().expect("run install-k8s-tools");
-    assert!(out.status.success(), "install-k8s-tools failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().lines().last().expect("it prints the dir"))
+    static INSTALLED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            let out = Command::new(Path::new(ROOT).join("scripts/install-k8s-tools"))
+                .output()
+                .expect("run install-k8s-tools");
+            assert!(out.status.success(), "install-k8s-tools failed:\n{}", String::from_utf8_lossy(&out.stderr));
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().lines().last().expect("it prints the dir"))
+        })
+        .clone()
 }
 
 /// `kubectl kustomize` of an overlay: the rendered YAML.

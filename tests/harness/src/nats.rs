@@ -4,23 +4,29 @@
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::{PORT_TRIES, free_port, port_taken, signal};
 
 /// The pinned server installed by `scripts/install-nats-server` (which `scripts/test` runs and
-/// exports as `NATS_SERVER_BIN`).
+/// exports as `NATS_SERVER_BIN`); without the variable the script is run, once per test process.
 pub fn nats_server_binary() -> PathBuf {
     if let Some(path) = std::env::var_os("NATS_SERVER_BIN") {
         return path.into();
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let script = root.join("scripts/install-nats-server");
-    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(
-        String::from_utf8_lossy(&out.stdout).trim().lines().last().expect("the script prints the binary path"),
-    )
+    static INSTALLED: OnceLock<PathBuf> = OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+            let script = root.join("scripts/install-nats-server");
+            let out = Command::new(&script).output().unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+            assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+            PathBuf::from(
+                String::from_utf8_lossy(&out.stdout).trim().lines().last().expect("the script prints the binary path"),
+            )
+        })
+        .clone()
 }
 
 pub struct NatsServer {

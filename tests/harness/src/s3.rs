@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::{PORT_TRIES, free_port, http_request, listens_on, port_taken, signal};
@@ -11,18 +12,24 @@ pub const S3_ACCESS_KEY_ID: &str = "reelay-test-key";
 pub const S3_SECRET_ACCESS_KEY: &str = "reelay-test-secret";
 pub const S3_REGION: &str = "us-east-1";
 
-/// Where `scripts/install-moto` put moto: `MOTO_DIR`, else the repo's `.tools`.
+/// Where `scripts/install-moto` put moto: `MOTO_DIR`, else the repo's `.tools` (the script is
+/// run, once per test process).
 fn moto_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("MOTO_DIR") {
         return dir.into();
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let output = Command::new(root.join("scripts/install-moto"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run scripts/install-moto");
-    assert!(output.status.success(), "scripts/install-moto failed");
-    String::from_utf8(output.stdout).unwrap().trim().into()
+    static INSTALLED: OnceLock<PathBuf> = OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+            let output = Command::new(root.join("scripts/install-moto"))
+                .stderr(Stdio::inherit())
+                .output()
+                .expect("run scripts/install-moto");
+            assert!(output.status.success(), "scripts/install-moto failed");
+            String::from_utf8(output.stdout).unwrap().trim().into()
+        })
+        .clone()
 }
 
 /// A running moto server.
