@@ -521,7 +521,14 @@ impl CliOutput {
 /// Runs `binary <args>` with `env` (and no inherited REELAY_ settings).
 pub async fn run_cli(binary: &Path, args: &[&str], env: &[(String, String)]) -> CliOutput {
     let mut command = tokio::process::Command::new(binary);
-    command.args(args).stdin(Stdio::null()).env_remove("REELAY_SERVICE_TOKEN").env("RUST_LOG", "warn");
+    command.args(args).stdin(Stdio::null()).env("RUST_LOG", "warn");
+    // A setting of the test's own environment (a toggle for the services it starts) must not
+    // change what the command does.
+    for (key, _) in std::env::vars_os() {
+        if key.to_str().is_some_and(|key| key.starts_with("REELAY_")) {
+            command.env_remove(key);
+        }
+    }
     for (key, value) in env {
         command.env(key, value);
     }
