@@ -168,16 +168,16 @@ fn check_wait_and_owner(wait_ms: u32, owner: &str) -> Result<(), ServiceError> {
     if wait_ms > MAX_CLAIM_WAIT_MS {
         return Err(ServiceError::invalid("wait_ms", format!("must be at most {MAX_CLAIM_WAIT_MS}, got {wait_ms}")));
     }
-    check_owner(owner)
+    check_owner("owner", owner)
 }
 
-/// A claimer's name: required (claims without one would be everyone's, so a resuming caller
+/// A claimer's name (in request field `field`): required (claims without one would be everyone's, so a resuming caller
 /// would take another's live claims) and short.
-pub(super) fn check_owner(owner: &str) -> Result<(), ServiceError> {
+pub(super) fn check_owner(field: &str, owner: &str) -> Result<(), ServiceError> {
     use reelay_domain::MAX_OWNER_BYTES;
     if owner.is_empty() || owner.len() > MAX_OWNER_BYTES {
         return Err(ServiceError::invalid(
-            "owner",
+            field,
             format!(
                 "is required, at most {MAX_OWNER_BYTES} bytes (<instance>#<incarnation>), got {} bytes",
                 owner.len()

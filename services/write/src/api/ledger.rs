@@ -133,7 +133,7 @@ impl v1::ledger_server::Ledger for LedgerApi {
     ) -> Result<Response<v1::LedgerClaimResponse>, Status> {
         let request = request.into_inner();
         let (keys, owner) = (request.keys, request.owner);
-        super::deliveries::check_owner(&owner)?;
+        super::deliveries::check_owner("owner", &owner)?;
         let builds = builds(request.builds)?;
         // No key is a check whether the builds stand by.
         if !keys.is_empty() || builds.is_empty() {

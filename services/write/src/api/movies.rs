@@ -235,16 +235,8 @@ fn checked_profile(mut profile: v1::MovieProfile) -> Result<v1::MovieProfile, Se
         return Err(ServiceError::invalid("profile.provider", "provider and provider_id are required"));
     }
     profile.provider = text("profile.provider", &profile.provider, profiles::MAX_PERSON_ID_BYTES)?;
-    if !profiles::person_id_shaped(&profile.provider_id) || text("", &profile.provider_id, usize::MAX).is_err() {
-        return Err(ServiceError::invalid(
-            "profile.provider_id",
-            format!(
-                "must be <provider>:<id> (at most {} bytes), got {:?}",
-                profiles::MAX_PERSON_ID_BYTES,
-                profile.provider_id
-            ),
-        ));
-    }
+    person_id("profile.provider_id", &profile.provider_id)?;
+    text("profile.provider_id", &profile.provider_id, profiles::MAX_PERSON_ID_BYTES)?;
     for (field, value) in [("profile.title", &mut profile.title), ("profile.imdb_id", &mut profile.imdb_id)] {
         if !value.is_empty() {
             *value = text(field, value, validate::MAX_TITLE_CHARS)?;

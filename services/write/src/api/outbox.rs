@@ -290,16 +290,8 @@ impl v1::outbox_server::Outbox for OutboxApi {
             if r.call_id != 0 || !r.unanswered.is_empty() {
                 return Err(ServiceError::invalid("consumer", "is required with call_id or unanswered").into());
             }
-        } else if r.consumer.len() > reelay_domain::MAX_OWNER_BYTES {
-            return Err(ServiceError::invalid(
-                "consumer",
-                format!(
-                    "is at most {} bytes (<instance>#<incarnation>), got {}",
-                    reelay_domain::MAX_OWNER_BYTES,
-                    r.consumer.len()
-                ),
-            )
-            .into());
+        } else {
+            super::deliveries::check_owner("consumer", &r.consumer)?;
         }
         let this = self.clone();
         let rows = to_the_end(&self.shutdown, move |stop| async move { this.claim_rows(r, stop).await }).await?;
