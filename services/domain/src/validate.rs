@@ -52,9 +52,8 @@ fn is_invisible(c: char) -> bool {
         | 0xFEFF | 0xFFA0 | 0xFFF0..=0xFFF8 | 0x1BCA0..=0x1BCA3 | 0x1D173..=0x1D17A | 0xE0000..=0xE0FFF)
 }
 
-/// The bidirectional embeddings, overrides and isolates, which reorder what follows them (a
-/// name that reads as another).
-/// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069).
+/// A bidirectional embedding, override or isolate (U+202A–U+202E, U+2066–U+2069), which
+/// reorders what follows it (a name that reads as another).
 pub fn is_bidi_control(c: char) -> bool {
     matches!(c as u32, 0x202A..=0x202E | 0x2066..=0x2069)
 }
@@ -65,10 +64,13 @@ fn breaks_or_controls(c: char) -> bool {
     c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
 }
 
+/// A control character other than a line break or a tab: what a multi-line text may not hold.
+fn control_in_block(c: char) -> bool {
+    c.is_control() && !matches!(c, '\n' | '\r' | '\t')
+}
+
 fn no_control_chars(field: &str, value: &str, allow_newlines: bool) -> Result<(), ValidationError> {
-    let bad = value.chars().any(|c| {
-        if allow_newlines { c.is_control() && !matches!(c, '\n' | '\r' | '\t') } else { breaks_or_controls(c) }
-    });
+    let bad = value.chars().any(|c| if allow_newlines { control_in_block(c) } else { breaks_or_controls(c) });
     if bad {
         let reason = if allow_newlines {
             "must not contain control characters"
@@ -107,6 +109,12 @@ pub fn fitted_text(value: &str, max: usize) -> Option<String> {
         value.chars().filter(|c| !is_bidi_control(*c)).map(|c| if breaks_or_controls(c) { ' ' } else { c }).collect();
     let cut: String = required_text("", &cleaned, usize::MAX).ok()?.chars().take(max).collect();
     required_text("", &cut, max).ok()
+}
+
+/// `value` brought within what [`text_block`] takes: control characters other than line
+/// breaks and tabs become spaces, and it is cut to `max` characters.
+pub fn fitted_block(value: &str, max: usize) -> String {
+    value.chars().map(|c| if control_in_block(c) { ' ' } else { c }).take(max).collect()
 }
 
 /// 1-30 characters of `a-z`, `0-9` and `_`.

@@ -88,18 +88,7 @@ pub(crate) fn person(mut person: v1::Person) -> Option<v1::Person> {
         return None;
     }
     person.name = validate::fitted_text(&person.name, MAX_NAME_CHARS)?;
-    let cut = |text: &mut String, max: usize| {
-        if text.chars().count() > max {
-            *text = text.chars().take(max).collect();
-        }
-    };
-    // Lines are kept in a biography; other control characters become spaces.
-    person.biography = person
-        .biography
-        .chars()
-        .map(|c| if c.is_control() && !matches!(c, '\n' | '\r' | '\t') { ' ' } else { c })
-        .collect();
-    cut(&mut person.biography, MAX_BIOGRAPHY_CHARS);
+    person.biography = validate::fitted_block(&person.biography, MAX_BIOGRAPHY_CHARS);
     person.place_of_birth = validate::fitted_text(&person.place_of_birth, MAX_PLACE_CHARS).unwrap_or_default();
     if !profiles::birthday_shaped(&person.birthday) {
         person.birthday.clear();
