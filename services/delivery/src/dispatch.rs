@@ -1036,7 +1036,7 @@ async fn wait_out_unavailable(
         "a dependency of the handler is unavailable: holding its events and trying again (no attempt is spent)"
     );
     let _held = Held::new(name, left.len());
-    let mut let_go = Vec::new();
+    let mut let_go = 0;
     for round in 0.. {
         if left.is_empty() {
             break;
@@ -1049,14 +1049,17 @@ async fn wait_out_unavailable(
         run_again(handler, events, results, &[probe], timeout, stop).await;
         // Only a pass says the dependency answers: a probe that timed out or failed otherwise
         // (or was handed back) leaves the hold, and the others wait for the next round.
+        // Once it passes, every held event has run again and the hold is over: those still
+        // saying "down" are let go.
         if matches!(results[probe], Some(Ok(()))) {
             let others: Vec<usize> = left.iter().copied().filter(|&i| i != probe).collect();
             run_again(handler, events, results, &others, timeout, stop).await;
-            let_go.extend(others.into_iter().filter(|&i| unavailable(&results[i]).is_some()));
+            let_go = others.into_iter().filter(|&i| unavailable(&results[i]).is_some()).count();
+            left.clear();
+            break;
         }
-        left.retain(|&i| unavailable(&results[i]).is_some() && !let_go.contains(&i));
+        left.retain(|&i| unavailable(&results[i]).is_some());
     }
-    let let_go = let_go.len();
     if let_go > 0 {
         tracing::warn!(
             handler = name,

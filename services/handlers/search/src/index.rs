@@ -214,9 +214,9 @@ impl Change {
         Stamp { version: self.version, deleted: self.entry.is_none() }
     }
 
-    /// `None` for events the index does not care about.
-    fn from_event(event: &v1::Event) -> Result<Option<Self>, HandlerError> {
-        let Some(payload) = &event.payload else { return Ok(None) };
+    /// None for events the index does not care about.
+    fn from_event(event: &v1::Event) -> Result<Vec<Self>, HandlerError> {
+        let Some(payload) = &event.payload else { return Ok(Vec::new()) };
         let version = event_version(event);
         let require = |field: &str, value: &str| {
             if value.is_empty() {
@@ -324,9 +324,12 @@ impl Change {
                     },
                 )
             }
+            // Its poster sizes go with it.
             Payload::MovieDeleted(m) => {
                 require("movie_id", &m.movie_id)?;
-                Self { key: format!("movie:{}", m.movie_id), version, entry: None }
+                return Ok(["movie", "posters"]
+                    .map(|kind| Self { key: format!("{kind}:{}", m.movie_id), version, entry: None })
+                    .into());
             }
             // A poster's sizes live in their own document, so neither writer of a movie's
             // document (discovery, enrichment) has to know them.
@@ -338,9 +341,9 @@ impl Change {
                 require("movie_id", &p.movie_id)?;
                 Self::posters(version, &p.movie_id, p.sizes.clone())
             }
-            _ => return Ok(None),
+            _ => return Ok(Vec::new()),
         };
-        Ok(Some(change))
+        Ok(vec![change])
     }
 }
 
@@ -394,22 +397,12 @@ impl SearchIndex {
         let mut changed = Vec::new();
         for (position, event) in events.iter().enumerate() {
             match Change::from_event(event) {
-                Ok(Some(change)) => {
-                    // A deleted movie's poster sizes go with it.
-                    if change.entry.is_none()
-                        && let Some(movie_id) = change.key.strip_prefix("movie:")
-                    {
-                        changes.push(Change {
-                            key: format!("posters:{movie_id}"),
-                            version: change.version,
-                            entry: None,
-                        });
-                    }
-                    changes.push(change);
+                Ok(these) if !these.is_empty() => {
+                    changes.extend(these);
                     changed.push(position);
                     results.push(Ok(()));
                 }
-                Ok(None) => results.push(Ok(())),
+                Ok(_) => results.push(Ok(())),
                 Err(error) => {
                     tracing::warn!(event_id = %event.event_id, event_type = %event.event_type, %error, "event cannot be indexed");
                     results.push(Err(error));

@@ -117,13 +117,12 @@ pub(super) struct KnownMovieReview {
 /// every request of the job.
 fn log_known_movie_reviews(
     tx: &mut WriteTx,
-    requests: Vec<KnownMovieReview>,
+    mut requests: Vec<KnownMovieReview>,
 ) -> BoxFuture<'_, Result<Vec<Result<v1::LogReviewResponse>>>> {
     Box::pin(async move {
         // Ids are minted here, in the writer's order: a review's id (v7, by time) then sorts
         // as the reviews commit, so a diary page's cursor (`id <`) never passes one that
         // commits after the page was read.
-        let mut requests = requests;
         for request in &mut requests {
             request.review.id = ReviewId::new().to_string();
         }
@@ -351,7 +350,7 @@ mod tests {
 
     fn review(n: usize, actor: UserId, movie: MovieId) -> KnownMovieReview {
         let review = ReviewRow {
-            id: ReviewId::new().to_string(),
+            id: String::new(), // minted in the job
             user_id: actor.to_string(),
             movie_id: movie.to_string(),
             rating: (n % 10 + 1) as i64,
@@ -400,7 +399,6 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (db, user, movie) = ana_and_heat(&dir).await;
         let asked_first = review(0, user, movie);
-        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         let asked_second = review(1, user, movie);
         for request in [asked_second, asked_first] {
             db.writer
