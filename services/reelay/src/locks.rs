@@ -48,19 +48,9 @@ fn try_take(path: &Path, what: &str) -> io::Result<Option<Held>> {
         // Another user's lock file (a process run as someone else), or one on a filesystem
         // mounted read-only since: a lock is taken on a file opened for reading as well, it
         // just cannot say who holds it.
+        // (No file, and none can be made: the open's own error says so, not the NotFound of
+        // opening a file that is not there; the callers name the dir and its setting.)
         Err(error) if cannot_write(&error) && path.try_exists().unwrap_or(false) => (File::open(path)?, false),
-        // No file, and none can be made here: the dir is not this user's to write, which is
-        // what to say (not the NotFound of opening a file that is not there).
-        Err(error) if cannot_write(&error) => {
-            let dir = path.parent().unwrap_or(Path::new("."));
-            return Err(io::Error::new(
-                error.kind(),
-                format!(
-                    "{error}: this process cannot write to {}, so the lock file cannot be made there",
-                    dir.display()
-                ),
-            ));
-        }
         Err(error) => return Err(error),
     };
     match file.try_lock() {

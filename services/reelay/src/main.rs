@@ -24,7 +24,7 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(error) => {
             commands::errln!("reelay: cannot start the async runtime: {error}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(2);
         }
     };
     // A service's failure goes to its log (a collector reads it, and it is on stderr too); a

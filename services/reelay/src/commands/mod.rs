@@ -56,7 +56,7 @@ pub fn write_out(text: std::fmt::Arguments<'_>) {
         return;
     }
     let mut out = std::io::stdout().lock();
-    match out.write_fmt(text).and_then(|()| out.flush()) {
+    match out.write_fmt(text) {
         Ok(()) => {}
         Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => STDOUT_CLOSED.store(true, Ordering::Relaxed),
         Err(error) => {
