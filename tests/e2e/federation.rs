@@ -117,6 +117,17 @@ fn review_note(peer: &MastodonPeer, name: &str, n: u32, title: &str, year: i32, 
     })
 }
 
+/// A `Delete` of `object` by `actor`, under activity id `id`.
+fn delete_activity(actor: &str, object: &str, id: &str) -> Value {
+    json!({
+        "@context": "https://www.w3.org/ns/activitystreams",
+        "id": id,
+        "type": "Delete",
+        "actor": actor,
+        "object": object,
+    })
+}
+
 fn follow_of(peer: &MastodonPeer, name: &str, n: u32, object: &str) -> Value {
     json!({
         "@context": "https://www.w3.org/ns/activitystreams",
@@ -1011,15 +1022,7 @@ async fn a_remote_account_deleted_on_its_server_takes_its_reviews_and_follows_wi
     // ana's own review keeps Mirror; only alice names Stalker.
     log(&mut c, &ana, "Mirror", 1975, 8, "The house.").await;
     wait_until!("alice's reviews are searchable", hits(&a, "zone").await.len() == 2);
-    let delete_of = |actor: &str, object: &str, n: u32| {
-        json!({
-            "@context": "https://www.w3.org/ns/activitystreams",
-            "id": format!("{actor}#delete-{n}"),
-            "type": "Delete",
-            "actor": actor,
-            "object": object,
-        })
-    };
+    let delete_of = |actor: &str, object: &str, n: u32| delete_activity(actor, object, &format!("{actor}#delete-{n}"));
     let alice = peer.actor("alice");
     assert_eq!(peer.send("mallory", &inbox, &delete_of(&peer.actor("mallory"), &alice, 1)).await, 202);
     let forged = delete_of(&alice, &alice, 9).to_string();
@@ -1075,23 +1078,14 @@ async fn an_actor_cannot_take_a_colleagues_activity_id_or_delete_its_note_ahead(
     taken["id"] = json!(format!("{alice}#delete"));
     assert_eq!(peer.send("mallory", &inbox, &taken).await, 202);
     wait_until!("mallory's Follow is accepted", peer.received_of("Accept").len() == 1);
-    let delete = |actor: &str, object: &str, id: String| {
-        json!({
-            "@context": "https://www.w3.org/ns/activitystreams",
-            "id": id,
-            "type": "Delete",
-            "actor": actor,
-            "object": object,
-        })
-    };
-    let ahead = delete(&mallory, &format!("{alice}/statuses/1"), format!("{mallory}#delete-ahead"));
+    let ahead = delete_activity(&mallory, &format!("{alice}/statuses/1"), &format!("{mallory}#delete-ahead"));
     assert_eq!(peer.send("mallory", &inbox, &ahead).await, 202);
     let note = review_note(&peer, "alice", 1, "Stalker", 1979, "The zone.");
     assert_eq!(peer.send("alice", &inbox, &note).await, 202);
     let kept = "SELECT COUNT(*) FROM remote_reviews";
     wait_until!("alice's note is kept", count(&db, kept).await == 1);
 
-    assert_eq!(peer.send("alice", &inbox, &delete(&alice, &alice, format!("{alice}#delete"))).await, 202);
+    assert_eq!(peer.send("alice", &inbox, &delete_activity(&alice, &alice, &format!("{alice}#delete"))).await, 202);
     wait_until!("alice's account Delete took her review", count(&db, kept).await == 0);
     assert_eq!(
         query_strings(&db, "SELECT target FROM follows").await,
@@ -1209,36 +1203,27 @@ async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone(
     a.restart().await;
     peer.delete_account("bob");
     peer.delete_account("dave");
-    let delete = |actor: &str, object: &str, id: &str| {
-        json!({
-            "@context": "https://www.w3.org/ns/activitystreams",
-            "id": id,
-            "type": "Delete",
-            "actor": actor,
-            "object": object,
-        })
-    };
     let (alice, bob, dave) = (peer.actor("alice"), peer.actor("bob"), peer.actor("dave"));
     // dave's Delete, the first thing after the restart: taken on a 410 fetched just now.
-    assert_eq!(peer.send("dave", &inbox, &delete(&dave, &dave, &format!("{dave}#delete"))).await, 202);
+    assert_eq!(peer.send("dave", &inbox, &delete_activity(&dave, &dave, &format!("{dave}#delete"))).await, 202);
     assert_eq!(kept("dave").await, 0, "dave's review went");
 
     let refused: Vec<(&str, u16)> = vec![
         ("another activity", peer.send("bob", &inbox, &review_note(&peer, "bob", 2, "Ran", 1985, "Again.")).await),
         (
             "a Delete of a review",
-            peer.send("bob", &inbox, &delete(&bob, &format!("{bob}/statuses/1"), &format!("{bob}#d1"))).await,
+            peer.send("bob", &inbox, &delete_activity(&bob, &format!("{bob}/statuses/1"), &format!("{bob}#d1"))).await,
         ),
         (
             "a live actor's Delete, signed with bob's key",
-            peer.send("bob", &inbox, &delete(&alice, &alice, &format!("{alice}#d1"))).await,
+            peer.send("bob", &inbox, &delete_activity(&alice, &alice, &format!("{alice}#d1"))).await,
         ),
         (
             "an id not under the actor",
-            peer.send("bob", &inbox, &delete(&bob, &bob, &format!("{alice}/statuses/5#delete"))).await,
+            peer.send("bob", &inbox, &delete_activity(&bob, &bob, &format!("{alice}/statuses/5#delete"))).await,
         ),
         ("a key elsewhere naming bob its owner", {
-            let body = delete(&bob, &bob, &format!("{bob}#d2")).to_string();
+            let body = delete_activity(&bob, &bob, &format!("{bob}#d2")).to_string();
             peer.post("bob", &inbox, body.as_bytes(), Spoil::ForgedKey).await
         }),
     ];
@@ -1246,7 +1231,7 @@ async fn a_deleted_accounts_delete_is_taken_when_its_actor_already_answers_gone(
         assert_eq!(status, 401, "{case}");
     }
     assert_eq!((kept("bob").await, kept("alice").await), (1, 1), "nothing of bob's or alice's went");
-    assert_eq!(peer.send("bob", &inbox, &delete(&bob, &bob, &format!("{bob}#delete"))).await, 202);
+    assert_eq!(peer.send("bob", &inbox, &delete_activity(&bob, &bob, &format!("{bob}#delete"))).await, 202);
     assert_eq!(kept("bob").await, 0, "bob's review went");
     let follows = query_strings(&db, "SELECT target FROM follows").await;
     assert_eq!(follows, [[format!("actor:{alice}")]], "ana's follows of bob and dave ended");

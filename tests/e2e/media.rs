@@ -268,7 +268,7 @@ async fn a_replacing_poster_stored_before_its_record_is_recorded_from_the_store(
     let mut c = write.clients().await;
     let ana = c.user("ana").await;
     let media = InProcess::build(&write, ObjectsSettings::default()).await;
-    let heat = c.review(&ana, reelay_harness::movie_ref("Heat", 1995), 8).await.movie_id;
+    let heat = c.movie(&ana, "Heat", 1995).await;
     let first = enrich(&mut c, &db, &heat, &host.url("/poster.jpg")).await;
     media.sync.handle(&first).await.unwrap();
     let stored = events(&db, "ImageStored", &heat).await.remove(0);

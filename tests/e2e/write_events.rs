@@ -174,7 +174,7 @@ async fn every_covered_write_commits_its_rows_and_events_together() {
     assert_eq!(saved.changed, 1);
     let person = c.movies.get_person(v1::GetPersonRequest { person_id: "tmdb:578".into() }).await.unwrap();
     assert_eq!(person.into_inner().name, "Ridley Scott");
-    outbox.new_rows().await;
+    outbox.expect(&[]).await;
     for _ in 0..2 {
         c.movies.save_enrichment(save(v1::save_enrichment_request::Outcome::NotFound("gone".into()))).await.unwrap();
     }
